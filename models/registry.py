@@ -1,0 +1,229 @@
+"""Resolving `--model` to an exact identity, and the registry of pushed models.
+
+Runs on the producer side: no torch here. A model is identified by what it is (a content
+hash, or a hub commit), so the spec hash of an image changes when the weights change.
+"""
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from models import tiny
+from models.specs import ModelIdentity
+from models.store import MissingObject, ObjectStore, S3Store
+from models.tables import ModelRecord
+
+SCHEDULER_CONFIG_FILE = "scheduler/scheduler_config.json"
+STORE_SOURCE = "store:"
+HUB_SOURCE = "hub:"
+
+
+class ModelNotFound(Exception):
+    """`--model` names nothing sdq can load."""
+
+
+def tiny_identity() -> ModelIdentity:
+    return ModelIdentity(
+        name=tiny.TINY_NAME,
+        source=tiny.TINY_NAME,
+        revision=tiny.content_hash(),
+        scheduler=tiny.SCHEDULER_CLASS,
+        scheduler_config=tiny.SCHEDULER_CONFIG,
+        default_dtype="float32",
+    )
+
+
+def content_hash(entries: Iterable[tuple[str, str]]) -> str:
+    """Hash of a pipeline's files: sorted (relative path, file digest) pairs."""
+    digest = hashlib.sha256()
+    for path, file_digest in sorted(entries):
+        digest.update(f"{path}\0{file_digest}\n".encode())
+    return digest.hexdigest()
+
+
+def pipeline_files(folder: Path) -> list[Path]:
+    return sorted(
+        path
+        for path in folder.rglob("*")
+        if path.is_file()
+        and not any(part.startswith(".") for part in path.relative_to(folder).parts)
+    )
+
+
+def folder_content_hash(folder: Path) -> str:
+    return content_hash(
+        (path.relative_to(folder).as_posix(), _file_sha256(path)) for path in pipeline_files(folder)
+    )
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def scheduler_from_config(raw: bytes, where: str) -> tuple[str, dict[str, Any]]:
+    try:
+        config = json.loads(raw)
+        name = config["_class_name"]
+    except (ValueError, KeyError) as error:
+        raise ModelNotFound(f"{where} is not a diffusers scheduler config: {error}") from None
+    return name, {key: value for key, value in config.items() if not key.startswith("_")}
+
+
+def resolve_model(ref: str, *, store: ObjectStore, session: Session) -> ModelIdentity:
+    """`tiny`, a local diffusers folder, an s3:// URI, a pushed name, or a hub id."""
+    if ref == tiny.TINY_NAME:
+        return tiny_identity()
+    if ref.startswith("s3://"):
+        return _resolve_s3(ref)
+    if Path(ref).is_dir():
+        return _resolve_folder(Path(ref))
+    if (record := _latest_pushed(session, ref)) is not None:
+        return _resolve_pushed(record, store)
+    if ref.startswith(HUB_SOURCE) or ref.count("/") == 1:
+        return _resolve_hub(ref.removeprefix(HUB_SOURCE))
+    raise ModelNotFound(
+        f"unknown model {ref!r}: not 'tiny', a local folder, an s3:// URI, "
+        "a name registered with `sdq model push`, or a hub id like org/name"
+    )
+
+
+def _resolve_folder(folder: Path) -> ModelIdentity:
+    config = folder / SCHEDULER_CONFIG_FILE
+    if not config.is_file():
+        raise ModelNotFound(
+            f"{folder} is not a diffusers pipeline folder: no {SCHEDULER_CONFIG_FILE}"
+        )
+    scheduler, scheduler_config = scheduler_from_config(config.read_bytes(), str(config))
+    return ModelIdentity(
+        name=folder.name,
+        source=str(folder.resolve()),
+        revision=folder_content_hash(folder),
+        scheduler=scheduler,
+        scheduler_config=scheduler_config,
+        default_dtype="float16",
+    )
+
+
+def _resolve_s3(uri: str) -> ModelIdentity:
+    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+    store = S3Store(bucket, prefix)
+    listing = store.object_digests("")
+    if not listing:
+        raise ModelNotFound(f"no objects under {uri}")
+    return _identity_from_store(
+        store,
+        "",
+        name=prefix.rstrip("/").rsplit("/", 1)[-1] or bucket,
+        source=uri,
+        revision=content_hash(listing.items()),
+    )
+
+
+def _resolve_pushed(record: ModelRecord, store: ObjectStore) -> ModelIdentity:
+    return _identity_from_store(
+        store,
+        f"{record.store_prefix}/",
+        name=record.name,
+        source=f"{STORE_SOURCE}{record.store_prefix}",
+        revision=record.revision,
+    )
+
+
+def _identity_from_store(
+    store: ObjectStore, prefix: str, *, name: str, source: str, revision: str
+) -> ModelIdentity:
+    key = f"{prefix}{SCHEDULER_CONFIG_FILE}"
+    try:
+        raw = store.get_bytes(key)
+    except MissingObject:
+        raise ModelNotFound(
+            f"{source} is not a diffusers pipeline: no {SCHEDULER_CONFIG_FILE}"
+        ) from None
+    scheduler, scheduler_config = scheduler_from_config(raw, store.uri(key))
+    return ModelIdentity(
+        name=name,
+        source=source,
+        revision=revision,
+        scheduler=scheduler,
+        scheduler_config=scheduler_config,
+        default_dtype="float16",
+    )
+
+
+def _resolve_hub(ref: str) -> ModelIdentity:
+    """Pins a hub id to its current commit, so later renders load exactly these weights."""
+    repo_id, _, revision = ref.partition("@")
+    try:
+        from huggingface_hub import HfApi, hf_hub_download
+
+        commit = HfApi().model_info(repo_id, revision=revision or None).sha
+        config = Path(hf_hub_download(repo_id, SCHEDULER_CONFIG_FILE, revision=commit))
+    except ImportError:
+        raise ModelNotFound(
+            f"{ref!r} looks like a hub id; install sdq[gpu] to resolve it"
+        ) from None
+    except Exception as error:  # the hub library raises many kinds; all mean "cannot use it"
+        raise ModelNotFound(f"cannot resolve hub model {ref!r}: {error}") from None
+    scheduler, scheduler_config = scheduler_from_config(config.read_bytes(), str(config))
+    return ModelIdentity(
+        name=repo_id,
+        source=f"{HUB_SOURCE}{repo_id}",
+        revision=commit,
+        scheduler=scheduler,
+        scheduler_config=scheduler_config,
+        default_dtype="float16",
+    )
+
+
+def _latest_pushed(session: Session, name: str) -> ModelRecord | None:
+    return session.scalars(
+        select(ModelRecord)
+        .where(ModelRecord.name == name, ModelRecord.store_prefix.is_not(None))
+        .order_by(ModelRecord.id.desc())
+        .limit(1)
+    ).first()
+
+
+def record_model(
+    session: Session, identity: ModelIdentity, store_prefix: str | None = None
+) -> None:
+    """Adds the identity to the registry unless it is there already."""
+    known = session.scalars(
+        select(ModelRecord).where(
+            ModelRecord.name == identity.name, ModelRecord.revision == identity.revision
+        )
+    ).first()
+    if known is None:
+        session.add(
+            ModelRecord(
+                name=identity.name,
+                source=identity.source,
+                revision=identity.revision,
+                store_prefix=store_prefix,
+            )
+        )
+    elif store_prefix and not known.store_prefix:
+        known.store_prefix = store_prefix
+
+
+def push_model(
+    folder: Path, name: str, *, store: ObjectStore, session: Session
+) -> tuple[ModelIdentity, str]:
+    """Copies a pipeline folder into the store; the registry row, written last, marks it done."""
+    identity = _resolve_folder(folder)
+    prefix = f"models/{name}/{identity.revision[:16]}"
+    for path in pipeline_files(folder):
+        store.put_file(f"{prefix}/{path.relative_to(folder).as_posix()}", path)
+    pushed = replace(identity, name=name, source=f"{STORE_SOURCE}{prefix}")
+    record_model(session, pushed, store_prefix=prefix)
+    return pushed, prefix

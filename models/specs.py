@@ -1,0 +1,78 @@
+"""Job specifications: everything that decides an output, and the hash that names it."""
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+DTYPES = ("float16", "bfloat16", "float32")
+SPEC_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelIdentity:
+    """A model as resolved at submit time: a name for people, a revision for machines."""
+
+    name: str
+    source: str  # tiny | /local/folder | s3://bucket/prefix | store:models/<name>/<rev> | hub:<id>
+    revision: str  # content hash or hub commit: what makes two renders comparable
+    scheduler: str
+    scheduler_config: dict[str, Any]
+    default_dtype: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationSpec:
+    model_name: str
+    model_source: str
+    model_revision: str
+    scheduler: str
+    scheduler_config: dict[str, Any]
+    prompt: str
+    negative_prompt: str
+    seed: int
+    steps: int
+    guidance: float
+    width: int
+    height: int
+    dtype: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "GenerationSpec":
+        return cls(**data)
+
+    def hash(self) -> str:
+        # The name and source say where a model was found, not what it is: two names for
+        # one revision render identical images, so only the revision enters the hash.
+        identity = self.to_dict()
+        del identity["model_name"], identity["model_source"]
+        identity["version"] = SPEC_VERSION
+        return _sha256_json(identity)
+
+    def batch_key(self) -> str:
+        """Specs with equal keys can share one pipeline call."""
+        return _sha256_json(
+            [
+                self.model_revision,
+                self.model_source,
+                self.scheduler,
+                self.scheduler_config,
+                self.steps,
+                self.guidance,
+                self.width,
+                self.height,
+                self.dtype,
+            ]
+        )[:32]
+
+
+def image_key(spec_hash: str) -> str:
+    return f"images/{spec_hash}.png"
+
+
+def _sha256_json(value: Any) -> str:
+    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()

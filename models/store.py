@@ -1,0 +1,231 @@
+"""The object store: one interface over S3 (any S3-compatible endpoint) and a local folder.
+
+Every write is atomic: an object is visible under its final key complete or not at all.
+S3 gives that for a single PUT; the local store writes a temporary file and renames it.
+"""
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cached_property
+from pathlib import Path
+from typing import BinaryIO, Protocol
+from urllib.parse import urlparse
+
+
+class StoreError(Exception):
+    """The store refused for a reason retrying will not fix (no bucket, bad credentials)."""
+
+
+class MissingObject(StoreError):
+    """No object under the key."""
+
+
+class StoreUnavailable(StoreError):
+    """The store could not be reached; the same call may succeed later."""
+
+
+class ObjectStore(Protocol):
+    def put_bytes(self, key: str, data: bytes, *, content_type: str) -> str: ...
+    def put_file(self, key: str, source: Path) -> str: ...
+    def get_bytes(self, key: str) -> bytes: ...
+    def get_file(self, key: str, destination: Path) -> None: ...
+    def exists(self, key: str) -> bool: ...
+    def list_keys(self, prefix: str) -> Iterator[str]: ...
+    def uri(self, key: str) -> str: ...
+    def check(self) -> None: ...
+
+
+CHUNK = 8 * 1024 * 1024
+
+
+@contextmanager
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
+    """Write beside the target, then rename over it: readers see the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            yield handle
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class LocalStore:
+    def __init__(self, root: Path) -> None:
+        self.root = root.resolve()
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / key).resolve()
+        if not path.is_relative_to(self.root):
+            raise StoreError(f"key escapes the store root: {key!r}")
+        return path
+
+    def put_bytes(self, key: str, data: bytes, *, content_type: str) -> str:
+        path = self._path(key)
+        with atomic_file(path) as handle:
+            handle.write(data)
+        return self.uri(key)
+
+    def put_file(self, key: str, source: Path) -> str:
+        with atomic_file(self._path(key)) as handle, source.open("rb") as reader:
+            shutil.copyfileobj(reader, handle, CHUNK)
+        return self.uri(key)
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise MissingObject(f"no object {self.uri(key)}") from None
+
+    def get_file(self, key: str, destination: Path) -> None:
+        try:
+            with atomic_file(destination) as handle, self._path(key).open("rb") as reader:
+                shutil.copyfileobj(reader, handle, CHUNK)
+        except FileNotFoundError:
+            raise MissingObject(f"no object {self.uri(key)}") from None
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list_keys(self, prefix: str) -> Iterator[str]:
+        base = self._path(prefix)
+        if base.is_file():
+            yield prefix
+            return
+        for path in sorted(base.rglob("*")):
+            if path.is_file() and not path.name.startswith("."):
+                yield path.relative_to(self.root).as_posix()
+
+    def uri(self, key: str) -> str:
+        return self._path(key).as_uri()
+
+    def check(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+
+class S3Store:
+    """Endpoint, region and credentials come from boto3's own settings (AWS_ENDPOINT_URL...)."""
+
+    def __init__(self, bucket: str, prefix: str = "") -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+
+    @cached_property
+    def _client(self):
+        import boto3
+        from botocore.config import Config
+
+        # Standard retry mode already backs off on throttling and 5xx; more is the task's job.
+        config = Config(retries={"mode": "standard", "max_attempts": 3}, max_pool_connections=32)
+        return boto3.client("s3", config=config)
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def put_bytes(self, key: str, data: bytes, *, content_type: str) -> str:
+        with self._errors(key):
+            self._client.put_object(
+                Bucket=self.bucket, Key=self._key(key), Body=data, ContentType=content_type
+            )
+        return self.uri(key)
+
+    def put_file(self, key: str, source: Path) -> str:
+        # upload_file switches to multipart for large files; S3 shows the object only once
+        # the last part is in, so a pipeline's weights are never visible half-uploaded.
+        with self._errors(key):
+            self._client.upload_file(str(source), self.bucket, self._key(key))
+        return self.uri(key)
+
+    def get_bytes(self, key: str) -> bytes:
+        with self._errors(key):
+            return self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+
+    def get_file(self, key: str, destination: Path) -> None:
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        partial = destination.with_name(f".{destination.name}.part")
+        with self._errors(key):
+            self._client.download_file(self.bucket, self._key(key), str(partial))
+        os.replace(partial, destination)
+
+    def exists(self, key: str) -> bool:
+        try:
+            with self._errors(key):
+                self._client.head_object(Bucket=self.bucket, Key=self._key(key))
+        except MissingObject:
+            return False
+        return True
+
+    def list_keys(self, prefix: str) -> Iterator[str]:
+        yield from self.object_digests(prefix)
+
+    def object_digests(self, prefix: str) -> dict[str, str]:
+        """Key -> ETag for every object under the prefix: a content identity without a download."""
+        strip = len(self._key(""))
+        digests: dict[str, str] = {}
+        with self._errors(prefix):
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._key(prefix)
+            )
+            for page in pages:
+                for item in page.get("Contents", []):
+                    digests[item["Key"][strip:]] = item["ETag"].strip('"')
+        return digests
+
+    def uri(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self._key(key)}"
+
+    def check(self) -> None:
+        with self._errors(""):
+            self._client.head_bucket(Bucket=self.bucket)
+
+    @contextmanager
+    def _errors(self, key: str) -> Iterator[None]:
+        """Turns botocore's exceptions into the two sdq acts on, with a readable text."""
+        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+        where, endpoint = self.uri(key), self._client.meta.endpoint_url
+        try:
+            yield
+        except ClientError as error:
+            code = _code(error)
+            if code == "NoSuchBucket" or (code == "404" and not key):
+                raise StoreError(f"bucket {self.bucket!r} does not exist at {endpoint}") from error
+            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"):
+                raise StoreError(f"{endpoint} rejected the credentials for {where}: {code}") from (
+                    error
+                )
+            if code in ("404", "NoSuchKey"):
+                raise MissingObject(f"no object {where}") from error
+            if code.startswith("5") or code in ("SlowDown", "InternalError", "ServiceUnavailable"):
+                raise StoreUnavailable(f"{endpoint} failed on {where}: {code}") from error
+            raise StoreError(f"{endpoint} refused {where}: {code}") from error
+        except NoCredentialsError as error:
+            raise StoreError(f"no AWS credentials configured for {where}") from error
+        except BotoCoreError as error:
+            # Connection refused, timeouts, DNS: the endpoint may come back.
+            raise StoreUnavailable(f"cannot reach {endpoint} for {where}: {error}") from error
+
+
+def _code(error) -> str:
+    return str(error.response.get("Error", {}).get("Code", ""))
+
+
+def open_store(url: str) -> ObjectStore:
+    """`s3://bucket/prefix`, `file:///path` or a plain path."""
+    parsed = urlparse(url)
+    if parsed.scheme == "s3":
+        if not parsed.netloc:
+            raise StoreError(f"store URL has no bucket: {url!r}")
+        return S3Store(parsed.netloc, parsed.path)
+    if parsed.scheme == "file":
+        return LocalStore(Path(parsed.path))
+    if not parsed.scheme:
+        return LocalStore(Path(url))
+    raise StoreError(
+        f"unsupported store URL {url!r}: use s3://bucket/prefix, file:///path or a folder"
+    )

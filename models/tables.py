@@ -1,0 +1,162 @@
+"""Tables: the record of truth for runs, jobs, their history and the models they used."""
+
+import enum
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Enum,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+# Stable constraint names, so migrations can name what they alter on every backend.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+JsonDocument = JSON().with_variant(JSONB(), "postgresql")
+# SQLite only auto-increments INTEGER PRIMARY KEY; Postgres gets 64-bit ids for the long run.
+Id = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class JobStatus(enum.StrEnum):
+    pending = "pending"  # written, not yet handed to the broker
+    queued = "queued"  # handed to the broker
+    running = "running"  # claimed by a worker that holds a lease
+    succeeded = "succeeded"
+    failed = "failed"  # failed, will be tried again
+    dead = "dead"  # failed for good: permanent error or attempts exhausted
+    cancelled = "cancelled"
+
+
+FINISHED = (JobStatus.succeeded, JobStatus.dead, JobStatus.cancelled)
+CLAIMABLE = (JobStatus.pending, JobStatus.queued, JobStatus.failed)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+def _status_type() -> Enum:
+    # A VARCHAR with a CHECK keeps adding a status a plain migration on every backend.
+    return Enum(
+        JobStatus,
+        name="job_status",
+        native_enum=False,
+        create_constraint=True,
+        length=16,
+        values_callable=lambda statuses: [status.value for status in statuses],
+    )
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    source: Mapped[str | None] = mapped_column(Text)
+    options: Mapped[dict[str, Any]] = mapped_column(JsonDocument)
+    job_count: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    jobs: Mapped[list["Job"]] = relationship(back_populates="run")
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(32))
+    spec: Mapped[dict[str, Any]] = mapped_column(JsonDocument)
+    spec_hash: Mapped[str] = mapped_column(String(64))
+    # Copied out of the spec so lookups by prompt, style and model need no JSON paths.
+    prompt: Mapped[str] = mapped_column(Text)
+    style: Mapped[str | None] = mapped_column(Text)
+    model: Mapped[str] = mapped_column(Text)
+    seed: Mapped[int] = mapped_column(BigInteger)
+    source_line: Mapped[int | None] = mapped_column(Integer)
+    batch_key: Mapped[str] = mapped_column(String(64))
+    status: Mapped[JobStatus] = mapped_column(_status_type(), default=JobStatus.pending)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    worker_host: Mapped[str | None] = mapped_column(Text)
+    device: Mapped[str | None] = mapped_column(Text)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    render_seconds: Mapped[float | None]
+    error: Mapped[str | None] = mapped_column(Text)
+    output_uri: Mapped[str | None] = mapped_column(Text)
+    output_sha256: Mapped[str | None] = mapped_column(String(64))
+    cached: Mapped[bool] = mapped_column(default=False)
+
+    run: Mapped[Run] = relationship(back_populates="jobs")
+
+    __table_args__ = (
+        Index("ix_jobs_run_id_status", "run_id", "status"),
+        Index("ix_jobs_spec_hash_status", "spec_hash", "status"),
+        # Unfinished jobs are few among millions; the relay and lease sweeps scan only them.
+        Index(
+            "ix_jobs_unfinished",
+            "status",
+            "lease_expires_at",
+            postgresql_where="status NOT IN ('succeeded', 'dead', 'cancelled')",
+        ),
+        # Trigram GIN index: `prompt ILIKE '%castle%'` stays an index scan at millions of rows.
+        Index(
+            "ix_jobs_prompt_trgm",
+            "prompt",
+            postgresql_using="gin",
+            postgresql_ops={"prompt": "gin_trgm_ops"},
+        ),
+    )
+
+
+class JobEvent(Base):
+    """Append-only history: one row per status change, never updated."""
+
+    __tablename__ = "job_events"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    status: Mapped[JobStatus] = mapped_column(_status_type())
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    worker_host: Mapped[str | None] = mapped_column(Text)
+    detail: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (Index("ix_job_events_job_id_at", "job_id", "at"),)
+
+
+class ModelRecord(Base):
+    """A model identity as resolved once: name, where it came from and what exactly it was."""
+
+    __tablename__ = "models"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    name: Mapped[str] = mapped_column(Text)
+    source: Mapped[str] = mapped_column(Text)
+    revision: Mapped[str] = mapped_column(String(64))
+    # Where a pushed copy lives in the object store, for `sdq model push`.
+    store_prefix: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+    __table_args__ = (UniqueConstraint("name", "revision", name="uq_models_name_revision"),)
