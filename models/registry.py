@@ -6,7 +6,7 @@ hash, or a hub commit), so the spec hash of an image changes when the weights ch
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from models.store import MissingObject, ObjectStore, S3Store
 from models.tables import ModelRecord
 
 SCHEDULER_CONFIG_FILE = "scheduler/scheduler_config.json"
+UNET_CONFIG_FILE = "unet/config.json"
 STORE_SOURCE = "store:"
 HUB_SOURCE = "hub:"
 
@@ -36,6 +37,7 @@ def tiny_identity() -> ModelIdentity:
         scheduler=tiny.SCHEDULER_CLASS,
         scheduler_config=tiny.SCHEDULER_CONFIG,
         default_dtype="float32",
+        default_size=tiny.UNET_CONFIG["sample_size"] * 8,
     )
 
 
@@ -97,20 +99,43 @@ def resolve_model(ref: str, *, store: ObjectStore, session: Session) -> ModelIde
     )
 
 
-def _resolve_folder(folder: Path) -> ModelIdentity:
-    config = folder / SCHEDULER_CONFIG_FILE
-    if not config.is_file():
-        raise ModelNotFound(
-            f"{folder} is not a diffusers pipeline folder: no {SCHEDULER_CONFIG_FILE}"
-        )
-    scheduler, scheduler_config = scheduler_from_config(config.read_bytes(), str(config))
+def _identity(
+    *, name: str, source: str, revision: str, read: Callable[[str], bytes | None]
+) -> ModelIdentity:
+    """Completes an identity from the pipeline's own config files, read through `read`."""
+    raw = read(SCHEDULER_CONFIG_FILE)
+    if raw is None:
+        raise ModelNotFound(f"{source} is not a diffusers pipeline: no {SCHEDULER_CONFIG_FILE}")
+    scheduler, scheduler_config = scheduler_from_config(raw, f"{source}/{SCHEDULER_CONFIG_FILE}")
     return ModelIdentity(
-        name=folder.name,
-        source=str(folder.resolve()),
-        revision=folder_content_hash(folder),
+        name=name,
+        source=source,
+        revision=revision,
         scheduler=scheduler,
         scheduler_config=scheduler_config,
         default_dtype="float16",
+        default_size=_native_size(read(UNET_CONFIG_FILE)),
+    )
+
+
+def _native_size(unet_config: bytes | None) -> int:
+    """The size a model was trained at: its U-Net's latent size times the VAE's factor 8."""
+    try:
+        return int(json.loads(unet_config)["sample_size"]) * 8 if unet_config else 512
+    except (ValueError, KeyError, TypeError):
+        return 512
+
+
+def _resolve_folder(folder: Path) -> ModelIdentity:
+    def read(relative: str) -> bytes | None:
+        path = folder / relative
+        return path.read_bytes() if path.is_file() else None
+
+    return _identity(
+        name=folder.name,
+        source=str(folder.resolve()),
+        revision=folder_content_hash(folder),
+        read=read,
     )
 
 
@@ -120,44 +145,31 @@ def _resolve_s3(uri: str) -> ModelIdentity:
     listing = store.object_digests("")
     if not listing:
         raise ModelNotFound(f"no objects under {uri}")
-    return _identity_from_store(
-        store,
-        "",
+    return _identity(
         name=prefix.rstrip("/").rsplit("/", 1)[-1] or bucket,
         source=uri,
         revision=content_hash(listing.items()),
+        read=_store_reader(store, ""),
     )
 
 
 def _resolve_pushed(record: ModelRecord, store: ObjectStore) -> ModelIdentity:
-    return _identity_from_store(
-        store,
-        f"{record.store_prefix}/",
+    return _identity(
         name=record.name,
         source=f"{STORE_SOURCE}{record.store_prefix}",
         revision=record.revision,
+        read=_store_reader(store, f"{record.store_prefix}/"),
     )
 
 
-def _identity_from_store(
-    store: ObjectStore, prefix: str, *, name: str, source: str, revision: str
-) -> ModelIdentity:
-    key = f"{prefix}{SCHEDULER_CONFIG_FILE}"
-    try:
-        raw = store.get_bytes(key)
-    except MissingObject:
-        raise ModelNotFound(
-            f"{source} is not a diffusers pipeline: no {SCHEDULER_CONFIG_FILE}"
-        ) from None
-    scheduler, scheduler_config = scheduler_from_config(raw, store.uri(key))
-    return ModelIdentity(
-        name=name,
-        source=source,
-        revision=revision,
-        scheduler=scheduler,
-        scheduler_config=scheduler_config,
-        default_dtype="float16",
-    )
+def _store_reader(store: ObjectStore, prefix: str) -> Callable[[str], bytes | None]:
+    def read(relative: str) -> bytes | None:
+        try:
+            return store.get_bytes(f"{prefix}{relative}")
+        except MissingObject:
+            return None
+
+    return read
 
 
 def _resolve_hub(ref: str) -> ModelIdentity:
@@ -165,24 +177,23 @@ def _resolve_hub(ref: str) -> ModelIdentity:
     repo_id, _, revision = ref.partition("@")
     try:
         from huggingface_hub import HfApi, hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError
 
         commit = HfApi().model_info(repo_id, revision=revision or None).sha
-        config = Path(hf_hub_download(repo_id, SCHEDULER_CONFIG_FILE, revision=commit))
     except ImportError:
         raise ModelNotFound(
             f"{ref!r} looks like a hub id; install sdq[gpu] to resolve it"
         ) from None
     except Exception as error:  # the hub library raises many kinds; all mean "cannot use it"
         raise ModelNotFound(f"cannot resolve hub model {ref!r}: {error}") from None
-    scheduler, scheduler_config = scheduler_from_config(config.read_bytes(), str(config))
-    return ModelIdentity(
-        name=repo_id,
-        source=f"{HUB_SOURCE}{repo_id}",
-        revision=commit,
-        scheduler=scheduler,
-        scheduler_config=scheduler_config,
-        default_dtype="float16",
-    )
+
+    def read(relative: str) -> bytes | None:
+        try:
+            return Path(hf_hub_download(repo_id, relative, revision=commit)).read_bytes()
+        except EntryNotFoundError:
+            return None
+
+    return _identity(name=repo_id, source=f"{HUB_SOURCE}{repo_id}", revision=commit, read=read)
 
 
 def _latest_pushed(session: Session, name: str) -> ModelRecord | None:

@@ -19,6 +19,7 @@ class ModelIdentity:
     scheduler: str
     scheduler_config: dict[str, Any]
     default_dtype: str
+    default_size: int
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,201 @@
+"""Job status changes. Each one is a conditional UPDATE plus rows in the event history.
+
+The conditions make every transition safe to attempt twice: a duplicated message, a
+second worker or a re-sent batch finds nothing to change and does nothing.
+"""
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import and_, insert, or_, select, update
+from sqlalchemy.orm import Session
+
+from models.tables import CLAIMABLE, FINISHED, Job, JobEvent, JobStatus
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class Worker:
+    host: str  # hostname:pid, so two workers on one machine are told apart
+    device: str
+
+
+@dataclass(frozen=True)
+class Output:
+    job_id: int
+    uri: str
+    sha256: str
+    render_seconds: float | None
+    cached: bool = False
+
+
+def record_events(
+    session: Session,
+    job_ids: Iterable[int],
+    status: JobStatus,
+    *,
+    worker: Worker | None = None,
+    detail: str | None = None,
+    at: datetime | None = None,
+) -> None:
+    rows = [
+        {
+            "job_id": job_id,
+            "status": status,
+            "worker_host": worker.host if worker else None,
+            "detail": detail,
+            "at": at or utcnow(),
+        }
+        for job_id in job_ids
+    ]
+    if rows:
+        session.execute(insert(JobEvent), rows)
+
+
+def mark_queued(session: Session, job_ids: Sequence[int]) -> list[int]:
+    """After the broker took the messages: pending (or re-sent failed) jobs become queued."""
+    now = utcnow()
+    queued = session.scalars(
+        update(Job)
+        .where(Job.id.in_(job_ids), Job.status.in_(CLAIMABLE))
+        .values(status=JobStatus.queued, enqueued_at=now)
+        .returning(Job.id)
+    ).all()
+    record_events(session, queued, JobStatus.queued, at=now)
+    return list(queued)
+
+
+def claim(
+    session: Session, job_ids: Sequence[int], *, worker: Worker, lease_seconds: int
+) -> list[Job]:
+    """Takes the jobs nobody holds; returns only those this worker now owns."""
+    now = utcnow()
+    claimable = or_(
+        Job.status.in_(CLAIMABLE),
+        and_(Job.status == JobStatus.running, Job.lease_expires_at < now),
+    )
+    claimed = session.scalars(
+        update(Job)
+        .where(Job.id.in_(job_ids), claimable)
+        .values(
+            status=JobStatus.running,
+            attempts=Job.attempts + 1,
+            worker_host=worker.host,
+            device=worker.device,
+            started_at=now,
+            lease_expires_at=now + timedelta(seconds=lease_seconds),
+        )
+        .returning(Job),
+        execution_options={"synchronize_session": False},
+    ).all()
+    record_events(session, [job.id for job in claimed], JobStatus.running, worker=worker, at=now)
+    return sorted(claimed, key=lambda job: job.id)
+
+
+def extend_leases(
+    session: Session, job_ids: Sequence[int], *, worker: Worker, lease_seconds: int
+) -> None:
+    session.execute(
+        update(Job)
+        .where(Job.id.in_(job_ids), Job.status == JobStatus.running, Job.worker_host == worker.host)
+        .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))
+    )
+
+
+def held_until(session: Session, job_ids: Sequence[int]) -> datetime | None:
+    """When the last lease another worker holds on these jobs runs out, if any is held."""
+    until = session.scalar(
+        select(Job.lease_expires_at)
+        .where(Job.id.in_(job_ids), Job.status == JobStatus.running)
+        .order_by(Job.lease_expires_at.desc())
+        .limit(1)
+    )
+    return as_utc(until) if until else None
+
+
+def as_utc(moment: datetime) -> datetime:
+    """SQLite hands timestamps back without a zone; sdq writes them all in UTC."""
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def succeed(session: Session, outputs: Sequence[Output], *, worker: Worker) -> None:
+    now = utcnow()
+    # Bulk UPDATE by primary key, guarded by the owner: a worker whose lease lapsed and was
+    # taken over must not overwrite the new owner's record (its image bytes are identical).
+    session.execute(
+        update(Job).where(Job.status == JobStatus.running, Job.worker_host == worker.host),
+        [
+            {
+                "id": output.job_id,
+                "status": JobStatus.succeeded,
+                "finished_at": now,
+                "lease_expires_at": None,
+                "output_uri": output.uri,
+                "output_sha256": output.sha256,
+                "render_seconds": output.render_seconds,
+                "cached": output.cached,
+                "error": None,
+            }
+            for output in outputs
+        ],
+    )
+    record_events(
+        session, [output.job_id for output in outputs], JobStatus.succeeded, worker=worker, at=now
+    )
+
+
+def fail(
+    session: Session,
+    job_ids: Sequence[int],
+    *,
+    error: str,
+    permanent: bool,
+    max_attempts: int,
+    worker: Worker,
+) -> list[int]:
+    """Records a failure; returns the jobs that may be tried again."""
+    now = utcnow()
+    jobs = session.scalars(
+        select(Job).where(
+            Job.id.in_(job_ids), Job.status == JobStatus.running, Job.worker_host == worker.host
+        )
+    ).all()
+    retryable = []
+    for job in jobs:
+        dead = permanent or job.attempts >= max_attempts
+        job.status = JobStatus.dead if dead else JobStatus.failed
+        job.error = error
+        job.lease_expires_at = None
+        job.finished_at = now if dead else None
+        record_events(session, [job.id], job.status, worker=worker, detail=error, at=now)
+        if not dead:
+            retryable.append(job.id)
+    return retryable
+
+
+def unfinished(session: Session, run_id: int) -> list[Job]:
+    return list(
+        session.scalars(
+            select(Job).where(Job.run_id == run_id, Job.status.not_in(FINISHED)).order_by(Job.id)
+        )
+    )
+
+
+def rendered_outputs(session: Session, spec_hashes: Iterable[str]) -> dict[str, tuple[str, str]]:
+    """spec hash -> (uri, sha256) of an image already rendered for it."""
+    found: dict[str, tuple[str, str]] = {}
+    hashes = sorted(set(spec_hashes))
+    # Bounded IN lists: a submit of a million jobs stays within every driver's parameter limit.
+    for start in range(0, len(hashes), 1000):
+        rows = session.execute(
+            select(Job.spec_hash, Job.output_uri, Job.output_sha256).where(
+                Job.spec_hash.in_(hashes[start : start + 1000]), Job.status == JobStatus.succeeded
+            )
+        )
+        for spec_hash, uri, digest in rows:
+            found[spec_hash] = (uri, digest)
+    return found

@@ -1,0 +1,243 @@
+"""Reading and validating prompt files. Every problem is reported, none is fatal alone.
+
+A problem is an `InputError` naming the file, the line and the column, so a user fixes a
+whole file in one pass; nothing is submitted until the file has no problem at all.
+"""
+
+import csv
+import io
+import math
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+COLUMNS = (
+    "prompt",
+    "negative_prompt",
+    "seed",
+    "steps",
+    "guidance",
+    "width",
+    "height",
+    "n",
+    "style",
+)
+MAX_SEED = 2**63 - 1
+MAX_STEPS = 1000
+MAX_SIDE = 8192
+MAX_IMAGES_PER_ROW = 10_000
+
+
+@dataclass(frozen=True)
+class InputError:
+    file: str
+    line: int | None
+    column: str | None
+    reason: str
+
+    def __str__(self) -> str:
+        where = self.file if self.line is None else f"{self.file}:{self.line}"
+        return (
+            f"{where}: {self.column}: {self.reason}" if self.column else f"{where}: {self.reason}"
+        )
+
+
+class InvalidInput(Exception):
+    def __init__(self, errors: list[InputError]) -> None:
+        super().__init__("\n".join(map(str, errors)))
+        self.errors = errors
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptRow:
+    line: int
+    prompt: str
+    negative_prompt: str | None = None
+    seed: int | None = None
+    steps: int | None = None
+    guidance: float | None = None
+    width: int | None = None
+    height: int | None = None
+    n: int | None = None
+    style: str | None = None
+
+
+def read_text(path: Path) -> str:
+    """UTF-8, with or without a byte-order mark; a bad byte is reported by line."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise InvalidInput(
+            [InputError(str(path), line, None, f"not UTF-8 text (byte 0x{data[error.start]:02x})")]
+        ) from None
+
+
+def read_prompts(path: Path) -> list[PromptRow]:
+    text = read_text(path)
+    name = str(path)
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        header = next(reader)
+    except StopIteration:
+        raise InvalidInput(
+            [InputError(name, None, None, "empty file: a header row is required")]
+        ) from None
+    except csv.Error as error:
+        raise InvalidInput([InputError(name, 1, None, f"malformed CSV: {error}")]) from None
+    columns = [column.strip().lower() for column in header]
+    errors = _check_header(name, columns)
+    if errors:
+        raise InvalidInput(errors)
+    rows: list[PromptRow] = []
+    start = reader.line_num + 1
+    while True:
+        try:
+            fields = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as error:
+            errors.append(InputError(name, start, None, f"malformed CSV: {error}"))
+            break
+        line, start = start, reader.line_num + 1
+        if not any(field.strip() for field in fields):
+            continue
+        if len(fields) != len(columns):
+            errors.append(
+                InputError(name, line, None, f"expected {len(columns)} fields, got {len(fields)}")
+            )
+            continue
+        row, row_errors = parse_row(name, line, dict(zip(columns, fields, strict=True)))
+        errors += row_errors
+        if row is not None:
+            rows.append(row)
+    if errors:
+        raise InvalidInput(errors)
+    if not rows:
+        raise InvalidInput([InputError(name, None, None, "no prompts: the file has only a header")])
+    return rows
+
+
+def _check_header(name: str, columns: list[str]) -> list[InputError]:
+    errors = [
+        InputError(
+            name, 1, column or "(empty)", f"unknown column; expected some of {', '.join(COLUMNS)}"
+        )
+        for column in columns
+        if column not in COLUMNS
+    ]
+    errors += [
+        InputError(name, 1, column, "column appears more than once")
+        for column in sorted({column for column in columns if columns.count(column) > 1})
+    ]
+    if "prompt" not in columns:
+        errors.append(InputError(name, 1, "prompt", "required column is missing"))
+    return errors
+
+
+def parse_row(
+    name: str, line: int, raw: dict[str, str]
+) -> tuple[PromptRow | None, list[InputError]]:
+    errors: list[InputError] = []
+    values: dict[str, object] = {}
+    prompt = raw.get("prompt", "").strip()
+    if not prompt:
+        errors.append(InputError(name, line, "prompt", "empty prompt"))
+    for column, parse in PARSERS.items():
+        text = raw.get(column, "").strip()
+        if not text:
+            continue
+        try:
+            values[column] = parse(text)
+        except ValueError as error:
+            errors.append(InputError(name, line, column, str(error)))
+    for column in ("negative_prompt", "style"):
+        text = raw.get(column, "").strip()
+        if text:
+            values[column] = text
+    if errors:
+        return None, errors
+    return PromptRow(line=line, prompt=prompt, **values), []
+
+
+def parse_int(text: str, *, low: int, high: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{what} must be an integer, got {text!r}") from None
+    if not low <= value <= high:
+        raise ValueError(f"{what} must be between {low} and {high}, got {value}")
+    return value
+
+
+def parse_seed(text: str) -> int:
+    return parse_int(text, low=0, high=MAX_SEED, what="seed")
+
+
+def parse_steps(text: str) -> int:
+    return parse_int(text, low=1, high=MAX_STEPS, what="steps")
+
+
+def parse_count(text: str) -> int:
+    return parse_int(text, low=1, high=MAX_IMAGES_PER_ROW, what="n")
+
+
+def parse_side(text: str) -> int:
+    value = parse_int(text, low=8, high=MAX_SIDE, what="size")
+    if value % 8:
+        raise ValueError(f"size must be a positive multiple of 8, got {value}")
+    return value
+
+
+def parse_guidance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"guidance must be a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"guidance must be a finite number >= 0, got {text}")
+    return value
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """`WxH`, as in `--size 512x768`."""
+    width, sep, height = text.lower().partition("x")
+    if not sep:
+        raise ValueError(f"size must look like WIDTHxHEIGHT, got {text!r}")
+    return parse_side(width), parse_side(height)
+
+
+PARSERS = {
+    "seed": parse_seed,
+    "steps": parse_steps,
+    "guidance": parse_guidance,
+    "width": parse_side,
+    "height": parse_side,
+    "n": parse_count,
+}
+
+
+def read_styles(path: Path) -> list[str]:
+    """One style per line; blank lines and lines starting with # are skipped."""
+    lines = (line.strip() for line in read_text(path).splitlines())
+    styles = [line for line in lines if line and not line.startswith("#")]
+    if not styles:
+        raise InvalidInput([InputError(str(path), None, None, "no styles in the file")])
+    return styles
+
+
+def check_template(template: str, *, with_styles: bool) -> None:
+    """The prompt template may use {prompt} and {style}, and must use {prompt}."""
+    try:
+        fields = {
+            field for _, field, _, _ in string.Formatter().parse(template) if field is not None
+        }
+    except ValueError as error:
+        raise ValueError(f"--template {template!r}: {error}") from None
+    if unknown := fields - {"prompt", "style"}:
+        raise ValueError(f"--template {template!r}: unknown placeholder {{{sorted(unknown)[0]}}}")
+    if "prompt" not in fields:
+        raise ValueError(f"--template {template!r} must contain {{prompt}}")
+    if with_styles and "style" not in fields:
+        raise ValueError(f"--template {template!r} must contain {{style}} when styles are given")

@@ -1,0 +1,147 @@
+"""Submitting: the run and all its jobs in one transaction, then the messages (outbox).
+
+If the broker is down or the process dies after the commit, the jobs are in Postgres as
+`pending` and `sdq requeue RUN` (or the periodic relay) sends them; nothing is lost.
+"""
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import insert, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from models.lifecycle import as_utc, mark_queued, record_events, rendered_outputs, utcnow
+from models.registry import record_model
+from models.specs import ModelIdentity
+from models.tables import FINISHED, Job, JobStatus, Run
+from producer.plan import PlannedJob, batches
+from workers.app import GENERATE_TASK
+
+CHUNK = 1000
+
+
+class EnqueueFailed(Exception):
+    def __init__(self, run_id: int, sent: int, total: int, cause: Exception) -> None:
+        super().__init__(
+            f"run {run_id}: the broker took {sent} of {total} batches ({cause}); the rest are "
+            f"saved as pending: `sdq requeue {run_id}` sends them when the broker is back"
+        )
+
+
+@dataclass(frozen=True)
+class Submission:
+    run_id: int
+    jobs: int
+    cached: int
+    batches: list[list[int]]
+
+
+def record_run(
+    sessions: sessionmaker[Session],
+    planned: Sequence[PlannedJob],
+    *,
+    model: ModelIdentity,
+    source: str,
+    options: dict[str, Any],
+    batch_size: int,
+) -> Submission:
+    """Writes the run and its jobs; specs rendered before are recorded as cached, not sent."""
+    now = utcnow()
+    with sessions.begin() as session:
+        record_model(session, model)
+        run = Run(kind="generate", source=source, options=options, job_count=len(planned))
+        session.add(run)
+        session.flush()
+        hashes = [job.spec.hash() for job in planned]
+        known = rendered_outputs(session, hashes)
+        rows = [
+            _job_row(run.id, job, spec_hash, known.get(spec_hash), now)
+            for job, spec_hash in zip(planned, hashes, strict=True)
+        ]
+        ids = session.scalars(
+            insert(Job).returning(Job.id, sort_by_parameter_order=True), rows
+        ).all()
+        record_events(session, ids, JobStatus.pending, at=now)
+        cached = [job_id for job_id, row in zip(ids, rows, strict=True) if row["cached"]]
+        record_events(
+            session, cached, JobStatus.succeeded, detail="cached: spec rendered before", at=now
+        )
+        todo = [
+            (job_id, row["batch_key"])
+            for job_id, row in zip(ids, rows, strict=True)
+            if not row["cached"]
+        ]
+    return Submission(run.id, len(ids), len(cached), batches(todo, batch_size))
+
+
+def _job_row(
+    run_id: int, job: PlannedJob, spec_hash: str, known: tuple[str, str] | None, now: datetime
+) -> dict[str, Any]:
+    spec = job.spec
+    row = {
+        "run_id": run_id,
+        "kind": "generate",
+        "spec": spec.to_dict(),
+        "spec_hash": spec_hash,
+        "prompt": spec.prompt,
+        "style": job.style,
+        "model": spec.model_name,
+        "seed": spec.seed,
+        "source_line": job.source_line,
+        "batch_key": spec.batch_key(),
+        "status": JobStatus.pending,
+        "attempts": 0,
+        "cached": known is not None,
+        "output_uri": None,
+        "output_sha256": None,
+        "finished_at": None,
+    }
+    if known is not None:
+        row.update(
+            status=JobStatus.succeeded, output_uri=known[0], output_sha256=known[1], finished_at=now
+        )
+    return row
+
+
+def enqueue(
+    app: Celery, sessions: sessionmaker[Session], run_id: int, batches: list[list[int]]
+) -> None:
+    """Sends one message per batch, then marks what the broker took as queued."""
+    sent: list[int] = []
+    try:
+        with app.producer_or_acquire() as producer:
+            for batch in batches:
+                app.send_task(GENERATE_TASK, args=[batch], producer=producer)
+                sent += batch
+    except Exception as error:  # kombu raises several kinds for a broker it cannot reach
+        raise EnqueueFailed(run_id, len(sent), len(batches), error) from error
+    finally:
+        with sessions.begin() as session:
+            for chunk in _chunks(sent):
+                mark_queued(session, chunk)
+
+
+def resendable(session: Session, run_id: int) -> list[tuple[int, str]]:
+    """Jobs of the run that no live worker holds and that have not finished."""
+    now = utcnow()
+    rows = session.execute(
+        select(Job.id, Job.batch_key, Job.status, Job.lease_expires_at)
+        .where(
+            Job.run_id == run_id,
+            Job.status.not_in(FINISHED),
+        )
+        .order_by(Job.id)
+    )
+    return [
+        (job_id, key)
+        for job_id, key, status, lease in rows
+        if status != JobStatus.running or lease is None or as_utc(lease) < now
+    ]
+
+
+def _chunks(ids: list[int]) -> Iterator[list[int]]:
+    for start in range(0, len(ids), CHUNK):
+        yield ids[start : start + CHUNK]

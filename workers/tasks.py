@@ -1,0 +1,37 @@
+"""Celery tasks: thin wrappers that turn a work function's outcome into acks and retries."""
+
+from datetime import UTC, datetime
+
+from celery import shared_task
+from celery.utils.time import get_exponential_backoff_interval
+
+from workers.app import GENERATE_TASK
+from workers.generate import generate_batch
+
+MAX_BACKOFF_SECONDS = 600
+
+
+@shared_task(bind=True, name=GENERATE_TASK, max_retries=None)
+def generate(self, job_ids: list[int]) -> dict[str, int]:
+    app = self.app
+    outcome = generate_batch(
+        job_ids,
+        sessions=app.sessions,
+        store=app.store,
+        pipelines=app.pipelines,
+        worker=app.worker,
+        settings=app.settings,
+    )
+    countdowns = []
+    if outcome.retry:
+        countdowns.append(
+            get_exponential_backoff_interval(
+                app.settings.retry_backoff_seconds, self.request.retries, MAX_BACKOFF_SECONDS, True
+            )
+        )
+    # In-process runs (`sdq run`) have no other worker to wait for.
+    if outcome.held and not self.request.is_eager:
+        countdowns.append(max(1, (outcome.held_until - datetime.now(UTC)).total_seconds() + 1))
+    if countdowns:
+        raise self.retry(args=[outcome.retry + outcome.held], countdown=max(countdowns))
+    return {"rendered": len(outcome.rendered), "cached": len(outcome.cached)}
