@@ -26,3 +26,13 @@ def downgrade(engine: Engine, revision: str) -> None:
         config = alembic_config(engine)
         config.attributes["connection"] = connection
         command.downgrade(config, revision)
+
+
+def is_current(engine: Engine) -> bool:
+    """Whether the database is at the newest migration."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    heads = set(ScriptDirectory.from_config(alembic_config(engine)).get_heads())
+    with engine.connect() as connection:
+        return set(MigrationContext.configure(connection).get_current_heads()) == heads

@@ -123,6 +123,8 @@ def as_utc(moment: datetime) -> datetime:
 
 
 def succeed(session: Session, outputs: Sequence[Output], *, worker: Worker) -> None:
+    if not outputs:
+        return
     now = utcnow()
     # Bulk UPDATE by primary key, guarded by the owner: a worker whose lease lapsed and was
     # taken over must not overwrite the new owner's record (its image bytes are identical).
@@ -142,6 +144,7 @@ def succeed(session: Session, outputs: Sequence[Output], *, worker: Worker) -> N
             }
             for output in outputs
         ],
+        execution_options={"synchronize_session": None},
     )
     record_events(
         session, [output.job_id for output in outputs], JobStatus.succeeded, worker=worker, at=now

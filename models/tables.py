@@ -73,7 +73,9 @@ class Run(Base):
     source: Mapped[str | None] = mapped_column(Text)
     options: Mapped[dict[str, Any]] = mapped_column(JsonDocument)
     job_count: Mapped[int] = mapped_column(Integer)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.current_timestamp()
+    )
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     jobs: Mapped[list["Job"]] = relationship(back_populates="run")
@@ -99,7 +101,9 @@ class Job(Base):
     worker_host: Mapped[str | None] = mapped_column(Text)
     device: Mapped[str | None] = mapped_column(Text)
     lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.current_timestamp()
+    )
     enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -139,7 +143,9 @@ class JobEvent(Base):
     id: Mapped[int] = mapped_column(Id, primary_key=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     status: Mapped[JobStatus] = mapped_column(_status_type())
-    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.current_timestamp()
+    )
     worker_host: Mapped[str | None] = mapped_column(Text)
     detail: Mapped[str | None] = mapped_column(Text)
 
@@ -157,6 +163,8 @@ class ModelRecord(Base):
     revision: Mapped[str] = mapped_column(String(64))
     # Where a pushed copy lives in the object store, for `sdq model push`.
     store_prefix: Mapped[str | None] = mapped_column(Text)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.current_timestamp()
+    )
 
     __table_args__ = (UniqueConstraint("name", "revision", name="uq_models_name_revision"),)

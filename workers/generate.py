@@ -13,6 +13,7 @@ from datetime import datetime
 from functools import partial
 from time import perf_counter
 
+from PIL.Image import Image
 from sqlalchemy.orm import Session, sessionmaker
 
 from models.lifecycle import (
@@ -128,7 +129,7 @@ def render_and_store(jobs: list[Job], *, store: ObjectStore, pipelines) -> list[
 
 
 def _store_image(
-    store: ObjectStore, job: Job, spec: GenerationSpec, image, seconds: float
+    store: ObjectStore, seconds: float, job: Job, spec: GenerationSpec, image: Image
 ) -> Output:
     data = encode_png(image, spec, job.spec_hash)
     uri = store.put_bytes(image_key(job.spec_hash), data, content_type="image/png")

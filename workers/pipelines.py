@@ -11,6 +11,9 @@ import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
+# transformers warns at import about optional image processors SD pipelines never use.
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
 import torch
 from diffusers import AutoPipelineForText2Image, DiffusionPipeline
 from diffusers import schedulers as diffusers_schedulers
@@ -67,7 +70,9 @@ class PipelineCache:
             pipeline = AutoPipelineForText2Image.from_pretrained(
                 **self._location(spec), torch_dtype=dtype
             )
-        pipeline = pipeline.to(device_name(), dtype)
+        if pipeline.dtype != dtype:
+            pipeline = pipeline.to(dtype=dtype)
+        pipeline = pipeline.to(device_name())
         pipeline.set_progress_bar_config(disable=True)
         if torch.cuda.is_available():
             # Convolutions in channels-last layout run on tensor cores without transposes.

@@ -31,7 +31,7 @@ def upgrade() -> None:
         sa.Column(
             "created_at",
             sa.DateTime(timezone=True),
-            server_default=sa.text("now()"),
+            server_default=sa.text("CURRENT_TIMESTAMP"),
             nullable=False,
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_models")),
@@ -51,7 +51,7 @@ def upgrade() -> None:
         sa.Column(
             "created_at",
             sa.DateTime(timezone=True),
-            server_default=sa.text("now()"),
+            server_default=sa.text("CURRENT_TIMESTAMP"),
             nullable=False,
         ),
         sa.Column("finished_at", sa.DateTime(timezone=True), nullable=True),
@@ -98,7 +98,7 @@ def upgrade() -> None:
         sa.Column(
             "created_at",
             sa.DateTime(timezone=True),
-            server_default=sa.text("now()"),
+            server_default=sa.text("CURRENT_TIMESTAMP"),
             nullable=False,
         ),
         sa.Column("enqueued_at", sa.DateTime(timezone=True), nullable=True),
@@ -153,7 +153,10 @@ def upgrade() -> None:
             nullable=False,
         ),
         sa.Column(
-            "at", sa.DateTime(timezone=True), server_default=sa.text("now()"), nullable=False
+            "at",
+            sa.DateTime(timezone=True),
+            server_default=sa.text("CURRENT_TIMESTAMP"),
+            nullable=False,
         ),
         sa.Column("worker_host", sa.Text(), nullable=True),
         sa.Column("detail", sa.Text(), nullable=True),

@@ -1,0 +1,89 @@
+"""What people see: progress bars while work runs, tables when it is done."""
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+console = Console(stderr=True)
+stdout = Console()
+
+
+def print_json(data: Any) -> None:
+    # Plain print: rich would wrap long lines and break the JSON for other programs.
+    print(json.dumps(data, indent=2, ensure_ascii=False, default=str))
+
+
+def progress() -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def watch(
+    total: int, finished: Callable[[], int], *, show: bool = True, poll_seconds: float = 0.5
+) -> None:
+    """Polls until `finished()` reaches `total`, drawing a progress bar if `show`."""
+    with progress() as bar:
+        bar.disable = not show
+        task = bar.add_task("rendering", total=total)
+        while (done := finished()) < total:
+            bar.update(task, completed=done)
+            time.sleep(poll_seconds)
+        bar.update(task, completed=total)
+
+
+def status_table(status: dict[str, Any]) -> Table:
+    table = Table(title=f"run {status['run_id']}", show_header=True)
+    table.add_column("status")
+    table.add_column("jobs", justify="right")
+    for name, count in status["counts"].items():
+        table.add_row(name, str(count))
+    table.add_row("[bold]total", f"[bold]{status['total']}")
+    return table
+
+
+def describe_status(status: dict[str, Any]) -> list[str]:
+    lines = [
+        f"{status['succeeded']} of {status['total']} images done, {status['cached']} from cache"
+    ]
+    if status["failed"]:
+        listing = f"sdq find --run {status['run_id']} --status dead"
+        lines.append(f"[red]{status['failed']} failed[/red]: `{listing}` lists them")
+    if status["images_per_second"]:
+        lines.append(f"throughput {status['images_per_second']:.2f} images/s")
+    if status["eta_seconds"]:
+        lines.append(f"about {status['eta_seconds']:.0f}s to go")
+    return lines
+
+
+def show_status(status: dict[str, Any]) -> None:
+    stdout.print(status_table(status))
+    for line in describe_status(status):
+        stdout.print(line)
+
+
+def rows_table(
+    rows: list[dict[str, Any]], columns: list[str], *, title: str | None = None
+) -> Table:
+    table = Table(*columns, title=title)
+    for row in rows:
+        table.add_row(*(_cell(row.get(column)) for column in columns))
+    return table
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, dict):
+        return ", ".join(f"{key} {count}" for key, count in value.items())
+    return str(value)
