@@ -464,3 +464,7 @@ def _require_broker(app: SdqCelery) -> None:
         raise click.UsageError(
             "workers need a broker: set SDQ_BROKER_URL (e.g. redis://host:6379/0)"
         )
+
+
+if __name__ == "__main__":
+    main()

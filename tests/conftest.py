@@ -1,0 +1,173 @@
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import psycopg
+import pytest
+from click.testing import CliRunner, Result
+
+from models.db import make_engine
+from producer.cli import main
+from tests.services import MotoServer, aws_env, clean_env, ensure_service, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+BUCKET = "sdq-test"
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A database of its own for this test session, dropped at the end."""
+    ensure_service("postgres")
+    name = f"sdq_test_{uuid.uuid4().hex[:10]}"
+    admin = "postgresql://postgres@127.0.0.1:5432/postgres"
+    with psycopg.connect(admin, autocommit=True) as connection:
+        connection.execute(f'CREATE DATABASE "{name}"')
+    yield f"postgresql://postgres@127.0.0.1:5432/{name}"
+    with psycopg.connect(admin, autocommit=True) as connection:
+        connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def migrated_postgres(postgres_url: str) -> str:
+    from migrations import upgrade
+
+    upgrade(make_engine(postgres_url))
+    return postgres_url
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    import redis
+
+    ensure_service("redis")
+    url = "redis://127.0.0.1:6379/11"
+    redis.Redis.from_url(url).flushdb()
+    return url
+
+
+@pytest.fixture(scope="session")
+def s3() -> Iterator[dict[str, str]]:
+    """An S3 endpoint over HTTP with an empty bucket; yields the AWS_* variables for it."""
+    server = MotoServer().start()
+    env = aws_env(server.endpoint)
+    client = boto3.client(
+        "s3",
+        endpoint_url=server.endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    client.create_bucket(Bucket=BUCKET)
+    yield env
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_client(s3: dict[str, str]):
+    return boto3.client(
+        "s3",
+        endpoint_url=s3["AWS_ENDPOINT_URL"],
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+
+
+@pytest.fixture(scope="session")
+def service_env(
+    migrated_postgres: str, redis_url: str, s3: dict[str, str], tmp_path_factory
+) -> dict[str, str]:
+    """What a deployment sets: Postgres, Redis and S3, and nothing from the developer's shell."""
+    home = tmp_path_factory.mktemp("sdq-home")
+    return {
+        **clean_env(),
+        **s3,
+        "SDQ_DATABASE_URL": migrated_postgres,
+        "SDQ_BROKER_URL": redis_url,
+        "SDQ_STORE_URL": f"s3://{BUCKET}/deployment",
+        "SDQ_HOME": str(home),
+        "SDQ_MODEL_CACHE": str(home / "model-cache"),
+        "SDQ_LEASE_SECONDS": "6",
+        "SDQ_RETRY_BACKOFF_SECONDS": "1",
+    }
+
+
+class WorkerProcess:
+    """`sdq worker gpu` as a user starts it, in a process group of its own."""
+
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.env, self.log = env, log
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> "WorkerProcess":
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "producer.cli", "worker", "gpu", "--loglevel", "info"],
+            env=self.env,
+            cwd=ROOT,
+            stdout=self.log.open("ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        wait_for(self.ready, what=f"worker (log: {self.log})", timeout=60)
+        return self
+
+    def ready(self) -> bool:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"worker exited: {self.log.read_text()[-3000:]}")
+        return "ready." in self.log.read_text()
+
+    def children(self) -> list[int]:
+        """Pids of the prefork pool processes that run the tasks."""
+        output = subprocess.run(
+            ["pgrep", "-g", str(self.process.pid)], capture_output=True, text=True
+        ).stdout
+        return [int(pid) for pid in output.split()]
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            os.killpg(self.process.pid, 15)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, 9)
+                self.process.wait()
+
+
+@pytest.fixture(scope="session")
+def worker(service_env: dict[str, str], tmp_path_factory) -> Iterator[WorkerProcess]:
+    log = tmp_path_factory.mktemp("worker") / "worker.log"
+    process = WorkerProcess(service_env, log).start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def sdq(service_env: dict[str, str]):
+    """Runs the sdq CLI in this process against the test deployment."""
+
+    def run(*args: str, env: dict[str, str] | None = None) -> Result:
+        return CliRunner().invoke(
+            main,
+            list(args),
+            env={**service_env, **(env or {})},
+            catch_exceptions=False,
+        )
+
+    return run
+
+
+def write(path: Path, text: str, encoding: str = "utf-8") -> Path:
+    path.write_bytes(text.encode(encoding))
+    return path
+
+
+def wait_until(check, *, timeout: float = 120.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)

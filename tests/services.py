@@ -1,0 +1,100 @@
+"""Real services for the tests: found running, started when down, never silently skipped."""
+
+import glob
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+START_COMMANDS = {
+    "postgres": "pg_ctlcluster --skip-systemctl-redirect {version} main start",
+    "redis": (
+        "redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save '' "
+        "--appendonly no --dir /var/lib/redis --logfile /var/log/redis/ci.log"
+    ),
+}
+PORTS = {"postgres": 5432, "redis": 6379}
+
+
+def listening(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex((host, port)) == 0
+
+
+def wait_for(check, *, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not come up within {timeout:.0f}s")
+        time.sleep(0.1)
+
+
+def ensure_service(name: str) -> None:
+    """Starts a local service that is down; raises (failing the run) if it cannot."""
+    port = PORTS[name]
+    if listening(port):
+        return
+    versions = sorted(Path(path).name for path in glob.glob("/etc/postgresql/*"))
+    command = START_COMMANDS[name].format(version=versions[-1] if versions else "15")
+    subprocess.run(command, shell=True, check=False, capture_output=True)
+    wait_for(lambda: listening(port), what=f"{name} on port {port} (started with: {command})")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class MotoServer:
+    """moto's S3 API over real HTTP, in its own process."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> "MotoServer":
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for(self._answers, what=f"moto server at {self.endpoint}")
+        return self
+
+    def _answers(self) -> bool:
+        if self.process and self.process.poll() is not None:
+            raise RuntimeError("moto server exited at start")
+        try:
+            urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=1)
+        except OSError:
+            return False
+        return True
+
+    def stop(self) -> None:
+        if self.process:
+            self.process.terminate()
+            self.process.wait(10)
+
+
+def aws_env(endpoint: str) -> dict[str, str]:
+    return {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+
+
+def clean_env() -> dict[str, str]:
+    """The environment without any sdq or AWS setting the developer may have exported."""
+    return {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("SDQ_", "AWS_", "CELERY_"))
+    }

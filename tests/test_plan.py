@@ -1,0 +1,72 @@
+"""Planning jobs from rows: style crossing, defaults, seeds, batching; spec hashing."""
+
+from dataclasses import replace
+
+from models.registry import tiny_identity
+from models.specs import image_key
+from producer.plan import Defaults, batches, plan_jobs
+from producer.prompts import PromptRow
+
+MODEL = tiny_identity()
+
+
+def test_every_row_is_crossed_with_every_style_and_a_row_style_wins() -> None:
+    rows = [PromptRow(line=2, prompt="a fox"), PromptRow(line=3, prompt="a owl", style="ink")]
+    planned = plan_jobs(
+        rows,
+        model=MODEL,
+        defaults=Defaults(seed=5),
+        styles=["oil", "pixel art"],
+        template="{prompt} by {style}",
+    )
+    assert [(job.spec.prompt, job.style, job.source_line) for job in planned] == [
+        ("a fox by oil", "oil", 2),
+        ("a fox by pixel art", "pixel art", 2),
+        ("a owl by ink", "ink", 3),
+    ]
+    # One seed for the whole grid: styles are compared on the same noise.
+    assert {job.spec.seed for job in planned} == {5}
+
+
+def test_defaults_fill_what_a_row_leaves_out() -> None:
+    row = PromptRow(line=2, prompt="x", steps=9, guidance=0.0, width=128, n=3, seed=10)
+    planned = plan_jobs([row], model=MODEL, defaults=Defaults(steps=30, guidance=7.0, height=96))
+    specs = [job.spec for job in planned]
+    assert [spec.seed for spec in specs] == [10, 11, 12]
+    assert {(spec.steps, spec.guidance, spec.width, spec.height) for spec in specs} == {
+        (9, 0.0, 128, 96)
+    }
+    assert {spec.dtype for spec in specs} == {"float32"}
+    native = plan_jobs([PromptRow(line=2, prompt="x")], model=MODEL, defaults=Defaults())
+    assert (native[0].spec.width, native[0].spec.height) == (64, 64)
+
+
+def test_seeds_are_drawn_once_per_image_when_none_is_given() -> None:
+    planned = plan_jobs([PromptRow(line=2, prompt="x", n=50)], model=MODEL, defaults=Defaults())
+    seeds = [job.spec.seed for job in planned]
+    assert len(set(seeds)) > 45
+    assert all(0 <= seed < 2**32 for seed in seeds)
+
+
+def test_spec_hash_follows_the_revision_not_the_name() -> None:
+    spec = plan_jobs([PromptRow(line=2, prompt="x", seed=1)], model=MODEL, defaults=Defaults())[0].spec
+    assert replace(spec, model_name="other", model_source="/elsewhere").hash() == spec.hash()
+    changed = [
+        replace(spec, model_revision="0" * 64),
+        replace(spec, seed=2),
+        replace(spec, steps=26),
+        replace(spec, guidance=7.0),
+        replace(spec, width=128),
+        replace(spec, prompt="y"),
+        replace(spec, negative_prompt="z"),
+        replace(spec, dtype="float16"),
+        replace(spec, scheduler="DDIMScheduler"),
+        replace(spec, scheduler_config={**spec.scheduler_config, "steps_offset": 0}),
+    ]
+    assert len({other.hash() for other in changed} | {spec.hash()}) == len(changed) + 1
+    assert image_key(spec.hash()) == f"images/{spec.hash()}.png"
+
+
+def test_batches_share_one_pipeline_call_setting() -> None:
+    pairs = [(1, "a"), (2, "b"), (3, "a"), (4, "a"), (5, "b")]
+    assert batches(pairs, 2) == [[1, 3], [4], [2, 5]]

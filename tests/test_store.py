@@ -1,0 +1,114 @@
+"""The object store on a local folder and on a real S3 API over HTTP."""
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from models.store import LocalStore, MissingObject, S3Store, StoreError, StoreUnavailable, open_store
+from tests.conftest import BUCKET
+from tests.services import aws_env, free_port
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path: Path, monkeypatch):
+    if request.param == "local":
+        return LocalStore(tmp_path / "store")
+    for key, value in request.getfixturevalue("s3").items():
+        monkeypatch.setenv(key, value)
+    return S3Store(BUCKET, f"store-test/{tmp_path.name}")
+
+
+def test_round_trip(store, tmp_path: Path) -> None:
+    uri = store.put_bytes("images/a.png", b"png-bytes", content_type="image/png")
+    assert uri == store.uri("images/a.png")
+    assert store.get_bytes("images/a.png") == b"png-bytes"
+    assert store.exists("images/a.png") and not store.exists("images/b.png")
+    source = tmp_path / "weights.bin"
+    source.write_bytes(b"w" * 100_000)
+    store.put_file("models/m/unet/weights.bin", source)
+    store.get_file("models/m/unet/weights.bin", tmp_path / "copy" / "weights.bin")
+    assert (tmp_path / "copy" / "weights.bin").read_bytes() == source.read_bytes()
+    assert sorted(store.list_keys("models/m/")) == ["models/m/unet/weights.bin"]
+    with pytest.raises(MissingObject):
+        store.get_bytes("images/missing.png")
+
+
+def test_overwrite_is_never_seen_half_written(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    old, new = b"a" * 4_000_000, b"b" * 4_000_000
+    store.put_bytes("k", old, content_type="application/octet-stream")
+    seen: set[bytes] = set()
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            data = store.get_bytes("k")
+            seen.add(data[:1] + data[-1:] + bytes([len(data) == 4_000_000]))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for _ in range(20):
+        store.put_bytes("k", new, content_type="application/octet-stream")
+        store.put_bytes("k", old, content_type="application/octet-stream")
+    stop.set()
+    reader.join()
+    assert seen <= {b"aa\x01", b"bb\x01"}
+    assert [path.name for path in tmp_path.iterdir()] == ["k"], "no temporary file is left"
+
+
+def test_a_failed_write_leaves_nothing(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    unreadable = tmp_path / "a-directory"
+    unreadable.mkdir()
+    with pytest.raises(IsADirectoryError):
+        store.put_file("images/k.png", unreadable)
+    assert list((tmp_path / "store" / "images").iterdir()) == []
+
+
+def test_keys_cannot_escape_a_local_store(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="escapes"):
+        LocalStore(tmp_path / "root").put_bytes("../x", b"", content_type="text/plain")
+
+
+def test_missing_bucket_is_named(s3, monkeypatch) -> None:
+    for key, value in s3.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(StoreError, match="bucket 'no-such-bucket' does not exist"):
+        S3Store("no-such-bucket").put_bytes("k", b"x", content_type="text/plain")
+    with pytest.raises(StoreError, match="does not exist"):
+        S3Store("no-such-bucket").check()
+
+
+def test_rejected_credentials_are_named(monkeypatch) -> None:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port())
+    server.start()
+    try:
+        endpoint = f"http://127.0.0.1:{server._port}"
+        for key, value in aws_env(endpoint).items():
+            monkeypatch.setenv(key, value)
+        # moto checks signatures only when told to; it then knows no access key "testing".
+        monkeypatch.setattr("moto.settings.INITIAL_NO_AUTH_ACTION_COUNT", 0)
+        with pytest.raises(StoreError, match="rejected the credentials"):
+            S3Store("any-bucket").put_bytes("k", b"x", content_type="text/plain")
+    finally:
+        server.stop()
+
+
+def test_unreachable_endpoint_is_retryable(monkeypatch) -> None:
+    for key, value in aws_env(f"http://127.0.0.1:{free_port()}").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    with pytest.raises(StoreUnavailable, match="cannot reach"):
+        S3Store(BUCKET).put_bytes("k", b"x", content_type="text/plain")
+
+
+def test_store_urls(tmp_path: Path) -> None:
+    assert isinstance(open_store(str(tmp_path)), LocalStore)
+    assert isinstance(open_store(tmp_path.as_uri()), LocalStore)
+    s3 = open_store("s3://bucket/some/prefix")
+    assert isinstance(s3, S3Store) and s3.uri("images/x.png") == "s3://bucket/some/prefix/images/x.png"
+    with pytest.raises(StoreError, match="unsupported"):
+        open_store("ftp://host/x")
