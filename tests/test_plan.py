@@ -49,7 +49,9 @@ def test_seeds_are_drawn_once_per_image_when_none_is_given() -> None:
 
 
 def test_spec_hash_follows_the_revision_not_the_name() -> None:
-    spec = plan_jobs([PromptRow(line=2, prompt="x", seed=1)], model=MODEL, defaults=Defaults())[0].spec
+    spec = plan_jobs([PromptRow(line=2, prompt="x", seed=1)], model=MODEL, defaults=Defaults())[
+        0
+    ].spec
     assert replace(spec, model_name="other", model_source="/elsewhere").hash() == spec.hash()
     changed = [
         replace(spec, model_revision="0" * 64),

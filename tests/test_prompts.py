@@ -19,7 +19,12 @@ def test_quoted_commas_newlines_bom_and_crlf_are_valid(tmp_path: Path) -> None:
     rows = read_prompts(write(tmp_path / "p.csv", text))
     assert [row.prompt for row in rows] == ["a castle, at night", "two\nlines", "plain"]
     first = rows[0]
-    assert (first.negative_prompt, first.seed, first.steps, first.guidance) == ("blurry", 7, 12, 3.5)
+    assert (first.negative_prompt, first.seed, first.steps, first.guidance) == (
+        "blurry",
+        7,
+        12,
+        3.5,
+    )
     assert (first.width, first.height, first.n, first.style) == (64, 128, 2, "ink")
     # Line numbers are where each record starts in the file, quoted newlines included.
     assert [row.line for row in rows] == [2, 3, 6]

@@ -5,7 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from models.store import LocalStore, MissingObject, S3Store, StoreError, StoreUnavailable, open_store
+from models.store import (
+    LocalStore,
+    MissingObject,
+    S3Store,
+    StoreError,
+    StoreUnavailable,
+    open_store,
+)
 from tests.conftest import BUCKET
 from tests.services import aws_env, free_port
 
@@ -109,6 +116,8 @@ def test_store_urls(tmp_path: Path) -> None:
     assert isinstance(open_store(str(tmp_path)), LocalStore)
     assert isinstance(open_store(tmp_path.as_uri()), LocalStore)
     s3 = open_store("s3://bucket/some/prefix")
-    assert isinstance(s3, S3Store) and s3.uri("images/x.png") == "s3://bucket/some/prefix/images/x.png"
+    assert (
+        isinstance(s3, S3Store) and s3.uri("images/x.png") == "s3://bucket/some/prefix/images/x.png"
+    )
     with pytest.raises(StoreError, match="unsupported"):
         open_store("ftp://host/x")

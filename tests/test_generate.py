@@ -1,0 +1,193 @@
+"""Submit -> Redis -> a real worker process -> S3 -> Postgres, end to end."""
+
+import hashlib
+import io
+import json
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from sqlalchemy import func, select
+
+from models.db import make_engine, session_factory
+from models.settings import Settings
+from models.specs import GenerationSpec
+from models.tables import Job, JobEvent, JobStatus
+from tests.conftest import BUCKET, wait_until, write
+from workers.app import GENERATE_TASK, create_app
+
+
+@pytest.fixture(scope="module")
+def sessions(migrated_postgres: str):
+    return session_factory(make_engine(migrated_postgres))
+
+
+def submit(sdq, path: Path, *args: str) -> dict:
+    result = sdq("submit", str(path), "--json", *args)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def wait_for_run(sdq, run_id: int) -> dict:
+    status: dict = {}
+
+    def finished() -> bool:
+        nonlocal status
+        result = sdq("status", str(run_id), "--json")
+        assert result.exit_code == 0, result.output
+        status = json.loads(result.stdout)
+        return status["finished"]
+
+    wait_until(finished, what=f"run {run_id}")
+    return status
+
+
+def s3_object(s3_client, uri: str) -> bytes:
+    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    assert bucket == BUCKET
+    return s3_client.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+
+def test_submit_renders_stores_and_records(worker, sdq, sessions, s3_client, tmp_path) -> None:
+    prompts = write(
+        tmp_path / "grid.csv",
+        'prompt,negative_prompt,seed\n"e2e lighthouse, at dusk",fog,11\ne2e fox in snow,,22\n',
+    )
+    styles = write(tmp_path / "styles.txt", "ink\noil paint\npixel art\n")
+    submitted = submit(sdq, prompts, "--styles", str(styles), "--template", "{prompt} by {style}",
+                       "--steps", "4", "--batch-size", "4")  # fmt: skip
+    assert submitted["jobs"] == 6 and submitted["batches"] == 2 and submitted["cached"] == 0
+    status = wait_for_run(sdq, submitted["run_id"])
+    assert status["counts"] == {"succeeded": 6}
+    assert len(status["jobs"]) == 6 and all(
+        job["uri"].startswith("s3://") for job in status["jobs"]
+    )
+
+    with sessions() as session:
+        jobs = session.scalars(select(Job).where(Job.run_id == submitted["run_id"])).all()
+        assert sorted(job.prompt for job in jobs) == sorted(
+            f"{subject} by {style}"
+            for subject in ("e2e lighthouse, at dusk", "e2e fox in snow")
+            for style in ("ink", "oil paint", "pixel art")
+        )
+        for job in jobs:
+            png = s3_object(s3_client, job.output_uri)
+            assert job.output_uri.endswith(f"/deployment/images/{job.spec_hash}.png")
+            assert job.output_sha256 == hashlib.sha256(png).hexdigest()
+            assert job.attempts == 1 and not job.cached
+            assert job.worker_host and job.device == "cpu"
+            assert job.started_at and job.finished_at and job.render_seconds > 0
+            image = Image.open(io.BytesIO(png))
+            assert image.size == (64, 64)
+            embedded = GenerationSpec.from_dict(json.loads(image.text["sdq-spec"]))
+            assert embedded.to_dict() == job.spec and embedded.hash() == job.spec_hash
+            assert image.text["sdq-spec-hash"] == job.spec_hash
+            assert image.text["parameters"].splitlines()[-1].startswith("Steps: 4, Sampler: Euler")
+            assert f"Seed: {job.seed}," in image.text["parameters"]
+            history = session.scalars(
+                select(JobEvent.status).where(JobEvent.job_id == job.id).order_by(JobEvent.id)
+            ).all()
+            assert history[0] == JobStatus.pending and history[-1] == JobStatus.succeeded
+            assert JobStatus.running in history
+
+
+def test_resubmission_is_served_from_cache(worker, sdq, sessions, tmp_path) -> None:
+    prompts = write(tmp_path / "p.csv", "prompt,seed\ne2e cached teapot,5\ne2e cached kettle,6\n")
+    first = submit(sdq, prompts, "--steps", "3")
+    wait_for_run(sdq, first["run_id"])
+    second = submit(sdq, prompts, "--steps", "3")
+    assert second["cached"] == 2 and second["batches"] == 0
+    status = wait_for_run(sdq, second["run_id"])
+    assert status["cached"] == 2 and status["counts"] == {"succeeded": 2}
+    uris = lambda run: sorted(job["uri"] for job in run["jobs"])  # noqa: E731
+    assert uris(status) == uris(wait_for_run(sdq, first["run_id"]))
+    # A different setting is a different spec: rendered, not served.
+    third = submit(sdq, prompts, "--steps", "4")
+    assert third["cached"] == 0
+
+
+def test_a_duplicated_message_is_harmless(worker, sdq, sessions, service_env, tmp_path) -> None:
+    prompts = write(tmp_path / "p.csv", "prompt,seed\ne2e duplicated owl,9\n")
+    submitted = submit(sdq, prompts, "--steps", "3")
+    app = create_app(Settings.from_env(service_env))
+    with sessions() as session:
+        job_ids = session.scalars(select(Job.id).where(Job.run_id == submitted["run_id"])).all()
+    # The same batch delivered twice more, as a broker may after a lost acknowledgement.
+    app.send_task(GENERATE_TASK, args=[list(job_ids)])
+    app.send_task(GENERATE_TASK, args=[list(job_ids)])
+    wait_for_run(sdq, submitted["run_id"])
+    time.sleep(3)  # let the extra deliveries arrive and find nothing to do
+    with sessions() as session:
+        job = session.get(Job, job_ids[0])
+        renders = session.scalar(
+            select(func.count()).where(
+                JobEvent.job_id == job.id, JobEvent.status == JobStatus.succeeded
+            )
+        )
+        assert (job.status, job.attempts, renders) == (JobStatus.succeeded, 1, 1)
+
+
+def test_requeue_sends_what_never_reached_the_broker(
+    worker, sdq, sessions, service_env, tmp_path
+) -> None:
+    prompts = write(tmp_path / "p.csv", "prompt,seed\ne2e outbox heron,3\ne2e outbox crane,4\n")
+    # A broker nobody listens on: the run is saved, the messages are not sent.
+    down = sdq(
+        "submit", str(prompts), "--steps", "3", env={"SDQ_BROKER_URL": "redis://127.0.0.1:1/0"}
+    )
+    assert down.exit_code != 0 and "sdq requeue" in down.output
+    with sessions() as session:
+        run_id = session.scalar(select(func.max(Job.run_id)))
+        statuses = session.scalars(select(Job.status).where(Job.run_id == run_id)).all()
+    assert statuses == [JobStatus.pending, JobStatus.pending]
+    requeued = sdq("requeue", str(run_id), "--json")
+    assert requeued.exit_code == 0, requeued.output
+    assert json.loads(requeued.stdout)["jobs"] == 2
+    assert wait_for_run(sdq, run_id)["counts"] == {"succeeded": 2}
+
+
+def test_lookups(worker, sdq, tmp_path) -> None:
+    prompts = write(tmp_path / "p.csv", "prompt,seed,style\ne2e lookup zebra,42,ink\n")
+    run_id = submit(sdq, prompts, "--steps", "3")["run_id"]
+    job_id = wait_for_run(sdq, run_id)["jobs"][0]["id"]
+
+    found = json.loads(sdq("find", "--prompt", "LOOKUP zeb", "--style", "ink", "--json").stdout)
+    assert [row["id"] for row in found] == [job_id]
+    assert (
+        json.loads(sdq("find", "--prompt", "zebra", "--run", str(run_id + 1000), "--json").stdout)
+        == []
+    )
+    assert (
+        json.loads(sdq("find", "--model", "tiny", "--run", str(run_id), "--json").stdout)[0]["seed"]
+        == 42
+    )
+
+    shown = json.loads(sdq("show", str(job_id), "--json").stdout)
+    assert shown["spec"]["seed"] == 42 and shown["spec"]["model_name"] == "tiny"
+    assert shown["worker"] and shown["device"] == "cpu" and shown["uri"].startswith("s3://")
+    assert [event["status"] for event in shown["events"]][-1] == "succeeded"
+
+    out = tmp_path / "out.png"
+    assert sdq("get", str(job_id), "-o", str(out)).exit_code == 0
+    assert Image.open(out).text["sdq-spec-hash"] == shown["spec_hash"]
+
+    runs = json.loads(sdq("runs", "--json").stdout)
+    assert any(run["run_id"] == run_id for run in runs)
+    text = sdq("status", str(run_id)).output
+    assert "succeeded" in text and "1 of 1 images done" in text
+    missing = sdq("show", "999999")
+    assert missing.exit_code == 1 and "no job 999999" in missing.output
+
+
+def test_bad_input_writes_nothing(sdq, sessions, tmp_path) -> None:
+    with sessions() as session:
+        before = session.scalar(select(func.count()).select_from(Job))
+    prompts = write(tmp_path / "bad.csv", "prompt,seed\nfine,1\n,2\nalso fine,-1\n")
+    result = sdq("submit", str(prompts))
+    assert result.exit_code == 2
+    assert f"{prompts}:3: prompt: empty prompt" in result.output
+    assert f"{prompts}:4: seed: seed must be between 0" in result.output
+    assert "nothing was submitted" in result.output
+    with sessions() as session:
+        assert session.scalar(select(func.count()).select_from(Job)) == before
