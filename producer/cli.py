@@ -259,7 +259,7 @@ def _report_run(app: SdqCelery, run_id: int, as_json: bool) -> None:
         display.print_json(status)
     else:
         display.show_status(status)
-        display.stdout.print(f"images: {app.store.uri('images/')}")
+        display.stdout.print(f"images: {app.store.uri('images/')}", soft_wrap=True)
     if status["failed"]:
         sys.exit(1)
 

@@ -3,6 +3,8 @@
 import hashlib
 import io
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -191,3 +193,27 @@ def test_bad_input_writes_nothing(sdq, sessions, tmp_path) -> None:
     assert "nothing was submitted" in result.output
     with sessions() as session:
         assert session.scalar(select(func.count()).select_from(Job)) == before
+
+
+def test_a_killed_worker_loses_no_work(worker, sdq, sessions, tmp_path) -> None:
+    prompts = write(tmp_path / "p.csv", "prompt,seed\ne2e killed mid-render,13\n")
+    run_id = submit(sdq, prompts, "--steps", "400")["run_id"]  # long enough to be cut short
+
+    def claimed() -> Job | None:
+        with sessions() as session:
+            job = session.scalars(select(Job).where(Job.run_id == run_id)).one()
+        return job if job.status == JobStatus.running else None
+
+    wait_until(lambda: claimed() is not None, what="the job to start")
+    holder = claimed().worker_host
+    os.kill(int(holder.rsplit(":", 1)[1]), signal.SIGKILL)
+
+    status = wait_for_run(sdq, run_id)
+    assert status["counts"] == {"succeeded": 1}
+    with sessions() as session:
+        job = session.scalars(select(Job).where(Job.run_id == run_id)).one()
+        history = session.scalars(
+            select(JobEvent.status).where(JobEvent.job_id == job.id).order_by(JobEvent.id)
+        ).all()
+    assert job.attempts == 2 and job.worker_host != holder
+    assert history.count(JobStatus.running) == 2 and history[-1] == JobStatus.succeeded

@@ -17,11 +17,17 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch
 from diffusers import AutoPipelineForText2Image, DiffusionPipeline
 from diffusers import schedulers as diffusers_schedulers
+from diffusers.utils import logging as diffusers_logging
 from PIL.Image import Image
+from transformers.utils import logging as transformers_logging
 
 from models import registry, tiny
 from models.specs import GenerationSpec
 from models.store import ObjectStore, S3Store
+
+# Loading bars are for notebooks; in a worker's log they are noise.
+diffusers_logging.disable_progress_bar()
+transformers_logging.disable_progress_bar()
 
 
 class PipelineError(Exception):
@@ -68,7 +74,7 @@ class PipelineCache:
             pipeline = _build_tiny(spec)
         else:
             pipeline = AutoPipelineForText2Image.from_pretrained(
-                **self._location(spec), torch_dtype=dtype
+                **self._location(spec), dtype=dtype
             )
         if pipeline.dtype != dtype:
             pipeline = pipeline.to(dtype=dtype)

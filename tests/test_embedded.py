@@ -1,0 +1,63 @@
+"""`sdq run` on a fresh machine: no services, no settings, everything under ./sdq-data."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from PIL import Image
+
+from tests.conftest import ROOT
+from tests.services import clean_env
+
+
+def sdq_run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "producer.cli", "run", *args],
+        cwd=cwd,
+        env={**clean_env(), "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_run_does_the_whole_job_in_one_process(tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    done = sdq_run(
+        tmp_path,
+        "examples/subjects.csv",
+        "--styles",
+        "examples/styles.txt",
+        "--steps",
+        "4",
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr
+    status = json.loads(done.stdout)
+    subjects = len((tmp_path / "examples/subjects.csv").read_text().splitlines()) - 1
+    styles = sum(
+        1
+        for line in (tmp_path / "examples/styles.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    assert status["total"] == subjects * styles == len(status["jobs"])
+    assert status["counts"] == {"succeeded": status["total"]}
+    images = sorted((tmp_path / "sdq-data/store/images").glob("*.png"))
+    assert len(images) == status["total"]
+    for job in status["jobs"]:
+        path = Path(job["uri"].removeprefix("file://"))
+        assert path.parent == (tmp_path / "sdq-data/store/images").resolve()
+        assert Image.open(path).text["sdq-spec-hash"] == path.stem
+    assert (tmp_path / "sdq-data/sdq.db").is_file()
+
+    again = sdq_run(
+        tmp_path, "examples/subjects.csv", "--styles", "examples/styles.txt", "--steps", "4"
+    )
+    assert again.returncode == 0, again.stderr
+    assert (
+        f"{status['total']} of {status['total']} images done, {status['total']} from cache"
+        in again.stdout
+    )
+    assert "images: file://" in again.stdout
