@@ -21,6 +21,9 @@ class Settings:
     max_attempts: int = 3
     retry_backoff_seconds: int = 5
     batch_size: int = 8
+    # A task message carries this many pipeline calls, so a worker uploads one call's
+    # images while it renders the next.
+    calls_per_task: int = 4
     # A worker keeps this many loaded pipelines; each one costs GPU memory.
     pipeline_cache_size: int = 1
 
@@ -49,6 +52,7 @@ class Settings:
             max_attempts=_int(env, "SDQ_MAX_ATTEMPTS", 3),
             retry_backoff_seconds=_int(env, "SDQ_RETRY_BACKOFF_SECONDS", 5),
             batch_size=_int(env, "SDQ_BATCH_SIZE", 8),
+            calls_per_task=_int(env, "SDQ_CALLS_PER_TASK", 4),
             pipeline_cache_size=_int(env, "SDQ_PIPELINE_CACHE_SIZE", 1),
         )
 

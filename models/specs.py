@@ -70,6 +70,16 @@ class GenerationSpec:
         )[:32]
 
 
+def batches(planned: list[tuple[int, str]], size: int) -> list[list[int]]:
+    """Groups (job id, batch key) pairs into lists of at most `size` ids sharing a batch key."""
+    groups: dict[str, list[int]] = {}
+    for job_id, key in planned:
+        groups.setdefault(key, []).append(job_id)
+    return [
+        ids[start : start + size] for ids in groups.values() for start in range(0, len(ids), size)
+    ]
+
+
 def image_key(spec_hash: str) -> str:
     return f"images/{spec_hash}.png"
 

@@ -28,7 +28,14 @@ from producer.prompts import (
     read_prompts,
     read_styles,
 )
-from producer.submit import EnqueueFailed, Submission, enqueue, record_run, resendable
+from producer.submit import (
+    Batching,
+    EnqueueFailed,
+    Submission,
+    enqueue,
+    record_run,
+    resendable,
+)
 from workers.app import SdqCelery, create_app
 
 BAD_INPUT = 2
@@ -147,8 +154,12 @@ def prepare(app: SdqCelery, request: Request) -> Submission:
         model=model,
         source=str(request.prompts),
         options=request.options(),
-        batch_size=request.batch_size or app.settings.batch_size,
+        batching=batching(app, request.batch_size),
     )
+
+
+def batching(app: SdqCelery, batch_size: int | None) -> Batching:
+    return Batching(batch_size or app.settings.batch_size, app.settings.calls_per_task)
 
 
 def ensure_schema(app: SdqCelery) -> None:
@@ -166,7 +177,7 @@ def submission_json(submission: Submission) -> dict[str, Any]:
         "run_id": submission.run_id,
         "jobs": submission.jobs,
         "cached": submission.cached,
-        "batches": len(submission.batches),
+        "tasks": len(submission.tasks),
     }
 
 
@@ -195,7 +206,7 @@ def submit(app: SdqCelery, as_json: bool, wait: bool, **options: Any) -> None:
         raise click.UsageError("no broker configured (SDQ_BROKER_URL); `sdq run` works without one")
     submission = prepare(app, Request.from_options(options))
     try:
-        enqueue(app, app.sessions, submission.run_id, submission.batches)
+        enqueue(app, app.sessions, submission.run_id, submission.tasks, submission.batching)
     except EnqueueFailed as error:
         raise click.ClickException(str(error)) from None
     if not wait:
@@ -219,12 +230,12 @@ def run(app: SdqCelery, as_json: bool, **options: Any) -> None:
     with display.progress() as bar:
         progress = bar.add_task(f"run {submission.run_id}", total=submission.jobs)
         bar.update(progress, completed=submission.cached)
-        for batch in submission.batches:
+        for job_ids in submission.tasks:
             # A retry inside apply() runs at once, in this process; only a crash is left here.
-            result = task.apply(args=[batch])
+            result = task.apply(args=[job_ids, submission.batching.batch_size])
             if result.failed():
                 raise result.result
-            bar.advance(progress, len(batch))
+            bar.advance(progress, len(job_ids))
     _finish(app, submission, as_json, wait=False)
 
 
@@ -234,7 +245,7 @@ def _report_submission(submission: Submission, as_json: bool) -> None:
         return
     click.echo(submission.run_id)
     display.console.print(
-        f"{submission.jobs} jobs in {len(submission.batches)} batches, "
+        f"{submission.jobs} jobs in {len(submission.tasks)} tasks, "
         f"{submission.cached} served from cache; `sdq status {submission.run_id}` follows it"
     )
 
@@ -271,21 +282,20 @@ def _report_run(app: SdqCelery, run_id: int, as_json: bool) -> None:
 @pass_app
 def requeue(app: SdqCelery, run_id: int, batch_size: int | None, as_json: bool) -> None:
     """Send again every job of RUN that has not finished and that no live worker holds."""
-    from producer.plan import batches
-
     with app.sessions() as session:
         if session.get(Run, run_id) is None:
             raise click.ClickException(f"no run {run_id}")
         jobs = resendable(session, run_id)
-    groups = batches(jobs, batch_size or app.settings.batch_size)
+    sizes = batching(app, batch_size)
+    groups = sizes.tasks(jobs)
     try:
-        enqueue(app, app.sessions, run_id, groups)
+        enqueue(app, app.sessions, run_id, groups, sizes)
     except EnqueueFailed as error:
         raise click.ClickException(str(error)) from None
     if as_json:
-        display.print_json({"run_id": run_id, "jobs": len(jobs), "batches": len(groups)})
+        display.print_json({"run_id": run_id, "jobs": len(jobs), "tasks": len(groups)})
     else:
-        click.echo(f"run {run_id}: sent {len(jobs)} jobs again in {len(groups)} batches")
+        click.echo(f"run {run_id}: sent {len(jobs)} jobs again in {len(groups)} tasks")
 
 
 @main.command()

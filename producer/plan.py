@@ -78,13 +78,3 @@ def _spec(
         height=row.height or defaults.height or model.default_size,
         dtype=defaults.dtype or model.default_dtype,
     )
-
-
-def batches(planned: list[tuple[int, str]], size: int) -> list[list[int]]:
-    """Groups (job id, batch key) pairs into runs of `size` ids that share a pipeline call."""
-    groups: dict[str, list[int]] = {}
-    for job_id, key in planned:
-        groups.setdefault(key, []).append(job_id)
-    return [
-        ids[start : start + size] for ids in groups.values() for start in range(0, len(ids), size)
-    ]

@@ -15,9 +15,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models.lifecycle import as_utc, mark_queued, record_events, rendered_outputs, utcnow
 from models.registry import record_model
-from models.specs import ModelIdentity
+from models.specs import ModelIdentity, batches
 from models.tables import FINISHED, Job, JobStatus, Run
-from producer.plan import PlannedJob, batches
+from producer.plan import PlannedJob
 from workers.app import GENERATE_TASK
 
 CHUNK = 1000
@@ -26,9 +26,18 @@ CHUNK = 1000
 class EnqueueFailed(Exception):
     def __init__(self, run_id: int, sent: int, total: int, cause: Exception) -> None:
         super().__init__(
-            f"run {run_id}: the broker took {sent} of {total} batches ({cause}); the rest are "
+            f"run {run_id}: the broker took {sent} of {total} tasks ({cause}); the rest are "
             f"saved as pending: `sdq requeue {run_id}` sends them when the broker is back"
         )
+
+
+@dataclass(frozen=True)
+class Batching:
+    batch_size: int  # images per pipeline call
+    calls_per_task: int  # pipeline calls per task message
+
+    def tasks(self, jobs: list[tuple[int, str]]) -> list[list[int]]:
+        return batches(jobs, self.batch_size * self.calls_per_task)
 
 
 @dataclass(frozen=True)
@@ -36,7 +45,8 @@ class Submission:
     run_id: int
     jobs: int
     cached: int
-    batches: list[list[int]]
+    tasks: list[list[int]]
+    batching: Batching
 
 
 def record_run(
@@ -46,7 +56,7 @@ def record_run(
     model: ModelIdentity,
     source: str,
     options: dict[str, Any],
-    batch_size: int,
+    batching: Batching,
 ) -> Submission:
     """Writes the run and its jobs; specs rendered before are recorded as cached, not sent."""
     now = utcnow()
@@ -74,7 +84,7 @@ def record_run(
             for job_id, row in zip(ids, rows, strict=True)
             if not row["cached"]
         ]
-    return Submission(run.id, len(ids), len(cached), batches(todo, batch_size))
+    return Submission(run.id, len(ids), len(cached), batching.tasks(todo), batching)
 
 
 def _job_row(
@@ -107,17 +117,22 @@ def _job_row(
 
 
 def enqueue(
-    app: Celery, sessions: sessionmaker[Session], run_id: int, batches: list[list[int]]
+    app: Celery,
+    sessions: sessionmaker[Session],
+    run_id: int,
+    tasks: list[list[int]],
+    batching: Batching,
 ) -> None:
-    """Sends one message per batch, then marks what the broker took as queued."""
+    """Sends one message per task, then marks what the broker took as queued."""
     sent: list[int] = []
     try:
         with app.producer_or_acquire() as producer:
-            for batch in batches:
-                app.send_task(GENERATE_TASK, args=[batch], producer=producer)
-                sent += batch
+            for job_ids in tasks:
+                args = [job_ids, batching.batch_size]
+                app.send_task(GENERATE_TASK, args=args, producer=producer)
+                sent += job_ids
     except Exception as error:  # kombu raises several kinds for a broker it cannot reach
-        raise EnqueueFailed(run_id, len(sent), len(batches), error) from error
+        raise EnqueueFailed(run_id, len(sent), len(tasks), error) from error
     finally:
         with sessions.begin() as session:
             for chunk in _chunks(sent):

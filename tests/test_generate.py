@@ -59,7 +59,7 @@ def test_submit_renders_stores_and_records(worker, sdq, sessions, s3_client, tmp
     styles = write(tmp_path / "styles.txt", "ink\noil paint\npixel art\n")
     submitted = submit(sdq, prompts, "--styles", str(styles), "--template", "{prompt} by {style}",
                        "--steps", "4", "--batch-size", "4")  # fmt: skip
-    assert submitted["jobs"] == 6 and submitted["batches"] == 2 and submitted["cached"] == 0
+    assert submitted["jobs"] == 6 and submitted["tasks"] == 1 and submitted["cached"] == 0
     status = wait_for_run(sdq, submitted["run_id"])
     assert status["counts"] == {"succeeded": 6}
     assert len(status["jobs"]) == 6 and all(
@@ -99,7 +99,7 @@ def test_resubmission_is_served_from_cache(worker, sdq, sessions, tmp_path) -> N
     first = submit(sdq, prompts, "--steps", "3")
     wait_for_run(sdq, first["run_id"])
     second = submit(sdq, prompts, "--steps", "3")
-    assert second["cached"] == 2 and second["batches"] == 0
+    assert second["cached"] == 2 and second["tasks"] == 0
     status = wait_for_run(sdq, second["run_id"])
     assert status["cached"] == 2 and status["counts"] == {"succeeded": 2}
     uris = lambda run: sorted(job["uri"] for job in run["jobs"])  # noqa: E731

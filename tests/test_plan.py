@@ -3,8 +3,8 @@
 from dataclasses import replace
 
 from models.registry import tiny_identity
-from models.specs import image_key
-from producer.plan import Defaults, batches, plan_jobs
+from models.specs import batches, image_key
+from producer.plan import Defaults, plan_jobs
 from producer.prompts import PromptRow
 
 MODEL = tiny_identity()

@@ -20,7 +20,7 @@ from models.store import LocalStore, S3Store
 from models.tables import Job, JobStatus
 from producer.plan import Defaults, plan_jobs
 from producer.prompts import PromptRow
-from producer.submit import record_run
+from producer.submit import Batching, record_run
 from tests.conftest import BUCKET, write
 from tests.services import aws_env, free_port
 from workers.generate import generate_batch
@@ -127,14 +127,35 @@ def test_every_model_source_loads_the_same_weights(sdq, tiny_folder, s3_client, 
     assert by_name["pushed-tiny"]["store_prefix"].startswith("models/pushed-tiny/")
 
 
-def submit_direct(sessions, prompt: str, *, seed: int = 1):
-    planned = plan_jobs(
-        [PromptRow(line=2, prompt=prompt)],
-        model=tiny_identity(),
-        defaults=Defaults(seed=seed, steps=2),
+def planned(prompt: str, model=None):
+    model = model or tiny_identity()
+    return plan_jobs(
+        [PromptRow(line=2, prompt=prompt)], model=model, defaults=Defaults(seed=1, steps=2)
     )
-    return record_run(
-        sessions, planned, model=tiny_identity(), source="test", options={}, batch_size=8
+
+
+def recorded(sessions, jobs, model=None) -> list[int]:
+    """Writes a run as `sdq submit` does, and returns its one task's job ids."""
+    submission = record_run(
+        sessions,
+        jobs,
+        model=model or tiny_identity(),
+        source="test",
+        options={},
+        batching=Batching(8, 1),
+    )
+    return submission.tasks[0]
+
+
+def direct_work(database_url: str, store, pipelines, **settings) -> dict:
+    """What the generate task passes to its work function, built by hand."""
+    return dict(
+        batch_size=8,
+        sessions=session_factory(make_engine(database_url)),
+        store=store,
+        pipelines=pipelines,
+        worker=Worker("test-host:1", "cpu"),
+        settings=replace(Settings.from_env({"SDQ_DATABASE_URL": database_url}), **settings),
     )
 
 
@@ -142,17 +163,9 @@ def test_unreachable_store_retries_then_gives_up(migrated_postgres, pipelines, m
     for key, value in aws_env(f"http://127.0.0.1:{free_port()}").items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
-    sessions = session_factory(make_engine(migrated_postgres))
-    settings = replace(Settings.from_env({"SDQ_DATABASE_URL": migrated_postgres}), max_attempts=2)
-    submission = submit_direct(sessions, "store is down")
-    job_ids = submission.batches[0]
-    work = dict(
-        sessions=sessions,
-        store=S3Store(BUCKET),
-        pipelines=pipelines,
-        worker=Worker("test-host:1", "cpu"),
-        settings=settings,
-    )
+    work = direct_work(migrated_postgres, S3Store(BUCKET), pipelines, max_attempts=2)
+    sessions = work["sessions"]
+    job_ids = recorded(sessions, planned("store is down"))
     first = generate_batch(job_ids, **work)
     assert first.retry == job_ids and "cannot reach" in first.error
     with sessions() as session:
@@ -168,46 +181,20 @@ def test_unreachable_store_retries_then_gives_up(migrated_postgres, pipelines, m
 def test_permanent_errors_fail_the_job_at_once(
     migrated_postgres, pipelines, tiny_folder, tmp_path
 ) -> None:
-    sessions = session_factory(make_engine(migrated_postgres))
-    settings = Settings.from_env({"SDQ_DATABASE_URL": migrated_postgres})
-    work = dict(
-        sessions=sessions,
-        store=LocalStore(tmp_path / "store"),
-        pipelines=pipelines,
-        worker=Worker("test-host:2", "cpu"),
-        settings=settings,
-    )
+    work = direct_work(migrated_postgres, LocalStore(tmp_path / "store"), pipelines)
+    sessions = work["sessions"]
     # A model folder that was there at submit time and is gone on the worker.
     folder = tmp_path / "vanishing"
     shutil.copytree(tiny_folder, folder)
     with sessions() as session:
         identity = resolve_model(str(folder), store=work["store"], session=session)
-    planned = plan_jobs(
-        [PromptRow(line=2, prompt="gone")], model=identity, defaults=Defaults(seed=1, steps=2)
-    )
-    submission = record_run(
-        sessions, planned, model=identity, source="test", options={}, batch_size=8
-    )
+    gone = recorded(sessions, planned("gone", identity), identity)
     shutil.rmtree(folder)
     # A size the pipeline cannot make (the CLI refuses it; a hand-written job may not).
-    odd = [
-        replace(job, spec=replace(job.spec, width=100))
-        for job in plan_jobs(
-            [PromptRow(line=2, prompt="odd size")],
-            model=tiny_identity(),
-            defaults=Defaults(seed=1, steps=2),
-        )
-    ]
-    odd_submission = record_run(
-        sessions, odd, model=tiny_identity(), source="test", options={}, batch_size=8
-    )
-
-    for batch, message in [
-        (submission.batches[0], "does not exist"),
-        (odd_submission.batches[0], "divisible by 8"),
-    ]:
-        outcome = generate_batch(batch, **work)
+    odd = [replace(job, spec=replace(job.spec, width=100)) for job in planned("odd size")]
+    for job_ids, message in [(gone, "does not exist"), (recorded(sessions, odd), "divisible by 8")]:
+        outcome = generate_batch(job_ids, **work)
         assert outcome.retry == [] and message in outcome.error
         with sessions() as session:
-            job = session.get(Job, batch[0])
+            job = session.get(Job, job_ids[0])
             assert (job.status, job.attempts) == (JobStatus.dead, 1) and message in job.error

@@ -4,13 +4,11 @@ Plain functions, no Celery: the task in workers.tasks only maps the outcome onto
 """
 
 import threading
-from collections import defaultdict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
-from functools import partial
 from time import perf_counter
 
 from PIL.Image import Image
@@ -27,7 +25,7 @@ from models.lifecycle import (
     succeed,
 )
 from models.settings import Settings
-from models.specs import GenerationSpec, image_key
+from models.specs import GenerationSpec, batches, image_key
 from models.store import ObjectStore
 from models.tables import Job
 from workers.images import encode_png, sha256
@@ -50,6 +48,7 @@ class BatchOutcome:
 def generate_batch(
     job_ids: list[int],
     *,
+    batch_size: int,
     sessions: sessionmaker[Session],
     store: ObjectStore,
     pipelines,
@@ -83,7 +82,9 @@ def generate_batch(
     # 3. Render and store; any failure is recorded against every job still in hand.
     try:
         with keep_leases(sessions, [job.id for job in todo], worker=worker, settings=settings):
-            outputs = render_and_store(todo, store=store, pipelines=pipelines)
+            outputs = render_and_store(
+                todo, batch_size=batch_size, store=store, pipelines=pipelines
+            )
     except Exception as error:
         outcome.error = f"{type(error).__name__}: {error}"
         with sessions.begin() as session:
@@ -112,20 +113,27 @@ def is_permanent(error: Exception) -> bool:
     return isinstance(error, PipelineError | ValueError)
 
 
-def render_and_store(jobs: list[Job], *, store: ObjectStore, pipelines) -> list[Output]:
+def render_and_store(
+    jobs: list[Job], *, batch_size: int, store: ObjectStore, pipelines
+) -> list[Output]:
     from workers.pipelines import render
 
-    outputs: list[Output] = []
-    for group in _by_batch_key(jobs):
-        specs = [GenerationSpec.from_dict(job.spec) for job in group]
-        pipeline = pipelines.get(specs[0])
-        started = perf_counter()
-        images = render(pipeline, specs)
-        seconds_each = (perf_counter() - started) / len(group)
-        with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
-            store_one = partial(_store_image, store, seconds_each)
-            outputs += pool.map(store_one, group, specs, images)
-    return outputs
+    by_id = {job.id: job for job in jobs}
+    calls = batches([(job.id, job.batch_key) for job in jobs], batch_size)
+    # Uploads run in threads while the next call renders: the device is never idle on I/O.
+    with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
+        stored = []
+        for call in calls:
+            group = [by_id[job_id] for job_id in call]
+            specs = [GenerationSpec.from_dict(job.spec) for job in group]
+            started = perf_counter()
+            images = render(pipelines.get(specs[0]), specs)
+            seconds_each = (perf_counter() - started) / len(group)
+            stored += [
+                pool.submit(_store_image, store, seconds_each, job, spec, image)
+                for job, spec, image in zip(group, specs, images, strict=True)
+            ]
+        return [upload.result() for upload in stored]
 
 
 def _store_image(
@@ -134,13 +142,6 @@ def _store_image(
     data = encode_png(image, spec, job.spec_hash)
     uri = store.put_bytes(image_key(job.spec_hash), data, content_type="image/png")
     return Output(job.id, uri, sha256(data), render_seconds=seconds)
-
-
-def _by_batch_key(jobs: list[Job]) -> list[list[Job]]:
-    groups: dict[str, list[Job]] = defaultdict(list)
-    for job in jobs:
-        groups[job.batch_key].append(job)
-    return list(groups.values())
 
 
 @contextmanager

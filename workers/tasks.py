@@ -12,10 +12,11 @@ MAX_BACKOFF_SECONDS = 600
 
 
 @shared_task(bind=True, name=GENERATE_TASK, max_retries=None)
-def generate(self, job_ids: list[int]) -> dict[str, int]:
+def generate(self, job_ids: list[int], batch_size: int) -> dict[str, int]:
     app = self.app
     outcome = generate_batch(
         job_ids,
+        batch_size=batch_size,
         sessions=app.sessions,
         store=app.store,
         pipelines=app.pipelines,
@@ -33,5 +34,5 @@ def generate(self, job_ids: list[int]) -> dict[str, int]:
     if outcome.held and not self.request.is_eager:
         countdowns.append(max(1, (outcome.held_until - datetime.now(UTC)).total_seconds() + 1))
     if countdowns:
-        raise self.retry(args=[outcome.retry + outcome.held], countdown=max(countdowns))
+        raise self.retry(args=[outcome.retry + outcome.held, batch_size], countdown=max(countdowns))
     return {"rendered": len(outcome.rendered), "cached": len(outcome.cached)}
