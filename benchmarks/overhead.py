@@ -5,18 +5,24 @@ The same prompts on the tiny model, 64x64, 20 steps:
   (b) the same loop at sdq's batch size;
   (c) `sdq submit` to one `sdq worker gpu` process on Redis + Postgres + S3 (moto server),
       timed from the submit to the last image recorded as stored.
-Both sides load the pipeline before the clock starts. Prints one JSON object.
+Both sides load the pipeline before the clock starts. The three are run in turn, `--rounds`
+times, with fresh prompts each round (nothing is served from sdq's cache), and the median
+of each is reported, since a 2-core machine's timings drift from one minute to the next.
+Prints one JSON object.
 
-    python benchmarks/overhead.py [--prompts 64] [--batch-size 8] [--steps 20]
+    python benchmarks/overhead.py [--prompts 64] [--batch-size 8] [--steps 20] [--rounds 3]
 """
 
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import boto3
@@ -28,6 +34,7 @@ from sqlalchemy import func, select
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from migrations import upgrade  # noqa: E402
 from models.db import make_engine, session_factory  # noqa: E402
 from models.tables import FINISHED, Job  # noqa: E402
 from producer.cli import main as sdq  # noqa: E402
@@ -40,117 +47,115 @@ SUBJECTS = [
     "a robot gardener", "a koi pond", "a desert caravan",
 ]  # fmt: skip
 STYLES = ["ink", "oil paint", "pixel art", "watercolor", "charcoal", "bauhaus", "ukiyo-e", "neon"]
+ADMIN_URL = "postgresql://postgres@127.0.0.1/postgres"
+BUCKET = "sdq-bench"
 
 
-def prompts(count: int) -> list[tuple[str, int]]:
+def prompts(count: int, round_: int) -> list[tuple[str, int]]:
     grid = [f"{subject}, {style}" for style in STYLES for subject in SUBJECTS]
-    return [(f"{grid[index % len(grid)]} #{index}", 1000 + index) for index in range(count)]
+    return [
+        (f"{grid[index % len(grid)]} #{round_}.{index}", 1000 + index) for index in range(count)
+    ]
 
 
-def plain_loop(work: list[tuple[str, int]], *, batch_size: int, steps: int, size: int) -> float:
-    """The plain way: one process, one pipeline, PNG files in a folder. Returns seconds."""
-    pipeline = build_pipeline()
-    pipeline.set_progress_bar_config(disable=True)
-    pipeline(prompt="warm-up", num_inference_steps=2, width=size, height=size)
-    with tempfile.TemporaryDirectory() as folder:
-        started = time.perf_counter()
-        for start in range(0, len(work), batch_size):
-            chunk = work[start : start + batch_size]
-            images = pipeline(
-                prompt=[prompt for prompt, _ in chunk],
-                num_inference_steps=steps,
-                width=size,
-                height=size,
-                generator=[torch.Generator("cpu").manual_seed(seed) for _, seed in chunk],
-            ).images
-            for (_, seed), image in zip(chunk, images, strict=True):
-                image.save(Path(folder) / f"{seed}.png")
-        return time.perf_counter() - started
+class PlainLoop:
+    """The plain way: one process, one pipeline, PNG files in a folder."""
+
+    def __init__(self, *, steps: int, size: int) -> None:
+        self.steps, self.size = steps, size
+        self.pipeline = build_pipeline()
+        self.pipeline.set_progress_bar_config(disable=True)
+        self.pipeline(prompt="warm-up", num_inference_steps=2, width=size, height=size)
+
+    def seconds(self, work: list[tuple[str, int]], *, batch_size: int) -> float:
+        with tempfile.TemporaryDirectory() as folder:
+            started = time.perf_counter()
+            for start in range(0, len(work), batch_size):
+                chunk = work[start : start + batch_size]
+                images = self.pipeline(
+                    prompt=[prompt for prompt, _ in chunk],
+                    num_inference_steps=self.steps,
+                    width=self.size,
+                    height=self.size,
+                    generator=[torch.Generator("cpu").manual_seed(seed) for _, seed in chunk],
+                ).images
+                for (_, seed), image in zip(chunk, images, strict=True):
+                    image.save(Path(folder) / f"{seed}.png")
+            return time.perf_counter() - started
 
 
-def deployment() -> tuple[dict[str, str], MotoServer, str]:
+@contextmanager
+def deployment() -> Iterator[dict[str, str]]:
+    """A database of its own, Redis, and a moto S3 server; yields the environment for sdq."""
     ensure_service("postgres")
     ensure_service("redis")
     database = f"sdq_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect("postgresql://postgres@127.0.0.1/postgres", autocommit=True) as connection:
+    with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
         connection.execute(f'CREATE DATABASE "{database}"')
     s3 = MotoServer().start()
-    boto3.client("s3", **_client_args(s3.endpoint)).create_bucket(Bucket="sdq-bench")
-    home = Path(tempfile.mkdtemp(prefix="sdq-bench-"))
     env = {
         **clean_env(),
         **aws_env(s3.endpoint),
         "SDQ_DATABASE_URL": f"postgresql://postgres@127.0.0.1/{database}",
         "SDQ_BROKER_URL": "redis://127.0.0.1:6379/12",
-        "SDQ_STORE_URL": "s3://sdq-bench/bench",
-        "SDQ_HOME": str(home),
+        "SDQ_STORE_URL": f"s3://{BUCKET}/bench",
+        "SDQ_HOME": tempfile.mkdtemp(prefix="sdq-bench-"),
     }
-    return env, s3, database
+    boto3.client("s3", endpoint_url=s3.endpoint, **_credentials()).create_bucket(Bucket=BUCKET)
+    try:
+        yield env
+    finally:
+        s3.stop()
+        with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
+            connection.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
 
 
-def _client_args(endpoint: str) -> dict[str, str]:
+def _credentials() -> dict[str, str]:
     return {
-        "endpoint_url": endpoint,
         "aws_access_key_id": "testing",
         "aws_secret_access_key": "testing",
         "region_name": "us-east-1",
     }
 
 
-def submit(env: dict[str, str], csv: Path, *options: str) -> int:
-    result = CliRunner().invoke(sdq, ["submit", str(csv), "--json", *options], env=env)
-    if result.exit_code != 0:
-        raise RuntimeError(result.output)
-    return json.loads(result.stdout)["run_id"]
+class ThroughSdq:
+    """`sdq submit` in this process, one `sdq worker gpu` process rendering."""
 
+    def __init__(self, env: dict[str, str], *, steps: int, size: int, batch_size: int) -> None:
+        self.env = env
+        self.home = Path(env["SDQ_HOME"])
+        self.options = ["--steps", str(steps), "--size", f"{size}x{size}"]
+        self.options += ["--batch-size", str(batch_size)]
+        self.engine = make_engine(env["SDQ_DATABASE_URL"])
+        upgrade(self.engine)
+        self.sessions = session_factory(self.engine)
+        self.worker = WorkerProcess(env, self.home / "worker.log").start()
+        self.seconds([("warm-up", 1)])  # the worker loads its pipeline here
 
-def wait(sessions, run_id: int, total: int) -> None:
-    finished = select(func.count()).where(Job.run_id == run_id, Job.status.in_(FINISHED))
-    while True:
-        with sessions() as session:
-            if session.scalar(finished) >= total:
-                return
-        time.sleep(0.01)
-
-
-def through_sdq(work: list[tuple[str, int]], *, batch_size: int, steps: int, size: int) -> float:
-    env, s3, database = deployment()
-    os.environ.update({key: env[key] for key in env if key.startswith(("SDQ_", "AWS_"))})
-    from migrations import upgrade
-
-    engine = make_engine(env["SDQ_DATABASE_URL"])
-    upgrade(engine)
-    sessions = session_factory(engine)
-    home = Path(env["SDQ_HOME"])
-    worker = WorkerProcess(env, home / "worker.log").start()
-    try:
-        options = [
-            "--steps",
-            str(steps),
-            "--size",
-            f"{size}x{size}",
-            "--batch-size",
-            str(batch_size),
-        ]
-        warm_up = write_csv(home / "warm-up.csv", [("warm-up", 1)])
-        wait(sessions, submit(env, warm_up, *options), 1)
-        csv = write_csv(home / "prompts.csv", work)
+    def seconds(self, work: list[tuple[str, int]]) -> float:
+        csv = self.home / f"{uuid.uuid4().hex}.csv"
+        csv.write_text("prompt,seed\n" + "".join(f'"{prompt}",{seed}\n' for prompt, seed in work))
         started = time.perf_counter()
-        run_id = submit(env, csv, *options)
-        wait(sessions, run_id, len(work))
+        result = CliRunner().invoke(
+            sdq, ["submit", str(csv), "--json", *self.options], env=self.env
+        )
+        if result.exit_code != 0:
+            raise RuntimeError(result.output)
+        self._wait(json.loads(result.stdout)["run_id"], len(work))
         return time.perf_counter() - started
-    finally:
-        worker.stop()
-        s3.stop()
-        engine.dispose()
-        with psycopg.connect("postgresql://postgres@127.0.0.1/postgres", autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
 
+    def _wait(self, run_id: int, total: int) -> None:
+        finished = select(func.count()).where(Job.run_id == run_id, Job.status.in_(FINISHED))
+        while True:
+            with self.sessions() as session:
+                if session.scalar(finished) >= total:
+                    return
+            # Polling costs this process CPU the worker would use; 25 ms is a fair compromise.
+            time.sleep(0.025)
 
-def write_csv(path: Path, work: list[tuple[str, int]]) -> Path:
-    lines = ["prompt,seed"] + [f'"{prompt}",{seed}' for prompt, seed in work]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    def close(self) -> None:
+        self.worker.stop()
+        self.engine.dispose()
 
 
 def main() -> None:
@@ -159,22 +164,34 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    work = prompts(args.prompts)
-    shape = {"steps": args.steps, "size": args.size}
-    plain_one = plain_loop(work, batch_size=1, **shape)
-    plain_batched = plain_loop(work, batch_size=args.batch_size, **shape)
-    queued = through_sdq(work, batch_size=args.batch_size, **shape)
-    seconds = {"plain_batch1": plain_one, "plain_batched": plain_batched, "sdq": queued}
-    rate = {name: len(work) / elapsed for name, elapsed in seconds.items()}
+    plain = PlainLoop(steps=args.steps, size=args.size)
+    timings: dict[str, list[float]] = {"plain_batch1": [], "plain_batched": [], "sdq": []}
+    with deployment() as env:
+        os.environ.update(env)  # boto3 in this process reads AWS_* like the worker does
+        queued = ThroughSdq(env, steps=args.steps, size=args.size, batch_size=args.batch_size)
+        try:
+            for round_ in range(args.rounds):
+                work = prompts(args.prompts, round_)
+                timings["plain_batch1"].append(plain.seconds(work, batch_size=1))
+                timings["plain_batched"].append(plain.seconds(work, batch_size=args.batch_size))
+                timings["sdq"].append(queued.seconds(work))
+        finally:
+            queued.close()
+    rate = {name: args.prompts / statistics.median(values) for name, values in timings.items()}
     print(
         json.dumps(
             {
-                "images": len(work),
+                "images": args.prompts,
                 "steps": args.steps,
                 "size": f"{args.size}x{args.size}",
                 "batch_size": args.batch_size,
+                "rounds": args.rounds,
                 "images_per_second": {name: round(value, 2) for name, value in rate.items()},
+                "seconds_per_round": {
+                    name: [round(value, 2) for value in values] for name, values in timings.items()
+                },
                 "sdq_vs_plain_batch1": round(rate["sdq"] / rate["plain_batch1"], 3),
                 "sdq_vs_plain_batched": round(rate["sdq"] / rate["plain_batched"], 3),
             },
