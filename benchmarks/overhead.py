@@ -3,14 +3,17 @@
 The same prompts on the tiny model, 64x64, 20 steps:
   (a) a plain diffusers loop in this process, one image per call, PNGs to a local folder;
   (b) the same loop at sdq's batch size;
-  (c) `sdq submit` to one `sdq worker gpu` process on Redis + Postgres + S3 (moto server),
+  (c) the same loop as (b), each image also uploaded to the S3 server with boto3: the
+      plain way of getting images into a store, so (d)/(c) isolates what the queue and
+      the database cost from what the store itself costs on this machine;
+  (d) `sdq submit` to one `sdq worker gpu` process on Redis + Postgres + S3 (moto server),
       timed from the submit to the last image recorded as stored.
 Both sides load the pipeline before the clock starts. The three are run in turn, `--rounds`
 times, with fresh prompts each round (nothing is served from sdq's cache), and the median
 of each is reported, since a 2-core machine's timings drift from one minute to the next.
 Prints one JSON object.
 
-    python benchmarks/overhead.py [--prompts 64] [--batch-size 8] [--steps 20] [--rounds 3]
+    python benchmarks/overhead.py [--prompts 64] [--batch-size 8] [--steps 20] [--rounds 5]
 """
 
 import argparse
@@ -23,6 +26,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 
 import boto3
@@ -36,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from migrations import upgrade  # noqa: E402
 from models.db import make_engine, session_factory  # noqa: E402
+from models.lifecycle import as_utc  # noqa: E402
 from models.tables import FINISHED, Job  # noqa: E402
 from producer.cli import main as sdq  # noqa: E402
 from tests.conftest import WorkerProcess  # noqa: E402
@@ -59,15 +64,16 @@ def prompts(count: int, round_: int) -> list[tuple[str, int]]:
 
 
 class PlainLoop:
-    """The plain way: one process, one pipeline, PNG files in a folder."""
+    """The plain way: one process, one pipeline, PNG files in a folder (and S3 objects)."""
 
     def __init__(self, *, steps: int, size: int) -> None:
         self.steps, self.size = steps, size
+        self.bucket = None
         self.pipeline = build_pipeline()
         self.pipeline.set_progress_bar_config(disable=True)
         self.pipeline(prompt="warm-up", num_inference_steps=2, width=size, height=size)
 
-    def seconds(self, work: list[tuple[str, int]], *, batch_size: int) -> float:
+    def seconds(self, work: list[tuple[str, int]], *, batch_size: int, s3: bool = False) -> float:
         with tempfile.TemporaryDirectory() as folder:
             started = time.perf_counter()
             for start in range(0, len(work), batch_size):
@@ -79,8 +85,11 @@ class PlainLoop:
                     height=self.size,
                     generator=[torch.Generator("cpu").manual_seed(seed) for _, seed in chunk],
                 ).images
-                for (_, seed), image in zip(chunk, images, strict=True):
-                    image.save(Path(folder) / f"{seed}.png")
+                for (prompt, seed), image in zip(chunk, images, strict=True):
+                    path = Path(folder) / f"{seed}.png"
+                    image.save(path)
+                    if s3:
+                        self.bucket.upload_file(str(path), f"plain/{prompt}.png")
             return time.perf_counter() - started
 
 
@@ -135,23 +144,25 @@ class ThroughSdq:
     def seconds(self, work: list[tuple[str, int]]) -> float:
         csv = self.home / f"{uuid.uuid4().hex}.csv"
         csv.write_text("prompt,seed\n" + "".join(f'"{prompt}",{seed}\n' for prompt, seed in work))
-        started = time.perf_counter()
-        result = CliRunner().invoke(
-            sdq, ["submit", str(csv), "--json", *self.options], env=self.env
-        )
+        started = datetime.now(UTC)
+        arguments = ["submit", str(csv), "--json", *self.options]
+        result = CliRunner().invoke(sdq, arguments, env=self.env)
         if result.exit_code != 0:
             raise RuntimeError(result.output)
-        self._wait(json.loads(result.stdout)["run_id"], len(work))
-        return time.perf_counter() - started
+        last_stored = self._wait(json.loads(result.stdout)["run_id"], len(work))
+        return (last_stored - started).total_seconds()
 
-    def _wait(self, run_id: int, total: int) -> None:
-        finished = select(func.count()).where(Job.run_id == run_id, Job.status.in_(FINISHED))
+    def _wait(self, run_id: int, total: int) -> datetime:
+        """When the run's last image was recorded, as the worker wrote it (same clock)."""
+        of_run = Job.run_id == run_id
+        finished = select(func.count()).where(of_run, Job.status.in_(FINISHED))
         while True:
             with self.sessions() as session:
                 if session.scalar(finished) >= total:
-                    return
-            # Polling costs this process CPU the worker would use; 25 ms is a fair compromise.
-            time.sleep(0.025)
+                    return as_utc(session.scalar(select(func.max(Job.finished_at)).where(of_run)))
+            # Slow polling: the end time comes from the database, and every poll takes CPU
+            # the worker would otherwise have.
+            time.sleep(0.2)
 
     def close(self) -> None:
         self.worker.stop()
@@ -164,18 +175,23 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--size", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     plain = PlainLoop(steps=args.steps, size=args.size)
-    timings: dict[str, list[float]] = {"plain_batch1": [], "plain_batched": [], "sdq": []}
+    names = ("plain_batch1", "plain_batched", "plain_batched_s3", "sdq")
+    timings: dict[str, list[float]] = {name: [] for name in names}
     with deployment() as env:
         os.environ.update(env)  # boto3 in this process reads AWS_* like the worker does
+        plain.bucket = boto3.resource("s3").Bucket(BUCKET)
         queued = ThroughSdq(env, steps=args.steps, size=args.size, batch_size=args.batch_size)
         try:
             for round_ in range(args.rounds):
                 work = prompts(args.prompts, round_)
                 timings["plain_batch1"].append(plain.seconds(work, batch_size=1))
                 timings["plain_batched"].append(plain.seconds(work, batch_size=args.batch_size))
+                timings["plain_batched_s3"].append(
+                    plain.seconds(work, batch_size=args.batch_size, s3=True)
+                )
                 timings["sdq"].append(queued.seconds(work))
         finally:
             queued.close()
@@ -194,6 +210,7 @@ def main() -> None:
                 },
                 "sdq_vs_plain_batch1": round(rate["sdq"] / rate["plain_batch1"], 3),
                 "sdq_vs_plain_batched": round(rate["sdq"] / rate["plain_batched"], 3),
+                "sdq_vs_plain_batched_s3": round(rate["sdq"] / rate["plain_batched_s3"], 3),
             },
             indent=2,
         )
