@@ -11,7 +11,9 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import and_, insert, or_, select, update
 from sqlalchemy.orm import Session
 
-from models.tables import CLAIMABLE, FINISHED, Job, JobEvent, JobStatus
+from models.tables import CLAIMABLE, FINISHED, Job, JobEvent, JobStatus, Run
+
+LOST = "attempts exhausted: the worker holding the job stopped renewing its lease"
 
 
 def utcnow() -> datetime:
@@ -70,14 +72,29 @@ def mark_queued(session: Session, job_ids: Sequence[int]) -> list[int]:
 
 
 def claim(
-    session: Session, job_ids: Sequence[int], *, worker: Worker, lease_seconds: int
+    session: Session,
+    job_ids: Sequence[int],
+    *,
+    worker: Worker,
+    lease_seconds: int,
+    max_attempts: int,
 ) -> list[Job]:
-    """Takes the jobs nobody holds; returns only those this worker now owns."""
+    """Takes the jobs nobody holds; returns only those this worker now owns.
+
+    A job whose worker died holding it is taken over once its lease runs out, unless it
+    has used all its attempts: a job that kills every worker that tries it ends dead.
+    """
     now = utcnow()
-    claimable = or_(
-        Job.status.in_(CLAIMABLE),
-        and_(Job.status == JobStatus.running, Job.lease_expires_at < now),
-    )
+    abandoned = and_(Job.status == JobStatus.running, Job.lease_expires_at < now)
+    exhausted = session.scalars(
+        update(Job)
+        .where(Job.id.in_(job_ids), abandoned, Job.attempts >= max_attempts)
+        .values(status=JobStatus.dead, finished_at=now, lease_expires_at=None, error=LOST)
+        .returning(Job.id)
+    ).all()
+    record_events(session, exhausted, JobStatus.dead, worker=worker, detail=LOST, at=now)
+    close_finished_runs(session, exhausted)
+    claimable = or_(Job.status.in_(CLAIMABLE), abandoned)
     claimed = session.scalars(
         update(Job)
         .where(Job.id.in_(job_ids), claimable)
@@ -146,9 +163,9 @@ def succeed(session: Session, outputs: Sequence[Output], *, worker: Worker) -> N
         ],
         execution_options={"synchronize_session": None},
     )
-    record_events(
-        session, [output.job_id for output in outputs], JobStatus.succeeded, worker=worker, at=now
-    )
+    finished = [output.job_id for output in outputs]
+    record_events(session, finished, JobStatus.succeeded, worker=worker, at=now)
+    close_finished_runs(session, finished)
 
 
 def fail(
@@ -177,7 +194,38 @@ def fail(
         record_events(session, [job.id], job.status, worker=worker, detail=error, at=now)
         if not dead:
             retryable.append(job.id)
+    close_finished_runs(session, [job.id for job in jobs if job.status == JobStatus.dead])
     return retryable
+
+
+def cancel_jobs(session: Session, run_id: int) -> list[int]:
+    """Cancels the run's jobs that no worker holds; a worker that gets one finds nothing."""
+    now = utcnow()
+    cancelled = session.scalars(
+        update(Job)
+        .where(Job.run_id == run_id, Job.status.in_(CLAIMABLE))
+        .values(status=JobStatus.cancelled, finished_at=now, lease_expires_at=None)
+        .returning(Job.id)
+    ).all()
+    record_events(session, cancelled, JobStatus.cancelled, detail="cancelled by the user", at=now)
+    close_finished_runs(session, cancelled)
+    return list(cancelled)
+
+
+def close_finished_runs(session: Session, job_ids: Sequence[int]) -> None:
+    """Stamps `finished_at` on the runs of these jobs that have no unfinished job left."""
+    if not job_ids:
+        return
+    open_jobs = select(Job.id).where(Job.run_id == Run.id, Job.status.not_in(FINISHED)).exists()
+    session.execute(
+        update(Run)
+        .where(
+            Run.id.in_(select(Job.run_id).where(Job.id.in_(job_ids))),
+            Run.finished_at.is_(None),
+            ~open_jobs,
+        )
+        .values(finished_at=utcnow())
+    )
 
 
 def unfinished(session: Session, run_id: int) -> list[Job]:

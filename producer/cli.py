@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from models.lifecycle import cancel_jobs
 from models.registry import ModelNotFound, push_model, resolve_model
 from models.settings import Settings
 from models.specs import DTYPES
@@ -271,7 +272,7 @@ def _report_run(app: SdqCelery, run_id: int, as_json: bool) -> None:
     else:
         display.show_status(status)
         display.stdout.print(f"images: {app.store.uri('images/')}", soft_wrap=True)
-    if status["failed"]:
+    if status["dead"]:
         sys.exit(1)
 
 
@@ -296,6 +297,18 @@ def requeue(app: SdqCelery, run_id: int, batch_size: int | None, as_json: bool) 
         display.print_json({"run_id": run_id, "jobs": len(jobs), "tasks": len(groups)})
     else:
         click.echo(f"run {run_id}: sent {len(jobs)} jobs again in {len(groups)} tasks")
+
+
+@main.command()
+@click.argument("run_id", type=int)
+@pass_app
+def cancel(app: SdqCelery, run_id: int) -> None:
+    """Cancel every job of RUN that no worker has started; running jobs finish."""
+    with app.sessions.begin() as session:
+        if session.get(Run, run_id) is None:
+            raise click.ClickException(f"no run {run_id}")
+        cancelled = cancel_jobs(session, run_id)
+    click.echo(f"run {run_id}: cancelled {len(cancelled)} jobs")
 
 
 @main.command()

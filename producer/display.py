@@ -56,9 +56,9 @@ def describe_status(status: dict[str, Any]) -> list[str]:
     lines = [
         f"{status['succeeded']} of {status['total']} images done, {status['cached']} from cache"
     ]
-    if status["failed"]:
+    if status["dead"]:
         listing = f"sdq find --run {status['run_id']} --status dead"
-        lines.append(f"[red]{status['failed']} failed[/red]: `{listing}` lists them")
+        lines.append(f"[red]{status['dead']} failed for good[/red]: `{listing}` lists them")
     if status["images_per_second"]:
         lines.append(f"throughput {status['images_per_second']:.2f} images/s")
     if status["eta_seconds"]:

@@ -49,8 +49,9 @@ def run_status(session: Session, run_id: int, *, with_jobs: bool = True) -> dict
         "total": run.job_count,
         "counts": dict(sorted(counts.items())),
         "finished": remaining == 0,
+        "finished_at": _time(run.finished_at),
         "succeeded": counts[JobStatus.succeeded],
-        "failed": counts[JobStatus.dead],
+        "dead": counts[JobStatus.dead],
         "cached": session.scalar(
             select(func.count()).where(Job.run_id == run_id, Job.cached.is_(True))
         ),
@@ -79,6 +80,7 @@ def recent_runs(session: Session, limit: int = 20) -> list[dict[str, Any]]:
             "source": run.source,
             "total": run.job_count,
             "counts": dict(sorted(status_counts(session, run.id).items())),
+            "finished_at": _time(run.finished_at),
         }
         for run in runs
     ]

@@ -13,7 +13,14 @@ from celery import Celery
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from models.lifecycle import as_utc, mark_queued, record_events, rendered_outputs, utcnow
+from models.lifecycle import (
+    as_utc,
+    close_finished_runs,
+    mark_queued,
+    record_events,
+    rendered_outputs,
+    utcnow,
+)
 from models.registry import record_model
 from models.specs import ModelIdentity, batches
 from models.tables import FINISHED, Job, JobStatus, Run
@@ -79,6 +86,7 @@ def record_run(
         record_events(
             session, cached, JobStatus.succeeded, detail="cached: spec rendered before", at=now
         )
+        close_finished_runs(session, cached)
         todo = [
             (job_id, row["batch_key"])
             for job_id, row in zip(ids, rows, strict=True)

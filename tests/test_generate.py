@@ -149,6 +149,18 @@ def test_requeue_sends_what_never_reached_the_broker(
     assert wait_for_run(sdq, run_id)["counts"] == {"succeeded": 2}
 
 
+def test_cancel_stops_what_has_not_started(sdq, sessions, tmp_path) -> None:
+    prompts = write(tmp_path / "p.csv", "prompt,seed\ne2e cancelled moth,3\n")
+    down = sdq("submit", str(prompts), env={"SDQ_BROKER_URL": "redis://127.0.0.1:1/0"})
+    assert down.exit_code != 0
+    with sessions() as session:
+        run_id = session.scalar(select(func.max(Job.run_id)))
+    assert sdq("cancel", str(run_id)).output.strip() == f"run {run_id}: cancelled 1 jobs"
+    status = json.loads(sdq("status", str(run_id), "--json").stdout)
+    assert status["counts"] == {"cancelled": 1} and status["finished_at"]
+    assert json.loads(sdq("requeue", str(run_id), "--json").stdout)["jobs"] == 0
+
+
 def test_lookups(worker, sdq, tmp_path) -> None:
     prompts = write(tmp_path / "p.csv", "prompt,seed,style\ne2e lookup zebra,42,ink\n")
     run_id = submit(sdq, prompts, "--steps", "3")["run_id"]

@@ -13,11 +13,11 @@ from PIL import Image
 
 from models import tiny
 from models.db import make_engine, session_factory
-from models.lifecycle import Worker
+from models.lifecycle import Worker, claim
 from models.registry import resolve_model, tiny_identity
 from models.settings import Settings
 from models.store import LocalStore, S3Store
-from models.tables import Job, JobStatus
+from models.tables import Job, JobStatus, Run
 from producer.plan import Defaults, plan_jobs
 from producer.prompts import PromptRow
 from producer.submit import Batching, record_run
@@ -198,3 +198,40 @@ def test_permanent_errors_fail_the_job_at_once(
         with sessions() as session:
             job = session.get(Job, job_ids[0])
             assert (job.status, job.attempts) == (JobStatus.dead, 1) and message in job.error
+
+
+def test_a_job_that_outlives_its_attempts_ends_dead(migrated_postgres, pipelines, tmp_path) -> None:
+    work = direct_work(migrated_postgres, LocalStore(tmp_path / "store"), pipelines, max_attempts=2)
+    sessions = work["sessions"]
+    job_ids = recorded(sessions, planned("kills every worker"))
+    # Two workers took it and died holding it: their leases ran out.
+    for attempt in range(2):
+        with sessions.begin() as session:
+            lost = Worker(f"dead-host:{attempt}", "cpu")
+            assert claim(session, job_ids, worker=lost, lease_seconds=0, max_attempts=2)
+    outcome = generate_batch(job_ids, **work)
+    assert outcome.rendered == [] and outcome.held == []
+    with sessions() as session:
+        job = session.get(Job, job_ids[0])
+        assert (job.status, job.attempts) == (
+            JobStatus.dead,
+            2,
+        ) and "attempts exhausted" in job.error
+        assert session.get(Run, job.run_id).finished_at is not None
+
+
+def test_runs_are_stamped_finished_when_their_last_job_ends(
+    migrated_postgres, pipelines, tmp_path
+) -> None:
+    work = direct_work(migrated_postgres, LocalStore(tmp_path / "store"), pipelines)
+    sessions = work["sessions"]
+    job_ids = recorded(sessions, planned("finish me") + planned("and me"))
+    with sessions() as session:
+        run_id = session.get(Job, job_ids[0]).run_id
+        assert session.get(Run, run_id).finished_at is None
+    generate_batch(job_ids[:1], **work)
+    with sessions() as session:
+        assert session.get(Run, run_id).finished_at is None
+    generate_batch(job_ids[1:], **work)
+    with sessions() as session:
+        assert session.get(Run, run_id).finished_at is not None

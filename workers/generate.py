@@ -58,7 +58,13 @@ def generate_batch(
     outcome = BatchOutcome()
     # 1. Claim. A duplicate delivery claims nothing and ends here.
     with sessions.begin() as session:
-        jobs = claim(session, job_ids, worker=worker, lease_seconds=settings.lease_seconds)
+        jobs = claim(
+            session,
+            job_ids,
+            worker=worker,
+            lease_seconds=settings.lease_seconds,
+            max_attempts=settings.max_attempts,
+        )
         claimed = {job.id for job in jobs}
         outcome.held = [job_id for job_id in job_ids if job_id not in claimed]
         outcome.held_until = held_until(session, outcome.held) if outcome.held else None
