@@ -229,3 +229,22 @@ def test_a_killed_worker_loses_no_work(worker, sdq, sessions, tmp_path) -> None:
         ).all()
     assert job.attempts == 2 and job.worker_host != holder
     assert history.count(JobStatus.running) == 2 and history[-1] == JobStatus.succeeded
+
+
+def test_submit_wait_reports_the_end_and_fails_on_dead_jobs(worker, sdq, tmp_path) -> None:
+    prompts = write(tmp_path / "p.csv", "prompt,seed\ne2e waited for,8\n")
+    waited = sdq("submit", str(prompts), "--steps", "2", "--wait", "--json")
+    assert waited.exit_code == 0, waited.output
+    status = json.loads(waited.stdout)
+    assert status["finished"] and status["counts"] == {"succeeded": 1}
+
+    # A pipeline folder that resolves (its configs are fine) but cannot load (weights are not).
+    broken = tmp_path / "broken-model"
+    (broken / "scheduler").mkdir(parents=True)
+    (broken / "scheduler" / "scheduler_config.json").write_text(
+        json.dumps({"_class_name": "EulerDiscreteScheduler", "num_train_timesteps": 1000})
+    )
+    (broken / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
+    failed = sdq("submit", str(prompts), "--model", str(broken), "--steps", "2", "--wait")
+    assert failed.exit_code == 1, failed.output
+    assert "1 failed for good" in failed.output
