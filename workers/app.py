@@ -6,6 +6,7 @@ The producer imports this module to send tasks by name; it never imports the tas
 import os
 import socket
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from celery import Celery
 from kombu import Queue
@@ -16,6 +17,9 @@ from models.db import make_engine, session_factory
 from models.lifecycle import Worker
 from models.settings import Settings
 from models.store import ObjectStore, open_store
+
+if TYPE_CHECKING:
+    from workers.pipelines import PipelineCache
 
 QUEUES = ("generate", "download", "encode", "train", "maintenance")
 GPU_QUEUES = ("generate", "encode", "train")
@@ -42,7 +46,7 @@ class SdqCelery(Celery):
         return open_store(self.settings.store_url)
 
     @cached_property
-    def pipelines(self):
+    def pipelines(self) -> "PipelineCache":
         from workers.pipelines import PipelineCache
 
         return PipelineCache(

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from time import perf_counter
+from typing import TYPE_CHECKING
 
 from PIL.Image import Image
 from sqlalchemy.orm import Session, sessionmaker
@@ -29,6 +30,9 @@ from models.specs import GenerationSpec, batches, image_key
 from models.store import ObjectStore
 from models.tables import Job
 from workers.images import encode_png, sha256
+
+if TYPE_CHECKING:
+    from workers.pipelines import PipelineCache
 
 UPLOAD_THREADS = 8
 
@@ -51,7 +55,7 @@ def generate_batch(
     batch_size: int,
     sessions: sessionmaker[Session],
     store: ObjectStore,
-    pipelines,
+    pipelines: "PipelineCache",
     worker: Worker,
     settings: Settings,
 ) -> BatchOutcome:
@@ -120,7 +124,7 @@ def is_permanent(error: Exception) -> bool:
 
 
 def render_and_store(
-    jobs: list[Job], *, batch_size: int, store: ObjectStore, pipelines
+    jobs: list[Job], *, batch_size: int, store: ObjectStore, pipelines: "PipelineCache"
 ) -> list[Output]:
     from workers.pipelines import render
 
