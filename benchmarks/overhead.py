@@ -44,7 +44,13 @@ from models.lifecycle import as_utc  # noqa: E402
 from models.tables import FINISHED, Job  # noqa: E402
 from producer.cli import main as sdq  # noqa: E402
 from tests.conftest import WorkerProcess  # noqa: E402
-from tests.services import MotoServer, aws_env, clean_env, ensure_service  # noqa: E402
+from tests.services import (  # noqa: E402
+    MotoServer,
+    aws_env,
+    clean_env,
+    ensure_service,
+    s3_client,
+)
 from workers.tiny import build_pipeline  # noqa: E402
 
 SUBJECTS = [
@@ -110,21 +116,13 @@ def deployment() -> Iterator[dict[str, str]]:
         "SDQ_STORE_URL": f"s3://{BUCKET}/bench",
         "SDQ_HOME": tempfile.mkdtemp(prefix="sdq-bench-"),
     }
-    boto3.client("s3", endpoint_url=s3.endpoint, **_credentials()).create_bucket(Bucket=BUCKET)
+    s3_client(s3.endpoint).create_bucket(Bucket=BUCKET)
     try:
         yield env
     finally:
         s3.stop()
         with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
             connection.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
-
-
-def _credentials() -> dict[str, str]:
-    return {
-        "aws_access_key_id": "testing",
-        "aws_secret_access_key": "testing",
-        "region_name": "us-east-1",
-    }
 
 
 class ThroughSdq:

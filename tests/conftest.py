@@ -6,7 +6,6 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import boto3
 import psycopg
 import pytest
 from click.testing import CliRunner, Result
@@ -14,6 +13,7 @@ from click.testing import CliRunner, Result
 from models.db import make_engine
 from producer.cli import main
 from tests.services import MotoServer, aws_env, clean_env, ensure_service, wait_for
+from tests.services import s3_client as s3_client_for
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "sdq-test"
@@ -54,28 +54,14 @@ def redis_url() -> str:
 def s3() -> Iterator[dict[str, str]]:
     """An S3 endpoint over HTTP with an empty bucket; yields the AWS_* variables for it."""
     server = MotoServer().start()
-    env = aws_env(server.endpoint)
-    client = boto3.client(
-        "s3",
-        endpoint_url=server.endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )
-    client.create_bucket(Bucket=BUCKET)
-    yield env
+    s3_client_for(server.endpoint).create_bucket(Bucket=BUCKET)
+    yield aws_env(server.endpoint)
     server.stop()
 
 
 @pytest.fixture(scope="session")
 def s3_client(s3: dict[str, str]):
-    return boto3.client(
-        "s3",
-        endpoint_url=s3["AWS_ENDPOINT_URL"],
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )
+    return s3_client_for(s3["AWS_ENDPOINT_URL"])
 
 
 @pytest.fixture(scope="session")

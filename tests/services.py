@@ -91,6 +91,18 @@ def aws_env(endpoint: str) -> dict[str, str]:
     }
 
 
+def s3_client(endpoint: str):
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+
+
 def clean_env() -> dict[str, str]:
     """The environment without any sdq or AWS setting the developer may have exported."""
     return {
