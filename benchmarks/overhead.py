@@ -14,6 +14,7 @@ of each is reported, since a 2-core machine's timings drift from one minute to t
 Prints one JSON object.
 
     python benchmarks/overhead.py [--prompts 64] [--batch-size 8] [--steps 20] [--rounds 5]
+                                  [--store s3|local]
 """
 
 import argparse
@@ -174,6 +175,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--store",
+        choices=["s3", "local"],
+        default="s3",
+        help="where sdq stores images; `local` (a folder, like the plain loop) isolates "
+        "what the queue and the database cost",
+    )
     args = parser.parse_args()
     plain = PlainLoop(steps=args.steps, size=args.size)
     names = ("plain_batch1", "plain_batched", "plain_batched_s3", "sdq")
@@ -181,6 +189,8 @@ def main() -> None:
     with deployment() as env:
         os.environ.update(env)  # boto3 in this process reads AWS_* like the worker does
         plain.bucket = boto3.resource("s3").Bucket(BUCKET)
+        if args.store == "local":
+            env = {**env, "SDQ_STORE_URL": str(Path(env["SDQ_HOME"]) / "store")}
         queued = ThroughSdq(env, steps=args.steps, size=args.size, batch_size=args.batch_size)
         try:
             for round_ in range(args.rounds):
@@ -202,6 +212,7 @@ def main() -> None:
                 "size": f"{args.size}x{args.size}",
                 "batch_size": args.batch_size,
                 "rounds": args.rounds,
+                "sdq_store": args.store,
                 "images_per_second": {name: round(value, 2) for name, value in rate.items()},
                 "seconds_per_round": {
                     name: [round(value, 2) for value in values] for name, values in timings.items()
