@@ -351,11 +351,7 @@ def show(app: SdqCelery, job_id: int, as_json: bool) -> None:
     if as_json:
         display.print_json(job)
         return
-    events = job.pop("events")
-    spec = job.pop("spec")
-    for key, value in {**job, **spec}.items():
-        display.stdout.print(f"[bold]{key}[/bold]: {value}")
-    display.stdout.print(display.rows_table(events, ["at", "status", "worker", "detail"]))
+    display.show_job(job)
 
 
 @main.command()
@@ -389,7 +385,7 @@ def find(app: SdqCelery, as_json: bool, **filters: Any) -> None:
     if as_json:
         display.print_json(rows)
     else:
-        columns = ["id", "run_id", "status", "prompt", "style", "seed", "uri"]
+        columns = ["id", "run_id", "status", "seed", "prompt"]
         display.stdout.print(display.rows_table(rows, columns))
 
 

@@ -72,18 +72,29 @@ def show_status(status: dict[str, Any]) -> None:
         stdout.print(line)
 
 
+def show_job(job: dict[str, Any]) -> None:
+    """Fields one per line, spec included, then the history."""
+    fields = {key: value for key, value in job.items() if key not in ("spec", "events")}
+    for key, value in {**fields, **job["spec"]}.items():
+        # soft_wrap: URIs and hashes stay whole, to be copied.
+        stdout.print(f"[bold]{key}[/bold]: {value}", soft_wrap=True, highlight=False)
+    stdout.print(rows_table(job["events"], ["at", "status", "worker", "detail"]))
+
+
 def rows_table(
     rows: list[dict[str, Any]], columns: list[str], *, title: str | None = None
 ) -> Table:
     table = Table(*columns, title=title)
     for row in rows:
-        table.add_row(*(_cell(row.get(column)) for column in columns))
+        table.add_row(*(_cell(column, row.get(column)) for column in columns))
     return table
 
 
-def _cell(value: Any) -> str:
+def _cell(column: str, value: Any) -> str:
     if value is None:
         return ""
+    if column == "at" or column.endswith("_at"):
+        return value[:19].replace("T", " ")  # ISO timestamps, to the second, in UTC
     if isinstance(value, dict):
         return ", ".join(f"{key} {count}" for key, count in value.items())
     return str(value)
