@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from models import tiny
@@ -208,23 +209,23 @@ def _latest_pushed(session: Session, name: str) -> ModelRecord | None:
 def record_model(
     session: Session, identity: ModelIdentity, store_prefix: str | None = None
 ) -> None:
-    """Adds the identity to the registry unless it is there already."""
-    known = session.scalars(
-        select(ModelRecord).where(
-            ModelRecord.name == identity.name, ModelRecord.revision == identity.revision
+    """Adds the identity to the registry unless it is there; safe under concurrent submits."""
+    dialect = session.get_bind().dialect.name
+    upsert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    statement = upsert(ModelRecord).values(
+        name=identity.name,
+        source=identity.source,
+        revision=identity.revision,
+        store_prefix=store_prefix,
+    )
+    key = [ModelRecord.name, ModelRecord.revision]
+    if store_prefix:
+        statement = statement.on_conflict_do_update(
+            index_elements=key, set_={"store_prefix": store_prefix}
         )
-    ).first()
-    if known is None:
-        session.add(
-            ModelRecord(
-                name=identity.name,
-                source=identity.source,
-                revision=identity.revision,
-                store_prefix=store_prefix,
-            )
-        )
-    elif store_prefix and not known.store_prefix:
-        known.store_prefix = store_prefix
+    else:
+        statement = statement.on_conflict_do_nothing(index_elements=key)
+    session.execute(statement)
 
 
 def push_model(
