@@ -235,3 +235,25 @@ def test_runs_are_stamped_finished_when_their_last_job_ends(
     generate_batch(job_ids[1:], **work)
     with sessions() as session:
         assert session.get(Run, run_id).finished_at is not None
+
+
+def test_a_failed_upload_is_retried_to_exactly_one_image(
+    migrated_postgres, pipelines, s3, s3_client, monkeypatch
+) -> None:
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    for key, value in aws_env(f"http://127.0.0.1:{free_port()}").items():
+        monkeypatch.setenv(key, value)
+    down = direct_work(migrated_postgres, S3Store(BUCKET, "retried"), pipelines)
+    job_ids = recorded(down["sessions"], planned("retried after the store came back"))
+    assert generate_batch(job_ids, **down).retry == job_ids
+    for key, value in s3.items():
+        monkeypatch.setenv(key, value)
+    back = {**down, "store": S3Store(BUCKET, "retried")}
+    assert generate_batch(job_ids, **back).rendered == job_ids
+    with down["sessions"]() as session:
+        job = session.get(Job, job_ids[0])
+    assert (job.status, job.attempts) == (JobStatus.succeeded, 2)
+    listing = s3_client.list_objects_v2(Bucket=BUCKET, Prefix="retried/")["Contents"]
+    assert [item["Key"] for item in listing] == [f"retried/images/{job.spec_hash}.png"]
+    body = s3_client.get_object(Bucket=BUCKET, Key=listing[0]["Key"])["Body"].read()
+    assert hashlib.sha256(body).hexdigest() == job.output_sha256
