@@ -7,7 +7,7 @@ hash, or a hub commit), so the spec hash of an image changes when the weights ch
 import hashlib
 import json
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -228,14 +228,23 @@ def record_model(
     session.execute(statement)
 
 
-def push_model(
-    folder: Path, name: str, *, store: ObjectStore, session: Session
-) -> tuple[ModelIdentity, str]:
-    """Copies a pipeline folder into the store; the registry row, written last, marks it done."""
+@dataclass(frozen=True)
+class Pushed:
+    identity: ModelIdentity
+    prefix: str
+    uploaded: bool  # False: this revision was in the store already
+
+
+def push_model(folder: Path, name: str, *, store: ObjectStore, session: Session) -> Pushed:
+    """Copies a pipeline folder into the store once per revision; the registry row, written
+    last, marks the copy complete."""
     identity = _resolve_folder(folder)
     prefix = f"models/{name}/{identity.revision[:16]}"
+    pushed = replace(identity, name=name, source=f"{STORE_SOURCE}{prefix}")
+    known = _latest_pushed(session, name)
+    if known is not None and known.revision == identity.revision:
+        return Pushed(pushed, prefix, uploaded=False)
     for path in pipeline_files(folder):
         store.put_file(f"{prefix}/{path.relative_to(folder).as_posix()}", path)
-    pushed = replace(identity, name=name, source=f"{STORE_SOURCE}{prefix}")
     record_model(session, pushed, store_prefix=prefix)
-    return pushed, prefix
+    return Pushed(pushed, prefix, uploaded=True)

@@ -427,10 +427,12 @@ def push(app: SdqCelery, source: Path, name: str) -> None:
     ensure_schema(app)
     try:
         with app.sessions.begin() as session:
-            identity, prefix = push_model(source, name, store=app.store, session=session)
+            pushed = push_model(source, name, store=app.store, session=session)
     except (ModelNotFound, StoreError) as error:
         raise click.ClickException(str(error)) from None
-    click.echo(f"{name}: revision {identity.revision[:16]} at {app.store.uri(prefix)}")
+    where = app.store.uri(pushed.prefix)
+    done = "pushed to" if pushed.uploaded else "already in the store at"
+    click.echo(f"{name}: revision {pushed.identity.revision[:16]} {done} {where}")
 
 
 @model.command(name="list")

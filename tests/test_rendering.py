@@ -106,7 +106,9 @@ def test_every_model_source_loads_the_same_weights(sdq, tiny_folder, s3_client, 
         return status
 
     pushed = sdq("model", "push", str(tiny_folder), "pushed-tiny")
-    assert pushed.exit_code == 0, pushed.output
+    assert pushed.exit_code == 0 and " pushed to s3://" in pushed.output, pushed.output
+    again = sdq("model", "push", str(tiny_folder), "pushed-tiny")
+    assert again.exit_code == 0 and "already in the store" in again.output, again.output
     for path in tiny_folder.rglob("*"):
         if path.is_file():
             key = f"uploaded/tiny/{path.relative_to(tiny_folder).as_posix()}"
