@@ -17,6 +17,7 @@ from models.specs import DTYPES
 from models.store import StoreError
 from models.tables import FINISHED, JobStatus, Run
 from producer import display, lookups
+from producer.gallery import gallery_html, gallery_key
 from producer.plan import DEFAULT_TEMPLATE, Defaults, plan_jobs
 from producer.prompts import (
     InvalidInput,
@@ -267,13 +268,22 @@ def _finish(app: SdqCelery, submission: Submission, as_json: bool, *, wait: bool
 def _report_run(app: SdqCelery, run_id: int, as_json: bool) -> None:
     with app.sessions() as session:
         status = lookups.run_status(session, run_id)
+    gallery = write_gallery(app, run_id)
     if as_json:
-        display.print_json(status)
+        display.print_json({**status, "gallery": gallery})
     else:
         display.show_status(status)
         display.stdout.print(f"images: {app.store.uri('images/')}", soft_wrap=True)
+        display.stdout.print(f"gallery: {gallery}", soft_wrap=True)
     if status["dead"]:
         sys.exit(1)
+
+
+def write_gallery(app: SdqCelery, run_id: int) -> str:
+    with app.sessions() as session, _found():
+        jobs = lookups.gallery_jobs(session, run_id)
+    page = gallery_html(run_id, jobs).encode()
+    return app.store.put_bytes(gallery_key(run_id), page, content_type="text/html; charset=utf-8")
 
 
 @main.command()
@@ -352,6 +362,17 @@ def show(app: SdqCelery, job_id: int, as_json: bool) -> None:
         display.print_json(job)
         return
     display.show_job(job)
+
+
+@main.command()
+@click.argument("run_id", type=int)
+@pass_app
+def gallery(app: SdqCelery, run_id: int) -> None:
+    """Write RUN's contact sheet (a line x style grid) next to its images in the store."""
+    try:
+        click.echo(write_gallery(app, run_id))
+    except StoreError as error:
+        raise click.ClickException(str(error)) from None
 
 
 @main.command()

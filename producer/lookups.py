@@ -184,3 +184,18 @@ def known_models(session: Session) -> list[dict[str, Any]]:
         }
         for record in records
     ]
+
+
+def gallery_jobs(session: Session, run_id: int) -> list[dict[str, Any]]:
+    if session.get(Run, run_id) is None:
+        raise NotFound(f"no run {run_id}")
+    rows = session.execute(
+        select(Job.source_line, Job.style, Job.prompt, Job.seed, Job.status, Job.spec_hash)
+        .where(Job.run_id == run_id)
+        .order_by(Job.id)
+    )
+    return [
+        {"source_line": line, "style": style, "prompt": prompt, "seed": seed,
+         "status": str(status), "spec_hash": spec_hash}
+        for line, style, prompt, seed, status, spec_hash in rows
+    ]  # fmt: skip

@@ -1,6 +1,7 @@
 """`sdq run` on a fresh machine: no services, no settings, everything under ./sdq-data."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -51,6 +52,17 @@ def test_run_does_the_whole_job_in_one_process(tmp_path: Path) -> None:
         assert path.parent == (tmp_path / "sdq-data/store/images").resolve()
         assert Image.open(path).text["sdq-spec-hash"] == path.stem
     assert (tmp_path / "sdq-data/sdq.db").is_file()
+
+    # The contact sheet: a row per prompt line, a column per style, every image linked.
+    gallery = Path(status["gallery"].removeprefix("file://"))
+    assert gallery == (tmp_path / f"sdq-data/store/runs/{status['run_id']}/gallery.html").resolve()
+    page = gallery.read_text()
+    sources = re.findall(r'<img src="([^"]+)"', page)
+    assert sorted((gallery.parent / source).resolve() for source in sources) == [
+        image.resolve() for image in images
+    ]
+    # One header row (line + a column per style), then a row per line.
+    assert page.count("<tr><th>") == 1 + subjects and page.count("<th>") == 1 + styles + subjects
 
     again = sdq_run(
         tmp_path, "examples/subjects.csv", "--styles", "examples/styles.txt", "--steps", "4"
