@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -184,8 +185,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     plain = PlainLoop(steps=args.steps, size=args.size)
-    names = ("plain_batch1", "plain_batched", "plain_batched_s3", "sdq")
-    timings: dict[str, list[float]] = {name: [] for name in names}
+    timings: dict[str, list[float]] = defaultdict(list)
     with deployment() as env:
         os.environ.update(env)  # boto3 in this process reads AWS_* like the worker does
         plain.bucket = boto3.resource("s3").Bucket(BUCKET)
@@ -193,14 +193,20 @@ def main() -> None:
             env = {**env, "SDQ_STORE_URL": str(Path(env["SDQ_HOME"]) / "store")}
         queued = ThroughSdq(env, steps=args.steps, size=args.size, batch_size=args.batch_size)
         try:
+            sides = {
+                "plain_batch1": lambda work: plain.seconds(work, batch_size=1),
+                "plain_batched": lambda work: plain.seconds(work, batch_size=args.batch_size),
+                "plain_batched_s3": lambda work: plain.seconds(
+                    work, batch_size=args.batch_size, s3=True
+                ),
+                "sdq": queued.seconds,
+            }
             for round_ in range(args.rounds):
                 work = prompts(args.prompts, round_)
-                timings["plain_batch1"].append(plain.seconds(work, batch_size=1))
-                timings["plain_batched"].append(plain.seconds(work, batch_size=args.batch_size))
-                timings["plain_batched_s3"].append(
-                    plain.seconds(work, batch_size=args.batch_size, s3=True)
-                )
-                timings["sdq"].append(queued.seconds(work))
+                for name, measure in sides.items():
+                    # Let the previous side's threads go idle before the clock starts.
+                    time.sleep(1)
+                    timings[name].append(measure(work))
         finally:
             queued.close()
     rate = {name: args.prompts / statistics.median(values) for name, values in timings.items()}
