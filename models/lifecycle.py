@@ -44,14 +44,10 @@ def record_events(
     detail: str | None = None,
     at: datetime | None = None,
 ) -> None:
+    at = at or utcnow()
+    host = worker.host if worker else None
     rows = [
-        {
-            "job_id": job_id,
-            "status": status,
-            "worker_host": worker.host if worker else None,
-            "detail": detail,
-            "at": at or utcnow(),
-        }
+        {"job_id": job_id, "status": status, "worker_host": host, "detail": detail, "at": at}
         for job_id in job_ids
     ]
     if rows:

@@ -4,6 +4,7 @@ import hashlib
 import io
 import json
 import shutil
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from PIL import Image
 
 from models import tiny
 from models.db import make_engine, session_factory
-from models.lifecycle import Worker, claim
+from models.lifecycle import Worker, as_utc, claim, utcnow
 from models.registry import resolve_model, tiny_identity
 from models.settings import Settings
 from models.store import LocalStore, S3Store
@@ -23,7 +24,7 @@ from producer.prompts import PromptRow
 from producer.submit import Batching, record_run
 from tests.conftest import BUCKET, write
 from tests.services import aws_env, free_port
-from workers.generate import generate_batch
+from workers.generate import generate_batch, keep_leases
 from workers.pipelines import PipelineCache, render
 
 # Pinned: the tiny model must be the same on every machine, in every CI run.
@@ -259,3 +260,22 @@ def test_a_failed_upload_is_retried_to_exactly_one_image(
     assert [item["Key"] for item in listing] == [f"retried/images/{job.spec_hash}.png"]
     body = s3_client.get_object(Bucket=BUCKET, Key=listing[0]["Key"])["Body"].read()
     assert hashlib.sha256(body).hexdigest() == job.output_sha256
+
+
+def test_leases_are_renewed_while_the_work_runs(migrated_postgres, pipelines, tmp_path) -> None:
+    work = direct_work(
+        migrated_postgres, LocalStore(tmp_path / "store"), pipelines, lease_seconds=1
+    )
+    sessions, worker = work["sessions"], work["worker"]
+    job_ids = recorded(sessions, planned("a long render"))
+    with sessions.begin() as session:
+        claim(session, job_ids, worker=worker, lease_seconds=1, max_attempts=3)
+    with keep_leases(sessions, job_ids, worker=worker, settings=work["settings"]):
+        time.sleep(2.5)  # more than twice the lease: only renewals keep it alive
+        with sessions() as session:
+            lease = as_utc(session.get(Job, job_ids[0]).lease_expires_at)
+        assert lease > utcnow()
+    with sessions.begin() as session:
+        assert not claim(
+            session, job_ids, worker=Worker("other:1", "cpu"), lease_seconds=1, max_attempts=3
+        )
