@@ -102,8 +102,10 @@ def test_resubmission_is_served_from_cache(worker, sdq, sessions, tmp_path) -> N
     assert second["cached"] == 2 and second["tasks"] == 0
     status = wait_for_run(sdq, second["run_id"])
     assert status["cached"] == 2 and status["counts"] == {"succeeded": 2}
-    uris = lambda run: sorted(job["uri"] for job in run["jobs"])  # noqa: E731
-    assert uris(status) == uris(wait_for_run(sdq, first["run_id"]))
+    original = wait_for_run(sdq, first["run_id"])
+    assert sorted(job["uri"] for job in status["jobs"]) == sorted(
+        job["uri"] for job in original["jobs"]
+    )
     # A different setting is a different spec: rendered, not served.
     third = submit(sdq, prompts, "--steps", "4")
     assert third["cached"] == 0

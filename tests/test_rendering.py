@@ -279,3 +279,23 @@ def test_leases_are_renewed_while_the_work_runs(migrated_postgres, pipelines, tm
         assert not claim(
             session, job_ids, worker=Worker("other:1", "cpu"), lease_seconds=1, max_attempts=3
         )
+
+
+def test_a_spec_rendered_after_submit_is_served_at_the_worker(
+    migrated_postgres, pipelines, tmp_path
+) -> None:
+    work = direct_work(migrated_postgres, LocalStore(tmp_path / "store"), pipelines)
+    sessions = work["sessions"]
+    # Two runs ask for the same image before either is rendered.
+    first = recorded(sessions, planned("asked for twice at once"))
+    second = recorded(sessions, planned("asked for twice at once"))
+    assert generate_batch(first, **work).rendered == first
+    outcome = generate_batch(second, **work)
+    assert outcome.cached == second and outcome.rendered == []
+    with sessions() as session:
+        original, served = session.get(Job, first[0]), session.get(Job, second[0])
+        assert served.cached and served.status == JobStatus.succeeded
+        assert (served.output_uri, served.output_sha256) == (
+            original.output_uri,
+            original.output_sha256,
+        )

@@ -39,11 +39,12 @@ def device_name() -> str:
 
 
 def describe_device() -> str:
-    """What the job history records: enough to tell two GPUs apart."""
+    """What the job history records: the GPU's model and its UUID, which names the physical
+    card whatever CUDA_VISIBLE_DEVICES numbered it."""
     if not torch.cuda.is_available():
         return "cpu"
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "all")
-    return f"cuda:{visible} {torch.cuda.get_device_name(0)}"
+    properties = torch.cuda.get_device_properties(0)
+    return f"cuda {properties.name} GPU-{properties.uuid}"
 
 
 class PipelineCache:
