@@ -1,8 +1,11 @@
 """Engines and sessions; nothing connects until first use."""
 
+from enum import Enum
 from pathlib import Path
+from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from psycopg.types.json import Jsonb
+from sqlalchemy import JSON, Engine, Table, create_engine, event, insert, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -30,3 +33,40 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def insert_rows(session: Session, table: Table, rows: list[dict[str, Any]]) -> list[int]:
+    """Inserts rows and returns their ids, in order.
+
+    On Postgres the ids are drawn from the table's sequence first and the rows go in with
+    COPY: a 100k-job submit spends seconds here instead of most of a minute. Elsewhere
+    (SQLite, embedded) a plain multi-row INSERT ... RETURNING does it.
+    """
+    if not rows:
+        return []
+    if session.get_bind().dialect.name != "postgresql":
+        statement = insert(table).returning(table.c.id, sort_by_parameter_order=True)
+        return list(session.execute(statement, rows).scalars())
+    ids = list(
+        session.scalars(
+            text(
+                "SELECT nextval(pg_get_serial_sequence(:table, 'id')) FROM generate_series(1, :n)"
+            ),
+            {"table": table.name, "n": len(rows)},
+        )
+    )
+    columns = ["id", *rows[0]]
+    json_columns = {column.name for column in table.columns if isinstance(column.type, JSON)}
+    cursor = session.connection().connection.dbapi_connection.cursor()
+    with cursor.copy(f"COPY {table.name} ({', '.join(columns)}) FROM STDIN") as copy:
+        for row_id, row in zip(ids, rows, strict=True):
+            copy.write_row(
+                [row_id, *(_copy_value(row[name], name in json_columns) for name in columns[1:])]
+            )
+    return ids
+
+
+def _copy_value(value: Any, is_json: bool) -> Any:
+    if is_json:
+        return Jsonb(value)
+    return value.value if isinstance(value, Enum) else value

@@ -8,11 +8,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import and_, insert, or_, select, update
+from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import Session
 
+from models.db import insert_rows
 from models.tables import CLAIMABLE, FINISHED, Job, JobEvent, JobStatus, Run
 
+# Ids or hashes per IN list: under SQLite's and psycopg's limits on bound parameters.
+IN_LIST_LIMIT = 10_000
 LOST = "attempts exhausted: the worker holding the job stopped renewing its lease"
 
 
@@ -50,8 +53,7 @@ def record_events(
         {"job_id": job_id, "status": status, "worker_host": host, "detail": detail, "at": at}
         for job_id in job_ids
     ]
-    if rows:
-        session.execute(insert(JobEvent), rows)
+    insert_rows(session, JobEvent.__table__, rows)
 
 
 def mark_queued(session: Session, job_ids: Sequence[int]) -> list[int]:
@@ -236,11 +238,11 @@ def rendered_outputs(session: Session, spec_hashes: Iterable[str]) -> dict[str, 
     """spec hash -> (uri, sha256) of an image already rendered for it."""
     found: dict[str, tuple[str, str]] = {}
     hashes = sorted(set(spec_hashes))
-    # Bounded IN lists: a submit of a million jobs stays within every driver's parameter limit.
-    for start in range(0, len(hashes), 1000):
+    for start in range(0, len(hashes), IN_LIST_LIMIT):
         rows = session.execute(
             select(Job.spec_hash, Job.output_uri, Job.output_sha256).where(
-                Job.spec_hash.in_(hashes[start : start + 1000]), Job.status == JobStatus.succeeded
+                Job.spec_hash.in_(hashes[start : start + IN_LIST_LIMIT]),
+                Job.status == JobStatus.succeeded,
             )
         )
         for spec_hash, uri, digest in rows:

@@ -10,10 +10,12 @@ from datetime import datetime
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import insert, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from models.db import insert_rows
 from models.lifecycle import (
+    IN_LIST_LIMIT,
     as_utc,
     close_finished_runs,
     mark_queued,
@@ -26,8 +28,6 @@ from models.specs import ModelIdentity, batches
 from models.tables import FINISHED, Job, JobStatus, Run
 from producer.plan import PlannedJob
 from workers.app import GENERATE_TASK
-
-CHUNK = 1000
 
 
 class EnqueueFailed(Exception):
@@ -78,9 +78,7 @@ def record_run(
             _job_row(run.id, job, spec_hash, known.get(spec_hash), now)
             for job, spec_hash in zip(planned, hashes, strict=True)
         ]
-        ids = session.scalars(
-            insert(Job).returning(Job.id, sort_by_parameter_order=True), rows
-        ).all()
+        ids = insert_rows(session, Job.__table__, rows)
         record_events(session, ids, JobStatus.pending, at=now)
         cached = [job_id for job_id, row in zip(ids, rows, strict=True) if row["cached"]]
         record_events(
@@ -166,5 +164,5 @@ def resendable(session: Session, run_id: int) -> list[tuple[int, str]]:
 
 
 def _chunks(ids: list[int]) -> Iterator[list[int]]:
-    for start in range(0, len(ids), CHUNK):
-        yield ids[start : start + CHUNK]
+    for start in range(0, len(ids), IN_LIST_LIMIT):
+        yield ids[start : start + IN_LIST_LIMIT]

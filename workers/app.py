@@ -86,6 +86,5 @@ def create_app(settings: Settings) -> SdqCelery:
         task_default_queue="maintenance",
         task_routes=ROUTES,
         worker_send_task_events=True,
-        task_send_sent_event=True,
     )
     return app
