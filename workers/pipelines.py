@@ -140,7 +140,8 @@ def render(pipeline: DiffusionPipeline, specs: list[GenerationSpec]) -> list[Ima
     """One pipeline call for specs that share a batch key; each image has its own generator,
     so an image is the same whatever it was batched with."""
     first = specs[0]
-    if any(spec.batch_key() != first.batch_key() for spec in specs):
+    key = first.batch_key()
+    if any(spec.batch_key() != key for spec in specs[1:]):
         raise ValueError("render() needs specs with one batch key")
     pipeline.scheduler = _scheduler(first)
     # CPU generators give the same starting noise on every kind of GPU.
