@@ -226,14 +226,6 @@ def close_finished_runs(session: Session, job_ids: Sequence[int]) -> None:
     )
 
 
-def unfinished(session: Session, run_id: int) -> list[Job]:
-    return list(
-        session.scalars(
-            select(Job).where(Job.run_id == run_id, Job.status.not_in(FINISHED)).order_by(Job.id)
-        )
-    )
-
-
 def rendered_outputs(session: Session, spec_hashes: Iterable[str]) -> dict[str, tuple[str, str]]:
     """spec hash -> (uri, sha256) of an image already rendered for it."""
     found: dict[str, tuple[str, str]] = {}

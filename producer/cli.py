@@ -144,6 +144,11 @@ def prepare(app: SdqCelery, request: Request) -> Submission:
         raise click.UsageError(str(error)) from None
     ensure_schema(app)
     try:
+        # A store the workers cannot write to would fail every job: say so before any is made.
+        app.store.check()
+    except StoreError as error:
+        raise click.ClickException(f"object store {app.settings.store_url}: {error}") from None
+    try:
         with app.sessions() as session:
             model = resolve_model(request.model, store=app.store, session=session)
     except (ModelNotFound, StoreError) as error:
