@@ -299,3 +299,15 @@ def test_a_spec_rendered_after_submit_is_served_at_the_worker(
             original.output_uri,
             original.output_sha256,
         )
+
+
+def test_a_worker_loads_each_pipeline_once_and_keeps_the_last_few(tmp_path) -> None:
+    cache = PipelineCache(
+        store=LocalStore(tmp_path / "store"), cache_dir=tmp_path / "cache", size=1
+    )
+    spec = specs("x")[0]
+    first = cache.get(spec)
+    assert cache.get(replace(spec, prompt="y", seed=9)) is first  # same model: no reload
+    other = cache.get(replace(spec, dtype="bfloat16"))
+    assert other is not first and str(other.unet.dtype) == "torch.bfloat16"
+    assert cache.get(spec) is not first  # evicted by the size-1 cache, loaded anew
