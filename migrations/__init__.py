@@ -1,6 +1,8 @@
 """Alembic migrations, applied from code so `sdq db upgrade` needs no alembic.ini."""
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from alembic import command
 from alembic.config import Config
@@ -14,18 +16,20 @@ def alembic_config(engine: Engine) -> Config:
     return config
 
 
-def upgrade(engine: Engine, revision: str = "head") -> None:
+def run_command(engine: Engine, action: Callable[..., Any], *args: Any) -> None:
+    """Runs an Alembic command (upgrade, downgrade, check...) in one transaction on `engine`."""
     with engine.begin() as connection:
         config = alembic_config(engine)
         config.attributes["connection"] = connection
-        command.upgrade(config, revision)
+        action(config, *args)
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    run_command(engine, command.upgrade, revision)
 
 
 def downgrade(engine: Engine, revision: str) -> None:
-    with engine.begin() as connection:
-        config = alembic_config(engine)
-        config.attributes["connection"] = connection
-        command.downgrade(config, revision)
+    run_command(engine, command.downgrade, revision)
 
 
 def is_current(engine: Engine) -> bool:

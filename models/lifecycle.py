@@ -182,17 +182,17 @@ def fail(
             Job.id.in_(job_ids), Job.status == JobStatus.running, Job.worker_host == worker.host
         )
     ).all()
-    retryable = []
     for job in jobs:
         dead = permanent or job.attempts >= max_attempts
         job.status = JobStatus.dead if dead else JobStatus.failed
         job.error = error
         job.lease_expires_at = None
         job.finished_at = now if dead else None
-        record_events(session, [job.id], job.status, worker=worker, detail=error, at=now)
-        if not dead:
-            retryable.append(job.id)
-    close_finished_runs(session, [job.id for job in jobs if job.status == JobStatus.dead])
+    retryable = [job.id for job in jobs if job.status == JobStatus.failed]
+    given_up = [job.id for job in jobs if job.status == JobStatus.dead]
+    record_events(session, retryable, JobStatus.failed, worker=worker, detail=error, at=now)
+    record_events(session, given_up, JobStatus.dead, worker=worker, detail=error, at=now)
+    close_finished_runs(session, given_up)
     return retryable
 
 

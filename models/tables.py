@@ -19,7 +19,7 @@ from sqlalchemy import (
     func,
 )
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # Stable constraint names, so migrations can name what they alter on every backend.
 NAMING_CONVENTION = {
@@ -78,8 +78,6 @@ class Run(Base):
     )
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
-    jobs: Mapped[list["Job"]] = relationship(back_populates="run")
-
 
 class Job(Base):
     __tablename__ = "jobs"
@@ -112,8 +110,6 @@ class Job(Base):
     output_uri: Mapped[str | None] = mapped_column(Text)
     output_sha256: Mapped[str | None] = mapped_column(String(64))
     cached: Mapped[bool] = mapped_column(default=False)
-
-    run: Mapped[Run] = relationship(back_populates="jobs")
 
     __table_args__ = (
         Index("ix_jobs_run_id_status", "run_id", "status"),

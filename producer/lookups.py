@@ -33,10 +33,15 @@ def run_status(session: Session, run_id: int, *, with_jobs: bool = True) -> dict
         raise NotFound(f"no run {run_id}")
     counts = status_counts(session, run_id)
     done = sum(counts[str(status)] for status in FINISHED)
-    first_start, last_finish, rendered = session.execute(
-        select(func.min(Job.started_at), func.max(Job.finished_at), func.count()).where(
-            Job.run_id == run_id, Job.status == JobStatus.succeeded, Job.cached.is_(False)
-        )
+    # One pass over the run's succeeded jobs: throughput counts only what was rendered.
+    rendered_only = Job.cached.is_(False)
+    first_start, last_finish, rendered, cached = session.execute(
+        select(
+            func.min(Job.started_at).filter(rendered_only),
+            func.max(Job.finished_at).filter(rendered_only),
+            func.count().filter(rendered_only),
+            func.count().filter(Job.cached.is_(True)),
+        ).where(Job.run_id == run_id, Job.status == JobStatus.succeeded)
     ).one()
     throughput = None
     if rendered and first_start and last_finish and last_finish > first_start:
@@ -52,9 +57,7 @@ def run_status(session: Session, run_id: int, *, with_jobs: bool = True) -> dict
         "finished_at": _time(run.finished_at),
         "succeeded": counts[JobStatus.succeeded],
         "dead": counts[JobStatus.dead],
-        "cached": session.scalar(
-            select(func.count()).where(Job.run_id == run_id, Job.cached.is_(True))
-        ),
+        "cached": cached,
         "images_per_second": round(throughput, 3) if throughput else None,
         "eta_seconds": round(remaining / throughput, 1) if throughput and remaining else None,
     }

@@ -1,7 +1,6 @@
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -150,10 +149,3 @@ def sdq(service_env: dict[str, str]):
 def write(path: Path, text: str, encoding: str = "utf-8") -> Path:
     path.write_bytes(text.encode(encoding))
     return path
-
-
-def wait_until(check, *, timeout: float = 120.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)

@@ -29,7 +29,7 @@ def wait_for(check, *, what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not come up within {timeout:.0f}s")
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(0.1)
 
 
@@ -42,6 +42,15 @@ def ensure_service(name: str) -> None:
     command = START_COMMANDS[name].format(version=versions[-1] if versions else "15")
     subprocess.run(command, shell=True, check=False, capture_output=True)
     wait_for(lambda: listening(port), what=f"{name} on port {port} (started with: {command})")
+
+
+def answers(url: str) -> bool:
+    """Whether an HTTP server answers at `url` (any status)."""
+    try:
+        urllib.request.urlopen(url, timeout=1)
+    except OSError:
+        return False
+    return True
 
 
 def free_port() -> int:
@@ -70,11 +79,7 @@ class MotoServer:
     def _answers(self) -> bool:
         if self.process and self.process.poll() is not None:
             raise RuntimeError("moto server exited at start")
-        try:
-            urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=1)
-        except OSError:
-            return False
-        return True
+        return answers(f"{self.endpoint}/moto-api/")
 
     def stop(self) -> None:
         if self.process:

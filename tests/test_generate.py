@@ -16,7 +16,8 @@ from models.db import make_engine, session_factory
 from models.settings import Settings
 from models.specs import GenerationSpec
 from models.tables import Job, JobEvent, JobStatus
-from tests.conftest import BUCKET, wait_until, write
+from tests.conftest import BUCKET, write
+from tests.services import wait_for
 from workers.app import GENERATE_TASK, create_app
 
 
@@ -41,7 +42,7 @@ def wait_for_run(sdq, run_id: int) -> dict:
         status = json.loads(result.stdout)
         return status["finished"]
 
-    wait_until(finished, what=f"run {run_id}")
+    wait_for(finished, what=f"run {run_id}", timeout=120)
     return status
 
 
@@ -229,7 +230,7 @@ def test_a_killed_worker_loses_no_work(worker, sdq, sessions, tmp_path) -> None:
             job = session.scalars(select(Job).where(Job.run_id == run_id)).one()
         return job if job.status == JobStatus.running else None
 
-    wait_until(lambda: claimed() is not None, what="the job to start")
+    wait_for(lambda: claimed() is not None, what="the job to start", timeout=120)
     holder = claimed().worker_host
     os.kill(int(holder.rsplit(":", 1)[1]), signal.SIGKILL)
 

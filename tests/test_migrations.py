@@ -6,7 +6,7 @@ import pytest
 from alembic import command
 from sqlalchemy import inspect, text
 
-from migrations import alembic_config, downgrade, is_current, upgrade
+from migrations import downgrade, is_current, run_command, upgrade
 from models.db import make_engine
 
 
@@ -23,10 +23,7 @@ def test_models_and_migrations_agree_and_round_trip(empty_database: str) -> None
     assert not is_current(engine)
     upgrade(engine)
     assert is_current(engine)
-    with engine.connect() as connection:
-        config = alembic_config(engine)
-        config.attributes["connection"] = connection
-        command.check(config)  # raises if autogenerate would find any difference
+    run_command(engine, command.check)  # raises if autogenerate would find any difference
     downgrade(engine, "base")
     assert set(inspect(engine).get_table_names()) <= {"alembic_version"}
     upgrade(engine)

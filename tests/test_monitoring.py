@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.conftest import ROOT
-from tests.services import free_port, wait_for
+from tests.services import answers, free_port, wait_for
 
 
 @pytest.fixture
@@ -25,19 +25,11 @@ def flower(service_env: dict[str, str], tmp_path) -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: _answers(url), what=f"flower (log: {log})")
+        wait_for(lambda: answers(url), what=f"flower (log: {log})")
         yield url
     finally:
         process.terminate()
         process.wait(10)
-
-
-def _answers(url: str) -> bool:
-    try:
-        urllib.request.urlopen(url, timeout=1)
-    except OSError:
-        return False
-    return True
 
 
 def test_flower_lists_the_gpu_worker_and_its_queues(worker, flower: str) -> None:
