@@ -21,8 +21,8 @@ import psycopg
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from migrations import upgrade  # noqa: E402
-from models.db import make_engine  # noqa: E402
+from sdq.migrations import upgrade  # noqa: E402
+from sdq.models.db import make_engine  # noqa: E402
 from tests.services import ensure_service  # noqa: E402
 
 ADMIN_URL = "postgresql://postgres@127.0.0.1/postgres"

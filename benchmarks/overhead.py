@@ -41,11 +41,12 @@ from sqlalchemy import func, select
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from migrations import upgrade  # noqa: E402
-from models.db import make_engine, session_factory  # noqa: E402
-from models.lifecycle import as_utc  # noqa: E402
-from models.tables import FINISHED, Job  # noqa: E402
-from producer.cli import main as sdq  # noqa: E402
+from sdq.migrations import upgrade  # noqa: E402
+from sdq.models.db import make_engine, session_factory  # noqa: E402
+from sdq.models.jobs.lifecycle import as_utc  # noqa: E402
+from sdq.models.tables import FINISHED, Job  # noqa: E402
+from sdq.producer.cli import main as sdq  # noqa: E402
+from sdq.workers.generate.tiny import build_pipeline  # noqa: E402
 from tests.conftest import WorkerProcess  # noqa: E402
 from tests.services import (  # noqa: E402
     MotoServer,
@@ -54,7 +55,6 @@ from tests.services import (  # noqa: E402
     ensure_service,
     s3_client,
 )
-from workers.tiny import build_pipeline  # noqa: E402
 
 SUBJECTS = [
     "a lighthouse", "a fox", "an old library", "a paper boat", "a mountain village",

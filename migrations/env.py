@@ -1,10 +1,19 @@
 """Alembic environment: the schema is built by these migrations everywhere, tests included."""
 
+import importlib
+import pkgutil
+
 from alembic import context
 from sqlalchemy import Connection
 
-from models.db import make_engine
-from models.tables import Base
+from sdq.models import tables
+from sdq.models.db import make_engine
+from sdq.models.tables import Base
+
+# Each kind's tables live in a module of their own beside the generic ones; all of them
+# belong to the schema that autogenerate and `alembic check` compare against.
+for module in pkgutil.iter_modules(tables.__path__):
+    importlib.import_module(f"{tables.__name__}.{module.name}")
 
 
 def run_migrations(connection: Connection) -> None:

@@ -1,13 +1,19 @@
 """Engines and sessions; nothing connects until first use."""
 
+from collections.abc import Iterable, Iterator
 from enum import Enum
+from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from psycopg.types.json import Jsonb
 from sqlalchemy import JSON, Engine, Table, create_engine, event, insert, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
+
+# Ids or hashes per IN list: under SQLite's and psycopg's limits on bound parameters.
+IN_LIST_LIMIT = 10_000
+T = TypeVar("T")
 
 
 def make_engine(database_url: str) -> Engine:
@@ -35,8 +41,15 @@ def session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
 
 
+def chunked(values: Iterable[T], size: int = IN_LIST_LIMIT) -> Iterator[list[T]]:
+    """Lists of at most `size` values, in order (by default: one IN list each)."""
+    iterator = iter(values)
+    while chunk := list(islice(iterator, size)):
+        yield chunk
+
+
 def insert_rows(session: Session, table: Table, rows: list[dict[str, Any]]) -> list[int]:
-    """Inserts rows and returns their ids, in order.
+    """Inserts rows and returns their new ids, in order.
 
     On Postgres the ids are drawn from the table's sequence first and the rows go in with
     COPY: a 100k-job submit spends seconds here instead of most of a minute. Elsewhere
@@ -55,15 +68,25 @@ def insert_rows(session: Session, table: Table, rows: list[dict[str, Any]]) -> l
             {"table": table.name, "n": len(rows)},
         )
     )
-    columns = ["id", *rows[0]]
+    copy_rows(
+        session, table, [{"id": row_id, **row} for row_id, row in zip(ids, rows, strict=True)]
+    )
+    return ids
+
+
+def copy_rows(session: Session, table: Table, rows: list[dict[str, Any]]) -> None:
+    """Inserts rows whose keys are all given: COPY on Postgres, executemany elsewhere."""
+    if not rows:
+        return
+    if session.get_bind().dialect.name != "postgresql":
+        session.execute(insert(table), rows)
+        return
+    columns = list(rows[0])
     json_columns = {column.name for column in table.columns if isinstance(column.type, JSON)}
     cursor = session.connection().connection.dbapi_connection.cursor()
     with cursor.copy(f"COPY {table.name} ({', '.join(columns)}) FROM STDIN") as copy:
-        for row_id, row in zip(ids, rows, strict=True):
-            copy.write_row(
-                [row_id, *(_copy_value(row[name], name in json_columns) for name in columns[1:])]
-            )
-    return ids
+        for row in rows:
+            copy.write_row([_copy_value(row[name], name in json_columns) for name in columns])
 
 
 def _copy_value(value: Any, is_json: bool) -> Any:

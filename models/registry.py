@@ -15,10 +15,10 @@ from sqlalchemy import select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from models import tiny
-from models.specs import ModelIdentity
-from models.store import MissingObject, ObjectStore, S3Store
-from models.tables import ModelRecord
+from sdq.models import tiny
+from sdq.models.specs import ModelIdentity
+from sdq.models.store import MissingObject, ObjectStore, S3Store
+from sdq.models.tables import ModelRecord
 
 SCHEDULER_CONFIG_FILE = "scheduler/scheduler_config.json"
 UNET_CONFIG_FILE = "unet/config.json"
@@ -141,13 +141,12 @@ def _resolve_folder(folder: Path) -> ModelIdentity:
 
 
 def _resolve_s3(uri: str) -> ModelIdentity:
-    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
-    store = S3Store(bucket, prefix)
+    store = S3Store.from_uri(uri)
     listing = store.object_digests("")
     if not listing:
         raise ModelNotFound(f"no objects under {uri}")
     return _identity(
-        name=prefix.rstrip("/").rsplit("/", 1)[-1] or bucket,
+        name=store.prefix.rsplit("/", 1)[-1] or store.bucket,
         source=uri,
         revision=content_hash(listing.items()),
         read=_store_reader(store, ""),

@@ -1,11 +1,46 @@
-"""The one settings object, read from the environment at the entry points and passed down."""
+"""The one settings object, read from the environment at the entry points and passed down.
+
+Generic job settings (leases, attempts, time limits) sit beside one group per kind of
+work; time limits can be set per queue, since a training task runs far longer than a
+generation batch.
+"""
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from sdq.models.jobs.kinds import QUEUES
+
 EMBEDDED_HOME = Path("sdq-data")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimeLimits:
+    """Celery's limits for one queue's tasks: the soft one raises in the task, the hard
+    one kills the process."""
+
+    soft: int = 1800
+    hard: int = 1860
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSettings:
+    """What every kind of work shares: leases, attempts and retries."""
+
+    lease_seconds: int = 120
+    max_attempts: int = 3
+    retry_backoff_seconds: int = 5
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateSettings:
+    batch_size: int = 8
+    # A task message carries this many pipeline calls, so a worker uploads one call's
+    # images while it renders the next.
+    calls_per_task: int = 4
+    # A worker keeps this many loaded pipelines; each one costs GPU memory.
+    pipeline_cache_size: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -15,17 +50,12 @@ class Settings:
     # None means embedded: no broker, work runs in the calling process (`sdq run`).
     broker_url: str | None
     model_cache_dir: Path
-    task_soft_time_limit: int = 1800
-    task_time_limit: int = 1860
-    lease_seconds: int = 120
-    max_attempts: int = 3
-    retry_backoff_seconds: int = 5
-    batch_size: int = 8
-    # A task message carries this many pipeline calls, so a worker uploads one call's
-    # images while it renders the next.
-    calls_per_task: int = 4
-    # A worker keeps this many loaded pipelines; each one costs GPU memory.
-    pipeline_cache_size: int = 1
+    jobs: JobSettings = field(default_factory=JobSettings)
+    generate: GenerateSettings = field(default_factory=GenerateSettings)
+    # Queue name -> its task time limits.
+    time_limits: Mapping[str, TimeLimits] = field(
+        default_factory=lambda: {queue: TimeLimits() for queue in QUEUES}
+    )
 
     @property
     def embedded(self) -> bool:
@@ -33,9 +63,10 @@ class Settings:
 
     @property
     def visibility_timeout(self) -> int:
-        # Redis re-delivers an unacknowledged message after this long; it must outlast the
-        # longest task, or a slow task would run twice at once.
-        return self.task_time_limit * 2
+        # Redis re-delivers an unacknowledged message after this long, whichever queue it
+        # came from: one value for the whole broker, so it must outlast the longest task,
+        # or a slow task would run twice at once.
+        return 2 * max(limits.hard for limits in self.time_limits.values())
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -46,15 +77,37 @@ class Settings:
             store_url=env.get("SDQ_STORE_URL") or str(home / "store"),
             broker_url=env.get("SDQ_BROKER_URL") or None,
             model_cache_dir=Path(env.get("SDQ_MODEL_CACHE") or home / "model-cache"),
-            task_soft_time_limit=_int(env, "SDQ_TASK_SOFT_TIME_LIMIT", 1800),
-            task_time_limit=_int(env, "SDQ_TASK_TIME_LIMIT", 1860),
-            lease_seconds=_int(env, "SDQ_LEASE_SECONDS", 120),
-            max_attempts=_int(env, "SDQ_MAX_ATTEMPTS", 3),
-            retry_backoff_seconds=_int(env, "SDQ_RETRY_BACKOFF_SECONDS", 5),
-            batch_size=_int(env, "SDQ_BATCH_SIZE", 8),
-            calls_per_task=_int(env, "SDQ_CALLS_PER_TASK", 4),
-            pipeline_cache_size=_int(env, "SDQ_PIPELINE_CACHE_SIZE", 1),
+            jobs=JobSettings(
+                lease_seconds=_int(env, "SDQ_LEASE_SECONDS", 120),
+                max_attempts=_int(env, "SDQ_MAX_ATTEMPTS", 3),
+                retry_backoff_seconds=_int(env, "SDQ_RETRY_BACKOFF_SECONDS", 5),
+            ),
+            generate=GenerateSettings(
+                batch_size=_int(env, "SDQ_BATCH_SIZE", 8),
+                calls_per_task=_int(env, "SDQ_CALLS_PER_TASK", 4),
+                pipeline_cache_size=_int(env, "SDQ_PIPELINE_CACHE_SIZE", 1),
+            ),
+            time_limits={queue: _time_limits(env, queue) for queue in QUEUES},
         )
+
+
+def _time_limits(env: Mapping[str, str], queue: str) -> TimeLimits:
+    """SDQ_<QUEUE>_TASK_TIME_LIMIT overrides SDQ_TASK_TIME_LIMIT for one queue. A hard limit
+    given alone brings the soft one under it, leaving the task a moment to clean up."""
+    prefix = f"SDQ_{queue.upper()}_"
+    hard_name = _first_set(env, f"{prefix}TASK_TIME_LIMIT", "SDQ_TASK_TIME_LIMIT")
+    soft_name = _first_set(env, f"{prefix}TASK_SOFT_TIME_LIMIT", "SDQ_TASK_SOFT_TIME_LIMIT")
+    hard = _int(env, hard_name, TimeLimits.hard)
+    margin = max(1, min(60, hard // 10))
+    soft = _int(env, soft_name, max(1, min(TimeLimits.soft, hard - margin)))
+    if soft > hard:
+        raise ValueError(f"{soft_name} ({soft}) must not exceed {hard_name} ({hard})")
+    return TimeLimits(soft=soft, hard=hard)
+
+
+def _first_set(env: Mapping[str, str], *names: str) -> str:
+    """The first of the names the environment sets, else the last (the general one)."""
+    return next((name for name in names if env.get(name)), names[-1])
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:

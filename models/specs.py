@@ -55,11 +55,11 @@ class GenerationSpec:
         identity = self.to_dict()
         del identity["model_name"], identity["model_source"]
         identity["version"] = SPEC_VERSION
-        return _sha256_json(identity)
+        return canonical_sha256(identity)
 
     def batch_key(self) -> str:
         """Specs with equal keys can share one pipeline call."""
-        return _sha256_json(
+        return canonical_sha256(
             [
                 self.model_revision,
                 self.model_source,
@@ -88,6 +88,7 @@ def image_key(spec_hash: str) -> str:
     return f"images/{spec_hash}.png"
 
 
-def _sha256_json(value: Any) -> str:
+def canonical_sha256(value: Any) -> str:
+    """sha256 of a value's canonical JSON: sorted keys, no spaces, UTF-8."""
     canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()

@@ -115,6 +115,14 @@ class S3Store:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
 
+    @classmethod
+    def from_uri(cls, uri: str) -> "S3Store":
+        """`s3://bucket/prefix`: the store rooted at that prefix."""
+        parsed = urlparse(uri)
+        if parsed.scheme != "s3" or not parsed.netloc:
+            raise StoreError(f"not an s3://bucket/prefix URI: {uri!r}")
+        return cls(parsed.netloc, parsed.path)
+
     @cached_property
     def _client(self):
         import boto3
@@ -219,9 +227,7 @@ def open_store(url: str) -> ObjectStore:
     """`s3://bucket/prefix`, `file:///path` or a plain path."""
     parsed = urlparse(url)
     if parsed.scheme == "s3":
-        if not parsed.netloc:
-            raise StoreError(f"store URL has no bucket: {url!r}")
-        return S3Store(parsed.netloc, parsed.path)
+        return S3Store.from_uri(url)
     if parsed.scheme == "file":
         return LocalStore(Path(parsed.path))
     if not parsed.scheme:

@@ -5,10 +5,10 @@ and its identity is a hash of this definition: computable without torch, on the 
 side. It draws noise, not pictures; it exists for tests, benchmarks and offline demos.
 """
 
-import hashlib
-import json
 from functools import cache
 from typing import Any
+
+from sdq.models.specs import canonical_sha256
 
 TINY_NAME = "tiny"
 TINY_WEIGHT_SEED = 20261122
@@ -100,5 +100,4 @@ def definition() -> dict[str, Any]:
 
 @cache
 def content_hash() -> str:
-    canonical = json.dumps(definition(), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    return canonical_sha256(definition())

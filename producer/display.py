@@ -53,14 +53,15 @@ def status_table(status: dict[str, Any]) -> Table:
 
 
 def describe_status(status: dict[str, Any]) -> list[str]:
+    unit = status["unit"]
     lines = [
-        f"{status['succeeded']} of {status['total']} images done, {status['cached']} from cache"
+        f"{status['succeeded']} of {status['total']} {unit} done, {status['cached']} from cache"
     ]
     if status["dead"]:
         listing = f"sdq find --run {status['run_id']} --status dead"
         lines.append(f"[red]{status['dead']} failed for good[/red]: `{listing}` lists them")
-    if status["images_per_second"]:
-        lines.append(f"throughput {status['images_per_second']:.2f} images/s")
+    if status["per_second"]:
+        lines.append(f"throughput {status['per_second']:.2f} {unit}/s")
     if status["eta_seconds"]:
         lines.append(f"about {status['eta_seconds']:.0f}s to go")
     return lines

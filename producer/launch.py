@@ -11,9 +11,9 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from workers.app import CPU_QUEUES, GPU_QUEUES
+from sdq.models.jobs.kinds import POOL_QUEUES, Pool
 
-CELERY_APP = "workers.main"
+CELERY_APP = "sdq.workers.main"
 
 
 @dataclass(frozen=True)
@@ -53,13 +53,17 @@ def gpu_workers(gpus: list[str], *, loglevel: str) -> list[WorkerCommand]:
     and a child killed mid-task gives its message back to the queue."""
     if not gpus:
         argv = celery_worker(
-            GPU_QUEUES, name="cpu-render", concurrency=1, prefetch=1, loglevel=loglevel
+            POOL_QUEUES[Pool.gpu], name="cpu-render", concurrency=1, prefetch=1, loglevel=loglevel
         )
         return [WorkerCommand(argv, {**os.environ, "CUDA_VISIBLE_DEVICES": ""})]
     return [
         WorkerCommand(
             celery_worker(
-                GPU_QUEUES, name=f"gpu{gpu}", concurrency=1, prefetch=1, loglevel=loglevel
+                POOL_QUEUES[Pool.gpu],
+                name=f"gpu{gpu}",
+                concurrency=1,
+                prefetch=1,
+                loglevel=loglevel,
             ),
             {**os.environ, "CUDA_VISIBLE_DEVICES": gpu},
         )
@@ -69,7 +73,7 @@ def gpu_workers(gpus: list[str], *, loglevel: str) -> list[WorkerCommand]:
 
 def cpu_workers(concurrency: int, *, loglevel: str) -> list[WorkerCommand]:
     argv = celery_worker(
-        CPU_QUEUES, name="cpu", concurrency=concurrency, prefetch=4, loglevel=loglevel
+        POOL_QUEUES[Pool.cpu], name="cpu", concurrency=concurrency, prefetch=4, loglevel=loglevel
     )
     return [WorkerCommand(argv, dict(os.environ))]
 

@@ -1,4 +1,4 @@
-"""Read-only questions about runs and jobs, answered as plain dicts ready for JSON."""
+"""Read-only questions about runs and jobs of any kind, answered as plain dicts for JSON."""
 
 from collections import Counter
 from datetime import datetime
@@ -7,17 +7,21 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from models.lifecycle import as_utc
-from models.specs import image_key
-from models.tables import FINISHED, Job, JobEvent, JobStatus, ModelRecord, Run
+from sdq.models.jobs.lifecycle import as_utc
+from sdq.models.tables import FINISHED, Job, JobEvent, JobStatus, ModelRecord, Run
+from sdq.producer.errors import NotFound
+from sdq.producer.kinds import views_of
 
 
-class NotFound(Exception):
-    pass
-
-
-def _time(moment: datetime | None) -> str | None:
+def time_text(moment: datetime | None) -> str | None:
     return as_utc(moment).isoformat() if moment else None
+
+
+def get_run(session: Session, run_id: int) -> Run:
+    run = session.get(Run, run_id)
+    if run is None:
+        raise NotFound(f"no run {run_id}")
+    return run
 
 
 def status_counts(session: Session, run_id: int) -> Counter[str]:
@@ -28,50 +32,53 @@ def status_counts(session: Session, run_id: int) -> Counter[str]:
 
 
 def run_status(session: Session, run_id: int, *, with_jobs: bool = True) -> dict[str, Any]:
-    run = session.get(Run, run_id)
-    if run is None:
-        raise NotFound(f"no run {run_id}")
+    run = get_run(session, run_id)
     counts = status_counts(session, run_id)
     done = sum(counts[str(status)] for status in FINISHED)
-    # One pass over the run's succeeded jobs: throughput counts only what was rendered.
-    rendered_only = Job.cached.is_(False)
-    first_start, last_finish, rendered, cached = session.execute(
+    # One pass over the run's succeeded jobs: throughput counts only work actually done.
+    worked = Job.cached.is_(False)
+    first_start, last_finish, finished_work, cached = session.execute(
         select(
-            func.min(Job.started_at).filter(rendered_only),
-            func.max(Job.finished_at).filter(rendered_only),
-            func.count().filter(rendered_only),
+            func.min(Job.started_at).filter(worked),
+            func.max(Job.finished_at).filter(worked),
+            func.count().filter(worked),
             func.count().filter(Job.cached.is_(True)),
         ).where(Job.run_id == run_id, Job.status == JobStatus.succeeded)
     ).one()
     throughput = None
-    if rendered and first_start and last_finish and last_finish > first_start:
-        throughput = rendered / (as_utc(last_finish) - as_utc(first_start)).total_seconds()
+    if finished_work and first_start and last_finish and last_finish > first_start:
+        throughput = finished_work / (as_utc(last_finish) - as_utc(first_start)).total_seconds()
     remaining = run.job_count - done
     status: dict[str, Any] = {
         "run_id": run.id,
+        "kind": run.kind,
+        "unit": views_of(run.kind).unit,
         "source": run.source,
-        "created_at": _time(run.created_at),
+        "created_at": time_text(run.created_at),
         "total": run.job_count,
         "counts": dict(sorted(counts.items())),
         "finished": remaining == 0,
-        "finished_at": _time(run.finished_at),
+        "finished_at": time_text(run.finished_at),
         "succeeded": counts[JobStatus.succeeded],
         "dead": counts[JobStatus.dead],
         "cached": cached,
-        "images_per_second": round(throughput, 3) if throughput else None,
+        "per_second": round(throughput, 3) if throughput else None,
         "eta_seconds": round(remaining / throughput, 1) if throughput and remaining else None,
     }
     if with_jobs:
-        rows = session.execute(
-            select(Job.id, Job.status, Job.output_uri, Job.prompt, Job.seed)
-            .where(Job.run_id == run_id)
-            .order_by(Job.id)
-        )
-        status["jobs"] = [
-            {"id": job_id, "status": str(job_status), "uri": uri, "prompt": prompt, "seed": seed}
-            for job_id, job_status, uri, prompt, seed in rows
-        ]
+        status["jobs"] = run_jobs(session, run)
     return status
+
+
+def run_jobs(session: Session, run: Run) -> list[dict[str, Any]]:
+    rows = session.execute(
+        select(Job.id, Job.status, Job.output_uri).where(Job.run_id == run.id).order_by(Job.id)
+    ).all()
+    fields = views_of(run.kind).job_fields(session, [job_id for job_id, _, _ in rows])
+    return [
+        {"id": job_id, "status": str(status), "uri": uri, **fields.get(job_id, {})}
+        for job_id, status, uri in rows
+    ]
 
 
 def recent_runs(session: Session, limit: int = 20) -> list[dict[str, Any]]:
@@ -79,11 +86,12 @@ def recent_runs(session: Session, limit: int = 20) -> list[dict[str, Any]]:
     return [
         {
             "run_id": run.id,
-            "created_at": _time(run.created_at),
+            "kind": run.kind,
+            "created_at": time_text(run.created_at),
             "source": run.source,
             "total": run.job_count,
             "counts": dict(sorted(status_counts(session, run.id).items())),
-            "finished_at": _time(run.finished_at),
+            "finished_at": time_text(run.finished_at),
         }
         for run in runs
     ]
@@ -97,23 +105,28 @@ def job_details(session: Session, job_id: int) -> dict[str, Any]:
         select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.at, JobEvent.id)
     )
     return {
-        **job_summary(job),
+        "id": job.id,
+        "run_id": job.run_id,
+        "kind": job.kind,
+        "status": str(job.status),
+        **views_of(job.kind).job_fields(session, [job.id]).get(job.id, {}),
+        "cached": job.cached,
+        "uri": job.output_uri,
         "spec": job.spec,
         "spec_hash": job.spec_hash,
-        "source_line": job.source_line,
         "attempts": job.attempts,
         "worker": job.worker_host,
         "device": job.device,
-        "created_at": _time(job.created_at),
-        "enqueued_at": _time(job.enqueued_at),
-        "started_at": _time(job.started_at),
-        "finished_at": _time(job.finished_at),
-        "render_seconds": job.render_seconds,
+        "created_at": time_text(job.created_at),
+        "enqueued_at": time_text(job.enqueued_at),
+        "started_at": time_text(job.started_at),
+        "finished_at": time_text(job.finished_at),
+        "work_seconds": job.work_seconds,
         "error": job.error,
         "sha256": job.output_sha256,
         "events": [
             {
-                "at": _time(event.at),
+                "at": time_text(event.at),
                 "status": str(event.status),
                 "worker": event.worker_host,
                 "detail": event.detail,
@@ -121,58 +134,6 @@ def job_details(session: Session, job_id: int) -> dict[str, Any]:
             for event in events
         ],
     }
-
-
-def job_summary(job: Job) -> dict[str, Any]:
-    return {
-        "id": job.id,
-        "run_id": job.run_id,
-        "status": str(job.status),
-        "prompt": job.prompt,
-        "style": job.style,
-        "model": job.model,
-        "seed": job.seed,
-        "cached": job.cached,
-        "uri": job.output_uri,
-    }
-
-
-def find_jobs(
-    session: Session,
-    *,
-    prompt: str | None = None,
-    style: str | None = None,
-    model: str | None = None,
-    run_id: int | None = None,
-    status: str | None = None,
-    limit: int = 50,
-) -> list[dict[str, Any]]:
-    """Substring matches, case-insensitive; the trigram index serves them on Postgres."""
-    query = select(Job).order_by(Job.id.desc()).limit(limit)
-    if prompt:
-        query = query.where(Job.prompt.ilike(f"%{_escape_like(prompt)}%", escape="\\"))
-    if style:
-        query = query.where(Job.style.ilike(f"%{_escape_like(style)}%", escape="\\"))
-    if model:
-        query = query.where(Job.model == model)
-    if run_id is not None:
-        query = query.where(Job.run_id == run_id)
-    if status:
-        query = query.where(Job.status == JobStatus(status))
-    return [job_summary(job) for job in session.scalars(query)]
-
-
-def _escape_like(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-
-
-def job_image_key(session: Session, job_id: int) -> str:
-    job = session.get(Job, job_id)
-    if job is None:
-        raise NotFound(f"no job {job_id}")
-    if job.status != JobStatus.succeeded:
-        raise NotFound(f"job {job_id} has no image: it is {job.status}")
-    return image_key(job.spec_hash)
 
 
 def known_models(session: Session) -> list[dict[str, Any]]:
@@ -183,22 +144,7 @@ def known_models(session: Session) -> list[dict[str, Any]]:
             "revision": record.revision,
             "source": record.source,
             "store_prefix": record.store_prefix,
-            "created_at": _time(record.created_at),
+            "created_at": time_text(record.created_at),
         }
         for record in records
     ]
-
-
-def gallery_jobs(session: Session, run_id: int) -> list[dict[str, Any]]:
-    if session.get(Run, run_id) is None:
-        raise NotFound(f"no run {run_id}")
-    rows = session.execute(
-        select(Job.source_line, Job.style, Job.prompt, Job.seed, Job.status, Job.spec_hash)
-        .where(Job.run_id == run_id)
-        .order_by(Job.id)
-    )
-    return [
-        {"source_line": line, "style": style, "prompt": prompt, "seed": seed,
-         "status": str(status), "spec_hash": spec_hash}
-        for line, style, prompt, seed, status, spec_hash in rows
-    ]  # fmt: skip

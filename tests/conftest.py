@@ -9,8 +9,8 @@ import psycopg
 import pytest
 from click.testing import CliRunner, Result
 
-from models.db import make_engine
-from producer.cli import main
+from sdq.models.db import make_engine
+from sdq.producer.cli import main
 from tests.services import MotoServer, aws_env, clean_env, ensure_service, wait_for
 from tests.services import s3_client as s3_client_for
 
@@ -33,7 +33,7 @@ def postgres_url() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def migrated_postgres(postgres_url: str) -> str:
-    from migrations import upgrade
+    from sdq.migrations import upgrade
 
     upgrade(make_engine(postgres_url))
     return postgres_url
@@ -83,15 +83,15 @@ def service_env(
 
 
 class WorkerProcess:
-    """`sdq worker gpu` as a user starts it, in a process group of its own."""
+    """`sdq worker gpu` (or `cpu`) as a user starts it, in a process group of its own."""
 
-    def __init__(self, env: dict[str, str], log: Path) -> None:
-        self.env, self.log = env, log
+    def __init__(self, env: dict[str, str], log: Path, pool: str = "gpu") -> None:
+        self.env, self.log, self.pool = env, log, pool
         self.process: subprocess.Popen | None = None
 
     def start(self) -> "WorkerProcess":
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "producer.cli", "worker", "gpu", "--loglevel", "info"],
+            [sys.executable, "-m", "sdq.producer.cli", "worker", self.pool, "--loglevel", "info"],
             env=self.env,
             cwd=ROOT,
             stdout=self.log.open("ab"),

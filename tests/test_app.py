@@ -2,8 +2,9 @@
 
 import pytest
 
-from models.settings import Settings
-from workers.app import CPU_QUEUES, GENERATE_TASK, GPU_QUEUES, QUEUES, create_app
+from sdq.models.jobs.kinds import GENERATE, KINDS, POOL_QUEUES, QUEUES, Pool
+from sdq.models.settings import Settings
+from sdq.workers.app import create_app
 
 
 def test_delivery_settings_follow_the_lifecycle() -> None:
@@ -14,7 +15,8 @@ def test_delivery_settings_follow_the_lifecycle() -> None:
             "SDQ_TASK_SOFT_TIME_LIMIT": "540",
         }
     )
-    conf = create_app(settings).conf
+    app = create_app(settings)
+    conf = app.conf
     assert conf.task_serializer == "json" and list(conf.accept_content) == ["json"]
     assert conf.task_acks_late and conf.task_reject_on_worker_lost
     assert conf.worker_prefetch_multiplier == 1
@@ -22,13 +24,42 @@ def test_delivery_settings_follow_the_lifecycle() -> None:
     # Redis must not hand a running task to a second worker before the first is killed.
     assert conf.broker_transport_options["visibility_timeout"] > conf.task_time_limit
     assert conf.task_ignore_result
-    assert {queue.name for queue in conf.task_queues} == set(QUEUES) == set(GPU_QUEUES + CPU_QUEUES)
-    assert conf.task_routes[GENERATE_TASK] == {"queue": "generate"}
+    assert {queue.name for queue in conf.task_queues} == set(QUEUES)
+    assert set(QUEUES) == set(POOL_QUEUES[Pool.gpu] + POOL_QUEUES[Pool.cpu])
+    assert conf.task_routes[GENERATE.task_name] == {"queue": "generate"}
+    app.loader.import_default_modules()
+    assert set(KINDS) <= {name.removeprefix("sdq.") for name in app.tasks}
+
+
+def test_time_limits_differ_per_queue_and_the_visibility_timeout_outlasts_them() -> None:
+    settings = Settings.from_env(
+        {"SDQ_TASK_TIME_LIMIT": "300", "SDQ_TRAIN_TASK_TIME_LIMIT": "36000"}
+    )
+    assert (settings.time_limits["generate"].soft, settings.time_limits["generate"].hard) == (
+        270,
+        300,
+    )
+    assert settings.time_limits["train"].hard == 36000
+    assert settings.time_limits["train"].soft < 36000
+    assert settings.visibility_timeout >= 2 * 36000
+    app = create_app(settings)
+    app.loader.import_default_modules()
+    task = app.tasks[GENERATE.task_name]
+    assert (task.soft_time_limit, task.time_limit) == (270, 300)
+
+
+def test_settings_that_cannot_work_are_refused_at_start() -> None:
+    # A hard limit alone brings the soft one under it instead of failing every task.
+    alone = Settings.from_env({"SDQ_TASK_TIME_LIMIT": "15"})
+    assert alone.time_limits["generate"].soft < alone.time_limits["generate"].hard == 15
+    with pytest.raises(ValueError, match=r"SDQ_TASK_SOFT_TIME_LIMIT \(30\) must not exceed"):
+        Settings.from_env({"SDQ_TASK_TIME_LIMIT": "15", "SDQ_TASK_SOFT_TIME_LIMIT": "30"})
 
 
 def test_settings_default_to_the_embedded_deployment() -> None:
     settings = Settings.from_env({})
     assert settings.embedded and settings.database_url == "sqlite:///sdq-data/sdq.db"
     assert settings.store_url == "sdq-data/store"
+    assert settings.generate.batch_size == 8 and settings.jobs.max_attempts == 3
     with pytest.raises(ValueError, match="SDQ_MAX_ATTEMPTS must be an integer, got 'three'"):
         Settings.from_env({"SDQ_MAX_ATTEMPTS": "three"})

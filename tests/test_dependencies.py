@@ -1,15 +1,18 @@
-"""The dependency rules of DESIGN.md, checked on the source, and the CLI without torch."""
+"""The dependency rules of DESIGN.md, checked on the source and in running processes."""
 
 import ast
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
-from tests.conftest import ROOT, write
+from tests.conftest import ROOT, WorkerProcess, write
+from tests.services import wait_for
 
 HEAVY = {"torch", "diffusers", "transformers", "accelerate", "safetensors"}
 # The only modules that may import the heavy libraries, and then only lazily or as GPU code.
-GPU_MODULES = {"workers/pipelines.py", "workers/tiny.py"}
+GPU_MODULES = {"workers/gpu.py", "workers/generate/pipelines.py", "workers/generate/tiny.py"}
+PACKAGES = ("producer", "workers", "models", "migrations")
 
 
 def imports(path: Path) -> list[tuple[str, bool]]:
@@ -43,12 +46,13 @@ def test_producer_imports_only_models_and_the_celery_app() -> None:
         for name, _ in imports(path):
             assert name not in HEAVY, path
         tree_text = path.read_text()
-        for forbidden in ("workers.generate", "workers.pipelines", "workers.tiny"):
+        # The producer sends tasks by name; each kind's worker folder is the workers' own.
+        for forbidden in ("workers.generate", "workers.gpu", "workers.delivery"):
             assert forbidden not in tree_text, f"{path} imports {forbidden}"
 
 
 def test_heavy_libraries_only_in_gpu_modules() -> None:
-    for package in ("workers", "producer", "models", "migrations"):
+    for package in PACKAGES:
         for path in sources(package):
             relative = path.relative_to(ROOT).as_posix()
             heavy_at_top = [name for name, top in imports(path) if top and name in HEAVY]
@@ -63,7 +67,7 @@ class Block:
         if name.split(".")[0] in {"torch", "diffusers", "transformers"}:
             raise ImportError(f"{name} is blocked: the producer must not need it")
 sys.meta_path.insert(0, Block())
-from producer.cli import main
+from sdq.producer.cli import main
 main()
 """
 
@@ -82,6 +86,58 @@ def test_submit_works_without_torch(service_env: dict[str, str], tmp_path: Path)
     assert '"jobs": 1' in done.stdout
 
 
-def test_workers_main_loads_without_torch() -> None:
-    probe = "import sys, workers.main, workers.tasks; assert 'torch' not in sys.modules"
+def test_the_celery_app_and_every_task_load_without_torch() -> None:
+    probe = (
+        "import sys; from sdq.workers.main import app; app.loader.import_default_modules(); "
+        "assert 'sdq.generate' in app.tasks; assert 'torch' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", probe], cwd=ROOT, check=True, timeout=60)
+
+
+def loads_torch(pid: int) -> bool:
+    """Whether a live process has torch's shared library mapped."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return "libtorch" in maps
+
+
+def test_a_cpu_worker_never_imports_torch(service_env: dict[str, str], tmp_path: Path) -> None:
+    process = WorkerProcess(service_env, tmp_path / "cpu.log", pool="cpu").start()
+    try:
+        wait_for(lambda: len(process.children()) >= 3, what="the cpu pool's processes")
+        pids = process.children()
+        assert pids and not any(loads_torch(pid) for pid in pids)
+    finally:
+        process.stop()
+
+
+def test_the_torch_probe_sees_a_process_that_imports_torch() -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, torch; print('ready', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert loads_torch(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_every_package_installs_under_the_sdq_namespace() -> None:
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    on_disk = {
+        "sdq." + init.parent.relative_to(ROOT).as_posix().replace("/", ".")
+        for package in PACKAGES
+        for init in (ROOT / package).rglob("__init__.py")
+    }
+    assert listed == on_disk
+    # From outside the checkout, only the namespace is importable, not its folders' names.
+    probe = (
+        "import importlib.util as u; import sdq.models, sdq.workers; "
+        "assert u.find_spec('models') is None and u.find_spec('workers') is None"
+    )
+    subprocess.run([sys.executable, "-c", probe], cwd="/", check=True, timeout=60)

@@ -15,7 +15,7 @@ from tests.services import clean_env
 
 def sdq_run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "producer.cli", "run", *args],
+        [sys.executable, "-m", "sdq.producer.cli", "run", *args],
         cwd=cwd,
         env={**clean_env(), "PYTHONPATH": str(ROOT)},
         capture_output=True,

@@ -12,13 +12,15 @@ import pytest
 from PIL import Image
 from sqlalchemy import func, select
 
-from models.db import make_engine, session_factory
-from models.settings import Settings
-from models.specs import GenerationSpec
-from models.tables import Job, JobEvent, JobStatus
+from sdq.models.db import make_engine, session_factory
+from sdq.models.jobs.kinds import GENERATE
+from sdq.models.settings import Settings
+from sdq.models.specs import GenerationSpec
+from sdq.models.tables import Job, JobEvent, JobStatus
+from sdq.models.tables.generate import Generation
+from sdq.workers.app import create_app
 from tests.conftest import BUCKET, write
 from tests.services import wait_for
-from workers.app import GENERATE_TASK, create_app
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +71,10 @@ def test_submit_renders_stores_and_records(worker, sdq, sessions, s3_client, tmp
 
     with sessions() as session:
         jobs = session.scalars(select(Job).where(Job.run_id == submitted["run_id"])).all()
-        assert sorted(job.prompt for job in jobs) == sorted(
+        prompts = session.scalars(
+            select(Generation.prompt).where(Generation.job_id.in_([job.id for job in jobs]))
+        )
+        assert sorted(prompts) == sorted(
             f"{subject} by {style}"
             for subject in ("e2e lighthouse, at dusk", "e2e fox in snow")
             for style in ("ink", "oil paint", "pixel art")
@@ -80,7 +85,7 @@ def test_submit_renders_stores_and_records(worker, sdq, sessions, s3_client, tmp
             assert job.output_sha256 == hashlib.sha256(png).hexdigest()
             assert job.attempts == 1 and not job.cached
             assert job.worker_host and job.device == "cpu"
-            assert job.started_at and job.finished_at and job.render_seconds > 0
+            assert job.started_at and job.finished_at and job.work_seconds > 0
             image = Image.open(io.BytesIO(png))
             assert image.size == (64, 64)
             embedded = GenerationSpec.from_dict(json.loads(image.text["sdq-spec"]))
@@ -119,8 +124,8 @@ def test_a_duplicated_message_is_harmless(worker, sdq, sessions, service_env, tm
     with sessions() as session:
         job_ids = session.scalars(select(Job.id).where(Job.run_id == submitted["run_id"])).all()
     # The same batch delivered twice more, as a broker may after a lost acknowledgement.
-    app.send_task(GENERATE_TASK, args=[list(job_ids)])
-    app.send_task(GENERATE_TASK, args=[list(job_ids)])
+    app.send_task(GENERATE.task_name, args=[list(job_ids)])
+    app.send_task(GENERATE.task_name, args=[list(job_ids)])
     wait_for_run(sdq, submitted["run_id"])
     time.sleep(3)  # let the extra deliveries arrive and find nothing to do
     with sessions() as session:

@@ -4,7 +4,7 @@ import os
 import signal
 import subprocess
 
-from producer.launch import cpu_workers, gpu_workers
+from sdq.producer.launch import cpu_workers, gpu_workers
 from tests.conftest import WorkerProcess
 
 
@@ -16,7 +16,7 @@ def test_one_worker_per_gpu_each_with_its_own_device() -> None:
     commands = gpu_workers(["0", "3"], loglevel="info")
     assert [command.env["CUDA_VISIBLE_DEVICES"] for command in commands] == ["0", "3"]
     for command, gpu in zip(commands, ["0", "3"], strict=True):
-        assert command.argv[1:6] == ["-m", "celery", "-A", "workers.main", "worker"]
+        assert command.argv[1:6] == ["-m", "celery", "-A", "sdq.workers.main", "worker"]
         assert option(command.argv, "--queues") == "generate,encode,train"
         assert option(command.argv, "--concurrency") == "1"
         assert option(command.argv, "--prefetch-multiplier") == "1"

@@ -6,8 +6,8 @@ import pytest
 from alembic import command
 from sqlalchemy import inspect, text
 
-from migrations import downgrade, is_current, run_command, upgrade
-from models.db import make_engine
+from sdq.migrations import downgrade, is_current, run_command, upgrade
+from sdq.models.db import make_engine
 
 
 @pytest.fixture(params=["postgres", "sqlite"])
@@ -34,11 +34,47 @@ def test_prompt_search_uses_the_trigram_index(migrated_postgres: str) -> None:
     engine = make_engine(migrated_postgres)
     with engine.begin() as connection:
         definition = connection.scalar(
-            text("SELECT indexdef FROM pg_indexes WHERE indexname = 'ix_jobs_prompt_trgm'")
+            text("SELECT indexdef FROM pg_indexes WHERE indexname = 'ix_generations_prompt_trgm'")
         )
         assert "gin" in definition and "gin_trgm_ops" in definition
         connection.execute(text("SET LOCAL enable_seqscan = off"))
         plan = connection.execute(
-            text("EXPLAIN SELECT id FROM jobs WHERE prompt ILIKE '%castle%'")
+            text("EXPLAIN SELECT job_id FROM generations WHERE prompt ILIKE '%castle%'")
         ).scalars()
-        assert "ix_jobs_prompt_trgm" in "\n".join(plan)
+        assert "ix_generations_prompt_trgm" in "\n".join(plan)
+
+
+FIRST_SCHEMA_ROWS = [
+    "INSERT INTO runs (id, kind, source, options, job_count) "
+    "VALUES (1, 'generate', 'p.csv', '{}', 1)",
+    "INSERT INTO jobs (id, run_id, kind, spec, spec_hash, prompt, style, model, seed, source_line, "
+    "batch_key, status, attempts, cached, render_seconds) VALUES (7, 1, 'generate', '{}', 'h', "
+    "'a castle', 'ink', 'tiny', 42, 2, 'k', 'succeeded', 1, false, 0.5)",
+    "INSERT INTO job_events (job_id, status) VALUES (7, 'pending'), (7, 'succeeded')",
+]
+
+
+def test_kind_neutral_jobs_keep_every_existing_row(empty_database: str) -> None:
+    engine = make_engine(empty_database)
+    downgrade(engine, "base")
+    upgrade(engine, "0001")
+    with engine.begin() as connection:
+        for statement in FIRST_SCHEMA_ROWS:
+            connection.execute(text(statement))
+    upgrade(engine)
+    with engine.begin() as connection:
+        moved = connection.execute(
+            text("SELECT prompt, style, model, seed, source_line, batch_key FROM generations")
+        ).all()
+        assert moved == [("a castle", "ink", "tiny", 42, 2, "k")]
+        assert connection.scalar(text("SELECT work_seconds FROM jobs WHERE id = 7")) == 0.5
+        # Rebuilding `jobs` would have cascaded into its history.
+        assert connection.scalar(text("SELECT count(*) FROM job_events")) == 2
+        assert connection.scalar(text("SELECT jobs_per_message FROM runs")) == 32
+    downgrade(engine, "0001")
+    with engine.begin() as connection:
+        back = connection.execute(text("SELECT prompt, seed, render_seconds FROM jobs")).all()
+        assert back == [("a castle", 42, 0.5)]
+        assert connection.scalar(text("SELECT count(*) FROM job_events")) == 2
+    downgrade(engine, "base")
+    upgrade(engine)

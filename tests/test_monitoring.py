@@ -17,7 +17,7 @@ def flower(service_env: dict[str, str], tmp_path) -> Iterator[str]:
     port = free_port()
     log = tmp_path / "flower.log"
     process = subprocess.Popen(
-        [sys.executable, "-m", "celery", "--app", "workers.main", "flower", f"--port={port}"],
+        [sys.executable, "-m", "celery", "--app", "sdq.workers.main", "flower", f"--port={port}"],
         env={**service_env, "FLOWER_UNAUTHENTICATED_API": "true"},
         cwd=ROOT,
         stdout=log.open("wb"),

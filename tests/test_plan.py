@@ -2,17 +2,21 @@
 
 from dataclasses import replace
 
-from models.registry import tiny_identity
-from models.specs import batches, image_key
-from producer.plan import Defaults, plan_jobs
-from producer.prompts import PromptRow
+from sdq.models.registry import tiny_identity
+from sdq.models.specs import batches, image_key
+from sdq.producer.generate.plan import Defaults, plan_jobs
+from sdq.producer.generate.prompts import PromptRow
 
 MODEL = tiny_identity()
 
 
+def list_plan(*args, **kwargs) -> list:
+    return list(plan_jobs(*args, **kwargs))
+
+
 def test_every_row_is_crossed_with_every_style_and_a_row_style_wins() -> None:
     rows = [PromptRow(line=2, prompt="a fox"), PromptRow(line=3, prompt="a owl", style="ink")]
-    planned = plan_jobs(
+    planned = list_plan(
         rows,
         model=MODEL,
         defaults=Defaults(seed=5),
@@ -30,26 +34,26 @@ def test_every_row_is_crossed_with_every_style_and_a_row_style_wins() -> None:
 
 def test_defaults_fill_what_a_row_leaves_out() -> None:
     row = PromptRow(line=2, prompt="x", steps=9, guidance=0.0, width=128, n=3, seed=10)
-    planned = plan_jobs([row], model=MODEL, defaults=Defaults(steps=30, guidance=7.0, height=96))
+    planned = list_plan([row], model=MODEL, defaults=Defaults(steps=30, guidance=7.0, height=96))
     specs = [job.spec for job in planned]
     assert [spec.seed for spec in specs] == [10, 11, 12]
     assert {(spec.steps, spec.guidance, spec.width, spec.height) for spec in specs} == {
         (9, 0.0, 128, 96)
     }
     assert {spec.dtype for spec in specs} == {"float32"}
-    native = plan_jobs([PromptRow(line=2, prompt="x")], model=MODEL, defaults=Defaults())
+    native = list_plan([PromptRow(line=2, prompt="x")], model=MODEL, defaults=Defaults())
     assert (native[0].spec.width, native[0].spec.height) == (64, 64)
 
 
 def test_seeds_are_drawn_once_per_image_when_none_is_given() -> None:
-    planned = plan_jobs([PromptRow(line=2, prompt="x", n=50)], model=MODEL, defaults=Defaults())
+    planned = list_plan([PromptRow(line=2, prompt="x", n=50)], model=MODEL, defaults=Defaults())
     seeds = [job.spec.seed for job in planned]
     assert len(set(seeds)) > 45
     assert all(0 <= seed < 2**32 for seed in seeds)
 
 
 def test_spec_hash_follows_the_revision_not_the_name() -> None:
-    spec = plan_jobs([PromptRow(line=2, prompt="x", seed=1)], model=MODEL, defaults=Defaults())[
+    spec = list_plan([PromptRow(line=2, prompt="x", seed=1)], model=MODEL, defaults=Defaults())[
         0
     ].spec
     assert replace(spec, model_name="other", model_source="/elsewhere").hash() == spec.hash()

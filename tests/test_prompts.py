@@ -4,8 +4,18 @@ from pathlib import Path
 
 import pytest
 
-from producer.prompts import InvalidInput, check_template, parse_size, read_prompts, read_styles
+from sdq.producer.generate.prompts import (
+    InvalidInput,
+    check_template,
+    parse_size,
+    read_prompts,
+    read_styles,
+)
 from tests.conftest import write
+
+
+def list_prompts(path: Path) -> list:
+    return list(read_prompts(path))
 
 
 def test_quoted_commas_newlines_bom_and_crlf_are_valid(tmp_path: Path) -> None:
@@ -16,7 +26,7 @@ def test_quoted_commas_newlines_bom_and_crlf_are_valid(tmp_path: Path) -> None:
         "\r\n"
         "plain,,,,,,,,\r\n"
     )
-    rows = read_prompts(write(tmp_path / "p.csv", text))
+    rows = list_prompts(write(tmp_path / "p.csv", text))
     assert [row.prompt for row in rows] == ["a castle, at night", "two\nlines", "plain"]
     first = rows[0]
     assert (first.negative_prompt, first.seed, first.steps, first.guidance) == (
@@ -44,7 +54,7 @@ def test_every_bad_row_is_reported_with_file_line_and_column(tmp_path: Path) -> 
         "x,1\n",
     )
     with pytest.raises(InvalidInput) as caught:
-        read_prompts(path)
+        list_prompts(path)
     found = {(error.line, error.column) for error in caught.value.errors}
     assert found == {
         (3, "prompt"),
@@ -65,7 +75,7 @@ def test_every_bad_row_is_reported_with_file_line_and_column(tmp_path: Path) -> 
 
 def test_header_problems(tmp_path: Path) -> None:
     with pytest.raises(InvalidInput) as caught:
-        read_prompts(write(tmp_path / "h.csv", "promt,sede,seed,seed\nx,1,2,3\n"))
+        list_prompts(write(tmp_path / "h.csv", "promt,sede,seed,seed\nx,1,2,3\n"))
     reasons = {(error.column, error.reason.split(";")[0]) for error in caught.value.errors}
     assert reasons == {
         ("promt", "unknown column"),
@@ -84,7 +94,7 @@ def test_unusable_files(tmp_path: Path, content: bytes, reason: str) -> None:
     path = tmp_path / "f.csv"
     path.write_bytes(content)
     with pytest.raises(InvalidInput) as caught:
-        read_prompts(path)
+        list_prompts(path)
     assert reason in str(caught.value)
     if reason == "not UTF-8":
         assert caught.value.errors[0].line == 2

@@ -5,27 +5,30 @@ import io
 import json
 import shutil
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+from sqlalchemy import select
+from sqlalchemy.orm import sessionmaker
 
-from models import tiny
-from models.db import make_engine, session_factory
-from models.lifecycle import Worker, as_utc, claim, utcnow
-from models.registry import resolve_model, tiny_identity
-from models.settings import Settings
-from models.store import LocalStore, S3Store
-from models.tables import Job, JobStatus, Run
-from producer.plan import Defaults, plan_jobs
-from producer.prompts import PromptRow
-from producer.submit import Batching, record_run
+from sdq.models import tiny
+from sdq.models.db import make_engine, session_factory
+from sdq.models.jobs.delivery import Outcome, deliver, keep_leases
+from sdq.models.jobs.lifecycle import Worker, as_utc, claim, utcnow
+from sdq.models.registry import resolve_model, tiny_identity
+from sdq.models.settings import JobSettings
+from sdq.models.store import LocalStore, S3Store
+from sdq.models.tables import Job, JobStatus, Run
+from sdq.producer.generate.plan import Defaults, plan_jobs
+from sdq.producer.generate.prompts import PromptRow
+from sdq.producer.generate.submit import Batching, record_run
+from sdq.workers.generate.pipelines import PipelineCache, render
+from sdq.workers.generate.work import GenerateWork
 from tests.conftest import BUCKET, write
 from tests.services import aws_env, free_port
-from workers.generate import generate_batch, keep_leases
-from workers.pipelines import PipelineCache, render
 
 # Pinned: the tiny model must be the same on every machine, in every CI run.
 TINY_CONTENT_HASH = "7cdee06cebe26e85a74cb5daead99b943047167755715c7ce556ffaed195aca6"
@@ -76,7 +79,7 @@ def test_same_spec_same_pixels_whatever_the_batch(pipelines: PipelineCache) -> N
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory) -> Path:
-    from workers.tiny import build_pipeline
+    from sdq.workers.generate.tiny import build_pipeline
 
     folder = tmp_path_factory.mktemp("models") / "tiny-saved"
     build_pipeline().save_pretrained(folder)
@@ -132,13 +135,15 @@ def test_every_model_source_loads_the_same_weights(sdq, tiny_folder, s3_client, 
 
 def planned(prompt: str, model=None):
     model = model or tiny_identity()
-    return plan_jobs(
-        [PromptRow(line=2, prompt=prompt)], model=model, defaults=Defaults(seed=1, steps=2)
+    return list(
+        plan_jobs(
+            [PromptRow(line=2, prompt=prompt)], model=model, defaults=Defaults(seed=1, steps=2)
+        )
     )
 
 
 def recorded(sessions, jobs, model=None) -> list[int]:
-    """Writes a run as `sdq submit` does, and returns its one task's job ids."""
+    """Writes a run as `sdq submit` does, and returns its job ids."""
     submission = record_run(
         sessions,
         jobs,
@@ -147,19 +152,32 @@ def recorded(sessions, jobs, model=None) -> list[int]:
         options={},
         batching=Batching(8, 1),
     )
-    return submission.tasks[0]
+    with sessions() as session:
+        return list(
+            session.scalars(select(Job.id).where(Job.run_id == submission.run_id).order_by(Job.id))
+        )
 
 
-def direct_work(database_url: str, store, pipelines, **settings) -> dict:
-    """What the generate task passes to its work function, built by hand."""
-    return dict(
-        batch_size=8,
-        sessions=session_factory(make_engine(database_url)),
-        store=store,
-        pipelines=pipelines,
-        worker=Worker("test-host:1", "cpu"),
-        settings=replace(Settings.from_env({"SDQ_DATABASE_URL": database_url}), **settings),
-    )
+@dataclass
+class Direct:
+    """What the generate task hands the delivery skeleton, built by hand."""
+
+    sessions: sessionmaker
+    store: object
+    pipelines: PipelineCache
+    settings: JobSettings
+    worker: Worker = field(default_factory=lambda: Worker("test-host:1", "cpu"))
+
+    def deliver(self, job_ids: list[int]) -> Outcome:
+        work = GenerateWork(store=self.store, pipelines=self.pipelines, batch_size=8)
+        return deliver(
+            job_ids, work, sessions=self.sessions, worker=self.worker, settings=self.settings
+        )
+
+
+def direct_work(database_url: str, store, pipelines, **settings) -> Direct:
+    sessions = session_factory(make_engine(database_url))
+    return Direct(sessions, store, pipelines, JobSettings(**settings))
 
 
 def test_unreachable_store_retries_then_gives_up(migrated_postgres, pipelines, monkeypatch) -> None:
@@ -167,14 +185,14 @@ def test_unreachable_store_retries_then_gives_up(migrated_postgres, pipelines, m
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     work = direct_work(migrated_postgres, S3Store(BUCKET), pipelines, max_attempts=2)
-    sessions = work["sessions"]
+    sessions = work.sessions
     job_ids = recorded(sessions, planned("store is down"))
-    first = generate_batch(job_ids, **work)
+    first = work.deliver(job_ids)
     assert first.retry == job_ids and "cannot reach" in first.error
     with sessions() as session:
         job = session.get(Job, job_ids[0])
         assert (job.status, job.attempts) == (JobStatus.failed, 1)
-    second = generate_batch(job_ids, **work)
+    second = work.deliver(job_ids)
     assert second.retry == []
     with sessions() as session:
         job = session.get(Job, job_ids[0])
@@ -185,18 +203,18 @@ def test_permanent_errors_fail_the_job_at_once(
     migrated_postgres, pipelines, tiny_folder, tmp_path
 ) -> None:
     work = direct_work(migrated_postgres, LocalStore(tmp_path / "store"), pipelines)
-    sessions = work["sessions"]
+    sessions = work.sessions
     # A model folder that was there at submit time and is gone on the worker.
     folder = tmp_path / "vanishing"
     shutil.copytree(tiny_folder, folder)
     with sessions() as session:
-        identity = resolve_model(str(folder), store=work["store"], session=session)
+        identity = resolve_model(str(folder), store=work.store, session=session)
     gone = recorded(sessions, planned("gone", identity), identity)
     shutil.rmtree(folder)
     # A size the pipeline cannot make (the CLI refuses it; a hand-written job may not).
     odd = [replace(job, spec=replace(job.spec, width=100)) for job in planned("odd size")]
     for job_ids, message in [(gone, "does not exist"), (recorded(sessions, odd), "divisible by 8")]:
-        outcome = generate_batch(job_ids, **work)
+        outcome = work.deliver(job_ids)
         assert outcome.retry == [] and message in outcome.error
         with sessions() as session:
             job = session.get(Job, job_ids[0])
@@ -205,15 +223,15 @@ def test_permanent_errors_fail_the_job_at_once(
 
 def test_a_job_that_outlives_its_attempts_ends_dead(migrated_postgres, pipelines, tmp_path) -> None:
     work = direct_work(migrated_postgres, LocalStore(tmp_path / "store"), pipelines, max_attempts=2)
-    sessions = work["sessions"]
+    sessions = work.sessions
     job_ids = recorded(sessions, planned("kills every worker"))
     # Two workers took it and died holding it: their leases ran out.
     for attempt in range(2):
         with sessions.begin() as session:
             lost = Worker(f"dead-host:{attempt}", "cpu")
             assert claim(session, job_ids, worker=lost, lease_seconds=0, max_attempts=2)
-    outcome = generate_batch(job_ids, **work)
-    assert outcome.rendered == [] and outcome.held == []
+    outcome = work.deliver(job_ids)
+    assert outcome.done == [] and outcome.held == []
     with sessions() as session:
         job = session.get(Job, job_ids[0])
         assert (job.status, job.attempts) == (
@@ -227,15 +245,15 @@ def test_runs_are_stamped_finished_when_their_last_job_ends(
     migrated_postgres, pipelines, tmp_path
 ) -> None:
     work = direct_work(migrated_postgres, LocalStore(tmp_path / "store"), pipelines)
-    sessions = work["sessions"]
+    sessions = work.sessions
     job_ids = recorded(sessions, planned("finish me") + planned("and me"))
     with sessions() as session:
         run_id = session.get(Job, job_ids[0]).run_id
         assert session.get(Run, run_id).finished_at is None
-    generate_batch(job_ids[:1], **work)
+    work.deliver(job_ids[:1])
     with sessions() as session:
         assert session.get(Run, run_id).finished_at is None
-    generate_batch(job_ids[1:], **work)
+    work.deliver(job_ids[1:])
     with sessions() as session:
         assert session.get(Run, run_id).finished_at is not None
 
@@ -247,13 +265,13 @@ def test_a_failed_upload_is_retried_to_exactly_one_image(
     for key, value in aws_env(f"http://127.0.0.1:{free_port()}").items():
         monkeypatch.setenv(key, value)
     down = direct_work(migrated_postgres, S3Store(BUCKET, "retried"), pipelines)
-    job_ids = recorded(down["sessions"], planned("retried after the store came back"))
-    assert generate_batch(job_ids, **down).retry == job_ids
+    job_ids = recorded(down.sessions, planned("retried after the store came back"))
+    assert down.deliver(job_ids).retry == job_ids
     for key, value in s3.items():
         monkeypatch.setenv(key, value)
-    back = {**down, "store": S3Store(BUCKET, "retried")}
-    assert generate_batch(job_ids, **back).rendered == job_ids
-    with down["sessions"]() as session:
+    back = replace(down, store=S3Store(BUCKET, "retried"))
+    assert back.deliver(job_ids).done == job_ids
+    with down.sessions() as session:
         job = session.get(Job, job_ids[0])
     assert (job.status, job.attempts) == (JobStatus.succeeded, 2)
     listing = s3_client.list_objects_v2(Bucket=BUCKET, Prefix="retried/")["Contents"]
@@ -266,11 +284,11 @@ def test_leases_are_renewed_while_the_work_runs(migrated_postgres, pipelines, tm
     work = direct_work(
         migrated_postgres, LocalStore(tmp_path / "store"), pipelines, lease_seconds=1
     )
-    sessions, worker = work["sessions"], work["worker"]
+    sessions, worker = work.sessions, work.worker
     job_ids = recorded(sessions, planned("a long render"))
     with sessions.begin() as session:
         claim(session, job_ids, worker=worker, lease_seconds=1, max_attempts=3)
-    with keep_leases(sessions, job_ids, worker=worker, settings=work["settings"]):
+    with keep_leases(sessions, job_ids, worker=worker, settings=work.settings):
         time.sleep(2.5)  # more than twice the lease: only renewals keep it alive
         with sessions() as session:
             lease = as_utc(session.get(Job, job_ids[0]).lease_expires_at)
@@ -285,13 +303,13 @@ def test_a_spec_rendered_after_submit_is_served_at_the_worker(
     migrated_postgres, pipelines, tmp_path
 ) -> None:
     work = direct_work(migrated_postgres, LocalStore(tmp_path / "store"), pipelines)
-    sessions = work["sessions"]
+    sessions = work.sessions
     # Two runs ask for the same image before either is rendered.
     first = recorded(sessions, planned("asked for twice at once"))
     second = recorded(sessions, planned("asked for twice at once"))
-    assert generate_batch(first, **work).rendered == first
-    outcome = generate_batch(second, **work)
-    assert outcome.cached == second and outcome.rendered == []
+    assert work.deliver(first).done == first
+    outcome = work.deliver(second)
+    assert outcome.reused == second and outcome.done == []
     with sessions() as session:
         original, served = session.get(Job, first[0]), session.get(Job, second[0])
         assert served.cached and served.status == JobStatus.succeeded

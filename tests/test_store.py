@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from models.store import (
+from sdq.models.store import (
     LocalStore,
     MissingObject,
     S3Store,

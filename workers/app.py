@@ -5,27 +5,22 @@ The producer imports this module to send tasks by name; it never imports the tas
 
 import os
 import socket
-from functools import cached_property
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache, cached_property
+from typing import Any
 
 from celery import Celery
 from kombu import Queue
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from models.db import make_engine, session_factory
-from models.lifecycle import Worker
-from models.settings import Settings
-from models.store import ObjectStore, open_store
-
-if TYPE_CHECKING:
-    from workers.pipelines import PipelineCache
-
-QUEUES = ("generate", "download", "encode", "train", "maintenance")
-GPU_QUEUES = ("generate", "encode", "train")
-CPU_QUEUES = ("download", "maintenance")
-GENERATE_TASK = "sdq.generate"
-ROUTES = {GENERATE_TASK: {"queue": "generate"}}
+from sdq.models.db import make_engine, session_factory
+from sdq.models.jobs.kinds import KINDS, MAINTENANCE_QUEUE, QUEUES, Kind, Pool
+from sdq.models.jobs.lifecycle import Worker
+from sdq.models.jobs.outbox import Send
+from sdq.models.settings import Settings
+from sdq.models.store import ObjectStore, open_store
 
 
 class SdqCelery(Celery):
@@ -45,26 +40,38 @@ class SdqCelery(Celery):
     def store(self) -> ObjectStore:
         return open_store(self.settings.store_url)
 
-    @cached_property
-    def pipelines(self) -> "PipelineCache":
-        from workers.pipelines import PipelineCache
+    @contextmanager
+    def sender(self) -> Iterator[Send]:
+        """Sends task messages over one broker connection, each to its kind's queue."""
+        with self.producer_or_acquire() as producer:
 
-        return PipelineCache(
-            store=self.store,
-            cache_dir=self.settings.model_cache_dir,
-            size=self.settings.pipeline_cache_size,
-        )
+            def send(kind: Kind, job_ids: list[int], options: dict[str, Any]) -> None:
+                self.send_task(kind.task_name, args=[job_ids], kwargs=options, producer=producer)
 
-    @cached_property
-    def worker(self) -> Worker:
-        from workers.pipelines import describe_device
+            yield send
 
-        return Worker(host=f"{socket.gethostname()}:{os.getpid()}", device=describe_device())
+
+@cache
+def worker_identity(pool: Pool) -> Worker:
+    """Who does the work, as the job history records it: host:pid and the device. Asked
+    for only by tasks, so always in the process that runs them, after any fork."""
+    device = "cpu"
+    if pool is Pool.gpu:
+        # Only GPU work loads torch; a CPU worker names its device without it.
+        from sdq.workers.gpu import describe_device
+
+        device = describe_device()
+    return Worker(host=f"{socket.gethostname()}:{os.getpid()}", device=device)
 
 
 def create_app(settings: Settings) -> SdqCelery:
-    app = SdqCelery("sdq", broker=settings.broker_url or "memory://", include=["workers.tasks"])
+    app = SdqCelery(
+        "sdq",
+        broker=settings.broker_url or "memory://",
+        include=[kind.task_module for kind in KINDS.values()],
+    )
     app.settings = settings
+    general = settings.time_limits[MAINTENANCE_QUEUE]
     app.conf.update(
         task_serializer="json",
         accept_content=["json"],
@@ -78,13 +85,21 @@ def create_app(settings: Settings) -> SdqCelery:
         # GPU workers take one batch at a time; a prefetched batch would wait behind it
         # while another GPU sits idle.
         worker_prefetch_multiplier=1,
-        task_soft_time_limit=settings.task_soft_time_limit,
-        task_time_limit=settings.task_time_limit,
+        task_soft_time_limit=general.soft,
+        task_time_limit=general.hard,
+        # Each kind's tasks run under its queue's limits: training runs far longer.
+        task_annotations={
+            kind.task_name: {
+                "soft_time_limit": settings.time_limits[kind.queue].soft,
+                "time_limit": settings.time_limits[kind.queue].hard,
+            }
+            for kind in KINDS.values()
+        },
         broker_transport_options={"visibility_timeout": settings.visibility_timeout},
         broker_connection_retry_on_startup=True,
         task_queues=[Queue(name) for name in QUEUES],
-        task_default_queue="maintenance",
-        task_routes=ROUTES,
+        task_default_queue=MAINTENANCE_QUEUE,
+        task_routes={kind.task_name: {"queue": kind.queue} for kind in KINDS.values()},
         worker_send_task_events=True,
     )
     return app

@@ -1,6 +1,6 @@
-"""Entry point for the Celery command line: `celery -A workers.main worker -Q generate`."""
+"""Entry point for the Celery command line: `celery -A sdq.workers.main worker -Q generate`."""
 
-from models.settings import Settings
-from workers.app import create_app
+from sdq.models.settings import Settings
+from sdq.workers.app import create_app
 
 app = create_app(Settings.from_env())

@@ -8,7 +8,7 @@ import html
 from collections import defaultdict
 from typing import Any
 
-from models.specs import image_key
+from sdq.models.specs import image_key
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>sdq run {run_id}</title>

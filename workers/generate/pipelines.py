@@ -11,9 +11,6 @@ import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
-# transformers warns at import about optional image processors SD pipelines never use.
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
 import torch
 from diffusers import AutoPipelineForText2Image, DiffusionPipeline
 from diffusers import schedulers as diffusers_schedulers
@@ -21,30 +18,17 @@ from diffusers.utils import logging as diffusers_logging
 from PIL.Image import Image
 from transformers.utils import logging as transformers_logging
 
-from models import registry, tiny
-from models.specs import GenerationSpec
-from models.store import ObjectStore, S3Store
+from sdq.models import registry, tiny
+from sdq.models.specs import GenerationSpec
+from sdq.models.store import ObjectStore, S3Store
+from sdq.workers.generate.work import PipelineError
+from sdq.workers.gpu import device_name
 
-# Loading bars are for notebooks; in a worker's log they are noise.
+# Loading bars are for notebooks, and transformers' import-time warnings about optional
+# image processors concern parts SD pipelines never use: in a worker's log both are noise.
 diffusers_logging.disable_progress_bar()
 transformers_logging.disable_progress_bar()
-
-
-class PipelineError(Exception):
-    """The spec's model cannot be loaded or run as asked; retrying will not change that."""
-
-
-def device_name() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def describe_device() -> str:
-    """What the job history records: the GPU's model and its UUID, which names the physical
-    card whatever CUDA_VISIBLE_DEVICES numbered it."""
-    if not torch.cuda.is_available():
-        return "cpu"
-    properties = torch.cuda.get_device_properties(0)
-    return f"cuda {properties.name} GPU-{properties.uuid}"
+transformers_logging.set_verbosity_error()
 
 
 class PipelineCache:
@@ -94,8 +78,7 @@ class PipelineCache:
                 "revision": spec.model_revision,
             }
         if source.startswith("s3://"):
-            bucket, _, prefix = source.removeprefix("s3://").partition("/")
-            folder = self._pull(S3Store(bucket, prefix), "", spec.model_revision)
+            folder = self._pull(S3Store.from_uri(source), "", spec.model_revision)
         elif source.startswith(registry.STORE_SOURCE):
             prefix = source.removeprefix(registry.STORE_SOURCE)
             folder = self._pull(self.store, f"{prefix}/", spec.model_revision)
@@ -126,7 +109,7 @@ class PipelineCache:
 
 
 def _build_tiny(spec: GenerationSpec) -> DiffusionPipeline:
-    from workers.tiny import build_pipeline
+    from sdq.workers.generate.tiny import build_pipeline
 
     if spec.model_revision != tiny.content_hash():
         raise PipelineError(

@@ -6,7 +6,7 @@ from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionMod
 from diffusers import schedulers as diffusers_schedulers
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-from models import tiny
+from sdq.models import tiny
 
 
 def build_pipeline() -> StableDiffusionPipeline:

@@ -8,14 +8,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import Select, and_, or_, select, update
 from sqlalchemy.orm import Session
 
-from models.db import insert_rows
-from models.tables import CLAIMABLE, FINISHED, Job, JobEvent, JobStatus, Run
+from sdq.models.db import chunked, insert_rows
+from sdq.models.tables import CLAIMABLE, FINISHED, Job, JobEvent, JobStatus, Run
 
-# Ids or hashes per IN list: under SQLite's and psycopg's limits on bound parameters.
-IN_LIST_LIMIT = 10_000
 LOST = "attempts exhausted: the worker holding the job stopped renewing its lease"
 
 
@@ -34,7 +32,7 @@ class Output:
     job_id: int
     uri: str
     sha256: str
-    render_seconds: float | None
+    work_seconds: float | None
     cached: bool = False
 
 
@@ -56,17 +54,23 @@ def record_events(
     insert_rows(session, JobEvent.__table__, rows)
 
 
-def mark_queued(session: Session, job_ids: Sequence[int]) -> list[int]:
-    """After the broker took the messages: pending (or re-sent failed) jobs become queued."""
+def mark_queued(session: Session, run_id: int, first_id: int, last_id: int) -> int:
+    """After the broker took the messages for the run's jobs `first_id`..`last_id`: those
+    still waiting (pending, or failed and sent again) become queued. One statement for the
+    whole range, not one per job: a 100k-job submit spends well under a second here."""
     now = utcnow()
     queued = session.scalars(
         update(Job)
-        .where(Job.id.in_(job_ids), Job.status.in_(CLAIMABLE))
+        .where(
+            Job.run_id == run_id,
+            Job.id.between(first_id, last_id),
+            Job.status.in_(CLAIMABLE),
+        )
         .values(status=JobStatus.queued, enqueued_at=now)
         .returning(Job.id)
     ).all()
     record_events(session, queued, JobStatus.queued, at=now)
-    return list(queued)
+    return len(queued)
 
 
 def claim(
@@ -153,7 +157,7 @@ def succeed(session: Session, outputs: Sequence[Output], *, worker: Worker) -> N
                 "lease_expires_at": None,
                 "output_uri": output.uri,
                 "output_sha256": output.sha256,
-                "render_seconds": output.render_seconds,
+                "work_seconds": output.work_seconds,
                 "cached": output.cached,
                 "error": None,
             }
@@ -212,29 +216,27 @@ def cancel_jobs(session: Session, run_id: int) -> list[int]:
 
 def close_finished_runs(session: Session, job_ids: Sequence[int]) -> None:
     """Stamps `finished_at` on the runs of these jobs that have no unfinished job left."""
-    if not job_ids:
-        return
+    if job_ids:
+        close_runs(session, select(Job.run_id).where(Job.id.in_(job_ids)))
+
+
+def close_runs(session: Session, run_ids: Select[tuple[int]] | Sequence[int]) -> None:
+    """Stamps `finished_at` on those of the runs that have no unfinished job left."""
     open_jobs = select(Job.id).where(Job.run_id == Run.id, Job.status.not_in(FINISHED)).exists()
     session.execute(
         update(Run)
-        .where(
-            Run.id.in_(select(Job.run_id).where(Job.id.in_(job_ids))),
-            Run.finished_at.is_(None),
-            ~open_jobs,
-        )
+        .where(Run.id.in_(run_ids), Run.finished_at.is_(None), ~open_jobs)
         .values(finished_at=utcnow())
     )
 
 
-def rendered_outputs(session: Session, spec_hashes: Iterable[str]) -> dict[str, tuple[str, str]]:
-    """spec hash -> (uri, sha256) of an image already rendered for it."""
+def stored_outputs(session: Session, spec_hashes: Iterable[str]) -> dict[str, tuple[str, str]]:
+    """spec hash -> (uri, sha256) of an output some job already made for it."""
     found: dict[str, tuple[str, str]] = {}
-    hashes = sorted(set(spec_hashes))
-    for start in range(0, len(hashes), IN_LIST_LIMIT):
+    for chunk in chunked(sorted(set(spec_hashes))):
         rows = session.execute(
             select(Job.spec_hash, Job.output_uri, Job.output_sha256).where(
-                Job.spec_hash.in_(hashes[start : start + IN_LIST_LIMIT]),
-                Job.status == JobStatus.succeeded,
+                Job.spec_hash.in_(chunk), Job.status == JobStatus.succeeded
             )
         )
         for spec_hash, uri, digest in rows:

@@ -1,10 +1,11 @@
 """From validated prompt rows to job specs: styles crossed, defaults filled, seeds drawn."""
 
 import secrets
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from models.specs import GenerationSpec, ModelIdentity
-from producer.prompts import MAX_SEED, PromptRow
+from sdq.models.specs import GenerationSpec, ModelIdentity
+from sdq.producer.generate.prompts import MAX_SEED, PromptRow
 
 DEFAULT_TEMPLATE = "{prompt}, {style}"
 
@@ -31,22 +32,20 @@ class PlannedJob:
 
 
 def plan_jobs(
-    rows: list[PromptRow],
+    rows: Iterable[PromptRow],
     *,
     model: ModelIdentity,
     defaults: Defaults,
     styles: list[str] | None = None,
     template: str = DEFAULT_TEMPLATE,
-) -> list[PlannedJob]:
+) -> Iterator[PlannedJob]:
     """Every row times every style (a row's own `style` wins) times its `n` images."""
-    planned = []
     for row in rows:
         for style in [row.style] if row.style else (styles or [None]):
             prompt = template.format(prompt=row.prompt, style=style) if style else row.prompt
             for seed in seeds_for(row, defaults):
                 spec = _spec(row, prompt=prompt, seed=seed, model=model, defaults=defaults)
-                planned.append(PlannedJob(spec=spec, style=style, source_line=row.line))
-    return planned
+                yield PlannedJob(spec=spec, style=style, source_line=row.line)
 
 
 def seeds_for(row: PromptRow, defaults: Defaults) -> list[int]:

@@ -1,13 +1,14 @@
 """Reading and validating prompt files. Every problem is reported, none is fatal alone.
 
 A problem is an `InputError` naming the file, the line and the column, so a user fixes a
-whole file in one pass; nothing is submitted until the file has no problem at all.
+whole file in one pass; nothing is submitted until the file has no problem at all. Rows
+stream: a file of millions of prompts is checked and planned without being held whole.
 """
 
 import csv
-import io
 import math
 import string
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,8 @@ MAX_SEED = 2**63 - 1
 MAX_STEPS = 1000
 MAX_SIDE = 8192
 MAX_IMAGES_PER_ROW = 10_000
+# Past this many problems a file is clearly not what was meant; the rest are only counted.
+MAX_REPORTED_ERRORS = 1000
 
 
 @dataclass(frozen=True)
@@ -62,22 +65,23 @@ class PromptRow:
     style: str | None = None
 
 
-def read_text(path: Path) -> str:
-    """UTF-8, with or without a byte-order mark; a bad byte is reported by line."""
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        line = data[: error.start].count(b"\n") + 1
-        raise InvalidInput(
-            [InputError(str(path), line, None, f"not UTF-8 text (byte 0x{data[error.start]:02x})")]
-        ) from None
+def text_lines(path: Path) -> Iterator[str]:
+    """The file's lines as UTF-8 text (a byte-order mark is dropped); a bad byte is
+    reported with its line."""
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                yield raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as error:
+                reason = f"not UTF-8 text (byte 0x{raw[error.start]:02x})"
+                raise InvalidInput([InputError(str(path), number, None, reason)]) from None
 
 
-def read_prompts(path: Path) -> list[PromptRow]:
-    text = read_text(path)
+def read_prompts(path: Path) -> Iterator[PromptRow]:
+    """Yields the file's rows as they are checked. Problems are collected, and raised
+    together as InvalidInput once the whole file has been read."""
     name = str(path)
-    reader = csv.reader(io.StringIO(text, newline=""))
+    reader = csv.reader(text_lines(path))
     try:
         header = next(reader)
     except StopIteration:
@@ -90,7 +94,14 @@ def read_prompts(path: Path) -> list[PromptRow]:
     errors = _check_header(name, columns)
     if errors:
         raise InvalidInput(errors)
-    rows: list[PromptRow] = []
+    rows = unreported = 0
+
+    def report(*problems: InputError) -> None:
+        nonlocal unreported
+        room = MAX_REPORTED_ERRORS - len(errors)
+        errors.extend(problems[:room])
+        unreported += len(problems[room:])
+
     start = reader.line_num + 1
     while True:
         try:
@@ -98,25 +109,27 @@ def read_prompts(path: Path) -> list[PromptRow]:
         except StopIteration:
             break
         except csv.Error as error:
-            errors.append(InputError(name, start, None, f"malformed CSV: {error}"))
+            report(InputError(name, start, None, f"malformed CSV: {error}"))
             break
         line, start = start, reader.line_num + 1
         if not any(field.strip() for field in fields):
             continue
         if len(fields) != len(columns):
-            errors.append(
+            report(
                 InputError(name, line, None, f"expected {len(columns)} fields, got {len(fields)}")
             )
             continue
         row, row_errors = parse_row(name, line, dict(zip(columns, fields, strict=True)))
-        errors += row_errors
-        if row is not None:
-            rows.append(row)
+        report(*row_errors)
+        if row is not None and not errors:
+            rows += 1
+            yield row
+    if unreported:
+        errors.append(InputError(name, None, None, f"and {unreported} more problem(s)"))
     if errors:
         raise InvalidInput(errors)
     if not rows:
         raise InvalidInput([InputError(name, None, None, "no prompts: the file has only a header")])
-    return rows
 
 
 def _check_header(name: str, columns: list[str]) -> list[InputError]:
@@ -220,7 +233,7 @@ PARSERS = {
 
 def read_styles(path: Path) -> list[str]:
     """One style per line; blank lines and lines starting with # are skipped."""
-    lines = (line.strip() for line in read_text(path).splitlines())
+    lines = (line.strip() for line in text_lines(path))
     styles = [line for line in lines if line and not line.startswith("#")]
     if not styles:
         raise InvalidInput([InputError(str(path), None, None, "no styles in the file")])

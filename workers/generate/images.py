@@ -7,7 +7,7 @@ import json
 from PIL.Image import Image
 from PIL.PngImagePlugin import PngInfo
 
-from models.specs import GenerationSpec
+from sdq.models.specs import GenerationSpec
 
 # The sampler names common Stable Diffusion tools print in their `parameters` text.
 SAMPLER_NAMES = {

@@ -1,4 +1,8 @@
-"""Tables: the record of truth for runs, jobs, their history and the models they used."""
+"""Tables: the record of truth for runs, jobs, their history and the models they used.
+
+These are kind-neutral; what only one kind of work has lives in a table of its own keyed
+by job, one module per kind beside this one (generate.py: prompts, styles, seeds).
+"""
 
 import enum
 from datetime import datetime
@@ -73,6 +77,10 @@ class Run(Base):
     source: Mapped[str | None] = mapped_column(Text)
     options: Mapped[dict[str, Any]] = mapped_column(JsonDocument)
     job_count: Mapped[int] = mapped_column(Integer)
+    # How the run's jobs travel: this many job ids per task message, each message with
+    # these keyword arguments. Kept on the run so any later re-send makes the same messages.
+    jobs_per_message: Mapped[int] = mapped_column(Integer, server_default="1")
+    task_options: Mapped[dict[str, Any]] = mapped_column(JsonDocument, server_default="{}")
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.current_timestamp()
     )
@@ -86,14 +94,8 @@ class Job(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     kind: Mapped[str] = mapped_column(String(32))
     spec: Mapped[dict[str, Any]] = mapped_column(JsonDocument)
+    # The spec decides the output, and its hash names it: equal hashes, equal outputs.
     spec_hash: Mapped[str] = mapped_column(String(64))
-    # Copied out of the spec so lookups by prompt, style and model need no JSON paths.
-    prompt: Mapped[str] = mapped_column(Text)
-    style: Mapped[str | None] = mapped_column(Text)
-    model: Mapped[str] = mapped_column(Text)
-    seed: Mapped[int] = mapped_column(BigInteger)
-    source_line: Mapped[int | None] = mapped_column(Integer)
-    batch_key: Mapped[str] = mapped_column(String(64))
     status: Mapped[JobStatus] = mapped_column(_status_type(), default=JobStatus.pending)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     worker_host: Mapped[str | None] = mapped_column(Text)
@@ -105,7 +107,8 @@ class Job(Base):
     enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    render_seconds: Mapped[float | None]
+    # Time spent doing the work itself, without queueing or bookkeeping.
+    work_seconds: Mapped[float | None]
     error: Mapped[str | None] = mapped_column(Text)
     output_uri: Mapped[str | None] = mapped_column(Text)
     output_sha256: Mapped[str | None] = mapped_column(String(64))
@@ -120,13 +123,6 @@ class Job(Base):
             "status",
             "lease_expires_at",
             postgresql_where="status NOT IN ('succeeded', 'dead', 'cancelled')",
-        ),
-        # Trigram GIN index: `prompt ILIKE '%castle%'` stays an index scan at millions of rows.
-        Index(
-            "ix_jobs_prompt_trgm",
-            "prompt",
-            postgresql_using="gin",
-            postgresql_ops={"prompt": "gin_trgm_ops"},
         ),
     )
 

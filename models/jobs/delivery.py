@@ -1,0 +1,161 @@
+"""What every worker does with a delivered message, whatever the kind of work:
+
+1. claim the jobs (a duplicate delivery claims nothing and ends here);
+2. serve the jobs whose output is already stored, without doing them again;
+3. do the rest, renewing the leases while the work runs;
+4. record each output as it comes, and a failure against every job still in hand:
+   permanent errors (the kind names them) make the jobs dead, others leave them to retry.
+
+A kind supplies only its `Work`; the Celery task that calls `deliver` is a few lines.
+"""
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from sdq.models.jobs.lifecycle import (
+    Output,
+    Worker,
+    claim,
+    extend_leases,
+    fail,
+    held_until,
+    stored_outputs,
+    succeed,
+)
+from sdq.models.settings import JobSettings
+from sdq.models.tables import Job
+
+
+class Work(ABC):
+    """One kind's work on the jobs of one message."""
+
+    # Errors that another attempt cannot fix: the jobs are dead at once.
+    permanent_errors: tuple[type[Exception], ...] = ()
+
+    def reuse(self, session: Session, jobs: Sequence[Job]) -> list[Output]:
+        """Outputs that already exist for some of the jobs. By default: any job that
+        succeeded with the same spec hash, since equal specs make equal outputs."""
+        known = stored_outputs(session, [job.spec_hash for job in jobs])
+        return [
+            Output(job.id, *known[job.spec_hash], work_seconds=None, cached=True)
+            for job in jobs
+            if job.spec_hash in known
+        ]
+
+    @abstractmethod
+    def run(self, jobs: Sequence[Job]) -> Iterator[Output]:
+        """Does the jobs, yielding each output once it is stored."""
+
+    def is_permanent(self, error: Exception) -> bool:
+        return isinstance(error, self.permanent_errors)
+
+
+@dataclass
+class Outcome:
+    done: list[int] = field(default_factory=list)
+    reused: list[int] = field(default_factory=list)
+    # Failed for a reason that may pass: send these again after a back-off.
+    retry: list[int] = field(default_factory=list)
+    # Held by another worker's lease: look again when it runs out (it may have died).
+    held: list[int] = field(default_factory=list)
+    held_until: datetime | None = None
+    error: str | None = None
+
+
+def deliver(
+    job_ids: Sequence[int],
+    work: Work,
+    *,
+    sessions: sessionmaker[Session],
+    worker: Worker,
+    settings: JobSettings,
+) -> Outcome:
+    outcome = Outcome()
+    jobs = _claim(job_ids, outcome, sessions=sessions, worker=worker, settings=settings)
+    if not jobs:
+        return outcome
+    with sessions.begin() as session:
+        reused = work.reuse(session, jobs)
+        succeed(session, reused, worker=worker)
+    reused_ids = {output.job_id for output in reused}
+    outcome.reused = sorted(reused_ids)
+    todo = [job for job in jobs if job.id not in reused_ids]
+    outputs: list[Output] = []
+    try:
+        with keep_leases(sessions, [job.id for job in todo], worker=worker, settings=settings):
+            outputs.extend(work.run(todo))
+    except Exception as error:
+        outcome.error = f"{type(error).__name__}: {error}"
+        with sessions.begin() as session:
+            # What was stored before the failure stays done; the rest fails with the error.
+            succeed(session, outputs, worker=worker)
+            stored = {output.job_id for output in outputs}
+            outcome.retry = fail(
+                session,
+                [job.id for job in todo if job.id not in stored],
+                error=outcome.error,
+                permanent=work.is_permanent(error),
+                max_attempts=settings.max_attempts,
+                worker=worker,
+            )
+        outcome.done = sorted(stored)
+        return outcome
+    with sessions.begin() as session:
+        succeed(session, outputs, worker=worker)
+    outcome.done = [output.job_id for output in outputs]
+    return outcome
+
+
+def _claim(
+    job_ids: Sequence[int],
+    outcome: Outcome,
+    *,
+    sessions: sessionmaker[Session],
+    worker: Worker,
+    settings: JobSettings,
+) -> list[Job]:
+    """Claims what nobody holds; notes in `outcome` what a live lease holds, and until when."""
+    with sessions.begin() as session:
+        jobs = claim(
+            session,
+            job_ids,
+            worker=worker,
+            lease_seconds=settings.lease_seconds,
+            max_attempts=settings.max_attempts,
+        )
+        claimed = {job.id for job in jobs}
+        held = [job_id for job_id in job_ids if job_id not in claimed]
+        outcome.held_until = held_until(session, held) if held else None
+    outcome.held = held if outcome.held_until else []
+    return jobs
+
+
+@contextmanager
+def keep_leases(
+    sessions: sessionmaker[Session],
+    job_ids: Sequence[int],
+    *,
+    worker: Worker,
+    settings: JobSettings,
+) -> Iterator[None]:
+    """Renews the leases while the work runs, so only a dead worker's jobs ever expire."""
+    stop = threading.Event()
+
+    def heartbeat() -> None:
+        while not stop.wait(settings.lease_seconds / 3):
+            with sessions.begin() as session:
+                extend_leases(session, job_ids, worker=worker, lease_seconds=settings.lease_seconds)
+
+    thread = threading.Thread(target=heartbeat, name="sdq-lease", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

@@ -1,0 +1,92 @@
+"""The outbox: a run's jobs are committed first, their task messages sent after.
+
+If the broker is down, or the process dies between the commit and the last message, the
+jobs wait in the database as `pending` and any later send (`sdq requeue`, the periodic
+relay) finds them: nothing is lost, and a job sent twice is claimed once.
+"""
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import or_, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from sdq.models.db import chunked
+from sdq.models.jobs.kinds import Kind, kind_named
+from sdq.models.jobs.lifecycle import mark_queued, utcnow
+from sdq.models.tables import FINISHED, Job, JobStatus, Run
+
+# Job ids read per query and marked queued per statement: memory stays bounded whatever
+# the size of the run.
+PAGE = 10_000
+
+# Sends one task message: the kind, the job ids it carries, and its keyword arguments.
+Send = Callable[[Kind, list[int], dict[str, Any]], None]
+
+
+class EnqueueFailed(Exception):
+    def __init__(self, run_id: int, sent: int, cause: Exception) -> None:
+        super().__init__(
+            f"run {run_id}: the broker took {sent} messages, then failed ({cause}); the "
+            f"jobs not sent are saved as pending: `sdq requeue {run_id}` sends them when "
+            "the broker is back"
+        )
+
+
+@dataclass(frozen=True)
+class Sent:
+    jobs: int
+    messages: int
+
+
+def sendable_ids(sessions: sessionmaker[Session], run_id: int) -> Iterator[int]:
+    """The run's jobs that have not finished and that no live worker holds, in id order,
+    read a page at a time."""
+    after = 0
+    while True:
+        with sessions() as session:
+            page = session.scalars(
+                select(Job.id)
+                .where(
+                    Job.run_id == run_id,
+                    Job.id > after,
+                    Job.status.not_in(FINISHED),
+                    or_(Job.status != JobStatus.running, Job.lease_expires_at < utcnow()),
+                )
+                .order_by(Job.id)
+                .limit(PAGE)
+            ).all()
+        if not page:
+            return
+        yield from page
+        after = page[-1]
+
+
+def messages(sessions: sessionmaker[Session], run: Run) -> Iterator[list[int]]:
+    """The job ids of each message the run's sendable jobs make, in id order."""
+    yield from chunked(sendable_ids(sessions, run.id), run.jobs_per_message)
+
+
+def enqueue(sessions: sessionmaker[Session], send: Send, run_id: int) -> Sent:
+    """Sends every sendable job of the run, then marks what the broker took as queued."""
+    with sessions() as session:
+        run = session.get_one(Run, run_id)
+    kind = kind_named(run.kind)
+    jobs = count = 0
+    per_page = max(1, PAGE // run.jobs_per_message)
+    for page in chunked(messages(sessions, run), per_page):
+        sent: list[list[int]] = []
+        try:
+            for job_ids in page:
+                send(kind, job_ids, run.task_options)
+                sent.append(job_ids)
+        except Exception as error:  # kombu raises several kinds for a broker it cannot reach
+            raise EnqueueFailed(run_id, count + len(sent), error) from error
+        finally:
+            if sent:
+                with sessions.begin() as session:
+                    mark_queued(session, run_id, sent[0][0], sent[-1][-1])
+        jobs += sum(map(len, sent))
+        count += len(sent)
+    return Sent(jobs=jobs, messages=count)

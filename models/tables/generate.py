@@ -1,0 +1,34 @@
+"""What only generation jobs have: the prompt, style, model and seed, one row per job."""
+
+from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Text
+from sqlalchemy.orm import Mapped, mapped_column
+
+from sdq.models.tables import Base, Id
+
+
+class Generation(Base):
+    """Copied out of the spec so that lookups by prompt, style and model need no JSON paths."""
+
+    __tablename__ = "generations"
+
+    job_id: Mapped[int] = mapped_column(
+        Id, ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True
+    )
+    prompt: Mapped[str] = mapped_column(Text)
+    style: Mapped[str | None] = mapped_column(Text)
+    model: Mapped[str] = mapped_column(Text)
+    seed: Mapped[int] = mapped_column(BigInteger)
+    # The prompt file's line, so a gallery can lay images out as the file did.
+    source_line: Mapped[int | None] = mapped_column(Integer)
+    # Jobs with equal keys can share one pipeline call.
+    batch_key: Mapped[str] = mapped_column(String(64))
+
+    __table_args__ = (
+        # Trigram GIN index: `prompt ILIKE '%castle%'` stays an index scan at millions of rows.
+        Index(
+            "ix_generations_prompt_trgm",
+            "prompt",
+            postgresql_using="gin",
+            postgresql_ops={"prompt": "gin_trgm_ops"},
+        ),
+    )

@@ -1,0 +1,95 @@
+"""Commands that set a deployment up: the schema, the model registry, the workers."""
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from sdq.models.registry import ModelNotFound, push_model
+from sdq.models.store import StoreError
+from sdq.producer import lookups
+from sdq.producer.cli.common import ensure_schema, json_option, lookup, pass_app, require_broker
+from sdq.producer.cli.common import table as rows_table
+from sdq.workers.app import SdqCelery
+
+
+@click.group()
+def db() -> None:
+    """The database schema."""
+
+
+@db.command()
+@pass_app
+def upgrade(app: SdqCelery) -> None:
+    """Apply every migration not applied yet."""
+    from sdq.migrations import upgrade as upgrade_schema
+
+    upgrade_schema(app.engine)
+    click.echo(f"database at the newest schema: {app.engine.url.render_as_string()}")
+
+
+@click.group()
+def model() -> None:
+    """The model registry."""
+
+
+@model.command()
+@click.argument("source", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("name")
+@pass_app
+def push(app: SdqCelery, source: Path, name: str) -> None:
+    """Copy the pipeline folder SOURCE into the store, registered as NAME."""
+    ensure_schema(app)
+    try:
+        with app.sessions.begin() as session:
+            pushed = push_model(source, name, store=app.store, session=session)
+    except (ModelNotFound, StoreError) as error:
+        raise click.ClickException(str(error)) from None
+    where = app.store.uri(pushed.prefix)
+    done = "pushed to" if pushed.uploaded else "already in the store at"
+    click.echo(f"{name}: revision {pushed.identity.revision[:16]} {done} {where}")
+
+
+@model.command(name="list")
+@json_option
+@pass_app
+def list_models(app: SdqCelery, as_json: bool) -> None:
+    """Every model identity sdq has seen or been given."""
+    lookup(app, lookups.known_models, as_json=as_json,
+           show=rows_table(["name", "revision", "source", "created_at"]))  # fmt: skip
+
+
+@click.group()
+def worker() -> None:
+    """Start worker processes (plain Celery workers underneath)."""
+
+
+@worker.command()
+@click.option("--gpus", help="Comma-separated GPU indices [default: every GPU nvidia-smi lists]")
+@click.option("--loglevel", default="info", show_default=True)
+@pass_app
+def gpu(app: SdqCelery, gpus: str | None, loglevel: str) -> None:
+    """One process per GPU for generate, encode and train; one CPU process if there is no GPU."""
+    from sdq.producer.launch import gpu_workers, supervise, visible_gpus
+
+    require_broker(app, "a worker")
+    indices = [gpu.strip() for gpu in gpus.split(",") if gpu.strip()] if gpus else visible_gpus()
+    sys.exit(supervise(gpu_workers(indices, loglevel=loglevel)))
+
+
+@worker.command()
+@click.option(
+    "--concurrency", type=click.IntRange(1), default=os.cpu_count() or 1, show_default=True
+)
+@click.option("--loglevel", default="info", show_default=True)
+@pass_app
+def cpu(app: SdqCelery, concurrency: int, loglevel: str) -> None:
+    """The CPU pool: download and maintenance queues. Never loads torch."""
+    from sdq.producer.launch import cpu_workers, supervise
+
+    require_broker(app, "a worker")
+    sys.exit(supervise(cpu_workers(concurrency, loglevel=loglevel)))
+
+
+COMMANDS = (db, model, worker)

@@ -1,0 +1,83 @@
+"""What every command group shares: the app, one way to answer a lookup, clean errors."""
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import click
+from sqlalchemy.orm import Session
+
+from sdq.models.jobs.outbox import EnqueueFailed, Sent, enqueue
+from sdq.producer import display
+from sdq.producer.errors import NotFound
+from sdq.producer.generate.prompts import InvalidInput
+from sdq.workers.app import SdqCelery
+
+BAD_INPUT = 2
+T = TypeVar("T")
+
+pass_app = click.make_pass_decorator(SdqCelery)
+json_option = click.option(
+    "--json", "as_json", is_flag=True, help="Print JSON for programs instead of text."
+)
+
+
+@contextmanager
+def found() -> Iterator[None]:
+    """Turns a lookup's NotFound into a clean command-line error."""
+    try:
+        yield
+    except NotFound as error:
+        raise click.ClickException(str(error)) from None
+
+
+def lookup(
+    app: SdqCelery, query: Callable[[Session], T], *, as_json: bool, show: Callable[[T], None]
+) -> T:
+    """Answers a read-only question: JSON for programs, `show` for people."""
+    with app.sessions() as session, found():
+        answer = query(session)
+    if as_json:
+        display.print_json(answer)
+    else:
+        show(answer)
+    return answer
+
+
+def table(columns: list[str]) -> Callable[[list[dict[str, Any]]], None]:
+    """A `show` for `lookup` that prints rows as a table of these columns."""
+    return lambda rows: display.stdout.print(display.rows_table(rows, columns))
+
+
+def ensure_schema(app: SdqCelery) -> None:
+    """Embedded SQLite is created on first use; a shared database is migrated on purpose."""
+    from sdq.migrations import is_current, upgrade
+
+    if app.engine.dialect.name == "sqlite":
+        upgrade(app.engine)
+    elif not is_current(app.engine):
+        raise click.ClickException("the database schema is not current: run `sdq db upgrade`")
+
+
+def require_broker(app: SdqCelery, what: str) -> None:
+    if app.settings.embedded:
+        raise click.UsageError(
+            f"{what} needs a broker: set SDQ_BROKER_URL (e.g. redis://host:6379/0)"
+        )
+
+
+def send_run(app: SdqCelery, run_id: int) -> Sent:
+    """Sends the run's unfinished jobs that no live worker holds (the outbox's send)."""
+    try:
+        with app.sender() as send:
+            return enqueue(app.sessions, send, run_id)
+    except EnqueueFailed as error:
+        raise click.ClickException(str(error)) from None
+
+
+def exit_bad_input(problems: InvalidInput) -> None:
+    for error in problems.errors:
+        click.echo(str(error), err=True)
+    click.echo(f"{len(problems.errors)} problem(s); nothing was submitted.", err=True)
+    sys.exit(BAD_INPUT)

@@ -1,0 +1,305 @@
+"""The generate commands: submit and run prompt files, find and fetch images, galleries."""
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from sdq.models.jobs.kinds import GENERATE
+from sdq.models.jobs.outbox import messages
+from sdq.models.registry import ModelNotFound, resolve_model
+from sdq.models.specs import DTYPES
+from sdq.models.store import StoreError
+from sdq.models.tables import FINISHED, JobStatus, Run
+from sdq.producer import display, lookups
+from sdq.producer.cli.common import (
+    ensure_schema,
+    exit_bad_input,
+    found,
+    json_option,
+    lookup,
+    pass_app,
+    require_broker,
+    send_run,
+    table,
+)
+from sdq.producer.generate import lookups as generate_lookups
+from sdq.producer.generate.gallery import gallery_html, gallery_key
+from sdq.producer.generate.plan import DEFAULT_TEMPLATE, Defaults, plan_jobs
+from sdq.producer.generate.prompts import (
+    InvalidInput,
+    check_template,
+    parse_count,
+    parse_guidance,
+    parse_seed,
+    parse_size,
+    parse_steps,
+    read_prompts,
+    read_styles,
+)
+from sdq.producer.generate.submit import Batching, Submission, record_run
+from sdq.workers.app import SdqCelery
+
+
+def _validated(parse):
+    """Click callback running one of the prompt-file parsers on a flag's value."""
+
+    def callback(_ctx, param, value):
+        if value is None:
+            return None
+        try:
+            return parse(value)
+        except ValueError as error:
+            raise click.BadParameter(str(error), param=param) from None
+
+    return callback
+
+
+def generation_options(command):
+    options = [
+        click.argument("prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path)),
+        click.option("--styles", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                     help="File with one style per line; every row is crossed with every style."),
+        click.option("--template", default=DEFAULT_TEMPLATE, show_default=True,
+                     help="How a row's prompt and a style make the final prompt."),
+        click.option("--model", default="tiny", show_default=True,
+                     help="tiny, a diffusers folder, s3://bucket/prefix, a pushed name, a hub id."),
+        click.option("--steps", default="25", show_default=True, metavar="N",
+                     callback=_validated(parse_steps), help="Denoising steps."),
+        click.option("--guidance", default="7.5", show_default=True, metavar="SCALE",
+                     callback=_validated(parse_guidance), help="Classifier-free guidance."),
+        click.option("--size", callback=_validated(parse_size), metavar="WxH",
+                     help="WIDTHxHEIGHT, multiples of 8 [default: the model's native size]"),
+        click.option("--seed", callback=_validated(parse_seed), metavar="SEED",
+                     help="Seed of each row's first image [default: drawn at random and stored]"),
+        click.option("--n", "count", default="1", show_default=True, metavar="N",
+                     callback=_validated(parse_count), help="Images per row and style."),
+        click.option("--negative-prompt", default="", help="For rows without their own."),
+        click.option("--dtype", type=click.Choice(DTYPES),
+                     help="[default: float16, float32 for tiny]"),
+        click.option("--batch-size", type=click.IntRange(1, 256),
+                     help="Images per pipeline call [default: SDQ_BATCH_SIZE or 8]"),
+        json_option,
+    ]  # fmt: skip
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+@dataclass(frozen=True)
+class Request:
+    prompts: Path
+    styles: Path | None
+    template: str
+    model: str
+    defaults: Defaults
+    batch_size: int | None
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "Request":
+        width, height = options["size"] or (None, None)
+        return cls(
+            prompts=options["prompts"],
+            styles=options["styles"],
+            template=options["template"],
+            model=options["model"],
+            defaults=Defaults(
+                steps=options["steps"],
+                guidance=options["guidance"],
+                width=width,
+                height=height,
+                seed=options["seed"],
+                n=options["count"],
+                negative_prompt=options["negative_prompt"],
+                dtype=options["dtype"],
+            ),
+            batch_size=options["batch_size"],
+        )
+
+    def options(self) -> dict[str, Any]:
+        """What the run records of how it was asked for."""
+        return {
+            "styles": str(self.styles) if self.styles else None,
+            "template": self.template,
+            "model": self.model,
+            "defaults": self.defaults.__dict__,
+            "batch_size": self.batch_size,
+        }
+
+
+def prepare(app: SdqCelery, request: Request) -> Submission:
+    """Checks the options and the deployment, then streams the prompt file into a run.
+    Any problem in the file rolls the run back: bad input writes nothing."""
+    try:
+        styles = read_styles(request.styles) if request.styles else None
+        check_template(request.template, with_styles=bool(styles))
+    except InvalidInput as problems:
+        exit_bad_input(problems)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+    ensure_schema(app)
+    try:
+        # A store the workers cannot write to would fail every job: say so before any is made.
+        app.store.check()
+    except StoreError as error:
+        raise click.ClickException(f"object store {app.settings.store_url}: {error}") from None
+    try:
+        with app.sessions() as session:
+            model = resolve_model(request.model, store=app.store, session=session)
+    except (ModelNotFound, StoreError) as error:
+        raise click.UsageError(f"--model: {error}") from None
+    planned = plan_jobs(
+        read_prompts(request.prompts),
+        model=model,
+        defaults=request.defaults,
+        styles=styles,
+        template=request.template,
+    )
+    settings = app.settings.generate
+    batching = Batching(request.batch_size or settings.batch_size, settings.calls_per_task)
+    try:
+        return record_run(
+            app.sessions,
+            planned,
+            model=model,
+            source=str(request.prompts),
+            options=request.options(),
+            batching=batching,
+        )
+    except InvalidInput as problems:
+        exit_bad_input(problems)
+
+
+@click.command()
+@generation_options
+@click.option("--wait", is_flag=True, help="Show progress until the run finishes.")
+@pass_app
+def submit(app: SdqCelery, as_json: bool, wait: bool, **options: Any) -> None:
+    """Turn a prompt file into generation jobs for the workers."""
+    require_broker(app, "submit (`sdq run` works without one)")
+    submission = prepare(app, Request.from_options(options))
+    sent = send_run(app, submission.run_id)
+    if not wait:
+        _report_submission(submission, sent.messages, as_json)
+        return
+    if not as_json:
+        display.console.print(f"run {submission.run_id}: {submission.jobs} jobs")
+    _watch(app, submission, show=not as_json)
+    _report_run(app, submission.run_id, as_json)
+
+
+@click.command()
+@generation_options
+@pass_app
+def run(app: SdqCelery, as_json: bool, **options: Any) -> None:
+    """Do the whole job here, in this process: no broker or worker needed."""
+    submission = prepare(app, Request.from_options(options))
+    app.loader.import_default_modules()  # registers the kinds' tasks with the app
+    task = app.tasks[GENERATE.task_name]
+    with app.sessions() as session:
+        run_record = session.get_one(Run, submission.run_id)
+    with display.progress() as bar:
+        progress = bar.add_task(f"run {submission.run_id}", total=submission.jobs)
+        bar.update(progress, completed=submission.cached)
+        for job_ids in messages(app.sessions, run_record):
+            # A retry inside apply() runs at once, in this process; only a crash is left here.
+            result = task.apply(args=[job_ids], kwargs=run_record.task_options)
+            if result.failed():
+                raise result.result
+            bar.advance(progress, len(job_ids))
+    _report_run(app, submission.run_id, as_json)
+
+
+def _report_submission(submission: Submission, messages_sent: int, as_json: bool) -> None:
+    if as_json:
+        display.print_json(
+            {
+                "run_id": submission.run_id,
+                "jobs": submission.jobs,
+                "cached": submission.cached,
+                "tasks": messages_sent,
+            }
+        )
+        return
+    click.echo(submission.run_id)
+    display.console.print(
+        f"{submission.jobs} jobs in {messages_sent} tasks, "
+        f"{submission.cached} served from cache; `sdq status {submission.run_id}` follows it"
+    )
+
+
+def _watch(app: SdqCelery, submission: Submission, *, show: bool) -> None:
+    def finished() -> int:
+        with app.sessions() as session:
+            counts = lookups.status_counts(session, submission.run_id)
+        return sum(counts[status] for status in FINISHED)
+
+    display.watch(submission.jobs, finished, show=show)
+
+
+def _report_run(app: SdqCelery, run_id: int, as_json: bool) -> None:
+    """Prints where the run ended and writes its gallery; fails the command on dead jobs."""
+    with app.sessions() as session:
+        status = lookups.run_status(session, run_id)
+    gallery = write_gallery(app, run_id)
+    if as_json:
+        display.print_json({**status, "gallery": gallery})
+    else:
+        display.show_status(status)
+        display.stdout.print(f"images: {app.store.uri('images/')}", soft_wrap=True)
+        display.stdout.print(f"gallery: {gallery}", soft_wrap=True)
+    if status["dead"]:
+        sys.exit(1)
+
+
+def write_gallery(app: SdqCelery, run_id: int) -> str:
+    with app.sessions() as session, found():
+        jobs = generate_lookups.gallery_jobs(session, run_id)
+    page = gallery_html(run_id, jobs).encode()
+    return app.store.put_bytes(gallery_key(run_id), page, content_type="text/html; charset=utf-8")
+
+
+@click.command()
+@click.argument("run_id", type=int)
+@pass_app
+def gallery(app: SdqCelery, run_id: int) -> None:
+    """Write RUN's contact sheet (a line x style grid) next to its images in the store."""
+    try:
+        click.echo(write_gallery(app, run_id))
+    except StoreError as error:
+        raise click.ClickException(str(error)) from None
+
+
+@click.command()
+@click.argument("job_id", type=int)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
+@pass_app
+def get(app: SdqCelery, job_id: int, output: Path) -> None:
+    """Copy a job's image out of the store."""
+    with app.sessions() as session, found():
+        key = generate_lookups.job_image_key(session, job_id)
+    try:
+        app.store.get_file(key, output)
+    except StoreError as error:
+        raise click.ClickException(str(error)) from None
+    click.echo(output)
+
+
+@click.command()
+@click.option("--prompt", help="Text the prompt contains (case-insensitive).")
+@click.option("--style", help="Text the style contains.")
+@click.option("--model", help="Model name, exactly.")
+@click.option("--run", "run_id", type=int, help="Only jobs of this run.")
+@click.option("--status", type=click.Choice([status.value for status in JobStatus]))
+@click.option("--limit", default=50, show_default=True)
+@json_option
+@pass_app
+def find(app: SdqCelery, as_json: bool, **filters: Any) -> None:
+    """Find generation jobs by prompt, style, model, run or status."""
+    lookup(app, lambda session: generate_lookups.find_jobs(session, **filters),
+           as_json=as_json, show=table(["id", "run_id", "status", "seed", "prompt"]))  # fmt: skip
+
+
+COMMANDS = (submit, run, find, get, gallery)

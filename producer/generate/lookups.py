@@ -1,0 +1,91 @@
+"""Questions only generation answers: prompts, styles, seeds, images."""
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sqlalchemy import RowMapping, select
+from sqlalchemy.orm import Session
+
+from sdq.models.db import chunked
+from sdq.models.specs import image_key
+from sdq.models.tables import Job, JobStatus, Run
+from sdq.models.tables.generate import Generation
+from sdq.producer.errors import NotFound
+
+FIELDS = (Generation.prompt, Generation.style, Generation.model, Generation.seed)
+
+
+def job_fields(session: Session, job_ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+    """Job id -> its prompt, style, model and seed."""
+    found: dict[int, dict[str, Any]] = {}
+    for chunk in chunked(job_ids):
+        query = select(Generation.job_id, *FIELDS).where(Generation.job_id.in_(chunk))
+        for row in session.execute(query).mappings():
+            found[row["job_id"]] = {column.name: row[column.name] for column in FIELDS}
+    return found
+
+
+def find_jobs(
+    session: Session,
+    *,
+    prompt: str | None = None,
+    style: str | None = None,
+    model: str | None = None,
+    run_id: int | None = None,
+    status: str | None = None,
+    limit: int = 50,
+) -> list[dict[str, Any]]:
+    """Substring matches, case-insensitive; the trigram index serves them on Postgres."""
+    query = (
+        select(Job.id, Job.run_id, Job.status, Job.cached, Job.output_uri.label("uri"), *FIELDS)
+        .join(Generation, Generation.job_id == Job.id)
+        .order_by(Job.id.desc())
+        .limit(limit)
+    )
+    if prompt:
+        query = query.where(Generation.prompt.ilike(f"%{_escape_like(prompt)}%", escape="\\"))
+    if style:
+        query = query.where(Generation.style.ilike(f"%{_escape_like(style)}%", escape="\\"))
+    if model:
+        query = query.where(Generation.model == model)
+    if run_id is not None:
+        query = query.where(Job.run_id == run_id)
+    if status:
+        query = query.where(Job.status == JobStatus(status))
+    return _with_status_text(session.execute(query).mappings())
+
+
+def _escape_like(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+def job_image_key(session: Session, job_id: int) -> str:
+    job = session.get(Job, job_id)
+    if job is None:
+        raise NotFound(f"no job {job_id}")
+    if job.status != JobStatus.succeeded:
+        raise NotFound(f"job {job_id} has no image: it is {job.status}")
+    return image_key(job.spec_hash)
+
+
+def gallery_jobs(session: Session, run_id: int) -> list[dict[str, Any]]:
+    if session.get(Run, run_id) is None:
+        raise NotFound(f"no run {run_id}")
+    query = (
+        select(
+            Generation.source_line,
+            Generation.style,
+            Generation.prompt,
+            Generation.seed,
+            Job.status,
+            Job.spec_hash,
+        )
+        .join(Generation, Generation.job_id == Job.id)
+        .where(Job.run_id == run_id)
+        .order_by(Job.id)
+    )
+    return _with_status_text(session.execute(query).mappings())
+
+
+def _with_status_text(rows: Iterable[RowMapping]) -> list[dict[str, Any]]:
+    return [{**row, "status": str(row["status"])} for row in rows]

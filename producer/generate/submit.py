@@ -1,0 +1,129 @@
+"""Writing a generation run: the run and all its jobs in one transaction, streamed in chunks.
+
+Rows are read, checked, planned and inserted a chunk at a time, so memory stays flat
+whatever the size of the prompt file; a problem anywhere rolls the whole run back, so a
+bad file writes nothing. The messages are sent after the commit (the outbox).
+"""
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from sdq.models.db import chunked, copy_rows, insert_rows
+from sdq.models.jobs.kinds import GENERATE
+from sdq.models.jobs.lifecycle import close_runs, record_events, stored_outputs, utcnow
+from sdq.models.registry import record_model
+from sdq.models.specs import ModelIdentity
+from sdq.models.tables import Job, JobStatus, Run
+from sdq.models.tables.generate import Generation
+from sdq.producer.generate.plan import PlannedJob
+
+CHUNK = 5_000
+CACHED = "cached: spec rendered before"
+
+
+@dataclass(frozen=True)
+class Batching:
+    batch_size: int  # images per pipeline call
+    calls_per_task: int  # pipeline calls per task message
+
+    @property
+    def jobs_per_message(self) -> int:
+        return self.batch_size * self.calls_per_task
+
+
+@dataclass(frozen=True)
+class Submission:
+    run_id: int
+    jobs: int
+    cached: int
+
+
+def record_run(
+    sessions: sessionmaker[Session],
+    planned: Iterable[PlannedJob],
+    *,
+    model: ModelIdentity,
+    source: str,
+    options: dict[str, Any],
+    batching: Batching,
+) -> Submission:
+    """Writes the run and its jobs; specs rendered before are recorded as cached, not sent."""
+    with sessions.begin() as session:
+        record_model(session, model)
+        run = Run(
+            kind=GENERATE.name,
+            source=source,
+            options=options,
+            job_count=0,
+            jobs_per_message=batching.jobs_per_message,
+            task_options={"batch_size": batching.batch_size},
+        )
+        session.add(run)
+        session.flush()
+        jobs = cached = 0
+        for chunk in chunked(planned, CHUNK):
+            jobs += len(chunk)
+            cached += _insert_jobs(session, run.id, chunk)
+        run.job_count = jobs
+        if cached:
+            close_runs(session, [run.id])
+    return Submission(run.id, jobs, cached)
+
+
+def _insert_jobs(session: Session, run_id: int, planned: list[PlannedJob]) -> int:
+    """Inserts one chunk; returns how many of its jobs were served from the cache."""
+    now = utcnow()
+    # Messages take jobs in id order: ids in batch-key order make each message's jobs
+    # share pipeline calls.
+    keyed = sorted(((job.spec.batch_key(), job) for job in planned), key=lambda pair: pair[0])
+    hashes = [job.spec.hash() for _, job in keyed]
+    known = stored_outputs(session, hashes)
+    rows = [
+        _job_row(run_id, job, spec_hash, known.get(spec_hash), now)
+        for (_, job), spec_hash in zip(keyed, hashes, strict=True)
+    ]
+    ids = insert_rows(session, Job.__table__, rows)
+    copy_rows(
+        session,
+        Generation.__table__,
+        [_generation_row(job_id, job, key) for job_id, (key, job) in zip(ids, keyed, strict=True)],
+    )
+    record_events(session, ids, JobStatus.pending, at=now)
+    cached = [job_id for job_id, row in zip(ids, rows, strict=True) if row["cached"]]
+    record_events(session, cached, JobStatus.succeeded, detail=CACHED, at=now)
+    return len(cached)
+
+
+def _job_row(
+    run_id: int, job: PlannedJob, spec_hash: str, known: tuple[str, str] | None, now: datetime
+) -> dict[str, Any]:
+    uri, digest = known or (None, None)
+    return {
+        "run_id": run_id,
+        "kind": GENERATE.name,
+        "spec": job.spec.to_dict(),
+        "spec_hash": spec_hash,
+        "status": JobStatus.succeeded if known else JobStatus.pending,
+        "attempts": 0,
+        "cached": known is not None,
+        "output_uri": uri,
+        "output_sha256": digest,
+        "finished_at": now if known else None,
+    }
+
+
+def _generation_row(job_id: int, job: PlannedJob, batch_key: str) -> dict[str, Any]:
+    spec = job.spec
+    return {
+        "job_id": job_id,
+        "prompt": spec.prompt,
+        "style": job.style,
+        "model": spec.model_name,
+        "seed": spec.seed,
+        "source_line": job.source_line,
+        "batch_key": batch_key,
+    }

@@ -1,0 +1,26 @@
+"""What the generic commands (`status`, `show`, `runs`...) show of each kind of work."""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from sdq.models.jobs.kinds import GENERATE
+from sdq.producer.generate import lookups as generate_lookups
+
+
+@dataclass(frozen=True)
+class KindViews:
+    # What one job makes, in words: "images", "samples"...
+    unit: str
+    # Job id -> the kind's own fields for each job (a prompt and seed, a URL...).
+    job_fields: Callable[[Session, Sequence[int]], dict[int, dict[str, Any]]]
+
+
+VIEWS = {GENERATE.name: KindViews(unit="images", job_fields=generate_lookups.job_fields)}
+GENERIC = KindViews(unit="jobs", job_fields=lambda _session, _ids: {})
+
+
+def views_of(kind: str) -> KindViews:
+    return VIEWS.get(kind, GENERIC)

@@ -1,0 +1,51 @@
+"""The Celery side of delivery, written once for every kind: run the work through the
+generic skeleton, then turn its outcome into an acknowledgement or a retry."""
+
+from datetime import UTC, datetime
+from typing import Any
+
+from celery import Task
+from celery.utils.time import get_exponential_backoff_interval
+
+from sdq.models.jobs.delivery import Work, deliver
+from sdq.models.jobs.kinds import Kind
+from sdq.workers.app import worker_identity
+
+MAX_BACKOFF_SECONDS = 600
+
+
+def backoff(task: Task) -> float:
+    """Exponential, capped, with full jitter, so retries after an outage do not stampede."""
+    return get_exponential_backoff_interval(
+        task.app.settings.jobs.retry_backoff_seconds,
+        task.request.retries,
+        MAX_BACKOFF_SECONDS,
+        True,
+    )
+
+
+def deliver_task(task: Task, kind: Kind, job_ids: list[int], work: Work) -> dict[str, Any]:
+    app = task.app
+    try:
+        outcome = deliver(
+            job_ids,
+            work,
+            sessions=app.sessions,
+            worker=worker_identity(kind.pool),
+            settings=app.settings.jobs,
+        )
+    except Exception as error:
+        # The database failed outside the work's own bookkeeping. Send the message again
+        # later: jobs this delivery claimed are taken over once their lease runs out.
+        if task.request.is_eager:
+            raise
+        raise task.retry(exc=error, countdown=backoff(task)) from error
+    countdowns = []
+    if outcome.retry:
+        countdowns.append(backoff(task))
+    # In-process runs (`sdq run`) have no other worker to wait for.
+    if outcome.held and not task.request.is_eager:
+        countdowns.append(max(1, (outcome.held_until - datetime.now(UTC)).total_seconds() + 1))
+    if countdowns:
+        raise task.retry(args=[outcome.retry + outcome.held], countdown=max(countdowns))
+    return {"done": len(outcome.done), "reused": len(outcome.reused)}

@@ -1,0 +1,34 @@
+"""The generate task: a message of job ids, rendered `batch_size` images per call."""
+
+from functools import cache
+from typing import Any
+
+from celery import shared_task
+
+from sdq.models.jobs.kinds import GENERATE
+from sdq.workers.app import SdqCelery
+from sdq.workers.delivery import deliver_task
+from sdq.workers.generate.work import GenerateWork
+
+
+@shared_task(bind=True, name=GENERATE.task_name, max_retries=None)
+def generate(self, job_ids: list[int], batch_size: int | None = None) -> dict[str, Any]:
+    app = self.app
+    work = GenerateWork(
+        store=app.store,
+        pipelines=pipelines(app),
+        batch_size=batch_size or app.settings.generate.batch_size,
+    )
+    return deliver_task(self, GENERATE, job_ids, work)
+
+
+@cache
+def pipelines(app: SdqCelery):
+    """This process's loaded pipelines, made on the first task, after any fork."""
+    from sdq.workers.generate.pipelines import PipelineCache
+
+    return PipelineCache(
+        store=app.store,
+        cache_dir=app.settings.model_cache_dir,
+        size=app.settings.generate.pipeline_cache_size,
+    )

@@ -1,0 +1,63 @@
+"""The generate work: render a message's jobs in pipeline calls of shared settings, store
+each image as a PNG that carries its spec. Plain code, no Celery; torch loads lazily."""
+
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from time import perf_counter
+from typing import TYPE_CHECKING
+
+from PIL.Image import Image
+
+from sdq.models.jobs.delivery import Work
+from sdq.models.jobs.lifecycle import Output
+from sdq.models.specs import GenerationSpec, batches, image_key
+from sdq.models.store import ObjectStore
+from sdq.models.tables import Job
+from sdq.workers.generate.images import encode_png, sha256
+
+if TYPE_CHECKING:
+    from sdq.workers.generate.pipelines import PipelineCache
+
+UPLOAD_THREADS = 8
+
+
+class PipelineError(Exception):
+    """The spec's model cannot be loaded or run as asked; retrying will not change that."""
+
+
+class GenerateWork(Work):
+    # diffusers raises ValueError for arguments it cannot run (a size it cannot make);
+    # everything else (store down, out of memory, time limit) may pass on another try.
+    permanent_errors = (PipelineError, ValueError)
+
+    def __init__(self, *, store: ObjectStore, pipelines: "PipelineCache", batch_size: int):
+        self.store = store
+        self.pipelines = pipelines
+        self.batch_size = batch_size
+
+    def run(self, jobs: Sequence[Job]) -> Iterator[Output]:
+        """Renders call after call; a call's uploads run in threads while the next one
+        renders, so the device never waits on the store."""
+        from sdq.workers.generate.pipelines import render
+
+        specs = {job.id: GenerationSpec.from_dict(job.spec) for job in jobs}
+        by_id = {job.id: job for job in jobs}
+        calls = batches([(job.id, specs[job.id].batch_key()) for job in jobs], self.batch_size)
+        with ThreadPoolExecutor(UPLOAD_THREADS) as uploads:
+            previous: list[Future[Output]] = []
+            for call in calls:
+                started = perf_counter()
+                images = render(self.pipelines.get(specs[call[0]]), [specs[i] for i in call])
+                seconds_each = (perf_counter() - started) / len(call)
+                # The previous call's uploads had this call's rendering to finish in.
+                yield from (upload.result() for upload in previous)
+                previous = [
+                    uploads.submit(self._store, by_id[job_id], specs[job_id], image, seconds_each)
+                    for job_id, image in zip(call, images, strict=True)
+                ]
+            yield from (upload.result() for upload in previous)
+
+    def _store(self, job: Job, spec: GenerationSpec, image: Image, seconds: float) -> Output:
+        data = encode_png(image, spec, job.spec_hash)
+        uri = self.store.put_bytes(image_key(job.spec_hash), data, content_type="image/png")
+        return Output(job.id, uri, sha256(data), work_seconds=seconds)

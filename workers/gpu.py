@@ -1,0 +1,16 @@
+"""The device a GPU worker process renders on. Imports torch: GPU work only."""
+
+import torch
+
+
+def device_name() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def describe_device() -> str:
+    """What the job history records: the GPU's model and its UUID, which names the physical
+    card whatever CUDA_VISIBLE_DEVICES numbered it."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    properties = torch.cuda.get_device_properties(0)
+    return f"cuda {properties.name} GPU-{properties.uuid}"
