@@ -34,16 +34,19 @@ INSERT INTO runs (kind, source, options, job_count)
 SELECT 'generate', 'bench.csv', '{}'::jsonb, %(per_run)s FROM generate_series(1, %(runs)s)
 """,
     """
-INSERT INTO jobs (run_id, kind, spec, spec_hash, prompt, style, model, seed, batch_key,
-                  status, attempts, cached, created_at)
+INSERT INTO jobs (run_id, kind, spec, spec_hash, status, attempts, cached, created_at)
 SELECT 1 + (n %% %(runs)s), 'generate',
        jsonb_build_object('seed', n, 'steps', 25),
        md5(n::text) || md5((n + 1)::text),
-       (string_to_array(%(words)s, ' '))[1 + n %% 12] || ' number ' || n || ' at dusk',
-       (ARRAY['ink', 'oil', 'pixel art'])[1 + n %% 3], 'tiny', n, md5((n %% 97)::text),
        CASE WHEN n %% 1000 = 0 THEN 'queued' WHEN n %% 997 = 0 THEN 'dead' ELSE 'succeeded' END,
        1, false, now()
 FROM generate_series(1, %(jobs)s) AS n
+""",
+    """
+INSERT INTO generations (job_id, prompt, style, model, seed, batch_key)
+SELECT id, (string_to_array(%(words)s, ' '))[1 + id %% 12] || ' number ' || id || ' at dusk',
+       (ARRAY['ink', 'oil', 'pixel art'])[1 + id %% 3], 'tiny', id, md5((id %% 97)::text)
+FROM jobs
 """,
     "ANALYZE",
 ]
@@ -53,7 +56,8 @@ LOOKUPS = {
         "SELECT status, count(*) FROM jobs WHERE run_id = 417 GROUP BY status"
     ),
     "find by prompt text (ILIKE)": (
-        "SELECT id FROM jobs WHERE prompt ILIKE '%%number 123456 %%' ORDER BY id DESC LIMIT 50"
+        "SELECT job_id FROM generations WHERE prompt ILIKE '%%number 123456 %%' "
+        "ORDER BY job_id DESC LIMIT 50"
     ),
     "rendered before? (spec hash)": (
         "SELECT output_uri FROM jobs WHERE spec_hash = md5('777777') || md5('777778') "

@@ -92,7 +92,7 @@ def test_submit_renders_stores_and_records(worker, sdq, sessions, s3_client, tmp
             assert embedded.to_dict() == job.spec and embedded.hash() == job.spec_hash
             assert image.text["sdq-spec-hash"] == job.spec_hash
             assert image.text["parameters"].splitlines()[-1].startswith("Steps: 4, Sampler: Euler")
-            assert f"Seed: {job.seed}," in image.text["parameters"]
+            assert f"Seed: {job.spec['seed']}," in image.text["parameters"]
             history = session.scalars(
                 select(JobEvent.status).where(JobEvent.job_id == job.id).order_by(JobEvent.id)
             ).all()

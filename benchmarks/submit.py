@@ -1,0 +1,121 @@
+"""Submitting at scale: `sdq submit` of N prompts on Postgres and Redis, end to end.
+
+For each size, a prompt file of N distinct prompts (tiny model, so nothing is served from
+cache) goes through `sdq submit --json` as a user runs it, in a process of its own; its
+wall time and peak resident memory (from wait4) are measured. Beside it, the plain way of
+putting the same task messages on the broker (Celery's send_task in a loop, no database)
+shows how much of the time is the record of truth. Prints one JSON object.
+
+    python benchmarks/submit.py [--sizes 10000,100000,500000]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import psycopg
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from sdq.migrations import upgrade  # noqa: E402
+from sdq.models.db import make_engine  # noqa: E402
+from sdq.models.jobs.kinds import GENERATE  # noqa: E402
+from sdq.models.settings import Settings  # noqa: E402
+from sdq.workers.app import create_app  # noqa: E402
+from tests.services import clean_env, ensure_service  # noqa: E402
+
+ADMIN_URL = "postgresql://postgres@127.0.0.1/postgres"
+BROKER_URL = "redis://127.0.0.1:6379/13"
+JOBS_PER_MESSAGE = 32  # sdq's default: batch size 8 x 4 calls per task
+
+
+def prompt_file(folder: Path, size: int) -> Path:
+    path = folder / f"prompts-{size}.csv"
+    with path.open("w") as handle:
+        handle.write("prompt,seed\n")
+        for n in range(size):
+            handle.write(f"benchmark {size} subject {n} in a quiet landscape,{n}\n")
+    return path
+
+
+def submit(env: dict[str, str], prompts: Path) -> dict[str, float]:
+    started = time.perf_counter()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sdq.producer.cli", "submit", str(prompts), "--json"],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+    )
+    output = process.stdout.read()
+    _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - started
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"sdq submit failed: {output.decode()}")
+    jobs = json.loads(output)["jobs"]
+    return {
+        "jobs": jobs,
+        "seconds": round(seconds, 2),
+        "jobs_per_second": round(jobs / seconds),
+        "peak_mb": round(usage.ru_maxrss / 1024),  # Linux reports kilobytes
+    }
+
+
+def plain_send(size: int) -> float:
+    """The same number of messages, sent with Celery alone: no database, no outbox."""
+    app = create_app(Settings.from_env({"SDQ_BROKER_URL": BROKER_URL}))
+    ids = list(range(size))
+    started = time.perf_counter()
+    with app.producer_or_acquire() as producer:
+        for start in range(0, size, JOBS_PER_MESSAGE):
+            app.send_task(
+                GENERATE.task_name, args=[ids[start : start + JOBS_PER_MESSAGE]], producer=producer
+            )
+    return round(time.perf_counter() - started, 2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="10000,100000,500000")
+    sizes = [int(size) for size in parser.parse_args().sizes.split(",")]
+    ensure_service("postgres")
+    ensure_service("redis")
+    name = f"sdq_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
+        connection.execute(f'CREATE DATABASE "{name}"')
+    database_url = f"postgresql://postgres@127.0.0.1/{name}"
+    broker = redis.Redis.from_url(BROKER_URL)
+    results = {}
+    try:
+        upgrade(make_engine(database_url))
+        with tempfile.TemporaryDirectory() as folder:
+            env = {
+                **clean_env(),
+                "SDQ_DATABASE_URL": database_url,
+                "SDQ_BROKER_URL": BROKER_URL,
+                "SDQ_STORE_URL": str(Path(folder) / "store"),
+            }
+            for size in sizes:
+                prompts = prompt_file(Path(folder), size)
+                broker.flushdb()
+                measured = submit(env, prompts)
+                broker.flushdb()
+                measured["plain_send_seconds"] = plain_send(size)
+                broker.flushdb()
+                results[str(size)] = measured
+    finally:
+        broker.flushdb()
+        with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
+            connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    print(json.dumps({"submit": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""The generic job layer with a trivial work function, on SQLite and on Postgres.
+
+No torch and no broker: the work writes a spec's text to a local store, and the outbox
+sends into a list. What is checked is what every kind relies on.
+"""
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from sdq.migrations import upgrade
+from sdq.models.db import make_engine, session_factory
+from sdq.models.jobs.delivery import Work, deliver
+from sdq.models.jobs.kinds import GENERATE, Kind
+from sdq.models.jobs.lifecycle import Output, Worker, cancel_jobs, claim
+from sdq.models.jobs.outbox import EnqueueFailed, enqueue
+from sdq.models.settings import JobSettings
+from sdq.models.specs import canonical_sha256
+from sdq.models.store import LocalStore, StoreUnavailable
+from sdq.models.tables import Job, JobEvent, JobStatus, Run
+
+WORKER = Worker("echo-host:1", "cpu")
+SETTINGS = JobSettings(lease_seconds=60, max_attempts=2)
+
+
+class EchoWork(Work):
+    """Stores each job's text; a spec can ask to fail, for a permanent or passing reason."""
+
+    permanent_errors = (LookupError,)
+
+    def __init__(self, store: LocalStore) -> None:
+        self.store = store
+        self.ran: list[int] = []
+
+    def run(self, jobs: Sequence[Job]) -> Iterator[Output]:
+        for job in jobs:
+            failure = job.spec.get("fail")
+            if failure == "permanent":
+                raise LookupError(f"no such thing as {job.spec['text']!r}")
+            if failure == "passing":
+                raise StoreUnavailable("the store is down for a moment")
+            self.ran.append(job.id)
+            data = job.spec["text"].encode()
+            uri = self.store.put_bytes(f"echo/{job.spec_hash}", data, content_type="text/plain")
+            yield Output(job.id, uri, canonical_sha256(job.spec["text"]), work_seconds=0.0)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def sessions(request, tmp_path: Path) -> sessionmaker[Session]:
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'jobs.db'}"
+        upgrade(make_engine(url))
+    else:
+        url = request.getfixturevalue("migrated_postgres")
+    return session_factory(make_engine(url))
+
+
+@pytest.fixture
+def work(tmp_path: Path) -> EchoWork:
+    return EchoWork(LocalStore(tmp_path / "store"))
+
+
+def new_run(sessions, *specs: dict[str, Any], jobs_per_message: int = 2) -> list[int]:
+    with sessions.begin() as session:
+        run = Run(kind=GENERATE.name, source="test", options={}, job_count=len(specs))
+        run.jobs_per_message = jobs_per_message
+        session.add(run)
+        session.flush()
+        jobs = [
+            Job(run_id=run.id, kind=GENERATE.name, spec=spec, spec_hash=canonical_sha256(spec))
+            for spec in specs
+        ]
+        session.add_all(jobs)
+        session.flush()
+        return [job.id for job in jobs]
+
+
+def statuses(sessions, job_ids: list[int]) -> list[tuple[JobStatus, int]]:
+    with sessions() as session:
+        jobs = session.scalars(select(Job).where(Job.id.in_(job_ids)).order_by(Job.id))
+        return [(job.status, job.attempts) for job in jobs]
+
+
+def run_of(sessions, job_id: int) -> Run:
+    with sessions() as session:
+        return session.get(Run, session.get(Job, job_id).run_id)
+
+
+def test_work_is_done_once_and_equal_specs_are_reused(sessions, work: EchoWork) -> None:
+    first = new_run(sessions, {"text": "a"}, {"text": "b"})
+    outcome = deliver(first, work, sessions=sessions, worker=WORKER, settings=SETTINGS)
+    assert (outcome.done, outcome.reused, outcome.retry) == (first, [], [])
+    assert work.store.get_bytes(f"echo/{canonical_sha256({'text': 'b'})}") == b"b"
+    # The same delivery again (a duplicated message) claims nothing and does nothing.
+    again = deliver(first, work, sessions=sessions, worker=WORKER, settings=SETTINGS)
+    assert (again.done, again.reused, work.ran) == ([], [], first)
+    # Another run asking for an output that exists is served, not redone.
+    second = new_run(sessions, {"text": "a"}, {"text": "c"})
+    outcome = deliver(second, work, sessions=sessions, worker=WORKER, settings=SETTINGS)
+    assert (outcome.reused, outcome.done) == ([second[0]], [second[1]])
+    assert statuses(sessions, second) == [(JobStatus.succeeded, 1)] * 2
+    assert run_of(sessions, second[0]).finished_at is not None
+    with sessions() as session:
+        history = session.scalars(
+            select(JobEvent.status).where(JobEvent.job_id == second[0]).order_by(JobEvent.id)
+        ).all()
+    assert history == [JobStatus.running, JobStatus.succeeded]
+
+
+def test_passing_failures_retry_up_to_the_cap_and_permanent_ones_end_at_once(
+    sessions, work: EchoWork
+) -> None:
+    [passing] = new_run(sessions, {"text": "later", "fail": "passing"})
+    outcome = deliver([passing], work, sessions=sessions, worker=WORKER, settings=SETTINGS)
+    assert outcome.retry == [passing] and "StoreUnavailable" in outcome.error
+    assert statuses(sessions, [passing]) == [(JobStatus.failed, 1)]
+    outcome = deliver([passing], work, sessions=sessions, worker=WORKER, settings=SETTINGS)
+    assert outcome.retry == [] and statuses(sessions, [passing]) == [(JobStatus.dead, 2)]
+
+    [permanent] = new_run(sessions, {"text": "nothing", "fail": "permanent"})
+    outcome = deliver([permanent], work, sessions=sessions, worker=WORKER, settings=SETTINGS)
+    assert outcome.retry == [] and statuses(sessions, [permanent]) == [(JobStatus.dead, 1)]
+    with sessions() as session:
+        assert "no such thing as 'nothing'" in session.get(Job, permanent).error
+    assert run_of(sessions, permanent).finished_at is not None
+
+
+def test_what_was_stored_before_a_failure_stays_done(sessions, work: EchoWork) -> None:
+    job_ids = new_run(sessions, {"text": "kept"}, {"text": "lost", "fail": "passing"})
+    outcome = deliver(job_ids, work, sessions=sessions, worker=WORKER, settings=SETTINGS)
+    assert (outcome.done, outcome.retry) == ([job_ids[0]], [job_ids[1]])
+    assert statuses(sessions, job_ids) == [(JobStatus.succeeded, 1), (JobStatus.failed, 1)]
+
+
+def test_a_job_another_worker_holds_is_left_to_it_until_its_lease_ends(
+    sessions, work: EchoWork
+) -> None:
+    job_ids = new_run(sessions, {"text": "mine"}, {"text": "theirs"})
+    with sessions.begin() as session:
+        claim(session, job_ids[1:], worker=Worker("other:2", "cpu"), lease_seconds=60,
+              max_attempts=2)  # fmt: skip
+    outcome = deliver(job_ids, work, sessions=sessions, worker=WORKER, settings=SETTINGS)
+    assert outcome.done == job_ids[:1] and outcome.held == job_ids[1:]
+    assert outcome.held_until is not None
+
+
+def test_the_outbox_sends_after_commit_and_resends_what_the_broker_never_took(sessions) -> None:
+    job_ids = new_run(sessions, *({"text": str(n)} for n in range(5)), jobs_per_message=2)
+    run_id = run_of(sessions, job_ids[0]).id
+    sent: list[tuple[str, list[int]]] = []
+
+    def broker_down_after_one(kind: Kind, ids: list[int], options: dict[str, Any]) -> None:
+        if sent:
+            raise ConnectionError("broker went away")
+        sent.append((kind.task_name, ids))
+
+    with pytest.raises(EnqueueFailed, match="took 1 messages"):
+        enqueue(sessions, broker_down_after_one, run_id)
+    assert sent == [("sdq.generate", job_ids[:2])]
+    assert [status for status, _ in statuses(sessions, job_ids)] == [JobStatus.queued] * 2 + [
+        JobStatus.pending
+    ] * 3
+
+    def broker(kind: Kind, ids: list[int], options: dict[str, Any]) -> None:
+        sent.append((kind.task_name, ids))
+
+    # Sending again sends every job no worker holds, queued ones included: the broker may
+    # have lost them, and a job sent twice is claimed once.
+    sent.clear()
+    assert enqueue(sessions, broker, run_id).jobs == 5
+    assert [ids for _, ids in sent] == [job_ids[:2], job_ids[2:4], job_ids[4:]]
+    assert {status for status, _ in statuses(sessions, job_ids)} == {JobStatus.queued}
+    # Cancelled jobs are finished: nothing is left to send, and the run is closed.
+    with sessions.begin() as session:
+        assert cancel_jobs(session, run_id) == job_ids
+    assert enqueue(sessions, broker, run_id).jobs == 0
+    assert run_of(sessions, job_ids[0]).finished_at is not None
