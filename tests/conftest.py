@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from sdq.models.db import make_engine
-from sdq.producer.cli import main
+from sdq.producer.cli.main import main
 from tests.services import MotoServer, aws_env, clean_env, ensure_service, wait_for
 from tests.services import s3_client as s3_client_for
 

@@ -67,7 +67,7 @@ class Block:
         if name.split(".")[0] in {"torch", "diffusers", "transformers"}:
             raise ImportError(f"{name} is blocked: the producer must not need it")
 sys.meta_path.insert(0, Block())
-from sdq.producer.cli import main
+from sdq.producer.cli.main import main
 main()
 """
 

@@ -96,7 +96,7 @@ def test_submit_renders_stores_and_records(worker, sdq, sessions, s3_client, tmp
             history = session.scalars(
                 select(JobEvent.status).where(JobEvent.job_id == job.id).order_by(JobEvent.id)
             ).all()
-            assert history[0] == JobStatus.pending and history[-1] == JobStatus.succeeded
+            assert history[0] == JobStatus.queued and history[-1] == JobStatus.succeeded
             assert JobStatus.running in history
 
 

@@ -64,6 +64,12 @@ def worker_identity(pool: Pool) -> Worker:
     return Worker(host=f"{socket.gethostname()}:{os.getpid()}", device=device)
 
 
+def quiet_libraries() -> None:
+    """Called at the entry points, before any GPU module loads: transformers warns at import
+    about image processors that Stable Diffusion pipelines never use."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
 def create_app(settings: Settings) -> SdqCelery:
     app = SdqCelery(
         "sdq",

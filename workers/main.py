@@ -1,6 +1,7 @@
 """Entry point for the Celery command line: `celery -A sdq.workers.main worker -Q generate`."""
 
 from sdq.models.settings import Settings
-from sdq.workers.app import create_app
+from sdq.workers.app import create_app, quiet_libraries
 
+quiet_libraries()
 app = create_app(Settings.from_env())

@@ -91,7 +91,8 @@ def downgrade() -> None:
         )
         op.execute(
             f"UPDATE jobs SET {column} = (SELECT {column} FROM generations "
-            "WHERE generations.job_id = jobs.id) WHERE kind = 'generate'"
+            "WHERE generations.job_id = jobs.id) "
+            "WHERE id IN (SELECT job_id FROM generations)"
         )
         if default and op.get_bind().dialect.name == "postgresql":
             op.alter_column("jobs", column, server_default=None)

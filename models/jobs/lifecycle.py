@@ -8,12 +8,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import Select, and_, or_, select, update
+from sqlalchemy import ColumnElement, Select, and_, insert, literal, or_, select, update
 from sqlalchemy.orm import Session
 
 from sdq.models.db import chunked, insert_rows
 from sdq.models.tables import CLAIMABLE, FINISHED, Job, JobEvent, JobStatus, Run
 
+# Jobs that wait for a message to be sent: never sent, or failed and to be sent again.
+UNSENT = (JobStatus.pending, JobStatus.failed)
 LOST = "attempts exhausted: the worker holding the job stopped renewing its lease"
 
 
@@ -54,23 +56,55 @@ def record_events(
     insert_rows(session, JobEvent.__table__, rows)
 
 
+def record_events_of(
+    session: Session,
+    jobs: ColumnElement[bool],
+    status: JobStatus,
+    *,
+    detail: str | None = None,
+    at: datetime,
+) -> None:
+    """One history row for each job matching `jobs`, written by the database itself."""
+    columns = JobEvent.__table__.c
+    session.execute(
+        insert(JobEvent).from_select(
+            ["job_id", "status", "at", "detail"],
+            select(
+                Job.id,
+                literal(status, columns.status.type),
+                literal(at, columns.at.type),
+                literal(detail, columns.detail.type),
+            ).where(jobs),
+        )
+    )
+
+
 def mark_queued(session: Session, run_id: int, first_id: int, last_id: int) -> int:
     """After the broker took the messages for the run's jobs `first_id`..`last_id`: those
-    still waiting (pending, or failed and sent again) become queued. One statement for the
-    whole range, not one per job: a 100k-job submit spends well under a second here."""
+    waiting for a send (pending, or failed and sent again) become queued. The database
+    does it in two statements for the whole range: no job id travels back and forth."""
     now = utcnow()
-    queued = session.scalars(
+    in_range = and_(Job.run_id == run_id, Job.id.between(first_id, last_id))
+    moved = session.execute(
         update(Job)
-        .where(
-            Job.run_id == run_id,
-            Job.id.between(first_id, last_id),
-            Job.status.in_(CLAIMABLE),
-        )
+        .where(in_range, Job.status.in_(UNSENT))
         .values(status=JobStatus.queued, enqueued_at=now)
-        .returning(Job.id)
+    ).rowcount
+    # Within this transaction, the rows just moved are the range's queued at `now`.
+    just_queued = and_(in_range, Job.status == JobStatus.queued, Job.enqueued_at == now)
+    record_events_of(session, just_queued, JobStatus.queued, at=now)
+    return moved
+
+
+def mark_unsent(session: Session, run_id: int, after_id: int, reason: str) -> None:
+    """The broker failed before it took the run's jobs past `after_id`: those still queued
+    go back to pending, so the record says they wait for a send."""
+    now = utcnow()
+    unsent = and_(Job.run_id == run_id, Job.id > after_id, Job.status == JobStatus.queued)
+    moved = session.scalars(
+        update(Job).where(unsent).values(status=JobStatus.pending).returning(Job.id)
     ).all()
-    record_events(session, queued, JobStatus.queued, at=now)
-    return len(queued)
+    record_events(session, moved, JobStatus.pending, detail=reason, at=now)
 
 
 def claim(

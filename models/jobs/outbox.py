@@ -1,8 +1,11 @@
-"""The outbox: a run's jobs are committed first, their task messages sent after.
+"""The outbox: the jobs table itself. A run's jobs are committed as `queued` (committed
+for delivery) in one transaction, and their task messages are sent after the commit.
 
-If the broker is down, or the process dies between the commit and the last message, the
-jobs wait in the database as `pending` and any later send (`sdq requeue`, the periodic
-relay) finds them: nothing is lost, and a job sent twice is claimed once.
+Nothing is written per job after the send, so submitting stays one pass over the rows.
+If the broker refuses, the jobs it did not take go back to `pending`. If the process dies
+between the commit and the last message, its jobs stay `queued` with no worker claiming
+them. Either way any later send (`sdq requeue`, the periodic relay) finds them: nothing
+is lost, and a job sent twice is claimed once.
 """
 
 from collections.abc import Callable, Iterator
@@ -14,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.db import chunked
 from sdq.models.jobs.kinds import Kind, kind_named
-from sdq.models.jobs.lifecycle import mark_queued, utcnow
+from sdq.models.jobs.lifecycle import mark_queued, mark_unsent, utcnow
 from sdq.models.tables import FINISHED, Job, JobStatus, Run
 
 # Job ids read per query and marked queued per statement: memory stays bounded whatever
@@ -82,6 +85,9 @@ def enqueue(sessions: sessionmaker[Session], send: Send, run_id: int) -> Sent:
                 send(kind, job_ids, run.task_options)
                 sent.append(job_ids)
         except Exception as error:  # kombu raises several kinds for a broker it cannot reach
+            with sessions.begin() as session:
+                last_sent = sent[-1][-1] if sent else page[0][0] - 1
+                mark_unsent(session, run_id, last_sent, reason=f"not sent: {error}")
             raise EnqueueFailed(run_id, count + len(sent), error) from error
         finally:
             if sent:

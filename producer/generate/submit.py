@@ -1,4 +1,5 @@
-"""Writing a generation run: the run and all its jobs in one transaction, streamed in chunks.
+"""Writing a generation run: the run and all its jobs in one transaction, streamed in chunks,
+each job written once, as `queued`: the jobs table is the outbox.
 
 Rows are read, checked, planned and inserted a chunk at a time, so memory stays flat
 whatever the size of the prompt file; a problem anywhere rolls the whole run back, so a
@@ -14,9 +15,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.db import chunked, copy_rows, insert_rows
 from sdq.models.jobs.kinds import GENERATE
-from sdq.models.jobs.lifecycle import close_runs, record_events, stored_outputs, utcnow
+from sdq.models.jobs.lifecycle import close_runs, record_events_of, stored_outputs, utcnow
 from sdq.models.registry import record_model
-from sdq.models.specs import ModelIdentity
+from sdq.models.specs import GenerationSpec, ModelIdentity
 from sdq.models.tables import Job, JobStatus, Run
 from sdq.models.tables.generate import Generation
 from sdq.producer.generate.plan import PlannedJob
@@ -52,6 +53,7 @@ def record_run(
     batching: Batching,
 ) -> Submission:
     """Writes the run and its jobs; specs rendered before are recorded as cached, not sent."""
+    now = utcnow()
     with sessions.begin() as session:
         record_model(session, model)
         run = Run(
@@ -65,21 +67,40 @@ def record_run(
         session.add(run)
         session.flush()
         jobs = cached = 0
+        batch_keys = BatchKeys()
         for chunk in chunked(planned, CHUNK):
             jobs += len(chunk)
-            cached += _insert_jobs(session, run.id, chunk)
+            cached += _insert_jobs(session, run.id, chunk, batch_keys, now)
         run.job_count = jobs
+        # The history's first rows, written by the database for the whole run at once.
+        of_run = Job.run_id == run.id
+        record_events_of(session, of_run & ~Job.cached, JobStatus.queued, at=now)
         if cached:
+            record_events_of(
+                session, of_run & Job.cached, JobStatus.succeeded, detail=CACHED, at=now
+            )
             close_runs(session, [run.id])
     return Submission(run.id, jobs, cached)
 
 
-def _insert_jobs(session: Session, run_id: int, planned: list[PlannedJob]) -> int:
+class BatchKeys(dict[tuple[Any, ...], str]):
+    """A run's batch keys, computed once per distinct setting: one run has one model, so
+    steps, guidance, size and dtype decide the key, and most rows share one."""
+
+    def of(self, spec: GenerationSpec) -> str:
+        settings = (spec.steps, spec.guidance, spec.width, spec.height, spec.dtype)
+        if settings not in self:
+            self[settings] = spec.batch_key()
+        return self[settings]
+
+
+def _insert_jobs(
+    session: Session, run_id: int, planned: list[PlannedJob], batch_keys: BatchKeys, now: datetime
+) -> int:
     """Inserts one chunk; returns how many of its jobs were served from the cache."""
-    now = utcnow()
     # Messages take jobs in id order: ids in batch-key order make each message's jobs
     # share pipeline calls.
-    keyed = sorted(((job.spec.batch_key(), job) for job in planned), key=lambda pair: pair[0])
+    keyed = sorted(((batch_keys.of(job.spec), job) for job in planned), key=lambda pair: pair[0])
     hashes = [job.spec.hash() for _, job in keyed]
     known = stored_outputs(session, hashes)
     rows = [
@@ -92,10 +113,7 @@ def _insert_jobs(session: Session, run_id: int, planned: list[PlannedJob]) -> in
         Generation.__table__,
         [_generation_row(job_id, job, key) for job_id, (key, job) in zip(ids, keyed, strict=True)],
     )
-    record_events(session, ids, JobStatus.pending, at=now)
-    cached = [job_id for job_id, row in zip(ids, rows, strict=True) if row["cached"]]
-    record_events(session, cached, JobStatus.succeeded, detail=CACHED, at=now)
-    return len(cached)
+    return sum(row["cached"] for row in rows)
 
 
 def _job_row(
@@ -107,7 +125,9 @@ def _job_row(
         "kind": GENERATE.name,
         "spec": job.spec.to_dict(),
         "spec_hash": spec_hash,
-        "status": JobStatus.succeeded if known else JobStatus.pending,
+        # Committed for delivery: the messages follow the commit (see models.jobs.outbox).
+        "status": JobStatus.succeeded if known else JobStatus.queued,
+        "enqueued_at": None if known else now,
         "attempts": 0,
         "cached": known is not None,
         "output_uri": uri,

@@ -24,11 +24,9 @@ from sdq.models.store import ObjectStore, S3Store
 from sdq.workers.generate.work import PipelineError
 from sdq.workers.gpu import device_name
 
-# Loading bars are for notebooks, and transformers' import-time warnings about optional
-# image processors concern parts SD pipelines never use: in a worker's log both are noise.
+# Loading bars are for notebooks; in a worker's log they are noise.
 diffusers_logging.disable_progress_bar()
 transformers_logging.disable_progress_bar()
-transformers_logging.set_verbosity_error()
 
 
 class PipelineCache:

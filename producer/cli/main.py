@@ -1,0 +1,29 @@
+"""The sdq command line. Reads the settings once, here, and passes them down.
+
+Commands are grouped by what they act on: runs and jobs of any kind (runs.py), each kind's
+own commands (producer/<kind>/cli.py), and setting a deployment up (admin.py).
+"""
+
+import click
+
+from sdq.models.settings import Settings
+from sdq.producer.cli import admin, runs
+from sdq.producer.generate import cli as generate
+from sdq.workers.app import create_app, quiet_libraries
+
+
+@click.group()
+@click.version_option(package_name="sdq")
+@click.pass_context
+def main(ctx: click.Context) -> None:
+    """sdq: Stable Diffusion jobs on Celery, Redis, Postgres and S3."""
+    quiet_libraries()
+    try:
+        settings = Settings.from_env()
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+    ctx.obj = create_app(settings)
+
+
+for command in (*generate.COMMANDS, *runs.COMMANDS, *admin.COMMANDS):
+    main.add_command(command)
