@@ -75,3 +75,18 @@ def test_run_does_the_whole_job_in_one_process(tmp_path: Path) -> None:
         in again.stdout
     )
     assert "images: file://" in again.stdout
+
+
+def test_commands_that_send_refuse_without_a_broker(tmp_path: Path) -> None:
+    # Sending into an in-memory broker nobody reads would mark jobs queued for ever.
+    for command in (["requeue", "1"], ["submit", str(ROOT / "examples/subjects.csv")]):
+        done = subprocess.run(
+            [sys.executable, "-m", "sdq.producer.cli", *command],
+            cwd=tmp_path,
+            env={**clean_env(), "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2 and "needs a broker" in done.stderr, done.stderr
+    assert not (tmp_path / "sdq-data").exists()
