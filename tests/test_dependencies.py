@@ -141,3 +141,7 @@ def test_every_package_installs_under_the_sdq_namespace() -> None:
         "assert u.find_spec('models') is None and u.find_spec('workers') is None"
     )
     subprocess.run([sys.executable, "-c", probe], cwd="/", check=True, timeout=60)
+    # The console script the distribution installs runs from anywhere.
+    script = Path(sys.executable).with_name("sdq")
+    done = subprocess.run([script, "--help"], cwd="/", capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "submit" in done.stdout and "requeue" in done.stdout
