@@ -3,7 +3,7 @@
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
 from sqlalchemy.orm import Session
@@ -76,7 +76,7 @@ def send_run(app: SdqCelery, run_id: int) -> Sent:
         raise click.ClickException(str(error)) from None
 
 
-def exit_bad_input(problems: InvalidInput) -> None:
+def exit_bad_input(problems: InvalidInput) -> NoReturn:
     for error in problems.errors:
         click.echo(str(error), err=True)
     click.echo(f"{len(problems.errors)} problem(s); nothing was submitted.", err=True)
