@@ -64,14 +64,25 @@ def work(tmp_path: Path) -> EchoWork:
     return EchoWork(LocalStore(tmp_path / "store"))
 
 
-def new_run(sessions, *specs: dict[str, Any], jobs_per_message: int = 2) -> list[int]:
+def new_run(
+    sessions,
+    *specs: dict[str, Any],
+    jobs_per_message: int = 2,
+    status: JobStatus = JobStatus.pending,
+) -> list[int]:
     with sessions.begin() as session:
         run = Run(kind=GENERATE.name, source="test", options={}, job_count=len(specs))
         run.jobs_per_message = jobs_per_message
         session.add(run)
         session.flush()
         jobs = [
-            Job(run_id=run.id, kind=GENERATE.name, spec=spec, spec_hash=canonical_sha256(spec))
+            Job(
+                run_id=run.id,
+                kind=GENERATE.name,
+                spec=spec,
+                spec_hash=canonical_sha256(spec),
+                status=status,
+            )
             for spec in specs
         ]
         session.add_all(jobs)
@@ -149,7 +160,11 @@ def test_a_job_another_worker_holds_is_left_to_it_until_its_lease_ends(
 
 
 def test_the_outbox_sends_after_commit_and_resends_what_the_broker_never_took(sessions) -> None:
-    job_ids = new_run(sessions, *({"text": str(n)} for n in range(5)), jobs_per_message=2)
+    # As a submit writes them: committed for delivery, messages to follow.
+    job_ids = new_run(
+        sessions, *({"text": str(n)} for n in range(5)), jobs_per_message=2,
+        status=JobStatus.queued,
+    )  # fmt: skip
     run_id = run_of(sessions, job_ids[0]).id
     sent: list[tuple[str, list[int]]] = []
 
@@ -161,6 +176,7 @@ def test_the_outbox_sends_after_commit_and_resends_what_the_broker_never_took(se
     with pytest.raises(EnqueueFailed, match="took 1 messages"):
         enqueue(sessions, broker_down_after_one, run_id)
     assert sent == [("sdq.generate", job_ids[:2])]
+    # What the broker did not take goes back to waiting for a send.
     assert [status for status, _ in statuses(sessions, job_ids)] == [JobStatus.queued] * 2 + [
         JobStatus.pending
     ] * 3
@@ -174,6 +190,19 @@ def test_the_outbox_sends_after_commit_and_resends_what_the_broker_never_took(se
     assert enqueue(sessions, broker, run_id).jobs == 5
     assert [ids for _, ids in sent] == [job_ids[:2], job_ids[2:4], job_ids[4:]]
     assert {status for status, _ in statuses(sessions, job_ids)} == {JobStatus.queued}
+    # The history says what happened: jobs the broker took at once need no row; the
+    # others were sent back to wait, with the reason, then sent.
+    with sessions() as session:
+        events = session.execute(
+            select(JobEvent.job_id, JobEvent.status, JobEvent.detail)
+            .where(JobEvent.job_id.in_(job_ids))
+            .order_by(JobEvent.id)
+        ).all()
+    assert [event for event in events if event[0] == job_ids[0]] == []
+    assert [(status, detail) for job_id, status, detail in events if job_id == job_ids[4]] == [
+        (JobStatus.pending, "not sent: broker went away"),
+        (JobStatus.queued, None),
+    ]
     # Cancelled jobs are finished: nothing is left to send, and the run is closed.
     with sessions.begin() as session:
         assert cancel_jobs(session, run_id) == job_ids

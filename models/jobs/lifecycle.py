@@ -79,21 +79,19 @@ def record_events_of(
     )
 
 
-def mark_queued(session: Session, run_id: int, first_id: int, last_id: int) -> int:
+def mark_queued(session: Session, run_id: int, first_id: int, last_id: int) -> None:
     """After the broker took the messages for the run's jobs `first_id`..`last_id`: those
-    waiting for a send (pending, or failed and sent again) become queued. The database
-    does it in two statements for the whole range: no job id travels back and forth."""
+    that waited for a send (pending, or failed and sent again) become queued. A submit's
+    jobs are committed queued already, so only a re-send moves rows here."""
     now = utcnow()
-    in_range = and_(Job.run_id == run_id, Job.id.between(first_id, last_id))
-    moved = session.execute(
+    waiting = and_(Job.run_id == run_id, Job.id.between(first_id, last_id), Job.status.in_(UNSENT))
+    moved = session.scalars(
         update(Job)
-        .where(in_range, Job.status.in_(UNSENT))
+        .where(waiting)
         .values(status=JobStatus.queued, enqueued_at=now)
-    ).rowcount
-    # Within this transaction, the rows just moved are the range's queued at `now`.
-    just_queued = and_(in_range, Job.status == JobStatus.queued, Job.enqueued_at == now)
-    record_events_of(session, just_queued, JobStatus.queued, at=now)
-    return moved
+        .returning(Job.id)
+    ).all()
+    record_events(session, moved, JobStatus.queued, at=now)
 
 
 def mark_unsent(session: Session, run_id: int, after_id: int, reason: str) -> None:

@@ -84,11 +84,21 @@ def record_run(
 
 
 class BatchKeys(dict[tuple[Any, ...], str]):
-    """A run's batch keys, computed once per distinct setting: one run has one model, so
-    steps, guidance, size and dtype decide the key, and most rows share one."""
+    """Batch keys computed once per distinct setting: most rows of a run share one. The
+    model's revision and scheduler name decide its scheduler config, the key's one
+    unhashable part, so this tuple decides the key."""
 
     def of(self, spec: GenerationSpec) -> str:
-        settings = (spec.steps, spec.guidance, spec.width, spec.height, spec.dtype)
+        settings = (
+            spec.model_revision,
+            spec.model_source,
+            spec.scheduler,
+            spec.steps,
+            spec.guidance,
+            spec.width,
+            spec.height,
+            spec.dtype,
+        )
         if settings not in self:
             self[settings] = spec.batch_key()
         return self[settings]
