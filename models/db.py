@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 from psycopg.types.json import Jsonb
 from sqlalchemy import JSON, Engine, Table, create_engine, event, insert, text
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -39,6 +40,12 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def upsert(session: Session, table: Any) -> Any:
+    """The backend's INSERT, which has ON CONFLICT (Postgres and SQLite spell it alike)."""
+    dialect = session.get_bind().dialect.name
+    return (postgresql.insert if dialect == "postgresql" else sqlite.insert)(table)
 
 
 def chunked(values: Iterable[T], size: int = IN_LIST_LIMIT) -> Iterator[list[T]]:

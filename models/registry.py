@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from sdq.models import tiny
+from sdq.models.db import upsert
 from sdq.models.specs import ModelIdentity
 from sdq.models.store import MissingObject, ObjectStore, S3Store
 from sdq.models.tables import ModelRecord
@@ -209,9 +209,7 @@ def record_model(
     session: Session, identity: ModelIdentity, store_prefix: str | None = None
 ) -> None:
     """Adds the identity to the registry unless it is there; safe under concurrent submits."""
-    dialect = session.get_bind().dialect.name
-    upsert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    statement = upsert(ModelRecord).values(
+    statement = upsert(session, ModelRecord).values(
         name=identity.name,
         source=identity.source,
         revision=identity.revision,

@@ -5,6 +5,7 @@ work; time limits can be set per queue, since a training task runs far longer th
 generation batch.
 """
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,6 +45,22 @@ class GenerateSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DownloadSettings:
+    # Fetches at once per worker process: downloading waits on the network, not the CPU.
+    threads: int = 32
+    connect_timeout: float = 10
+    read_timeout: float = 20  # also the cap on one image's whole transfer
+    # Further tries of a fetch that failed for a passing reason (timeout, reset, 429, 5xx).
+    retries: int = 2
+    max_bytes: int = 32 * 1024 * 1024
+    max_redirects: int = 5
+    # Images with more pixels are refused before decoding: a few bytes can claim gigapixels.
+    max_pixels: int = 90_000_000
+    # CIDRs that may be fetched although private or local (e.g. 127.0.0.0/8 for tests).
+    allow_networks: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
 class Settings:
     database_url: str
     store_url: str
@@ -52,6 +69,7 @@ class Settings:
     model_cache_dir: Path
     jobs: JobSettings = field(default_factory=JobSettings)
     generate: GenerateSettings = field(default_factory=GenerateSettings)
+    download: DownloadSettings = field(default_factory=DownloadSettings)
     # Queue name -> its task time limits.
     time_limits: Mapping[str, TimeLimits] = field(
         default_factory=lambda: {queue: TimeLimits() for queue in QUEUES}
@@ -87,6 +105,16 @@ class Settings:
                 calls_per_task=_int(env, "SDQ_CALLS_PER_TASK", 4),
                 pipeline_cache_size=_int(env, "SDQ_PIPELINE_CACHE_SIZE", 1),
             ),
+            download=DownloadSettings(
+                threads=_int(env, "SDQ_DOWNLOAD_THREADS", 32),
+                connect_timeout=_int(env, "SDQ_DOWNLOAD_CONNECT_TIMEOUT", 10),
+                read_timeout=_int(env, "SDQ_DOWNLOAD_TIMEOUT", 20),
+                retries=_int(env, "SDQ_DOWNLOAD_RETRIES", 2, minimum=0),
+                max_bytes=_int(env, "SDQ_DOWNLOAD_MAX_BYTES", 32 * 1024 * 1024),
+                max_redirects=_int(env, "SDQ_DOWNLOAD_MAX_REDIRECTS", 5, minimum=0),
+                max_pixels=_int(env, "SDQ_DOWNLOAD_MAX_PIXELS", 90_000_000),
+                allow_networks=_networks(env, "SDQ_DOWNLOAD_ALLOW_NETWORKS"),
+            ),
             time_limits={queue: _time_limits(env, queue) for queue in QUEUES},
         )
 
@@ -110,7 +138,18 @@ def _first_set(env: Mapping[str, str], *names: str) -> str:
     return next((name for name in names if env.get(name)), names[-1])
 
 
-def _int(env: Mapping[str, str], name: str, default: int) -> int:
+def _networks(env: Mapping[str, str], name: str) -> tuple[str, ...]:
+    """Comma-separated CIDRs, each checked now so a typo stops the process at start."""
+    networks = tuple(part.strip() for part in env.get(name, "").split(",") if part.strip())
+    for network in networks:
+        try:
+            ipaddress.ip_network(network, strict=False)
+        except ValueError:
+            raise ValueError(f"{name}: {network!r} is not a network (e.g. 127.0.0.0/8)") from None
+    return networks
+
+
+def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 1) -> int:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
@@ -118,6 +157,6 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
         value = int(raw)
     except ValueError:
         raise ValueError(f"{name} must be an integer, got {raw!r}") from None
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
     return value

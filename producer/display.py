@@ -30,12 +30,17 @@ def progress() -> Progress:
 
 
 def watch(
-    total: int, finished: Callable[[], int], *, show: bool = True, poll_seconds: float = 0.5
+    title: str,
+    total: int,
+    finished: Callable[[], int],
+    *,
+    show: bool = True,
+    poll_seconds: float = 0.5,
 ) -> None:
     """Polls until `finished()` reaches `total`, drawing a progress bar if `show`."""
     with progress() as bar:
         bar.disable = not show
-        task = bar.add_task("rendering", total=total)
+        task = bar.add_task(title, total=total)
         while (done := finished()) < total:
             bar.update(task, completed=done)
             time.sleep(poll_seconds)
@@ -80,6 +85,21 @@ def show_job(job: dict[str, Any]) -> None:
         # soft_wrap: URIs and hashes stay whole, to be copied.
         stdout.print(f"[bold]{key}[/bold]: {value}", soft_wrap=True, highlight=False)
     stdout.print(rows_table(job["events"], ["at", "status", "worker", "detail"]))
+
+
+def show_dataset(summary: dict[str, Any]) -> None:
+    stdout.print(f"[bold]dataset {summary['name']}[/bold]: {summary['samples']} samples")
+    stdout.print(rows_table([summary["by_status"]], list(summary["by_status"]), title="status"))
+    if summary["reasons"]:
+        reasons = [{"reason": reason, "rows": n} for reason, n in summary["reasons"].items()]
+        stdout.print(rows_table(reasons, ["reason", "rows"], title="why samples failed"))
+    shards = summary["shards"]
+    done = sum(shard["done"] for shard in shards)
+    stdout.print(f"{done} of {len(shards)} shards done, {summary['bytes']:,} bytes")
+    if summary["images_per_second"]:
+        stdout.print(f"{summary['images_per_second']:.1f} images/s")
+    if shards:
+        stdout.print(f"shards: {shards[0]['uri'] or '(not yet written)'} ...", soft_wrap=True)
 
 
 def rows_table(

@@ -42,8 +42,9 @@ class Kind:
 
 
 GENERATE = Kind("generate", queue="generate")
+DOWNLOAD = Kind("download", queue="download")
 
-KINDS = {kind.name: kind for kind in (GENERATE,)}
+KINDS = {kind.name: kind for kind in (GENERATE, DOWNLOAD)}
 
 
 class UnknownKind(Exception):

@@ -10,6 +10,7 @@ is lost, and a job sent twice is claimed once.
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import or_, select
@@ -17,7 +18,13 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.db import chunked
 from sdq.models.jobs.kinds import Kind, kind_named
-from sdq.models.jobs.lifecycle import mark_queued, mark_unsent, utcnow
+from sdq.models.jobs.lifecycle import (
+    close_runs,
+    mark_queued,
+    mark_unsent,
+    record_events_of,
+    utcnow,
+)
 from sdq.models.tables import FINISHED, Job, JobStatus, Run
 
 # Job ids read per query and marked queued per statement: memory stays bounded whatever
@@ -41,6 +48,46 @@ class EnqueueFailed(Exception):
 class Sent:
     jobs: int
     messages: int
+
+
+# What a job served from the cache at submit says in its history.
+CACHED = "cached: output made before"
+
+
+def job_row(
+    run_id: int,
+    kind: Kind,
+    spec: dict[str, Any],
+    spec_hash: str,
+    known: tuple[str, str] | None,
+    now: datetime,
+) -> dict[str, Any]:
+    """A new job as submit writes it: committed for delivery (`queued`, the messages follow
+    the commit), or already succeeded when an output for its spec hash is stored."""
+    uri, digest = known or (None, None)
+    return {
+        "run_id": run_id,
+        "kind": kind.name,
+        "spec": spec,
+        "spec_hash": spec_hash,
+        "status": JobStatus.succeeded if known else JobStatus.queued,
+        "enqueued_at": None if known else now,
+        "attempts": 0,
+        "cached": known is not None,
+        "output_uri": uri,
+        "output_sha256": digest,
+        "finished_at": now if known else None,
+    }
+
+
+def record_submitted(session: Session, run_id: int, *, cached: int, now: datetime) -> None:
+    """The history's first rows, written by the database for the whole run at once; a run
+    served wholly from the cache is finished as it is written."""
+    of_run = Job.run_id == run_id
+    record_events_of(session, of_run & ~Job.cached, JobStatus.queued, at=now)
+    if cached:
+        record_events_of(session, of_run & Job.cached, JobStatus.succeeded, detail=CACHED, at=now)
+        close_runs(session, [run_id])
 
 
 def sendable_ids(sessions: sessionmaker[Session], run_id: int) -> Iterator[int]:

@@ -8,8 +8,10 @@ from typing import Any, NoReturn, TypeVar
 import click
 from sqlalchemy.orm import Session
 
-from sdq.models.jobs.outbox import EnqueueFailed, Sent, enqueue
-from sdq.producer import display
+from sdq.models.jobs.kinds import kind_named
+from sdq.models.jobs.outbox import EnqueueFailed, Sent, enqueue, messages
+from sdq.models.tables import FINISHED, Run
+from sdq.producer import display, lookups
 from sdq.producer.errors import NotFound
 from sdq.producer.generate.prompts import InvalidInput
 from sdq.workers.app import SdqCelery
@@ -74,6 +76,34 @@ def send_run(app: SdqCelery, run_id: int) -> Sent:
             return enqueue(app.sessions, send, run_id)
     except EnqueueFailed as error:
         raise click.ClickException(str(error)) from None
+
+
+def watch_run(app: SdqCelery, run_id: int, *, jobs: int, show: bool) -> None:
+    """Waits for the run's jobs to finish, with a progress bar when `show`."""
+
+    def finished() -> int:
+        with app.sessions() as session:
+            counts = lookups.status_counts(session, run_id)
+        return sum(counts[status] for status in FINISHED)
+
+    display.watch(f"run {run_id}", jobs, finished, show=show)
+
+
+def work_here(app: SdqCelery, run_id: int, *, jobs: int, done: int) -> None:
+    """Does a run's jobs in this process, message by message, as a worker would: the
+    embedded way, with no broker or worker."""
+    app.loader.import_default_modules()  # registers the kinds' tasks with the app
+    with app.sessions() as session:
+        run = session.get_one(Run, run_id)
+    task = app.tasks[kind_named(run.kind).task_name]
+    with display.progress() as bar:
+        progress = bar.add_task(f"run {run_id}", total=jobs, completed=done)
+        for job_ids in messages(app.sessions, run):
+            # A retry inside apply() runs at once, in this process; only a crash is left here.
+            result = task.apply(args=[job_ids], kwargs=run.task_options)
+            if result.failed():
+                raise result.result
+            bar.advance(progress, len(job_ids))
 
 
 def exit_bad_input(problems: InvalidInput) -> NoReturn:

@@ -8,6 +8,7 @@ import click
 
 from sdq.models.settings import Settings
 from sdq.producer.cli import admin, runs
+from sdq.producer.download import cli as download
 from sdq.producer.generate import cli as generate
 from sdq.workers.app import create_app, quiet_libraries
 
@@ -25,5 +26,5 @@ def main(ctx: click.Context) -> None:
     ctx.obj = create_app(settings)
 
 
-for command in (*generate.COMMANDS, *runs.COMMANDS, *admin.COMMANDS):
+for command in (*generate.COMMANDS, *download.COMMANDS, *runs.COMMANDS, *admin.COMMANDS):
     main.add_command(command)

@@ -7,12 +7,10 @@ from typing import Any
 
 import click
 
-from sdq.models.jobs.kinds import GENERATE
-from sdq.models.jobs.outbox import messages
 from sdq.models.registry import ModelNotFound, resolve_model
 from sdq.models.specs import DTYPES
 from sdq.models.store import StoreError
-from sdq.models.tables import FINISHED, JobStatus, Run
+from sdq.models.tables import JobStatus
 from sdq.producer import display, lookups
 from sdq.producer.cli.common import (
     ensure_schema,
@@ -24,6 +22,8 @@ from sdq.producer.cli.common import (
     require_broker,
     send_run,
     table,
+    watch_run,
+    work_here,
 )
 from sdq.producer.generate import lookups as generate_lookups
 from sdq.producer.generate.gallery import gallery_html, gallery_key
@@ -186,7 +186,7 @@ def submit(app: SdqCelery, as_json: bool, wait: bool, **options: Any) -> None:
         return
     if not as_json:
         display.console.print(f"run {submission.run_id}: {submission.jobs} jobs")
-    _watch(app, submission, show=not as_json)
+    watch_run(app, submission.run_id, jobs=submission.jobs, show=not as_json)
     _report_run(app, submission.run_id, as_json)
 
 
@@ -196,19 +196,7 @@ def submit(app: SdqCelery, as_json: bool, wait: bool, **options: Any) -> None:
 def run(app: SdqCelery, as_json: bool, **options: Any) -> None:
     """Do the whole job here, in this process: no broker or worker needed."""
     submission = prepare(app, Request.from_options(options))
-    app.loader.import_default_modules()  # registers the kinds' tasks with the app
-    task = app.tasks[GENERATE.task_name]
-    with app.sessions() as session:
-        run_record = session.get_one(Run, submission.run_id)
-    with display.progress() as bar:
-        progress = bar.add_task(f"run {submission.run_id}", total=submission.jobs)
-        bar.update(progress, completed=submission.cached)
-        for job_ids in messages(app.sessions, run_record):
-            # A retry inside apply() runs at once, in this process; only a crash is left here.
-            result = task.apply(args=[job_ids], kwargs=run_record.task_options)
-            if result.failed():
-                raise result.result
-            bar.advance(progress, len(job_ids))
+    work_here(app, submission.run_id, jobs=submission.jobs, done=submission.cached)
     _report_run(app, submission.run_id, as_json)
 
 
@@ -228,15 +216,6 @@ def _report_submission(submission: Submission, messages_sent: int, as_json: bool
         f"{submission.jobs} jobs in {messages_sent} tasks, "
         f"{submission.cached} served from cache; `sdq status {submission.run_id}` follows it"
     )
-
-
-def _watch(app: SdqCelery, submission: Submission, *, show: bool) -> None:
-    def finished() -> int:
-        with app.sessions() as session:
-            counts = lookups.status_counts(session, submission.run_id)
-        return sum(counts[status] for status in FINISHED)
-
-    display.watch(submission.jobs, finished, show=show)
 
 
 def _report_run(app: SdqCelery, run_id: int, as_json: bool) -> None:

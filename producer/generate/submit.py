@@ -15,15 +15,15 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.db import chunked, copy_rows, insert_rows
 from sdq.models.jobs.kinds import GENERATE
-from sdq.models.jobs.lifecycle import close_runs, record_events_of, stored_outputs, utcnow
+from sdq.models.jobs.lifecycle import stored_outputs, utcnow
+from sdq.models.jobs.outbox import job_row, record_submitted
 from sdq.models.registry import record_model
 from sdq.models.specs import GenerationSpec, ModelIdentity
-from sdq.models.tables import Job, JobStatus, Run
+from sdq.models.tables import Job, Run
 from sdq.models.tables.generate import Generation
 from sdq.producer.generate.plan import PlannedJob
 
 CHUNK = 5_000
-CACHED = "cached: spec rendered before"
 
 
 @dataclass(frozen=True)
@@ -72,14 +72,7 @@ def record_run(
             jobs += len(chunk)
             cached += _insert_jobs(session, run.id, chunk, batch_keys, now)
         run.job_count = jobs
-        # The history's first rows, written by the database for the whole run at once.
-        of_run = Job.run_id == run.id
-        record_events_of(session, of_run & ~Job.cached, JobStatus.queued, at=now)
-        if cached:
-            record_events_of(
-                session, of_run & Job.cached, JobStatus.succeeded, detail=CACHED, at=now
-            )
-            close_runs(session, [run.id])
+        record_submitted(session, run.id, cached=cached, now=now)
     return Submission(run.id, jobs, cached)
 
 
@@ -114,7 +107,7 @@ def _insert_jobs(
     hashes = [job.spec.hash() for _, job in keyed]
     known = stored_outputs(session, hashes)
     rows = [
-        _job_row(run_id, job, spec_hash, known.get(spec_hash), now)
+        job_row(run_id, GENERATE, job.spec.to_dict(), spec_hash, known.get(spec_hash), now)
         for (_, job), spec_hash in zip(keyed, hashes, strict=True)
     ]
     ids = insert_rows(session, Job.__table__, rows)
@@ -124,26 +117,6 @@ def _insert_jobs(
         [_generation_row(job_id, job, key) for job_id, (key, job) in zip(ids, keyed, strict=True)],
     )
     return sum(row["cached"] for row in rows)
-
-
-def _job_row(
-    run_id: int, job: PlannedJob, spec_hash: str, known: tuple[str, str] | None, now: datetime
-) -> dict[str, Any]:
-    uri, digest = known or (None, None)
-    return {
-        "run_id": run_id,
-        "kind": GENERATE.name,
-        "spec": job.spec.to_dict(),
-        "spec_hash": spec_hash,
-        # Committed for delivery: the messages follow the commit (see models.jobs.outbox).
-        "status": JobStatus.succeeded if known else JobStatus.queued,
-        "enqueued_at": None if known else now,
-        "attempts": 0,
-        "cached": known is not None,
-        "output_uri": uri,
-        "output_sha256": digest,
-        "finished_at": now if known else None,
-    }
 
 
 def _generation_row(job_id: int, job: PlannedJob, batch_key: str) -> dict[str, Any]:

@@ -1,0 +1,105 @@
+"""Datasets as the producer and the download workers both see them: the options that
+decide a dataset's images, the spec of one download slice, and where shards live."""
+
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sdq.models.specs import canonical_sha256
+
+RESIZE_MODES = ("center_crop", "keep_ratio", "border", "no")
+IMAGE_FORMATS = ("jpg", "webp", "png")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+SPEC_VERSION = 1
+
+
+class SampleStatus:
+    """A sample's fate, in img2dataset's words where it has them."""
+
+    success = "success"
+    failed = "failed"
+    duplicate = "duplicate"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageOptions:
+    """What decides a dataset's images; fixed when the dataset is made."""
+
+    resolution: int = 256
+    resize_mode: str = "center_crop"
+    format: str = "jpg"
+    quality: int = 95
+    min_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.resize_mode not in RESIZE_MODES:
+            raise ValueError(f"resize mode must be one of {', '.join(RESIZE_MODES)}")
+        if self.format not in IMAGE_FORMATS:
+            raise ValueError(f"format must be one of {', '.join(IMAGE_FORMATS)}")
+        if not 1 <= self.quality <= 100:
+            raise ValueError("quality must be between 1 and 100")
+        if self.resolution < 1 or self.min_size < 0:
+            raise ValueError("resolution must be positive and min size not negative")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ListColumns:
+    url: str = "url"
+    caption: str = "caption"
+    # Further columns of the list copied into every shard row as they are.
+    save: tuple[str, ...] = ()
+
+    @property
+    def all(self) -> list[str]:
+        return list(dict.fromkeys([self.url, self.caption, *self.save]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SliceSpec:
+    """One download job: rows [first_row, first_row + row_count) of one list, made into
+    shard `shard` of the dataset."""
+
+    dataset: str
+    shard: int
+    source_uri: str
+    source_id: str  # what the list held when planned: its content hash or size and time
+    first_row: int
+    row_count: int
+    key_digits: int  # digits of a row's index within its shard, in sample keys
+    columns: ListColumns
+    image: ImageOptions
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SliceSpec":
+        columns = data["columns"]
+        return cls(
+            **{key: value for key, value in data.items() if key not in ("columns", "image")},
+            columns=ListColumns(**{**columns, "save": tuple(columns["save"])}),
+            image=ImageOptions(**data["image"]),
+        )
+
+    def hash(self) -> str:
+        return canonical_sha256({**self.to_dict(), "version": SPEC_VERSION})
+
+    def sample_key(self, index: int) -> str:
+        """img2dataset's keys: the shard number, then the row's index within the shard."""
+        return f"{self.shard:05d}{index:0{self.key_digits}d}"
+
+    @property
+    def shard_key(self) -> str:
+        return shard_key(self.dataset, self.shard)
+
+
+def shard_key(dataset: str, shard: int) -> str:
+    return f"datasets/{dataset}/images/{shard:05d}.parquet"
+
+
+def check_name(name: str) -> str:
+    if not NAME.fullmatch(name):
+        raise ValueError(
+            f"dataset name {name!r}: use letters, digits, '.', '_' and '-' (it names store keys)"
+        )
+    return name

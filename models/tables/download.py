@@ -1,0 +1,110 @@
+"""What only the download kind has: datasets, their shards and every sample's fate.
+
+A dataset is made of shards; each shard is one slice of an input list (file and row
+range), done by one download job and written as one parquet file. Every row of every
+slice becomes a sample, kept or not, with the reason in words.
+"""
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
+)
+from sqlalchemy.orm import Mapped, mapped_column
+
+from sdq.models.tables import Base, Id, JsonDocument
+
+
+class Dataset(Base):
+    __tablename__ = "datasets"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    name: Mapped[str] = mapped_column(Text, unique=True)
+    # What decides the images (resolution, resize mode, format...): fixed at creation, so
+    # every shard of a dataset is made alike.
+    options: Mapped[dict[str, Any]] = mapped_column(JsonDocument)
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.current_timestamp()
+    )
+
+
+class Shard(Base):
+    """One input slice and the parquet file made of it. Written at submit (the slice) and
+    completed by the job that downloads it (the file, its counts and timings)."""
+
+    __tablename__ = "shards"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    dataset_id: Mapped[int] = mapped_column(ForeignKey("datasets.id", ondelete="CASCADE"))
+    number: Mapped[int] = mapped_column(Integer)
+    # The input list as the workers read it, what its content was, and the row range.
+    source_uri: Mapped[str] = mapped_column(Text)
+    source_id: Mapped[str] = mapped_column(String(64))
+    first_row: Mapped[int] = mapped_column(BigInteger)
+    row_count: Mapped[int] = mapped_column(Integer)
+    uri: Mapped[str | None] = mapped_column(Text)
+    # Status -> rows, e.g. {"success": 951, "failed": 41, "duplicate": 8}.
+    counts: Mapped[dict[str, int] | None] = mapped_column(JsonDocument)
+    bytes: Mapped[int | None] = mapped_column(BigInteger)
+    seconds: Mapped[float | None] = mapped_column(Float)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        UniqueConstraint("dataset_id", "number", name="uq_shards_dataset_id_number"),
+        UniqueConstraint(
+            "dataset_id", "source_id", "first_row", name="uq_shards_dataset_id_source_id"
+        ),
+    )
+
+
+class Sample(Base):
+    """One row of an input list: where it came from, what became of it and why."""
+
+    __tablename__ = "samples"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    dataset_id: Mapped[int] = mapped_column(ForeignKey("datasets.id", ondelete="CASCADE"))
+    shard_id: Mapped[int] = mapped_column(ForeignKey("shards.id", ondelete="CASCADE"))
+    key: Mapped[str] = mapped_column(String(32))
+    url: Mapped[str] = mapped_column(Text)
+    caption: Mapped[str | None] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16))  # success | failed | duplicate
+    reason: Mapped[str | None] = mapped_column(Text)
+    # Of the bytes as downloaded, before any resizing: what names the picture.
+    sha256: Mapped[str | None] = mapped_column(String(64))
+    width: Mapped[int | None] = mapped_column(Integer)
+    height: Mapped[int | None] = mapped_column(Integer)
+    original_width: Mapped[int | None] = mapped_column(Integer)
+    original_height: Mapped[int | None] = mapped_column(Integer)
+
+    __table_args__ = (
+        UniqueConstraint("dataset_id", "key", name="uq_samples_dataset_id_key"),
+        Index("ix_samples_shard_id", "shard_id"),
+        Index("ix_samples_dataset_id_status", "dataset_id", "status"),
+        # "Where did this picture come from": from an image's hash to its URL and caption.
+        Index("ix_samples_sha256", "sha256"),
+    )
+
+
+class SampleClaim(Base):
+    """The first sample of a dataset to bring a URL or a picture claims it; later ones are
+    duplicates of it. A claim is a row, so workers on many machines agree on "first"."""
+
+    __tablename__ = "sample_claims"
+
+    dataset_id: Mapped[int] = mapped_column(
+        ForeignKey("datasets.id", ondelete="CASCADE"), primary_key=True
+    )
+    # "url:<sha256 of the URL>" or "image:<sha256 of the bytes>".
+    digest: Mapped[str] = mapped_column(String(80), primary_key=True)
+    key: Mapped[str] = mapped_column(String(32))

@@ -1,0 +1,189 @@
+"""The download commands: turn URL lists into a dataset, and look at datasets."""
+
+from typing import Any
+
+import click
+
+from sdq.models.datasets import IMAGE_FORMATS, RESIZE_MODES, ImageOptions, ListColumns, check_name
+from sdq.producer import display
+from sdq.producer.cli.common import (
+    ensure_schema,
+    found,
+    json_option,
+    lookup,
+    pass_app,
+    send_run,
+    table,
+    watch_run,
+    work_here,
+)
+from sdq.producer.download import lookups as dataset_lookups
+from sdq.producer.download.lists import ListError, plan_list
+from sdq.producer.download.submit import (
+    DatasetMismatch,
+    DatasetOptions,
+    DownloadSubmission,
+    record_download,
+)
+from sdq.workers.app import SdqCelery
+
+
+@click.command()
+@click.argument("lists", nargs=-1, required=True, metavar="LIST...")
+@click.option("--dataset", "name", required=True, help="The dataset to make or add to.")
+@click.option("--url-col", default="url", show_default=True, help="The column of image URLs.")
+@click.option("--caption-col", default="caption", show_default=True, help="The captions.")
+@click.option("--resolution", default=256, show_default=True, type=click.IntRange(min=8))
+@click.option(
+    "--resize-mode", type=click.Choice(RESIZE_MODES), default="center_crop", show_default=True
+)
+@click.option(
+    "--format",
+    "image_format",
+    type=click.Choice(IMAGE_FORMATS),
+    default="jpg",
+    show_default=True,
+    help="How the images are stored in the shards.",
+)
+@click.option("--quality", default=95, show_default=True, type=click.IntRange(1, 100))
+@click.option(
+    "--rows-per-shard",
+    default=1000,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="List rows per download job and per parquet shard.",
+)
+@click.option(
+    "--min-size",
+    default=64,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Images with a smaller side (before resizing) are refused.",
+)
+@click.option(
+    "--save-columns", default="", metavar="A,B", help="Further list columns copied into the shards."
+)
+@click.option("--wait", is_flag=True, help="Show progress until every shard is done.")
+@json_option
+@pass_app
+def download(
+    app: SdqCelery,
+    lists: tuple[str, ...],
+    name: str,
+    url_col: str,
+    caption_col: str,
+    rows_per_shard: int,
+    save_columns: str,
+    wait: bool,
+    as_json: bool,
+    **image: Any,
+) -> None:
+    """Download the images of URL + caption lists (parquet, CSV, TSV or JSON lines, local
+    or s3://) into a dataset of parquet shards, each sample's fate recorded.
+
+    Without a broker (SDQ_BROKER_URL unset) the work runs here, in this process."""
+    try:
+        check_name(name)
+        options = DatasetOptions(
+            ImageOptions(format=image.pop("image_format"), **image), rows_per_shard
+        )
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+    columns = ListColumns(
+        url=url_col,
+        caption=caption_col,
+        save=tuple(column.strip() for column in save_columns.split(",") if column.strip()),
+    )
+    ensure_schema(app)
+    submission = _submit(app, name, lists, columns, options)
+    if app.settings.embedded:
+        work_here(app, submission.run_id, jobs=submission.jobs, done=submission.cached)
+    else:
+        sent = send_run(app, submission.run_id)
+        if not wait:
+            _report_submission(submission, sent.messages, as_json)
+            return
+        watch_run(app, submission.run_id, jobs=submission.jobs, show=not as_json)
+    _report_dataset(app, name, as_json)
+
+
+def _submit(
+    app: SdqCelery,
+    name: str,
+    lists: tuple[str, ...],
+    columns: ListColumns,
+    options: DatasetOptions,
+) -> DownloadSubmission:
+    try:
+        planned = [
+            plan_list(
+                location,
+                columns,
+                store=app.store,
+                dataset=name,
+                rows_per_shard=options.rows_per_shard,
+            )
+            for location in lists
+        ]
+        return record_download(app.sessions, name, planned, columns=columns, options=options)
+    except (ListError, DatasetMismatch) as error:
+        raise click.UsageError(str(error)) from None
+
+
+def _report_submission(submission: DownloadSubmission, tasks: int, as_json: bool) -> None:
+    if as_json:
+        display.print_json(
+            {
+                "run_id": submission.run_id,
+                "dataset": submission.dataset,
+                "jobs": submission.jobs,
+                "cached": submission.cached,
+                "tasks": tasks,
+            }
+        )
+        return
+    click.echo(submission.run_id)
+    display.console.print(
+        f"{submission.jobs} shards to download, {submission.cached} done before; "
+        f"`sdq dataset show {submission.dataset}` follows it"
+    )
+
+
+def _report_dataset(app: SdqCelery, name: str, as_json: bool) -> None:
+    lookup(
+        app,
+        lambda session: dataset_lookups.dataset_summary(session, name),
+        as_json=as_json,
+        show=display.show_dataset,
+    )
+
+
+@click.group()
+def dataset() -> None:
+    """Datasets made by `sdq download`: what they hold, what failed and why."""
+
+
+@dataset.command("list")
+@json_option
+@pass_app
+def list_command(app: SdqCelery, as_json: bool) -> None:
+    """Every dataset, with its shards and samples."""
+    lookup(
+        app,
+        dataset_lookups.list_datasets,
+        as_json=as_json,
+        show=table(["name", "created_at", "shards", "samples", "ok"]),
+    )
+
+
+@dataset.command()
+@click.argument("name")
+@json_option
+@pass_app
+def show(app: SdqCelery, name: str, as_json: bool) -> None:
+    """Samples by status, failure reasons with counts, shards, bytes, images/s."""
+    with found():
+        _report_dataset(app, name, as_json)
+
+
+COMMANDS = (download, dataset)

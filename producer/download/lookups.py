@@ -1,0 +1,112 @@
+"""Questions about datasets, answered from the database: what each holds, what failed
+and why, where its shards are."""
+
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from sdq.models.datasets import SampleStatus
+from sdq.models.jobs.kinds import DOWNLOAD
+from sdq.models.jobs.lifecycle import as_utc
+from sdq.models.tables import Job, Run
+from sdq.models.tables.download import Dataset, Sample, Shard
+from sdq.producer.errors import NotFound
+
+
+def dataset_named(session: Session, name: str) -> Dataset:
+    dataset = session.scalars(select(Dataset).where(Dataset.name == name)).one_or_none()
+    if dataset is None:
+        raise NotFound(f"no dataset named {name!r}; `sdq dataset list` shows them")
+    return dataset
+
+
+def list_datasets(session: Session) -> list[dict[str, Any]]:
+    samples = (
+        select(
+            Sample.dataset_id,
+            func.count().label("samples"),
+            func.count().filter(Sample.status == SampleStatus.success).label("ok"),
+        )
+        .group_by(Sample.dataset_id)
+        .subquery()
+    )
+    shards = (
+        select(Shard.dataset_id, func.count().label("shards")).group_by(Shard.dataset_id).subquery()
+    )
+    rows = session.execute(
+        select(
+            Dataset.name,
+            Dataset.created_at,
+            func.coalesce(shards.c.shards, 0),
+            func.coalesce(samples.c.samples, 0),
+            func.coalesce(samples.c.ok, 0),
+        )
+        .outerjoin(shards, shards.c.dataset_id == Dataset.id)
+        .outerjoin(samples, samples.c.dataset_id == Dataset.id)
+        .order_by(Dataset.id)
+    )
+    return [
+        {"name": name, "created_at": created.isoformat(), "shards": n, "samples": s, "ok": ok}
+        for name, created, n, s, ok in rows
+    ]
+
+
+def dataset_summary(session: Session, name: str) -> dict[str, Any]:
+    dataset = dataset_named(session, name)
+    of_dataset = Sample.dataset_id == dataset.id
+    by_status = dict(
+        session.execute(
+            select(Sample.status, func.count()).where(of_dataset).group_by(Sample.status)
+        )
+        .tuples()
+        .all()
+    )
+    reasons = dict(
+        session.execute(
+            select(Sample.reason, func.count())
+            .where(of_dataset, Sample.status == SampleStatus.failed)
+            .group_by(Sample.reason)
+            .order_by(func.count().desc(), Sample.reason)
+        )
+        .tuples()
+        .all()
+    )
+    shards = session.scalars(
+        select(Shard).where(Shard.dataset_id == dataset.id).order_by(Shard.number)
+    ).all()
+    ok = by_status.get(SampleStatus.success, 0)
+    seconds = _wall_seconds(session, name)
+    return {
+        "name": dataset.name,
+        "options": dataset.options,
+        "samples": sum(by_status.values()),
+        "by_status": by_status,
+        "reasons": reasons,
+        "bytes": sum(shard.bytes or 0 for shard in shards),
+        "images_per_second": round(ok / seconds, 2) if seconds else None,
+        "shards": [
+            {
+                "number": shard.number,
+                "uri": shard.uri,
+                "rows": shard.row_count,
+                "ok": (shard.counts or {}).get(SampleStatus.success, 0),
+                "done": shard.finished_at is not None,
+            }
+            for shard in shards
+        ],
+    }
+
+
+def _wall_seconds(session: Session, name: str) -> float | None:
+    """From the first download job's start to the last one's end, across the dataset's
+    runs: what a person waited, whatever the number of workers."""
+    started, finished = session.execute(
+        select(func.min(Job.started_at), func.max(Job.finished_at))
+        .join(Run, Run.id == Job.run_id)
+        .where(Run.kind == DOWNLOAD.name, Run.options["dataset"].as_string() == name)
+        .where(Job.cached.is_(False), Job.started_at.is_not(None))
+    ).one()
+    if started is None or finished is None:
+        return None
+    return (as_utc(finished) - as_utc(started)).total_seconds()

@@ -1,0 +1,150 @@
+"""Writing a download run: the dataset (made on first use), one shard row per list slice
+and one job per shard, in one transaction; the jobs table is the outbox, as for every
+kind. A slice some job already made into a shard is served as it is."""
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from sdq.models.datasets import ImageOptions, ListColumns, SliceSpec
+from sdq.models.db import insert_rows
+from sdq.models.jobs.kinds import DOWNLOAD
+from sdq.models.jobs.lifecycle import stored_outputs, utcnow
+from sdq.models.jobs.outbox import job_row, record_submitted
+from sdq.models.tables import Job, Run
+from sdq.models.tables.download import Dataset, Shard
+from sdq.producer.download.lists import PlannedList, Slice, slices
+
+
+class DatasetMismatch(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class DatasetOptions:
+    """Fixed when the dataset is made: every shard of a dataset is cut and made alike."""
+
+    image: ImageOptions
+    rows_per_shard: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self.image), "rows_per_shard": self.rows_per_shard}
+
+
+@dataclass(frozen=True)
+class DownloadSubmission:
+    run_id: int
+    dataset: str
+    jobs: int
+    cached: int
+
+
+def record_download(
+    sessions: sessionmaker[Session],
+    name: str,
+    lists: Sequence[PlannedList],
+    *,
+    columns: ListColumns,
+    options: DatasetOptions,
+) -> DownloadSubmission:
+    now = utcnow()
+    with sessions.begin() as session:
+        dataset = _dataset(session, name, options)
+        run = Run(
+            kind=DOWNLOAD.name,
+            source=", ".join(planned.location for planned in lists),
+            options={"dataset": name, **options.to_dict(), "columns": asdict(columns)},
+            job_count=0,
+            jobs_per_message=1,  # a slice is minutes of work: one per message
+            task_options={},
+        )
+        session.add(run)
+        session.flush()
+        specs = [
+            _spec(name, number, piece, columns, options)
+            for number, piece in _numbered(session, dataset.id, lists, options.rows_per_shard)
+        ]
+        hashes = [spec.hash() for spec in specs]
+        known = stored_outputs(session, hashes)
+        insert_rows(
+            session,
+            Job.__table__,
+            [
+                job_row(run.id, DOWNLOAD, spec.to_dict(), spec_hash, known.get(spec_hash), now)
+                for spec, spec_hash in zip(specs, hashes, strict=True)
+            ],
+        )
+        run.job_count = len(specs)
+        cached = sum(spec_hash in known for spec_hash in hashes)
+        record_submitted(session, run.id, cached=cached, now=now)
+    return DownloadSubmission(run.id, name, len(specs), cached)
+
+
+def _dataset(session: Session, name: str, options: DatasetOptions) -> Dataset:
+    dataset = session.scalars(select(Dataset).where(Dataset.name == name)).one_or_none()
+    if dataset is None:
+        dataset = Dataset(name=name, options=options.to_dict())
+        session.add(dataset)
+        session.flush()
+        return dataset
+    if dataset.options != options.to_dict():
+        differ = sorted(
+            key for key, value in options.to_dict().items() if dataset.options.get(key) != value
+        )
+        raise DatasetMismatch(
+            f"dataset {name!r} was made with "
+            + ", ".join(f"{key}={dataset.options.get(key)}" for key in differ)
+            + ": give the same options, or another name for a new dataset"
+        )
+    return dataset
+
+
+def _numbered(
+    session: Session, dataset_id: int, lists: Sequence[PlannedList], rows_per_shard: int
+) -> list[tuple[int, Slice]]:
+    """Each slice with its shard number: the one it had if this list was planned into the
+    dataset before, else the next free one. New slices become shard rows now."""
+    rows = session.execute(
+        select(Shard.source_id, Shard.first_row, Shard.number).where(Shard.dataset_id == dataset_id)
+    )
+    known = {(source_id, first_row): number for source_id, first_row, number in rows}
+    next_number = max(known.values(), default=-1) + 1
+    numbered = []
+    for planned in lists:
+        for piece in slices(planned, rows_per_shard):
+            number = known.get((planned.source_id, piece.first_row))
+            if number is None:
+                number, next_number = next_number, next_number + 1
+                known[(planned.source_id, piece.first_row)] = number
+                session.add(
+                    Shard(
+                        dataset_id=dataset_id,
+                        number=number,
+                        source_uri=planned.uri,
+                        source_id=planned.source_id,
+                        first_row=piece.first_row,
+                        row_count=piece.row_count,
+                    )
+                )
+            numbered.append((number, piece))
+    session.flush()
+    return numbered
+
+
+def _spec(
+    name: str, number: int, piece: Slice, columns: ListColumns, options: DatasetOptions
+) -> SliceSpec:
+    return SliceSpec(
+        dataset=name,
+        shard=number,
+        source_uri=piece.source.uri,
+        source_id=piece.source.source_id,
+        first_row=piece.first_row,
+        row_count=piece.row_count,
+        key_digits=len(str(options.rows_per_shard - 1)),
+        columns=columns,
+        image=options.image,
+    )

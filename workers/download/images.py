@@ -1,0 +1,145 @@
+"""From downloaded bytes to a dataset image: checked, decoded in full, upright, RGB,
+resized as the dataset asks and encoded again. Anything wrong is an `ImageRejected`
+whose reason a person understands."""
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from sdq.models.datasets import ImageOptions
+
+# Pillow's own bomb guard warns, then raises at twice its limit; sdq checks its own cap
+# before decoding instead, so Pillow's is lifted to that cap's job.
+Image.MAX_IMAGE_PIXELS = None
+SAVE_FORMATS = {"jpg": "JPEG", "webp": "WEBP", "png": "PNG"}
+BACKGROUND = (255, 255, 255)  # what transparent pixels become
+ORIENTATION = 0x0112  # the EXIF tag
+
+
+class ImageRejected(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class DatasetImage:
+    data: bytes
+    width: int
+    height: int
+    original_width: int
+    original_height: int
+
+
+def make_image(data: bytes, options: ImageOptions, *, max_pixels: int) -> DatasetImage:
+    image = _open(data, max_pixels)
+    original = _upright_size(image)
+    if min(original) < options.min_size:
+        raise ImageRejected("image too small")
+    _reduce_while_decoding(image, options)
+    try:
+        image.load()
+    except (OSError, SyntaxError, ValueError) as error:
+        raise ImageRejected(_decode_failure(error)) from None
+    rgb = resize(to_rgb(ImageOps.exif_transpose(image)), options)
+    return DatasetImage(encode(rgb, options), *rgb.size, *original)
+
+
+def _open(data: bytes, max_pixels: int) -> Image.Image:
+    """Reads only the header: the pixel count is known before anything is decoded."""
+    try:
+        image = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise ImageRejected("not an image") from None
+    except (OSError, SyntaxError, ValueError) as error:
+        raise ImageRejected(_decode_failure(error)) from None
+    if image.width * image.height > max_pixels:
+        raise ImageRejected("decompression bomb")
+    return image
+
+
+def _decode_failure(error: Exception) -> str:
+    return "truncated image" if "truncated" in str(error).lower() else "unreadable image"
+
+
+def _reduce_while_decoding(image: Image.Image, options: ImageOptions) -> None:
+    """JPEGs decode at 1/2, 1/4 or 1/8 scale (Pillow's draft mode) when the result still
+    has at least twice the resolution the resize keeps along the side it measures: the
+    final resize then gives the image a full decode gives (a test bounds the difference),
+    at a fraction of the decoding work."""
+    if image.format != "JPEG" or options.resize_mode == "no":
+        return
+    width, height = image.size
+    side = min(width, height) if options.resize_mode == "center_crop" else max(width, height)
+    scale = 2 * options.resolution / side
+    if scale < 1:
+        image.draft("RGB", (int(width * scale) + 1, int(height * scale) + 1))
+
+
+def _upright_size(image: Image.Image) -> tuple[int, int]:
+    """The size as a viewer shows it: EXIF orientations 5 to 8 turn the picture a quarter."""
+    width, height = image.size
+    if image.getexif().get(ORIENTATION, 1) in (5, 6, 7, 8):
+        return height, width
+    return width, height
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Palette, alpha, CMYK, 16-bit and the rest to plain 8-bit RGB; transparency becomes
+    white, not the black that a bare convert() leaves."""
+    if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+        pixels = np.asarray(image, dtype=np.float64)
+        top = 65535.0 if image.mode.startswith("I;16") or pixels.max() > 255 else 255.0
+        image = Image.fromarray(np.clip(pixels / top * 255 + 0.5, 0, 255).astype(np.uint8), "L")
+    elif image.mode == "F":
+        image = Image.fromarray(np.clip(np.asarray(image), 0, 255).astype(np.uint8), "L")
+    if (image.mode == "P" and "transparency" in image.info) or image.mode in ("PA", "LA", "La"):
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "RGBa"):
+        background = Image.new("RGB", image.size, BACKGROUND)
+        background.paste(image, mask=image.getchannel("A"))
+        return background
+    return image.convert("RGB")
+
+
+def resize(image: Image.Image, options: ImageOptions) -> Image.Image:
+    """img2dataset's modes. center_crop: the short side to the resolution, then the middle
+    square; keep_ratio: the short side to the resolution; border: the long side to the
+    resolution, padded to a square with black; no: as it came."""
+    size = options.resolution
+    width, height = image.size
+    if options.resize_mode == "no":
+        return image
+    if options.resize_mode == "border":
+        scale = size / max(width, height)
+        fitted = _scaled(image, scale)
+        square = Image.new("RGB", (size, size))
+        square.paste(fitted, ((size - fitted.width) // 2, (size - fitted.height) // 2))
+        return square
+    scaled = _scaled(image, size / min(width, height))
+    if options.resize_mode == "keep_ratio":
+        return scaled
+    left = (scaled.width - size) // 2
+    top = (scaled.height - size) // 2
+    return scaled.crop((left, top, left + size, top + size))
+
+
+def _scaled(image: Image.Image, scale: float) -> Image.Image:
+    target = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+    if target == image.size:
+        return image
+    # reducing_gap: a box reduction first, then Lanczos; same look, much faster for
+    # large downscales.
+    return image.resize(target, Image.Resampling.LANCZOS, reducing_gap=3.0)
+
+
+def encode(image: Image.Image, options: ImageOptions) -> bytes:
+    buffer = io.BytesIO()
+    save_format = SAVE_FORMATS[options.format]
+    if save_format == "PNG":
+        image.save(buffer, save_format)
+    else:
+        image.save(buffer, save_format, quality=options.quality)
+    return buffer.getvalue()

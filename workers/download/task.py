@@ -1,0 +1,30 @@
+"""The download task: a message of download job ids, one list slice each."""
+
+from functools import cache
+from typing import Any
+
+from celery import shared_task
+
+from sdq.models.jobs.kinds import DOWNLOAD
+from sdq.workers.app import SdqCelery
+from sdq.workers.delivery import deliver_task
+from sdq.workers.download.fetch import Fetcher
+from sdq.workers.download.work import DownloadWork
+
+
+@shared_task(bind=True, name=DOWNLOAD.task_name, max_retries=None)
+def download(self, job_ids: list[int]) -> dict[str, Any]:
+    app = self.app
+    work = DownloadWork(
+        store=app.store,
+        sessions=app.sessions,
+        fetcher=fetcher(app),
+        settings=app.settings.download,
+    )
+    return deliver_task(self, DOWNLOAD, job_ids, work)
+
+
+@cache
+def fetcher(app: SdqCelery) -> Fetcher:
+    """This process's connection pools, made on the first task, after any fork."""
+    return Fetcher(app.settings.download)

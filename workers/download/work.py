@@ -1,0 +1,117 @@
+"""The download work: one slice of a list becomes one parquet shard and one sample row
+per list row. Plain code, no Celery; runs on CPU workers, never imports torch."""
+
+import hashlib
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from time import perf_counter
+
+import pyarrow as pa
+from sqlalchemy.orm import Session, sessionmaker
+
+from sdq.models.datasets import SampleStatus, SliceSpec
+from sdq.models.jobs.delivery import Work
+from sdq.models.jobs.lifecycle import Output, utcnow
+from sdq.models.settings import DownloadSettings
+from sdq.models.store import ObjectStore
+from sdq.models.tables import Job
+from sdq.workers.download.fetch import Fetcher, FetchFailed
+from sdq.workers.download.images import ImageRejected, make_image
+from sdq.workers.download.records import claim, dataset_id, image_digest, record_shard, url_digest
+from sdq.workers.download.shards import ShardRow, read_slice, shard_bytes
+
+PARQUET = "application/vnd.apache.parquet"
+
+
+class ListUnreadable(Exception):
+    """The slice's list is gone or not what was planned; another try will not help."""
+
+
+class DownloadWork(Work):
+    permanent_errors = (ListUnreadable,)
+
+    def __init__(
+        self,
+        *,
+        store: ObjectStore,
+        sessions: sessionmaker[Session],
+        fetcher: Fetcher,
+        settings: DownloadSettings,
+    ) -> None:
+        self.store = store
+        self.sessions = sessions
+        self.fetcher = fetcher
+        self.settings = settings
+
+    def run(self, jobs: Sequence[Job]) -> Iterator[Output]:
+        for job in jobs:
+            yield self._download(job.id, SliceSpec.from_dict(job.spec))
+
+    def _download(self, job_id: int, spec: SliceSpec) -> Output:
+        started = perf_counter()
+        try:
+            table = read_slice(spec)
+        except (OSError, KeyError, ValueError, pa.ArrowException) as error:
+            raise ListUnreadable(f"{spec.source_uri}: {error}") from error
+        rows = self._samples(spec, table)
+        data = shard_bytes(rows, spec.image.format, table.select(list(spec.columns.save)))
+        uri = self.store.put_bytes(spec.shard_key, data, content_type=PARQUET)
+        seconds = perf_counter() - started
+        with self.sessions.begin() as session:
+            record_shard(session, spec, rows, uri=uri, size=len(data), seconds=seconds, at=utcnow())
+        return Output(job_id, uri, hashlib.sha256(data).hexdigest(), work_seconds=seconds)
+
+    def _samples(self, spec: SliceSpec, table: pa.Table) -> list[ShardRow]:
+        urls = table.column(spec.columns.url).to_pylist()
+        captions = table.column(spec.columns.caption).to_pylist()
+        rows = [
+            ShardRow(key=spec.sample_key(index), url=url or "", caption=caption)
+            for index, (url, caption) in enumerate(zip(urls, captions, strict=True))
+        ]
+        for row in rows:
+            if not row.url:
+                _fail(row, "no url")
+            elif not (row.caption or "").strip():
+                _fail(row, "empty caption")
+        self._mark_duplicates(spec, rows, lambda row: url_digest(row.url))
+        with ThreadPoolExecutor(self.settings.threads, thread_name_prefix="sdq-fetch") as pool:
+            list(pool.map(lambda row: self._fetch(spec, row), rows))
+        self._mark_duplicates(spec, rows, lambda row: image_digest(row.sha256 or ""))
+        return rows
+
+    def _fetch(self, spec: SliceSpec, row: ShardRow) -> None:
+        if row.status:
+            return
+        try:
+            fetched = self.fetcher.fetch(row.url)
+            image = make_image(fetched.data, spec.image, max_pixels=self.settings.max_pixels)
+        except (FetchFailed, ImageRejected) as failure:
+            _fail(row, failure.reason)
+            return
+        row.status = SampleStatus.success
+        row.sha256 = hashlib.sha256(fetched.data).hexdigest()
+        row.image = image.data
+        row.width, row.height = image.width, image.height
+        row.original_width, row.original_height = image.original_width, image.original_height
+
+    def _mark_duplicates(
+        self, spec: SliceSpec, rows: list[ShardRow], digest: Callable[[ShardRow], str]
+    ) -> None:
+        """The first sample of the dataset with a URL (or picture) keeps it; any later one
+        is a duplicate naming it, and keeps no image."""
+        candidates = {
+            row.key: digest(row) for row in rows if row.status in (None, SampleStatus.success)
+        }
+        with self.sessions.begin() as session:
+            holders = claim(session, dataset_id(session, spec.dataset), candidates)
+        for row in rows:
+            holder = holders.get(row.key, row.key)
+            if holder != row.key:
+                row.status = SampleStatus.duplicate
+                row.error_message = f"duplicate of {holder}"
+                row.image = None
+
+
+def _fail(row: ShardRow, reason: str) -> None:
+    row.status = SampleStatus.failed
+    row.error_message = reason
