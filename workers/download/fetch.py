@@ -139,13 +139,18 @@ class Fetcher:
             response = self._request(url)
             try:
                 if response.status not in REDIRECTS:
-                    return Fetched(self._body(response), url)
+                    data = self._body(response)
+                    # Read to the end: the connection can serve the next image.
+                    response.release_conn()
+                    return Fetched(data, url)
                 location = response.headers.get("Location")
                 if not location:
                     raise FetchFailed(f"http {response.status} without a location")
                 url = urljoin(url, location)
             finally:
-                response.release_conn()
+                # Anything left unread (a redirect's body, a refused image) is not worth
+                # reading: the connection goes, not back to the pool.
+                response.close()
         raise FetchFailed("too many redirects")
 
     def _request(self, url: str) -> urllib3.BaseHTTPResponse:
@@ -180,7 +185,7 @@ class Fetcher:
         chunks: list[bytes] = []
         size = 0
         try:
-            while chunk := response.read(READ_CHUNK):
+            while chunk := response.read1(READ_CHUNK):
                 size += len(chunk)
                 if size > self.settings.max_bytes:
                     raise FetchFailed("too large")

@@ -1,0 +1,210 @@
+"""sdq download end to end: hostile URLs against the real pipeline, in a loopback-only
+network namespace (embedded) and on the services with a real CPU worker process."""
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import psycopg
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import BUCKET, ROOT, WorkerProcess
+from tests.hostile_server import CASES, HostileServer, case_rows
+from tests.netns_download import DOWNLOAD_ENV, write_list
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def expected_reason(row: dict, first_key: str) -> str | None:
+    return row["reason"].format(photo=first_key) if row["reason"] else None
+
+
+def check_rows(expected: list[dict], got: list[dict], reason_field: str) -> None:
+    """Each list row ends with its case's status and reason, in list order."""
+    first_key = got[0]["key"]  # /photo.jpg comes first: it keeps the picture
+    assert [(row["status"], row[reason_field]) for row in got] == [
+        (row["status"], expected_reason(row, first_key)) for row in expected
+    ]
+
+
+def test_hostile_inputs_end_with_their_reason_where_only_loopback_exists(tmp_path: Path) -> None:
+    """Every hostile case, blocked addresses off the machine included, through `sdq
+    download` (embedded): a broken refusal finds no network to reach."""
+    script = f"ip link set lo up && exec {sys.executable} -m tests.netns_download {tmp_path}"
+    result = subprocess.run(
+        ["unshare", "-n", "sh", "-c", script], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    check_rows(report["expected"], report["sql"], "reason")
+    check_rows(report["expected"], report["shard"], "error_message")
+    for row in report["shard"]:
+        assert row["has_image"] == (row["status"] == "success")
+        if row["status"] == "success":
+            assert (row["width"], row["height"]) == (256, 256)
+            assert len(row["sha256"]) == 64
+
+
+def _download(env: dict[str, str], *args: str) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", "download", *args, "--wait", "--json"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def _samples(database_url: str, dataset: str) -> list[tuple]:
+    with psycopg.connect(database_url) as connection:
+        return connection.execute(
+            "SELECT s.key, s.status, s.reason, s.url, h.number FROM samples s "
+            "JOIN datasets d ON d.id = s.dataset_id JOIN shards h ON h.id = s.shard_id "
+            "WHERE d.name = %s ORDER BY s.key",
+            (dataset,),
+        ).fetchall()
+
+
+def _shard(s3_client, summary: dict, number: int) -> pa.Table:
+    """A shard file, read from S3 where `sdq dataset show` says it is."""
+    uri = summary["shards"][number]["uri"]
+    assert uri.startswith(f"s3://{BUCKET}/")
+    body = s3_client.get_object(Bucket=BUCKET, Key=uri.removeprefix(f"s3://{BUCKET}/"))
+    return pq.read_table(io.BytesIO(body["Body"].read()))
+
+
+@pytest.fixture
+def download_env(service_env: dict[str, str]) -> dict[str, str]:
+    return {**service_env, **DOWNLOAD_ENV}
+
+
+@pytest.fixture
+def cpu_worker(download_env: dict[str, str], tmp_path: Path):
+    worker = WorkerProcess(download_env, tmp_path / "worker.log", pool="cpu").start()
+    yield worker
+    worker.stop()
+
+
+def test_download_on_services_records_every_row_in_sql_and_shards(
+    download_env: dict[str, str], cpu_worker: WorkerProcess, s3_client, tmp_path: Path
+) -> None:
+    with HostileServer() as server:
+        expected = case_rows(server.base, server.port, CASES)
+        write_list(tmp_path / "hostile.csv", expected)
+        summary = _download(download_env, str(tmp_path / "hostile.csv"), "--dataset", "web")
+    samples = _samples(download_env["SDQ_DATABASE_URL"], "web")
+    check_rows(
+        expected,
+        [{"key": key, "status": status, "reason": reason} for key, status, reason, *_ in samples],
+        "reason",
+    )
+    shard = _shard(s3_client, summary, 0).to_pylist()
+    assert [row["key"] for row in shard] == [row[0] for row in samples]
+    assert [row["status"] for row in shard] == [row[1] for row in samples]
+    assert summary["name"] == "web"
+    assert summary["samples"] == len(CASES)
+    assert summary["by_status"] == {
+        status: sum(row["status"] == status for row in expected)
+        for status in ("success", "duplicate", "failed")
+    }
+    assert summary["reasons"]["blocked address"] == 2
+    assert [(shard["rows"], shard["ok"]) for shard in summary["shards"]] == [
+        (len(CASES), summary["by_status"]["success"])
+    ]
+    assert summary["shards"][0]["uri"].endswith("/datasets/web/images/00000.parquet")
+
+
+def laion_parquet(path: Path, base: str, rows: int) -> Path:
+    """A list in LAION's own column names, with a column to carry into the shards."""
+    table = pa.table(
+        {
+            # Row 3 repeats row 2's URL.
+            "URL": [f"{base}/img/{n - (n == 3)}.jpg" for n in range(rows)],
+            "TEXT": [f"photo number {n}" for n in range(rows)],
+            "similarity": [0.3 + n / 100 for n in range(rows)],
+        }
+    )
+    pq.write_table(table, path, row_group_size=3)
+    return path
+
+
+def test_laion_parquet_is_sliced_into_shards_resumed_and_redone_once(
+    download_env: dict[str, str], cpu_worker: WorkerProcess, s3_client, tmp_path: Path
+) -> None:
+    """Ten rows, four per shard: three download jobs. Running it again does nothing; a
+    slice whose job is sent again (as after a killed worker) leaves one set of rows."""
+    database_url = download_env["SDQ_DATABASE_URL"]
+    with HostileServer() as server:
+        listing = str(laion_parquet(tmp_path / "part-00000.parquet", server.base, 10))
+        args = [
+            listing, "--dataset", "laion", "--url-col", "URL", "--caption-col", "TEXT",
+            "--rows-per-shard", "4", "--save-columns", "similarity", "--format", "webp",
+        ]  # fmt: skip
+        first = _download(download_env, *args)
+        samples = _samples(database_url, "laion")
+        assert [number for *_, number in samples] == [0] * 4 + [1] * 4 + [2] * 2
+        assert [(status, reason) for _, status, reason, *_ in samples] == [
+            ("success", None)
+        ] * 3 + [("duplicate", "duplicate of 000002")] + [("success", None)] * 6
+        shard = _shard(s3_client, first, 1)
+        assert shard.column("similarity").to_pylist() == pytest.approx([0.34, 0.35, 0.36, 0.37])
+        assert [image[:4] for image in shard.column("webp").to_pylist()] == [b"RIFF"] * 4
+
+        again = _download(download_env, *args)
+        assert again["shards"] == first["shards"]
+        assert _samples(database_url, "laion") == samples
+        with psycopg.connect(database_url) as connection:
+            run_id, cached = connection.execute(
+                "SELECT run_id, bool_and(cached) FROM jobs WHERE kind = 'download' "
+                "GROUP BY run_id ORDER BY run_id DESC LIMIT 1"
+            ).fetchone()
+            assert cached
+            # As the lease sweep leaves a killed worker's job: claimable, its work redone.
+            connection.execute(
+                "UPDATE jobs SET status = 'queued', cached = false WHERE run_id = %s "
+                "AND spec->>'shard' = '1'",
+                (run_id,),
+            )
+        requeue = subprocess.run(
+            [sys.executable, "-m", "sdq.producer.cli", "requeue", str(run_id)],
+            env=download_env, cwd=ROOT, capture_output=True, text=True,
+        )  # fmt: skip
+        assert requeue.returncode == 0, requeue.stderr
+        _wait_finished(database_url, run_id)
+    assert _samples(database_url, "laion") == samples
+
+
+def _wait_finished(database_url: str, run_id: int) -> None:
+    from tests.services import wait_for
+
+    def finished() -> bool:
+        with psycopg.connect(database_url) as connection:
+            return not connection.execute(
+                "SELECT count(*) FROM jobs WHERE run_id = %s AND status NOT IN "
+                "('succeeded', 'dead', 'cancelled')",
+                (run_id,),
+            ).fetchone()[0]
+
+    wait_for(finished, what=f"run {run_id} to finish", timeout=120)
+
+
+def test_a_list_without_the_named_column_is_refused_by_name(
+    download_env: dict[str, str], tmp_path: Path
+) -> None:
+    listing = tmp_path / "list.tsv"
+    listing.write_text("URL\tTEXT\nhttp://example.invalid/a.jpg\ta cat\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", "download", str(listing), "--dataset", "x"],
+        env=download_env, cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert f"{listing}: no column 'url' (it has URL, TEXT); did you mean 'URL'?" in result.stderr
+    with psycopg.connect(download_env["SDQ_DATABASE_URL"]) as connection:
+        assert not connection.execute("SELECT 1 FROM datasets WHERE name = 'x'").fetchone()
