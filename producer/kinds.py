@@ -6,7 +6,8 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from sdq.models.jobs.kinds import GENERATE
+from sdq.models.jobs.kinds import DOWNLOAD, GENERATE
+from sdq.producer.download import lookups as dataset_lookups
 from sdq.producer.generate import lookups as generate_lookups
 
 
@@ -18,7 +19,10 @@ class KindViews:
     job_fields: Callable[[Session, Sequence[int]], dict[int, dict[str, Any]]]
 
 
-VIEWS = {GENERATE.name: KindViews(unit="images", job_fields=generate_lookups.job_fields)}
+VIEWS = {
+    GENERATE.name: KindViews(unit="images", job_fields=generate_lookups.job_fields),
+    DOWNLOAD.name: KindViews(unit="shards", job_fields=dataset_lookups.job_fields),
+}
 GENERIC = KindViews(unit="jobs", job_fields=lambda _session, _ids: {})
 
 

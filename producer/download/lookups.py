@@ -1,12 +1,14 @@
 """Questions about datasets, answered from the database: what each holds, what failed
 and why, where its shards are."""
 
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from sdq.models.datasets import SampleStatus
+from sdq.models.db import chunked
 from sdq.models.jobs.kinds import DOWNLOAD
 from sdq.models.jobs.lifecycle import as_utc
 from sdq.models.tables import Job, Run
@@ -19,6 +21,21 @@ def dataset_named(session: Session, name: str) -> Dataset:
     if dataset is None:
         raise NotFound(f"no dataset named {name!r}; `sdq dataset list` shows them")
     return dataset
+
+
+def job_fields(session: Session, job_ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+    """Job id -> its dataset, shard and the list rows it covers, from the job's spec."""
+    found: dict[int, dict[str, Any]] = {}
+    for chunk in chunked(job_ids):
+        for job_id, spec in session.execute(
+            select(Job.id, Job.spec).where(Job.id.in_(chunk), Job.kind == DOWNLOAD.name)
+        ):
+            found[job_id] = {
+                "dataset": spec["dataset"],
+                "shard": spec["shard"],
+                "rows": f"{spec['first_row']}-{spec['first_row'] + spec['row_count'] - 1}",
+            }
+    return found
 
 
 def list_datasets(session: Session) -> list[dict[str, Any]]:
