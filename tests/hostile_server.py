@@ -166,6 +166,9 @@ class Handler(BaseHTTPRequestHandler):
 
 class QuietServer(ThreadingHTTPServer):
     daemon_threads = True
+    # A worker opens dozens of connections at once; the default backlog of 5 would turn
+    # some into resets that the cases do not expect.
+    request_queue_size = 256
 
     def handle_error(self, request, client_address) -> None:
         """Clients hanging up mid-answer (a refused bomb, a timed-out trickle) are the point."""

@@ -243,7 +243,7 @@ def cancel_jobs(session: Session, run_id: int) -> list[int]:
     ).all()
     record_events(session, cancelled, JobStatus.cancelled, detail="cancelled by the user", at=now)
     close_finished_runs(session, cancelled)
-    return list(cancelled)
+    return sorted(cancelled)  # RETURNING gives no order
 
 
 def close_finished_runs(session: Session, job_ids: Sequence[int]) -> None:
