@@ -21,11 +21,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
-import psycopg
 import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
@@ -43,10 +41,10 @@ from tests.services import (  # noqa: E402
     free_port,
     listening,
     s3_client,
+    scratch_database,
     wait_for,
 )
 
-ADMIN_URL = "postgresql://postgres@127.0.0.1/postgres"
 BROKER_URL = "redis://127.0.0.1:6379/13"
 BUCKET = "sdq-bench"
 ROWS_PER_SHARD = 250
@@ -103,41 +101,8 @@ def run_img2dataset(command: str, listing: Path, output: Path, args) -> float:
     return ok / seconds
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--images", type=int, default=2000)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--processes", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=16)
-    parser.add_argument(
-        "--image-dir", type=Path, default=Path(tempfile.gettempdir()) / "sdq-bench-images"
-    )
-    parser.add_argument("--img2dataset", default=shutil.which("img2dataset") or "img2dataset")
-    args = parser.parse_args()
-    ensure_service("postgres")
-    ensure_service("redis")
-    make_images(args.image_dir, args.images)
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-        cwd=args.image_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    moto = MotoServer().start()
-    s3_client(moto.endpoint).create_bucket(Bucket=BUCKET)
-    database = f"sdq_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
-        connection.execute(f'CREATE DATABASE "{database}"')
-    database_url = f"postgresql://postgres@127.0.0.1/{database}"
-    upgrade(make_engine(database_url))
-    env = {
-        **clean_env(),
-        **aws_env(moto.endpoint),
-        "SDQ_DATABASE_URL": database_url,
-        "SDQ_BROKER_URL": BROKER_URL,
-        "SDQ_STORE_URL": f"s3://{BUCKET}/sdq",
-        "SDQ_DOWNLOAD_ALLOW_NETWORKS": "127.0.0.0/8",
-        "SDQ_DOWNLOAD_THREADS": str(args.threads),
-    }
+def interleaved_rounds(env: dict[str, str], port: int, args) -> dict[str, list[float]]:
+    """Both tools, round after round, with one sdq CPU worker up for the whole time."""
     worker = subprocess.Popen(
         [sys.executable, "-m", "sdq.producer.cli", "worker", "cpu",
          "--concurrency", str(args.processes)],
@@ -146,7 +111,6 @@ def main() -> None:
     )  # fmt: skip
     rates: dict[str, list[float]] = {"sdq": [], "img2dataset": []}
     try:
-        wait_for(lambda: listening(port), what="image server")
         time.sleep(5)  # the worker's processes start
         with tempfile.TemporaryDirectory() as folder:
             listing = Path(folder) / "list.parquet"
@@ -160,10 +124,46 @@ def main() -> None:
     finally:
         os.killpg(worker.pid, 15)
         worker.wait()
+    return rates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=16)
+    parser.add_argument(
+        "--image-dir", type=Path, default=Path(tempfile.gettempdir()) / "sdq-bench-images"
+    )
+    parser.add_argument("--img2dataset", default=shutil.which("img2dataset") or "img2dataset")
+    args = parser.parse_args()
+    ensure_service("redis")
+    make_images(args.image_dir, args.images)
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        cwd=args.image_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    moto = MotoServer().start()
+    s3_client(moto.endpoint).create_bucket(Bucket=BUCKET)
+    try:
+        with scratch_database("sdq_bench") as database_url:
+            upgrade(make_engine(database_url))
+            env = {
+                **clean_env(),
+                **aws_env(moto.endpoint),
+                "SDQ_DATABASE_URL": database_url,
+                "SDQ_BROKER_URL": BROKER_URL,
+                "SDQ_STORE_URL": f"s3://{BUCKET}/sdq",
+                "SDQ_DOWNLOAD_ALLOW_NETWORKS": "127.0.0.0/8",
+                "SDQ_DOWNLOAD_THREADS": str(args.threads),
+            }
+            wait_for(lambda: listening(port), what="image server")
+            rates = interleaved_rounds(env, port, args)
+    finally:
         server.terminate()
         moto.stop()
-        with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
-            connection.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
     sdq, img2dataset = (statistics.median(rates[name]) for name in ("sdq", "img2dataset"))
     print(
         json.dumps(

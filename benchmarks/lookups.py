@@ -13,7 +13,6 @@ import json
 import statistics
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import psycopg
@@ -23,9 +22,8 @@ sys.path.insert(0, str(ROOT))
 
 from sdq.migrations import upgrade  # noqa: E402
 from sdq.models.db import make_engine  # noqa: E402
-from tests.services import ensure_service  # noqa: E402
+from tests.services import scratch_database  # noqa: E402
 
-ADMIN_URL = "postgresql://postgres@127.0.0.1/postgres"
 WORDS = "castle fox lighthouse library boat village robot garden pond caravan owl teapot"
 
 FILL = [
@@ -87,12 +85,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1000)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
-    ensure_service("postgres")
-    database = f"sdq_lookups_{uuid.uuid4().hex[:8]}"
-    url = f"postgresql://postgres@127.0.0.1/{database}"
-    with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{database}"')
-    try:
+    with scratch_database("sdq_lookups") as url:
         engine = make_engine(url)
         upgrade(engine)
         engine.dispose()
@@ -110,9 +103,6 @@ def main() -> None:
             plain = {
                 name: milliseconds(connection, sql, args.repeat) for name, sql in LOOKUPS.items()
             }
-    finally:
-        with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
     print(
         json.dumps(
             {

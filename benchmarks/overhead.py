@@ -33,7 +33,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import boto3
-import psycopg
 import torch
 from click.testing import CliRunner
 from sqlalchemy import func, select
@@ -54,6 +53,7 @@ from tests.services import (  # noqa: E402
     clean_env,
     ensure_service,
     s3_client,
+    scratch_database,
 )
 
 SUBJECTS = [
@@ -61,7 +61,6 @@ SUBJECTS = [
     "a robot gardener", "a koi pond", "a desert caravan",
 ]  # fmt: skip
 STYLES = ["ink", "oil paint", "pixel art", "watercolor", "charcoal", "bauhaus", "ukiyo-e", "neon"]
-ADMIN_URL = "postgresql://postgres@127.0.0.1/postgres"
 BUCKET = "sdq-bench"
 
 
@@ -105,27 +104,21 @@ class PlainLoop:
 @contextmanager
 def deployment() -> Iterator[dict[str, str]]:
     """A database of its own, Redis, and a moto S3 server; yields the environment for sdq."""
-    ensure_service("postgres")
     ensure_service("redis")
-    database = f"sdq_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
-        connection.execute(f'CREATE DATABASE "{database}"')
     s3 = MotoServer().start()
-    env = {
-        **clean_env(),
-        **aws_env(s3.endpoint),
-        "SDQ_DATABASE_URL": f"postgresql://postgres@127.0.0.1/{database}",
-        "SDQ_BROKER_URL": "redis://127.0.0.1:6379/12",
-        "SDQ_STORE_URL": f"s3://{BUCKET}/bench",
-        "SDQ_HOME": tempfile.mkdtemp(prefix="sdq-bench-"),
-    }
     s3_client(s3.endpoint).create_bucket(Bucket=BUCKET)
     try:
-        yield env
+        with scratch_database("sdq_bench") as database_url:
+            yield {
+                **clean_env(),
+                **aws_env(s3.endpoint),
+                "SDQ_DATABASE_URL": database_url,
+                "SDQ_BROKER_URL": "redis://127.0.0.1:6379/12",
+                "SDQ_STORE_URL": f"s3://{BUCKET}/bench",
+                "SDQ_HOME": tempfile.mkdtemp(prefix="sdq-bench-"),
+            }
     finally:
         s3.stop()
-        with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
-            connection.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
 
 
 class ThroughSdq:

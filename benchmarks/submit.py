@@ -16,10 +16,8 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
-import psycopg
 import redis
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,9 +28,8 @@ from sdq.models.db import make_engine  # noqa: E402
 from sdq.models.jobs.kinds import GENERATE  # noqa: E402
 from sdq.models.settings import Settings  # noqa: E402
 from sdq.workers.app import create_app  # noqa: E402
-from tests.services import clean_env, ensure_service  # noqa: E402
+from tests.services import clean_env, ensure_service, scratch_database  # noqa: E402
 
-ADMIN_URL = "postgresql://postgres@127.0.0.1/postgres"
 BROKER_URL = "redis://127.0.0.1:6379/13"
 JOBS_PER_MESSAGE = 32  # sdq's default: batch size 8 x 4 calls per task
 
@@ -85,35 +82,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10000,100000,500000")
     sizes = [int(size) for size in parser.parse_args().sizes.split(",")]
-    ensure_service("postgres")
     ensure_service("redis")
-    name = f"sdq_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
-        connection.execute(f'CREATE DATABASE "{name}"')
-    database_url = f"postgresql://postgres@127.0.0.1/{name}"
     broker = redis.Redis.from_url(BROKER_URL)
     results = {}
-    try:
+    with scratch_database("sdq_bench") as database_url, tempfile.TemporaryDirectory() as folder:
         upgrade(make_engine(database_url))
-        with tempfile.TemporaryDirectory() as folder:
-            env = {
-                **clean_env(),
-                "SDQ_DATABASE_URL": database_url,
-                "SDQ_BROKER_URL": BROKER_URL,
-                "SDQ_STORE_URL": str(Path(folder) / "store"),
-            }
+        env = {
+            **clean_env(),
+            "SDQ_DATABASE_URL": database_url,
+            "SDQ_BROKER_URL": BROKER_URL,
+            "SDQ_STORE_URL": str(Path(folder) / "store"),
+        }
+        try:
             for size in sizes:
                 prompts = prompt_file(Path(folder), size)
                 broker.flushdb()
                 measured = submit(env, prompts)
                 broker.flushdb()
                 measured["plain_send_seconds"] = plain_send(size)
-                broker.flushdb()
                 results[str(size)] = measured
-    finally:
-        broker.flushdb()
-        with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
-            connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            broker.flushdb()
     print(json.dumps({"submit": results}, indent=2))
 
 

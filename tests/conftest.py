@@ -1,17 +1,22 @@
 import os
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import psycopg
 import pytest
 from click.testing import CliRunner, Result
 
 from sdq.models.db import make_engine
 from sdq.producer.cli.main import main
-from tests.services import MotoServer, aws_env, clean_env, ensure_service, wait_for
+from tests.services import (
+    MotoServer,
+    aws_env,
+    clean_env,
+    ensure_service,
+    scratch_database,
+    wait_for,
+)
 from tests.services import s3_client as s3_client_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,14 +26,8 @@ BUCKET = "sdq-test"
 @pytest.fixture(scope="session")
 def postgres_url() -> Iterator[str]:
     """A database of its own for this test session, dropped at the end."""
-    ensure_service("postgres")
-    name = f"sdq_test_{uuid.uuid4().hex[:10]}"
-    admin = "postgresql://postgres@127.0.0.1:5432/postgres"
-    with psycopg.connect(admin, autocommit=True) as connection:
-        connection.execute(f'CREATE DATABASE "{name}"')
-    yield f"postgresql://postgres@127.0.0.1:5432/{name}"
-    with psycopg.connect(admin, autocommit=True) as connection:
-        connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with scratch_database("sdq_test") as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

@@ -94,7 +94,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         path = self.path.split("?")[0]
-        Handler.hits[path] += 1
+        self.hits[path] += 1
         if path in _fixed():
             self._send(200, *_fixed()[path])
         elif path.startswith("/img/"):  # /img/<n>.jpg: a distinct picture for each n
@@ -105,7 +105,7 @@ class Handler(BaseHTTPRequestHandler):
         elif path == "/noai.jpg":
             self._send(200, "image/jpeg", _fixed()["/photo.jpg"][1], {"X-Robots-Tag": "noai"})
         elif path == "/flaky.jpg":  # 500 the first time, then the image
-            if Handler.hits[path] == 1:
+            if self.hits[path] == 1:
                 self._send(500, "text/plain", b"try again")
             else:
                 self._send(200, "image/jpeg", jpeg(300, 300, seed=5))
@@ -177,7 +177,9 @@ class QuietServer(ThreadingHTTPServer):
 class HostileServer:
     def __init__(self, host: str = "127.0.0.1") -> None:
         _fixed()  # made before serving: the first requests must not wait for them
-        self.server = QuietServer((host, 0), Handler)
+        # Hit counts of its own: a second server in the process starts its flaky path afresh.
+        handler = type("Handler", (Handler,), {"hits": Counter()})
+        self.server = QuietServer((host, 0), handler)
         self.port = self.server.server_address[1]
         self.base = f"http://{host}:{self.port}"
 

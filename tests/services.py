@@ -7,7 +7,12 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import psycopg
 
 START_COMMANDS = {
     "postgres": "pg_ctlcluster --skip-systemctl-redirect {version} main start",
@@ -17,6 +22,7 @@ START_COMMANDS = {
     ),
 }
 PORTS = {"postgres": 5432, "redis": 6379}
+ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 
 def listening(port: int, host: str = "127.0.0.1") -> bool:
@@ -115,3 +121,18 @@ def clean_env() -> dict[str, str]:
         for key, value in os.environ.items()
         if not key.startswith(("SDQ_", "AWS_", "CELERY_"))
     }
+
+
+@contextmanager
+def scratch_database(prefix: str) -> Iterator[str]:
+    """A Postgres database of its own, dropped on the way out, whatever happened; yields
+    its URL (empty: the caller migrates it)."""
+    ensure_service("postgres")
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
+        connection.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"postgresql://postgres@127.0.0.1:5432/{name}"
+    finally:
+        with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
+            connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -78,6 +78,16 @@ def send_run(app: SdqCelery, run_id: int) -> Sent:
         raise click.ClickException(str(error)) from None
 
 
+def report_submission(fields: dict[str, Any], line: str, *, as_json: bool) -> None:
+    """What a submitting command prints: the fields as JSON, or the run id alone on stdout
+    (for scripts) and a sentence for people on stderr."""
+    if as_json:
+        display.print_json(fields)
+        return
+    click.echo(fields["run_id"])
+    display.console.print(line)
+
+
 def watch_run(app: SdqCelery, run_id: int, *, jobs: int, show: bool) -> None:
     """Waits for the run's jobs to finish, with a progress bar when `show`."""
 

@@ -12,6 +12,7 @@ from sdq.producer.cli.common import (
     json_option,
     lookup,
     pass_app,
+    report_submission,
     send_run,
     table,
     watch_run,
@@ -131,21 +132,17 @@ def _submit(
 
 
 def _report_submission(submission: DownloadSubmission, tasks: int, as_json: bool) -> None:
-    if as_json:
-        display.print_json(
-            {
-                "run_id": submission.run_id,
-                "dataset": submission.dataset,
-                "jobs": submission.jobs,
-                "cached": submission.cached,
-                "tasks": tasks,
-            }
-        )
-        return
-    click.echo(submission.run_id)
-    display.console.print(
+    report_submission(
+        {
+            "run_id": submission.run_id,
+            "dataset": submission.dataset,
+            "jobs": submission.jobs,
+            "cached": submission.cached,
+            "tasks": tasks,
+        },
         f"{submission.jobs} shards to download, {submission.cached} done before; "
-        f"`sdq dataset show {submission.dataset}` follows it"
+        f"`sdq dataset show {submission.dataset}` follows it",
+        as_json=as_json,
     )
 
 

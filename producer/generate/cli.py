@@ -19,6 +19,7 @@ from sdq.producer.cli.common import (
     json_option,
     lookup,
     pass_app,
+    report_submission,
     require_broker,
     send_run,
     table,
@@ -201,20 +202,16 @@ def run(app: SdqCelery, as_json: bool, **options: Any) -> None:
 
 
 def _report_submission(submission: Submission, messages_sent: int, as_json: bool) -> None:
-    if as_json:
-        display.print_json(
-            {
-                "run_id": submission.run_id,
-                "jobs": submission.jobs,
-                "cached": submission.cached,
-                "tasks": messages_sent,
-            }
-        )
-        return
-    click.echo(submission.run_id)
-    display.console.print(
-        f"{submission.jobs} jobs in {messages_sent} tasks, "
-        f"{submission.cached} served from cache; `sdq status {submission.run_id}` follows it"
+    report_submission(
+        {
+            "run_id": submission.run_id,
+            "jobs": submission.jobs,
+            "cached": submission.cached,
+            "tasks": messages_sent,
+        },
+        f"{submission.jobs} jobs in {messages_sent} tasks, {submission.cached} served from "
+        f"cache; `sdq status {submission.run_id}` follows it",
+        as_json=as_json,
     )
 
 

@@ -17,7 +17,7 @@ from urllib.parse import urljoin, urlsplit
 import urllib3
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
-from urllib3.exceptions import HTTPError, MaxRetryError, ProtocolError, TimeoutError
+from urllib3.exceptions import HTTPError, ProtocolError, TimeoutError
 
 from sdq.models.settings import DownloadSettings
 
@@ -160,8 +160,6 @@ class Fetcher:
             )
         except BlockedAddress as error:
             raise FetchFailed(str(error)) from None
-        except MaxRetryError as error:  # urllib3 wraps connection errors even with retries off
-            raise _network_failure(error.reason) from None
         except (HTTPError, OSError) as error:
             raise _network_failure(error) from None
 
@@ -213,13 +211,9 @@ def _opted_out(values: list[str]) -> bool:
     return False
 
 
-def _network_failure(error: BaseException | None) -> FetchFailed:
+def _network_failure(error: BaseException) -> FetchFailed:
     if isinstance(error, TimeoutError | socket.timeout):
         return FetchFailed("timeout", transient=True)
-    if isinstance(error, FetchFailed):
-        return error
-    if isinstance(error, BlockedAddress):
-        return FetchFailed(str(error))
     if isinstance(error, ProtocolError | ConnectionError):
         return FetchFailed("connection failed", transient=True)
     return FetchFailed(f"connection failed: {type(error).__name__}", transient=True)

@@ -10,9 +10,12 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from sdq.models.datasets import SliceSpec
-from sdq.models.db import copy_rows, upsert
+from sdq.models.db import chunked, copy_rows, upsert
 from sdq.models.tables.download import Dataset, Sample, SampleClaim, Shard
 from sdq.workers.download.shards import ShardRow
+
+# Three bound parameters a claim: well under psycopg's and SQLite's limits.
+CLAIMS_PER_STATEMENT = 5_000
 
 
 def url_digest(url: str) -> str:
@@ -30,23 +33,28 @@ def dataset_id(session: Session, name: str) -> int:
 def claim(session: Session, dataset: int, digests: Mapping[str, str]) -> dict[str, str]:
     """Claims each digest for its sample key unless another sample holds it; returns, per
     key, the key that holds its digest (itself when it is first). Claiming again what a
-    key already holds (a slice done twice) finds it its own."""
-    if not digests:
-        return {}
-    rows = [{"dataset_id": dataset, "digest": d, "key": k} for k, d in digests.items()]
-    session.execute(upsert(session, SampleClaim).values(rows).on_conflict_do_nothing())
-    holders = dict(
-        session.execute(
-            select(SampleClaim.digest, SampleClaim.key).where(
-                SampleClaim.dataset_id == dataset, SampleClaim.digest.in_(set(digests.values()))
+    key already holds (a slice done twice) finds it its own. Chunks keep any shard size
+    under the database's limit on bound parameters, in key order so "first" holds."""
+    holders: dict[str, str] = {}
+    for chunk in chunked(digests.items(), CLAIMS_PER_STATEMENT):
+        rows = [{"dataset_id": dataset, "digest": d, "key": k} for k, d in chunk]
+        session.execute(upsert(session, SampleClaim).values(rows).on_conflict_do_nothing())
+        holders.update(
+            session.execute(
+                select(SampleClaim.digest, SampleClaim.key).where(
+                    SampleClaim.dataset_id == dataset,
+                    SampleClaim.digest.in_({digest for _, digest in chunk}),
+                )
             )
-        ).all()
-    )
+            .tuples()
+            .all()
+        )
     return {key: holders[digest] for key, digest in digests.items()}
 
 
 def record_shard(
     session: Session,
+    dataset: int,
     spec: SliceSpec,
     rows: list[ShardRow],
     *,
@@ -57,7 +65,6 @@ def record_shard(
 ) -> None:
     """Replaces whatever an earlier try of this slice wrote: a slice done twice leaves one
     set of samples."""
-    dataset = dataset_id(session, spec.dataset)
     shard = session.scalars(
         select(Shard.id).where(Shard.dataset_id == dataset, Shard.number == spec.shard)
     ).one()

@@ -49,19 +49,23 @@ class DownloadWork(Work):
 
     def _download(self, job_id: int, spec: SliceSpec) -> Output:
         started = perf_counter()
+        with self.sessions() as session:
+            dataset = dataset_id(session, spec.dataset)
         try:
             table = read_slice(spec)
         except (OSError, KeyError, ValueError, pa.ArrowException) as error:
             raise ListUnreadable(f"{spec.source_uri}: {error}") from error
-        rows = self._samples(spec, table)
+        rows = self._samples(spec, dataset, table)
         data = shard_bytes(rows, spec.image.format, table.select(list(spec.columns.save)))
         uri = self.store.put_bytes(spec.shard_key, data, content_type=PARQUET)
         seconds = perf_counter() - started
         with self.sessions.begin() as session:
-            record_shard(session, spec, rows, uri=uri, size=len(data), seconds=seconds, at=utcnow())
+            record_shard(
+                session, dataset, spec, rows, uri=uri, size=len(data), seconds=seconds, at=utcnow()
+            )
         return Output(job_id, uri, hashlib.sha256(data).hexdigest(), work_seconds=seconds)
 
-    def _samples(self, spec: SliceSpec, table: pa.Table) -> list[ShardRow]:
+    def _samples(self, spec: SliceSpec, dataset: int, table: pa.Table) -> list[ShardRow]:
         urls = table.column(spec.columns.url).to_pylist()
         captions = table.column(spec.columns.caption).to_pylist()
         rows = [
@@ -73,10 +77,10 @@ class DownloadWork(Work):
                 _fail(row, "no url")
             elif not (row.caption or "").strip():
                 _fail(row, "empty caption")
-        self._mark_duplicates(spec, rows, lambda row: url_digest(row.url))
+        self._mark_duplicates(dataset, rows, lambda row: url_digest(row.url))
         with ThreadPoolExecutor(self.settings.threads, thread_name_prefix="sdq-fetch") as pool:
             list(pool.map(lambda row: self._fetch(spec, row), rows))
-        self._mark_duplicates(spec, rows, lambda row: image_digest(row.sha256 or ""))
+        self._mark_duplicates(dataset, rows, lambda row: image_digest(row.sha256 or ""))
         return rows
 
     def _fetch(self, spec: SliceSpec, row: ShardRow) -> None:
@@ -95,7 +99,7 @@ class DownloadWork(Work):
         row.original_width, row.original_height = image.original_width, image.original_height
 
     def _mark_duplicates(
-        self, spec: SliceSpec, rows: list[ShardRow], digest: Callable[[ShardRow], str]
+        self, dataset: int, rows: list[ShardRow], digest: Callable[[ShardRow], str]
     ) -> None:
         """The first sample of the dataset with a URL (or picture) keeps it; any later one
         is a duplicate naming it, and keeps no image."""
@@ -103,7 +107,7 @@ class DownloadWork(Work):
             row.key: digest(row) for row in rows if row.status in (None, SampleStatus.success)
         }
         with self.sessions.begin() as session:
-            holders = claim(session, dataset_id(session, spec.dataset), candidates)
+            holders = claim(session, dataset, candidates)
         for row in rows:
             holder = holders.get(row.key, row.key)
             if holder != row.key:
