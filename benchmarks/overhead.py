@@ -45,7 +45,7 @@ from sdq.models.db import make_engine, session_factory  # noqa: E402
 from sdq.models.jobs.lifecycle import as_utc  # noqa: E402
 from sdq.models.tables import FINISHED, Job  # noqa: E402
 from sdq.producer.cli.main import main as sdq  # noqa: E402
-from sdq.workers.generate.tiny import build_pipeline  # noqa: E402
+from sdq.workers.tiny import build_pipeline  # noqa: E402
 from tests.conftest import WorkerProcess  # noqa: E402
 from tests.services import (  # noqa: E402
     MotoServer,

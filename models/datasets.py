@@ -1,6 +1,8 @@
-"""Datasets as the producer and the download workers both see them: the options that
-decide a dataset's images, the spec of one download slice, and where shards live."""
+"""Datasets as the producer and the workers all see them: the options that decide a
+dataset's images, the specs of one download slice and of one encoded shard, and where
+their shards live."""
 
+import hashlib
 import re
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -95,6 +97,51 @@ class SliceSpec:
 
 def shard_key(dataset: str, shard: int) -> str:
     return f"datasets/{dataset}/images/{shard:05d}.parquet"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncodeSpec:
+    """One encode job: image shard `shard` of the dataset, as the file whose hash is
+    `shard_sha256`, made into VAE latents and text embeddings by one model."""
+
+    dataset: str
+    shard: int
+    shard_sha256: str
+    image_format: str  # the shard's image column
+    model_name: str
+    model_source: str
+    model_revision: str
+    resolution: int
+    dtype: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "EncodeSpec":
+        return cls(**data)
+
+    def hash(self) -> str:
+        # As for images: where the model was found does not change what it computes.
+        identity = self.to_dict()
+        del identity["model_name"], identity["model_source"]
+        return canonical_sha256({**identity, "version": SPEC_VERSION})
+
+    @property
+    def latent_key(self) -> str:
+        prefix = latent_prefix(self.dataset, self.model_revision, self.resolution)
+        return f"{prefix}/{self.shard:05d}.parquet"
+
+
+def latent_prefix(dataset: str, model_revision: str, resolution: int) -> str:
+    return f"datasets/{dataset}/latents-{model_revision[:16]}-{resolution}"
+
+
+def latent_seed(dataset: str, key: str) -> int:
+    """The seed of a sample's draw from its latent distribution: fixed by the sample, so
+    encoding again, in any batch, on any device, draws the same latents."""
+    digest = hashlib.sha256(f"{dataset}/{key}".encode()).digest()
+    return int.from_bytes(digest[:8]) >> 1  # torch seeds are signed 64-bit
 
 
 def check_name(name: str) -> str:

@@ -11,7 +11,12 @@ from tests.services import wait_for
 
 HEAVY = {"torch", "diffusers", "transformers", "accelerate", "safetensors"}
 # The only modules that may import the heavy libraries, and then only lazily or as GPU code.
-GPU_MODULES = {"workers/gpu.py", "workers/generate/pipelines.py", "workers/generate/tiny.py"}
+GPU_MODULES = {
+    "workers/gpu.py",
+    "workers/tiny.py",
+    "workers/generate/pipelines.py",
+    "workers/encode/encoders.py",
+}
 PACKAGES = ("producer", "workers", "models", "migrations")
 
 

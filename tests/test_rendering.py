@@ -79,7 +79,7 @@ def test_same_spec_same_pixels_whatever_the_batch(pipelines: PipelineCache) -> N
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory) -> Path:
-    from sdq.workers.generate.tiny import build_pipeline
+    from sdq.workers.tiny import build_pipeline
 
     folder = tmp_path_factory.mktemp("models") / "tiny-saved"
     build_pipeline().save_pretrained(folder)

@@ -1,6 +1,12 @@
-"""The device a GPU worker process renders on. Imports torch: GPU work only."""
+"""The device a GPU worker process works on. Imports torch: GPU work only."""
 
 import torch
+from diffusers.utils import logging as diffusers_logging
+from transformers.utils import logging as transformers_logging
+
+# Loading bars are for notebooks; in a worker's log they are noise.
+diffusers_logging.disable_progress_bar()
+transformers_logging.disable_progress_bar()
 
 
 def device_name() -> str:

@@ -43,8 +43,9 @@ class Kind:
 
 GENERATE = Kind("generate", queue="generate")
 DOWNLOAD = Kind("download", queue="download")
+ENCODE = Kind("encode", queue="encode")
 
-KINDS = {kind.name: kind for kind in (GENERATE, DOWNLOAD)}
+KINDS = {kind.name: kind for kind in (GENERATE, DOWNLOAD, ENCODE)}
 
 
 class UnknownKind(Exception):

@@ -8,21 +8,22 @@ them. Either way any later send (`sdq requeue`, the periodic relay) finds them: 
 is lost, and a job sent twice is claimed once.
 """
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.db import chunked
+from sdq.models.db import chunked, insert_rows
 from sdq.models.jobs.kinds import Kind, kind_named
 from sdq.models.jobs.lifecycle import (
     close_runs,
     mark_queued,
     mark_unsent,
     record_events_of,
+    stored_outputs,
     utcnow,
 )
 from sdq.models.tables import FINISHED, Job, JobStatus, Run
@@ -88,6 +89,31 @@ def record_submitted(session: Session, run_id: int, *, cached: int, now: datetim
     if cached:
         record_events_of(session, of_run & Job.cached, JobStatus.succeeded, detail=CACHED, at=now)
         close_runs(session, [run_id])
+
+
+class Spec(Protocol):
+    def to_dict(self) -> dict[str, Any]: ...
+    def hash(self) -> str: ...
+
+
+def add_jobs(session: Session, run: Run, kind: Kind, specs: Sequence[Spec]) -> int:
+    """Writes the run's jobs, one per spec, and their first history rows; a job whose
+    output is stored already is done as it is written. Returns how many were."""
+    now = utcnow()
+    hashes = [spec.hash() for spec in specs]
+    known = stored_outputs(session, hashes)
+    insert_rows(
+        session,
+        Job.__table__,
+        [
+            job_row(run.id, kind, spec.to_dict(), spec_hash, known.get(spec_hash), now)
+            for spec, spec_hash in zip(specs, hashes, strict=True)
+        ],
+    )
+    run.job_count = len(specs)
+    cached = sum(spec_hash in known for spec_hash in hashes)
+    record_submitted(session, run.id, cached=cached, now=now)
+    return cached
 
 
 def sendable_ids(sessions: sessionmaker[Session], run_id: int) -> Iterator[int]:

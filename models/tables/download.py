@@ -53,6 +53,8 @@ class Shard(Base):
     first_row: Mapped[int] = mapped_column(BigInteger)
     row_count: Mapped[int] = mapped_column(Integer)
     uri: Mapped[str | None] = mapped_column(Text)
+    # Of the shard file: what names its content for the jobs that read it.
+    sha256: Mapped[str | None] = mapped_column(String(64))
     # Status -> rows, e.g. {"success": 951, "failed": 41, "duplicate": 8}.
     counts: Mapped[dict[str, int] | None] = mapped_column(JsonDocument)
     bytes: Mapped[int | None] = mapped_column(BigInteger)

@@ -116,6 +116,21 @@ def work_here(app: SdqCelery, run_id: int, *, jobs: int, done: int) -> None:
             bar.advance(progress, len(job_ids))
 
 
+def carry_out(
+    app: SdqCelery, run_id: int, *, jobs: int, done: int, wait: bool, as_json: bool
+) -> Sent | None:
+    """Embedded (no broker): does the run here. Otherwise sends it to the workers and, with
+    `wait`, watches it finish. Returns what was sent when the run was left to them."""
+    if app.settings.embedded:
+        work_here(app, run_id, jobs=jobs, done=done)
+        return None
+    sent = send_run(app, run_id)
+    if not wait:
+        return sent
+    watch_run(app, run_id, jobs=jobs, show=not as_json)
+    return None
+
+
 def exit_bad_input(problems: InvalidInput) -> NoReturn:
     for error in problems.errors:
         click.echo(str(error), err=True)

@@ -9,6 +9,7 @@ import click
 from sdq.models.settings import Settings
 from sdq.producer.cli import admin, runs
 from sdq.producer.download import cli as download
+from sdq.producer.encode import cli as encode
 from sdq.producer.generate import cli as generate
 from sdq.workers.app import create_app, quiet_libraries
 
@@ -26,5 +27,6 @@ def main(ctx: click.Context) -> None:
     ctx.obj = create_app(settings)
 
 
-for command in (*generate.COMMANDS, *download.COMMANDS, *runs.COMMANDS, *admin.COMMANDS):
-    main.add_command(command)
+for group in (generate, download, encode, runs, admin):
+    for command in group.COMMANDS:
+        main.add_command(command)

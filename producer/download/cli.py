@@ -7,16 +7,14 @@ import click
 from sdq.models.datasets import IMAGE_FORMATS, RESIZE_MODES, ImageOptions, ListColumns, check_name
 from sdq.producer import display
 from sdq.producer.cli.common import (
+    carry_out,
     ensure_schema,
     found,
     json_option,
     lookup,
     pass_app,
     report_submission,
-    send_run,
     table,
-    watch_run,
-    work_here,
 )
 from sdq.producer.download import lookups as dataset_lookups
 from sdq.producer.download.lists import ListError, plan_list
@@ -97,15 +95,18 @@ def download(
     )
     ensure_schema(app)
     submission = _submit(app, name, lists, columns, options)
-    if app.settings.embedded:
-        work_here(app, submission.run_id, jobs=submission.jobs, done=submission.cached)
+    sent = carry_out(
+        app,
+        submission.run_id,
+        jobs=submission.jobs,
+        done=submission.cached,
+        wait=wait,
+        as_json=as_json,
+    )
+    if sent:
+        _report_submission(submission, sent.messages, as_json)
     else:
-        sent = send_run(app, submission.run_id)
-        if not wait:
-            _report_submission(submission, sent.messages, as_json)
-            return
-        watch_run(app, submission.run_id, jobs=submission.jobs, show=not as_json)
-    _report_dataset(app, name, as_json)
+        report_dataset(app, name, as_json)
 
 
 def _submit(
@@ -146,7 +147,7 @@ def _report_submission(submission: DownloadSubmission, tasks: int, as_json: bool
     )
 
 
-def _report_dataset(app: SdqCelery, name: str, as_json: bool) -> None:
+def report_dataset(app: SdqCelery, name: str, as_json: bool) -> None:
     lookup(
         app,
         lambda session: dataset_lookups.dataset_summary(session, name),
@@ -180,7 +181,7 @@ def list_command(app: SdqCelery, as_json: bool) -> None:
 def show(app: SdqCelery, name: str, as_json: bool) -> None:
     """Samples by status, failure reasons with counts, shards, bytes, images/s."""
     with found():
-        _report_dataset(app, name, as_json)
+        report_dataset(app, name, as_json)
 
 
 COMMANDS = (download, dataset)

@@ -13,6 +13,7 @@ from sdq.models.jobs.kinds import DOWNLOAD
 from sdq.models.jobs.lifecycle import as_utc
 from sdq.models.tables import Job, Run
 from sdq.models.tables.download import Dataset, Sample, Shard
+from sdq.producer.encode.lookups import latent_summary
 from sdq.producer.errors import NotFound
 
 
@@ -102,6 +103,7 @@ def dataset_summary(session: Session, name: str) -> dict[str, Any]:
         "reasons": reasons,
         "bytes": sum(shard.bytes or 0 for shard in shards),
         "images_per_second": round(ok / seconds, 2) if seconds else None,
+        "latents": latent_summary(session, dataset.id, dataset.name),
         "shards": [
             {
                 "number": shard.number,

@@ -10,11 +10,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.datasets import ImageOptions, ListColumns, SliceSpec
-from sdq.models.db import insert_rows
 from sdq.models.jobs.kinds import DOWNLOAD
-from sdq.models.jobs.lifecycle import stored_outputs, utcnow
-from sdq.models.jobs.outbox import job_row, record_submitted
-from sdq.models.tables import Job, Run
+from sdq.models.jobs.outbox import add_jobs
+from sdq.models.tables import Run
 from sdq.models.tables.download import Dataset, Shard
 from sdq.producer.download.lists import PlannedList, Slice, slices
 
@@ -50,7 +48,6 @@ def record_download(
     columns: ListColumns,
     options: DatasetOptions,
 ) -> DownloadSubmission:
-    now = utcnow()
     with sessions.begin() as session:
         dataset = _dataset(session, name, options)
         run = Run(
@@ -67,19 +64,7 @@ def record_download(
             _spec(name, number, piece, columns, options)
             for number, piece in _numbered(session, dataset.id, lists, options.rows_per_shard)
         ]
-        hashes = [spec.hash() for spec in specs]
-        known = stored_outputs(session, hashes)
-        insert_rows(
-            session,
-            Job.__table__,
-            [
-                job_row(run.id, DOWNLOAD, spec.to_dict(), spec_hash, known.get(spec_hash), now)
-                for spec, spec_hash in zip(specs, hashes, strict=True)
-            ],
-        )
-        run.job_count = len(specs)
-        cached = sum(spec_hash in known for spec_hash in hashes)
-        record_submitted(session, run.id, cached=cached, now=now)
+        cached = add_jobs(session, run, DOWNLOAD, specs)
     return DownloadSubmission(run.id, name, len(specs), cached)
 
 

@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from sdq.models.datasets import SliceSpec
 from sdq.models.db import chunked, copy_rows, upsert
+from sdq.models.jobs.lifecycle import Output
 from sdq.models.tables.download import Dataset, Sample, SampleClaim, Shard
 from sdq.workers.download.shards import ShardRow
 
@@ -58,9 +59,8 @@ def record_shard(
     spec: SliceSpec,
     rows: list[ShardRow],
     *,
-    uri: str,
+    stored: Output,
     size: int,
-    seconds: float,
     at: datetime,
 ) -> None:
     """Replaces whatever an earlier try of this slice wrote: a slice done twice leaves one
@@ -74,10 +74,11 @@ def record_shard(
         update(Shard)
         .where(Shard.id == shard)
         .values(
-            uri=uri,
+            uri=stored.uri,
+            sha256=stored.sha256,
             counts=dict(Counter(row.status for row in rows)),
             bytes=size,
-            seconds=seconds,
+            seconds=stored.work_seconds,
             finished_at=at,
         )
     )

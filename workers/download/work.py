@@ -59,11 +59,10 @@ class DownloadWork(Work):
         data = shard_bytes(rows, spec.image.format, table.select(list(spec.columns.save)))
         uri = self.store.put_bytes(spec.shard_key, data, content_type=PARQUET)
         seconds = perf_counter() - started
+        output = Output(job_id, uri, hashlib.sha256(data).hexdigest(), work_seconds=seconds)
         with self.sessions.begin() as session:
-            record_shard(
-                session, dataset, spec, rows, uri=uri, size=len(data), seconds=seconds, at=utcnow()
-            )
-        return Output(job_id, uri, hashlib.sha256(data).hexdigest(), work_seconds=seconds)
+            record_shard(session, dataset, spec, rows, stored=output, size=len(data), at=utcnow())
+        return output
 
     def _samples(self, spec: SliceSpec, dataset: int, table: pa.Table) -> list[ShardRow]:
         urls = table.column(spec.columns.url).to_pylist()

@@ -5,36 +5,26 @@ CUDA_VISIBLE_DEVICES set), loads a pipeline the first time a task needs it, afte
 fork, and keeps the last few loaded for the tasks that follow.
 """
 
-import os
-import shutil
-import tempfile
 from collections import OrderedDict
-from pathlib import Path
 
 import torch
 from diffusers import AutoPipelineForText2Image, DiffusionPipeline
 from diffusers import schedulers as diffusers_schedulers
-from diffusers.utils import logging as diffusers_logging
 from PIL.Image import Image
-from transformers.utils import logging as transformers_logging
 
-from sdq.models import registry, tiny
+from sdq.models import tiny
 from sdq.models.specs import GenerationSpec
-from sdq.models.store import ObjectStore, S3Store
 from sdq.workers.generate.work import PipelineError
 from sdq.workers.gpu import device_name
-
-# Loading bars are for notebooks; in a worker's log they are noise.
-diffusers_logging.disable_progress_bar()
-transformers_logging.disable_progress_bar()
+from sdq.workers.tiny import build_pipeline
+from sdq.workers.weights import ModelFiles, check_tiny_revision
 
 
 class PipelineCache:
     """The pipelines this process has loaded, least recently used evicted first."""
 
-    def __init__(self, *, store: ObjectStore, cache_dir: Path, size: int) -> None:
-        self.store = store
-        self.cache_dir = cache_dir
+    def __init__(self, *, files: ModelFiles, size: int) -> None:
+        self.files = files
         self.size = size
         self._loaded: OrderedDict[tuple[str, str, str], DiffusionPipeline] = OrderedDict()
 
@@ -54,10 +44,11 @@ class PipelineCache:
     def _load(self, spec: GenerationSpec) -> DiffusionPipeline:
         dtype = getattr(torch, spec.dtype)
         if spec.model_source == tiny.TINY_NAME:
-            pipeline = _build_tiny(spec)
+            check_tiny_revision(spec.model_revision)
+            pipeline = build_pipeline()
         else:
             pipeline = AutoPipelineForText2Image.from_pretrained(
-                **self._location(spec), dtype=dtype
+                **self.files.locate(spec.model_source, spec.model_revision), dtype=dtype
             )
         if pipeline.dtype != dtype:
             pipeline = pipeline.to(dtype=dtype)
@@ -67,54 +58,6 @@ class PipelineCache:
             # Convolutions in channels-last layout run on tensor cores without transposes.
             pipeline.unet.to(memory_format=torch.channels_last)
         return pipeline
-
-    def _location(self, spec: GenerationSpec) -> dict[str, str]:
-        source = spec.model_source
-        if source.startswith(registry.HUB_SOURCE):
-            return {
-                "pretrained_model_or_path": source.removeprefix(registry.HUB_SOURCE),
-                "revision": spec.model_revision,
-            }
-        if source.startswith("s3://"):
-            folder = self._pull(S3Store.from_uri(source), "", spec.model_revision)
-        elif source.startswith(registry.STORE_SOURCE):
-            prefix = source.removeprefix(registry.STORE_SOURCE)
-            folder = self._pull(self.store, f"{prefix}/", spec.model_revision)
-        else:
-            folder = Path(source)
-            if not folder.is_dir():
-                raise PipelineError(f"model folder {source} does not exist on this worker")
-        return {"pretrained_model_or_path": str(folder)}
-
-    def _pull(self, store: ObjectStore, prefix: str, revision: str) -> Path:
-        """Copies a stored pipeline to local disk once per machine, keyed by its revision."""
-        folder = self.cache_dir / revision
-        if folder.is_dir():
-            return folder
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
-        partial = Path(tempfile.mkdtemp(dir=self.cache_dir, prefix=f".{revision}."))
-        try:
-            for key in store.list_keys(prefix):
-                store.get_file(key, partial / key.removeprefix(prefix))
-            # Another process on this machine may have finished first; both copies are equal.
-            os.rename(partial, folder)
-        except OSError:
-            if not folder.is_dir():
-                raise
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
-        return folder
-
-
-def _build_tiny(spec: GenerationSpec) -> DiffusionPipeline:
-    from sdq.workers.generate.tiny import build_pipeline
-
-    if spec.model_revision != tiny.content_hash():
-        raise PipelineError(
-            f"this worker's tiny model is revision {tiny.content_hash()[:12]}, "
-            f"the job asks for {spec.model_revision[:12]}"
-        )
-    return build_pipeline()
 
 
 def render(pipeline: DiffusionPipeline, specs: list[GenerationSpec]) -> list[Image]:

@@ -9,6 +9,7 @@ from sdq.models.jobs.kinds import GENERATE
 from sdq.workers.app import SdqCelery
 from sdq.workers.delivery import deliver_task
 from sdq.workers.generate.work import GenerateWork
+from sdq.workers.weights import ModelFiles
 
 
 @shared_task(bind=True, name=GENERATE.task_name, max_retries=None)
@@ -28,7 +29,6 @@ def pipelines(app: SdqCelery):
     from sdq.workers.generate.pipelines import PipelineCache
 
     return PipelineCache(
-        store=app.store,
-        cache_dir=app.settings.model_cache_dir,
+        files=ModelFiles(app.store, app.settings.model_cache_dir),
         size=app.settings.generate.pipeline_cache_size,
     )

@@ -14,6 +14,7 @@ from sdq.models.specs import GenerationSpec, batches, image_key
 from sdq.models.store import ObjectStore
 from sdq.models.tables import Job
 from sdq.workers.generate.images import encode_png, sha256
+from sdq.workers.weights import ModelUnavailable
 
 if TYPE_CHECKING:
     from sdq.workers.generate.pipelines import PipelineCache
@@ -28,7 +29,7 @@ class PipelineError(Exception):
 class GenerateWork(Work):
     # diffusers raises ValueError for arguments it cannot run (a size it cannot make);
     # everything else (store down, out of memory, time limit) may pass on another try.
-    permanent_errors = (PipelineError, ValueError)
+    permanent_errors = (PipelineError, ModelUnavailable, ValueError)
 
     def __init__(self, *, store: ObjectStore, pipelines: "PipelineCache", batch_size: int):
         self.store = store

@@ -1,4 +1,5 @@
-"""Builds the `tiny` pipeline defined in models.tiny. Imports torch: GPU-side only."""
+"""Builds the `tiny` model defined in models.tiny, whole or by component (encoding needs
+only the VAE and text encoder). Imports torch: GPU-side only."""
 
 import numpy as np
 import torch
@@ -9,9 +10,12 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 from sdq.models import tiny
 
 
-def build_pipeline() -> StableDiffusionPipeline:
+def build_tokenizer() -> CLIPTokenizer:
+    return CLIPTokenizer(vocab=tiny.tokenizer_vocab(), merges=[], model_max_length=77)
+
+
+def build_text_encoder() -> CLIPTextModel:
     vocab = tiny.tokenizer_vocab()
-    tokenizer = CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
     end = vocab["<|endoftext|>"]
     text_encoder = CLIPTextModel(
         CLIPTextConfig(
@@ -22,22 +26,34 @@ def build_pipeline() -> StableDiffusionPipeline:
             **tiny.TEXT_ENCODER_CONFIG,
         )
     )
+    fill_weights(text_encoder, seed=tiny.TINY_WEIGHT_SEED)
+    return text_encoder
+
+
+def build_unet() -> UNet2DConditionModel:
     unet = UNet2DConditionModel(**tiny.UNET_CONFIG)
+    fill_weights(unet, seed=tiny.TINY_WEIGHT_SEED + 1)
+    return unet
+
+
+def build_vae() -> AutoencoderKL:
     vae = AutoencoderKL(**tiny.VAE_CONFIG)
+    fill_weights(vae, seed=tiny.TINY_WEIGHT_SEED + 2)
+    return vae
+
+
+def build_pipeline() -> StableDiffusionPipeline:
     scheduler_class = getattr(diffusers_schedulers, tiny.SCHEDULER_CLASS)
-    for offset, module in enumerate((text_encoder, unet, vae)):
-        fill_weights(module, seed=tiny.TINY_WEIGHT_SEED + offset)
-    pipeline = StableDiffusionPipeline(
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        unet=unet,
+    return StableDiffusionPipeline(
+        vae=build_vae(),
+        text_encoder=build_text_encoder(),
+        tokenizer=build_tokenizer(),
+        unet=build_unet(),
         scheduler=scheduler_class.from_config(tiny.SCHEDULER_CONFIG),
         safety_checker=None,
         feature_extractor=None,
         requires_safety_checker=False,
     )
-    return pipeline
 
 
 def fill_weights(module: torch.nn.Module, *, seed: int) -> None:

@@ -1,0 +1,100 @@
+"""Writing an encode run: one job per downloaded image shard of the dataset, for one
+model at one resolution. A shard already encoded so (the same file, the same model
+revision) is served from the store, as images are."""
+
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from sdq.models.datasets import EncodeSpec
+from sdq.models.jobs.kinds import ENCODE
+from sdq.models.jobs.outbox import add_jobs
+from sdq.models.registry import record_model
+from sdq.models.specs import ModelIdentity
+from sdq.models.tables import Run
+from sdq.models.tables.download import Dataset, Shard
+from sdq.producer.download.lookups import dataset_named
+
+# The VAE halves the image three times: sides must divide by 8.
+VAE_SCALE = 8
+
+
+class NothingToEncode(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class EncodeSubmission:
+    run_id: int
+    dataset: str
+    model: str
+    revision: str
+    resolution: int
+    jobs: int
+    cached: int
+    # Shards planned but not downloaded yet: a later `sdq encode` picks them up.
+    waiting: int
+
+
+def record_encode(
+    sessions: sessionmaker[Session],
+    name: str,
+    model: ModelIdentity,
+    *,
+    resolution: int,
+    batch_size: int,
+) -> EncodeSubmission:
+    with sessions.begin() as session:
+        dataset = dataset_named(session, name)
+        shards = session.scalars(
+            select(Shard).where(Shard.dataset_id == dataset.id).order_by(Shard.number)
+        ).all()
+        downloaded = [shard for shard in shards if shard.sha256 is not None]
+        if not downloaded:
+            raise NothingToEncode(
+                f"dataset {name!r} has no downloaded shard yet: "
+                f"`sdq dataset show {name}` follows the download"
+            )
+        record_model(session, model)
+        run = Run(
+            kind=ENCODE.name,
+            source=name,
+            options={
+                "dataset": name,
+                "model": model.name,
+                "revision": model.revision,
+                "resolution": resolution,
+            },
+            job_count=0,
+            jobs_per_message=1,  # a shard is a minute of GPU work: one per message
+            task_options={"batch_size": batch_size},
+        )
+        session.add(run)
+        session.flush()
+        specs = [_spec(dataset, shard, model, resolution) for shard in downloaded]
+        cached = add_jobs(session, run, ENCODE, specs)
+    return EncodeSubmission(
+        run_id=run.id,
+        dataset=name,
+        model=model.name,
+        revision=model.revision,
+        resolution=resolution,
+        jobs=len(specs),
+        cached=cached,
+        waiting=len(shards) - len(downloaded),
+    )
+
+
+def _spec(dataset: Dataset, shard: Shard, model: ModelIdentity, resolution: int) -> EncodeSpec:
+    return EncodeSpec(
+        dataset=dataset.name,
+        shard=shard.number,
+        shard_sha256=shard.sha256,
+        image_format=dataset.options["format"],
+        model_name=model.name,
+        model_source=model.source,
+        model_revision=model.revision,
+        resolution=resolution,
+        dtype=model.default_dtype,
+    )

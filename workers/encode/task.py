@@ -1,0 +1,29 @@
+"""The encode task: a message of encode job ids, one image shard each."""
+
+from functools import cache
+from typing import Any
+
+from celery import shared_task
+
+from sdq.models.jobs.kinds import ENCODE
+from sdq.workers.app import SdqCelery
+from sdq.workers.delivery import deliver_task
+from sdq.workers.encode.work import EncodeWork
+from sdq.workers.weights import ModelFiles
+
+
+@shared_task(bind=True, name=ENCODE.task_name, max_retries=None)
+def encode(self, job_ids: list[int], batch_size: int) -> dict[str, Any]:
+    app = self.app
+    work = EncodeWork(
+        store=app.store, sessions=app.sessions, encoders=encoders(app), batch_size=batch_size
+    )
+    return deliver_task(self, ENCODE, job_ids, work)
+
+
+@cache
+def encoders(app: SdqCelery):
+    """This process's loaded encoders, made on the first task, after any fork."""
+    from sdq.workers.encode.encoders import LoadedEncoders
+
+    return LoadedEncoders(ModelFiles(app.store, app.settings.model_cache_dir))

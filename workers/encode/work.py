@@ -1,0 +1,151 @@
+"""The encode work: an image shard becomes a latent shard and a lineage row. Plain code,
+no Celery; torch loads lazily, on the first job.
+
+Three stages overlap so the device never waits on the CPU: the next shard file is read
+while this one is encoded, the next batches are decoded and tokenized (on threads) while
+this batch is on the device, and the device works in between.
+"""
+
+import hashlib
+import os
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from sdq.models.datasets import EncodeSpec, shard_key
+from sdq.models.db import upsert
+from sdq.models.jobs.delivery import Work
+from sdq.models.jobs.lifecycle import Output, utcnow
+from sdq.models.store import MissingObject, ObjectStore
+from sdq.models.tables import Job
+from sdq.models.tables.download import Dataset, Shard
+from sdq.models.tables.encode import LatentShard
+from sdq.workers.ahead import run_ahead
+from sdq.workers.encode.shards import ImageShard, describe, latent_shard_bytes, read_image_shard
+from sdq.workers.weights import ModelUnavailable
+
+if TYPE_CHECKING:
+    from sdq.workers.encode.encoders import LoadedEncoders
+
+PARQUET = "application/vnd.apache.parquet"
+# Batches prepared ahead of the device: enough to ride out a slow decode, few enough
+# that pinned host memory stays small.
+BATCHES_AHEAD = 2
+# Decoding threads; Pillow decodes without the GIL, so these use the CPU's cores.
+DECODE_THREADS = min(8, os.cpu_count() or 1)
+
+
+class ShardUnreadable(Exception):
+    """The image shard is not the file the job was planned for: download it again, then
+    encode again."""
+
+
+class EncodeWork(Work):
+    permanent_errors = (ShardUnreadable, ModelUnavailable)
+
+    def __init__(
+        self,
+        *,
+        store: ObjectStore,
+        sessions: sessionmaker[Session],
+        encoders: "LoadedEncoders",
+        batch_size: int,
+    ) -> None:
+        self.store = store
+        self.sessions = sessions
+        self.encoders = encoders
+        self.batch_size = batch_size
+
+    def run(self, jobs: Sequence[Job]) -> Iterator[Output]:
+        specs = [EncodeSpec.from_dict(job.spec) for job in jobs]
+        shards = run_ahead((self._read(spec) for spec in specs), depth=1)
+        with ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="sdq-decode") as decoders:
+            for job, spec, shard in zip(jobs, specs, shards, strict=True):
+                yield self._encode(job.id, spec, shard, decoders)
+
+    def _read(self, spec: EncodeSpec) -> ImageShard:
+        try:
+            data = self.store.get_bytes(shard_key(spec.dataset, spec.shard))
+        except MissingObject as error:
+            raise ShardUnreadable(str(error)) from None
+        if hashlib.sha256(data).hexdigest() != spec.shard_sha256:
+            raise ShardUnreadable(
+                f"image shard {spec.shard} of {spec.dataset} changed since it was planned"
+            )
+        try:
+            return read_image_shard(data, spec.image_format)
+        except (KeyError, pa.ArrowException) as error:
+            raise ShardUnreadable(f"image shard {spec.shard}: {error}") from error
+
+    def _encode(
+        self, job_id: int, spec: EncodeSpec, shard: ImageShard, decoders: ThreadPoolExecutor
+    ) -> Output:
+        from sdq.workers.encode.encoders import encode_batch, join, prepare_batches
+
+        started = perf_counter()
+        encoders = self.encoders.get(spec)
+        batches = prepare_batches(
+            shard,
+            spec,
+            encoders.tokenizer,
+            batch_size=self.batch_size,
+            decoders=decoders,
+            pin=encoders.device.type == "cuda",
+        )
+        parts = [encode_batch(encoders, batch) for batch in run_ahead(batches, BATCHES_AHEAD)]
+        encoded = join(encoders, parts, spec.resolution)
+        about = {
+            "dataset": spec.dataset,
+            "shard": spec.shard,
+            "image_sha256": spec.shard_sha256,
+            "model_revision": spec.model_revision,
+            "resolution": spec.resolution,
+            "scaling_factor": encoders.vae.config.scaling_factor,
+        }
+        data = latent_shard_bytes(shard, encoded, about)
+        uri = self.store.put_bytes(spec.latent_key, data, content_type=PARQUET)
+        output = Output(
+            job_id, uri, hashlib.sha256(data).hexdigest(), work_seconds=perf_counter() - started
+        )
+        with self.sessions.begin() as session:
+            _record(session, spec, output, samples=len(shard), tensors=describe(encoded))
+        return output
+
+
+def _record(
+    session: Session, spec: EncodeSpec, output: Output, *, samples: int, tensors: dict[str, Any]
+) -> None:
+    """The lineage row: this latent file came from that image shard through that model.
+    Encoding a shard again (a redelivered job) rewrites the row, never adds a second."""
+    dataset_id, shard_id = session.execute(
+        select(Shard.dataset_id, Shard.id)
+        .join(Dataset, Dataset.id == Shard.dataset_id)
+        .where(Dataset.name == spec.dataset, Shard.number == spec.shard)
+    ).one()
+    row = {
+        "dataset_id": dataset_id,
+        "shard_id": shard_id,
+        "image_sha256": spec.shard_sha256,
+        "model_name": spec.model_name,
+        "model_revision": spec.model_revision,
+        "resolution": spec.resolution,
+        "uri": output.uri,
+        "sha256": output.sha256,
+        "samples": samples,
+        "tensors": tensors,
+        "seconds": output.work_seconds,
+        "finished_at": utcnow(),
+    }
+    key = ["shard_id", "model_revision", "resolution"]
+    session.execute(
+        upsert(session, LatentShard)
+        .values(row)
+        .on_conflict_do_update(
+            index_elements=key, set_={name: value for name, value in row.items() if name not in key}
+        )
+    )

@@ -1,0 +1,70 @@
+"""Where a model's files are on this worker, for every kind that loads weights: a hub id
+as it is, a local folder, or a stored or s3:// model copied to local disk once per
+revision. No torch here: the loaders that use it import that themselves."""
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sdq.models import registry, tiny
+from sdq.models.store import ObjectStore, S3Store
+
+
+class ModelUnavailable(Exception):
+    """The model cannot be had on this worker as the job names it; retrying will not help."""
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    store: ObjectStore
+    cache_dir: Path
+
+    def locate(self, source: str, revision: str) -> dict[str, Any]:
+        """Arguments for diffusers' and transformers' `from_pretrained`."""
+        if source.startswith(registry.HUB_SOURCE):
+            return {
+                "pretrained_model_name_or_path": source.removeprefix(registry.HUB_SOURCE),
+                "revision": revision,
+            }
+        if source.startswith("s3://"):
+            folder = self._pull(S3Store.from_uri(source), "", revision)
+        elif source.startswith(registry.STORE_SOURCE):
+            prefix = source.removeprefix(registry.STORE_SOURCE)
+            folder = self._pull(self.store, f"{prefix}/", revision)
+        else:
+            folder = Path(source)
+            if not folder.is_dir():
+                raise ModelUnavailable(f"model folder {source} does not exist on this worker")
+        return {"pretrained_model_name_or_path": str(folder)}
+
+    def _pull(self, store: ObjectStore, prefix: str, revision: str) -> Path:
+        """Copies a stored model to local disk once per machine, keyed by its revision."""
+        folder = self.cache_dir / revision
+        if folder.is_dir():
+            return folder
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(dir=self.cache_dir, prefix=f".{revision}."))
+        try:
+            for key in store.list_keys(prefix):
+                store.get_file(key, partial / key.removeprefix(prefix))
+            # Another process on this machine may have finished first; both copies are equal.
+            os.rename(partial, folder)
+        except OSError:
+            if not folder.is_dir():
+                raise
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+        return folder
+
+
+def check_tiny_revision(revision: str) -> None:
+    """The tiny model is built from code: a job made for another version of that code
+    would get different weights under the revision it names."""
+    if revision != tiny.content_hash():
+        raise ModelUnavailable(
+            f"this worker's tiny model is revision {tiny.content_hash()[:12]}, "
+            f"the job asks for {revision[:12]}"
+        )
