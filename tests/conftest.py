@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from click.testing import CliRunner, Result
 
 from sdq.models.db import make_engine
 from sdq.producer.cli.main import main
+from tests.netns_download import DOWNLOAD_ENV
 from tests.services import (
     MotoServer,
     aws_env,
@@ -131,6 +133,19 @@ def worker(service_env: dict[str, str], tmp_path_factory) -> Iterator[WorkerProc
 
 
 @pytest.fixture
+def download_env(service_env: dict[str, str]) -> dict[str, str]:
+    """The deployment, with the test image server's address allowed."""
+    return {**service_env, **DOWNLOAD_ENV}
+
+
+@pytest.fixture
+def cpu_worker(download_env: dict[str, str], tmp_path: Path) -> Iterator[WorkerProcess]:
+    worker = WorkerProcess(download_env, tmp_path / "cpu-worker.log", pool="cpu").start()
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture
 def sdq(service_env: dict[str, str]):
     """Runs the sdq CLI in this process against the test deployment."""
 
@@ -143,6 +158,20 @@ def sdq(service_env: dict[str, str]):
         )
 
     return run
+
+
+def sdq_json(env: dict[str, str], *args: str, cwd: Path = ROOT) -> dict:
+    """Runs an sdq command as a user does, in a process of its own, and reads its JSON."""
+    result = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", *args, "--json"],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
 
 
 def write(path: Path, text: str, encoding: str = "utf-8") -> Path:

@@ -12,9 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import BUCKET, ROOT, WorkerProcess
+from tests.conftest import BUCKET, ROOT, WorkerProcess, sdq_json
 from tests.hostile_server import CASES, HostileServer, case_rows
-from tests.netns_download import DOWNLOAD_ENV, write_list
+from tests.netns_download import write_list
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,19 +49,6 @@ def test_hostile_inputs_end_with_their_reason_where_only_loopback_exists(tmp_pat
             assert len(row["sha256"]) == 64
 
 
-def _download(env: dict[str, str], *args: str) -> dict:
-    result = subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", "download", *args, "--wait", "--json"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout)
-
-
 def _samples(database_url: str, dataset: str) -> list[tuple]:
     with psycopg.connect(database_url) as connection:
         return connection.execute(
@@ -80,25 +67,15 @@ def _shard(s3_client, summary: dict, number: int) -> pa.Table:
     return pq.read_table(io.BytesIO(body["Body"].read()))
 
 
-@pytest.fixture
-def download_env(service_env: dict[str, str]) -> dict[str, str]:
-    return {**service_env, **DOWNLOAD_ENV}
-
-
-@pytest.fixture
-def cpu_worker(download_env: dict[str, str], tmp_path: Path):
-    worker = WorkerProcess(download_env, tmp_path / "worker.log", pool="cpu").start()
-    yield worker
-    worker.stop()
-
-
 def test_download_on_services_records_every_row_in_sql_and_shards(
     download_env: dict[str, str], cpu_worker: WorkerProcess, s3_client, tmp_path: Path
 ) -> None:
     with HostileServer() as server:
         expected = case_rows(server.base, server.port, CASES)
         write_list(tmp_path / "hostile.csv", expected)
-        summary = _download(download_env, str(tmp_path / "hostile.csv"), "--dataset", "web")
+        summary = sdq_json(
+            download_env, "download", "--wait", str(tmp_path / "hostile.csv"), "--dataset", "web"
+        )
     samples = _samples(download_env["SDQ_DATABASE_URL"], "web")
     check_rows(
         expected,
@@ -147,7 +124,7 @@ def test_laion_parquet_is_sliced_into_shards_resumed_and_redone_once(
             listing, "--dataset", "laion", "--url-col", "URL", "--caption-col", "TEXT",
             "--rows-per-shard", "4", "--save-columns", "similarity", "--format", "webp",
         ]  # fmt: skip
-        first = _download(download_env, *args)
+        first = sdq_json(download_env, "download", "--wait", *args)
         samples = _samples(database_url, "laion")
         assert [number for *_, number in samples] == [0] * 4 + [1] * 4 + [2] * 2
         assert [(status, reason) for _, status, reason, *_ in samples] == [
@@ -157,7 +134,7 @@ def test_laion_parquet_is_sliced_into_shards_resumed_and_redone_once(
         assert shard.column("similarity").to_pylist() == pytest.approx([0.34, 0.35, 0.36, 0.37])
         assert [image[:4] for image in shard.column("webp").to_pylist()] == [b"RIFF"] * 4
 
-        again = _download(download_env, *args)
+        again = sdq_json(download_env, "download", "--wait", *args)
         assert again["shards"] == first["shards"]
         assert _samples(database_url, "laion") == samples
         with psycopg.connect(database_url) as connection:

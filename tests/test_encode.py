@@ -1,0 +1,168 @@
+"""sdq encode end to end, embedded and on the services with a real GPU-pool worker: the
+latents and text embeddings equal a direct diffusers and transformers computation with
+the same tiny VAE, text encoder and seeds, and SQL leads from each latent shard back to
+the URLs it was made of."""
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import psycopg
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+from sdq.models.datasets import latent_seed
+from sdq.models.tiny import content_hash
+from sdq.workers.encode.shards import read_tensor
+from sdq.workers.tiny import build_text_encoder, build_tokenizer, build_vae
+from tests.conftest import BUCKET, ROOT, WorkerProcess, sdq_json
+from tests.hostile_server import HostileServer
+from tests.netns_download import DOWNLOAD_ENV
+from tests.services import clean_env
+
+pytestmark = pytest.mark.timeout(300)
+RESOLUTION = 64
+
+
+def write_list(path: Path, base: str, rows: int) -> Path:
+    """Distinct pictures, and one row that fails, so shards hold rows without images."""
+    lines = ["url,caption"]
+    for n in range(rows):
+        path_part = "/not-an-image.jpg" if n == 2 else f"/img/{n}.jpg"
+        lines.append(f"{base}{path_part},picture number {n}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def download_and_encode(env: dict[str, str], listing: Path, dataset: str, cwd: Path) -> dict:
+    sdq_json(
+        env, "download", str(listing), "--dataset", dataset, "--resolution", str(RESOLUTION),
+        "--rows-per-shard", "4", "--wait", cwd=cwd,
+    )  # fmt: skip
+    return sdq_json(
+        env, "encode", dataset, "--model", "tiny", "--resolution", str(RESOLUTION),
+        "--batch-size", "3", "--wait", cwd=cwd,
+    )  # fmt: skip
+
+
+@torch.inference_mode()
+def check_latent_shard(latents: pa.Table, images: pa.Table, dataset: str) -> None:
+    """Every kept image of the image shard, and only those, in order, encoded as a plain
+    diffusers/transformers loop encodes it, one sample at a time."""
+    kept = images.filter(pa.compute.equal(images["status"], "success")).to_pylist()
+    assert latents["key"].to_pylist() == [row["key"] for row in kept]
+    assert latents["url"].to_pylist() == [row["url"] for row in kept]
+    assert latents["sha256"].to_pylist() == [row["sha256"] for row in kept]
+    seeds = [latent_seed(dataset, row["key"]) for row in kept]
+    assert latents["seed"].to_pylist() == seeds
+    vae, text_encoder, tokenizer = build_vae(), build_text_encoder(), build_tokenizer()
+    got_latents = read_tensor(latents, "latents")
+    got_embeddings = read_tensor(latents, "text_embeddings")
+    got_tokens = read_tensor(latents, "token_ids")
+    assert got_latents.shape == (len(kept), 4, RESOLUTION // 8, RESOLUTION // 8)
+    for index, (row, seed) in enumerate(zip(kept, seeds, strict=True)):
+        pixels = np.array(Image.open(io.BytesIO(row["jpg"])).convert("RGB"))
+        image = torch.from_numpy(pixels).permute(2, 0, 1)[None].float() / 127.5 - 1
+        generator = torch.Generator().manual_seed(seed)
+        expected = vae.encode(image).latent_dist.sample(generator=generator) * 0.18215
+        np.testing.assert_allclose(got_latents[index], expected[0].numpy(), rtol=1e-4, atol=1e-5)
+        tokens = tokenizer(
+            row["caption"], padding="max_length", max_length=77, truncation=True,
+            return_tensors="pt",
+        ).input_ids  # fmt: skip
+        np.testing.assert_array_equal(got_tokens[index], tokens[0].numpy())
+        embedding = text_encoder(tokens)[0][0].numpy()
+        np.testing.assert_allclose(got_embeddings[index], embedding, rtol=1e-4, atol=1e-5)
+
+
+def test_encode_embedded_matches_a_direct_computation_and_is_served_again(
+    tmp_path: Path,
+) -> None:
+    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT)}
+    with HostileServer() as server:
+        listing = write_list(tmp_path / "list.csv", server.base, 10)
+        summary = download_and_encode(env, listing, "pets", cwd=tmp_path)
+    [latents] = summary["latents"]
+    assert latents["model"] == "tiny"
+    assert latents["revision"] == content_hash()
+    assert (latents["resolution"], latents["shards"], latents["samples"]) == (RESOLUTION, 3, 9)
+    store = tmp_path / "sdq-data" / "store"
+    for number in range(3):
+        name = f"{number:05d}.parquet"
+        check_latent_shard(
+            pq.read_table(store / latents["prefix"] / name),
+            pq.read_table(store / "datasets/pets/images" / name),
+            "pets",
+        )
+    again = sdq_json(env, "encode", "pets", "--model", "tiny", "--resolution", "64", cwd=tmp_path)
+    assert again["latents"] == summary["latents"]
+
+
+def test_encode_on_services_writes_latents_to_s3_with_lineage_to_the_urls(
+    download_env: dict[str, str],
+    cpu_worker: WorkerProcess,
+    worker: WorkerProcess,
+    s3_client,
+    tmp_path: Path,
+) -> None:
+    with HostileServer() as server:
+        listing = write_list(tmp_path / "list.csv", server.base, 7)
+        summary = download_and_encode(download_env, listing, "birds", cwd=ROOT)
+    [latents] = summary["latents"]
+    assert (latents["shards"], latents["samples"]) == (2, 6)
+
+    def read(uri: str) -> pa.Table:
+        body = s3_client.get_object(Bucket=BUCKET, Key=uri.removeprefix(f"s3://{BUCKET}/"))
+        return pq.read_table(io.BytesIO(body["Body"].read()))
+
+    with psycopg.connect(download_env["SDQ_DATABASE_URL"]) as connection:
+        shards = connection.execute(
+            "SELECT l.uri, h.uri, l.samples, l.tensors FROM latent_shards l "
+            "JOIN shards h ON h.id = l.shard_id JOIN datasets d ON d.id = l.dataset_id "
+            "WHERE d.name = 'birds' ORDER BY h.number"
+        ).fetchall()
+        assert len(shards) == 2
+        for latent_uri, image_uri, samples, tensors in shards:
+            table = read(latent_uri)
+            check_latent_shard(table, read(image_uri), "birds")
+            assert samples == len(table)
+            assert tensors["latents"] == {"shape": [4, 8, 8], "dtype": "float32"}
+            # From a latent shard back to the URLs and captions it learned from.
+            lineage = connection.execute(
+                "SELECT s.url, s.caption FROM latent_shards l "
+                "JOIN samples s ON s.shard_id = l.shard_id AND s.status = 'success' "
+                "WHERE l.uri = %s ORDER BY s.key",
+                (latent_uri,),
+            ).fetchall()
+            assert lineage == list(
+                zip(table["url"].to_pylist(), table["caption"].to_pylist(), strict=True)
+            )
+        again = sdq_json(download_env, "encode", "birds", "--model", "tiny", "--resolution", "64")
+        assert again["jobs"] == again["cached"] == 2
+        cached = connection.execute(
+            "SELECT bool_and(cached) FROM jobs WHERE run_id = %s", (again["run_id"],)
+        ).fetchone()[0]
+        assert cached
+
+
+def test_encode_refuses_what_it_cannot_do_by_name(download_env: dict[str, str]) -> None:
+    def encode(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "sdq.producer.cli", "encode", *args],
+            env=download_env, cwd=ROOT, capture_output=True, text=True,
+        )  # fmt: skip
+
+    unknown = encode("no-such-dataset", "--model", "tiny")
+    assert unknown.returncode == 1
+    assert "no dataset named 'no-such-dataset'" in unknown.stderr
+    odd = encode("birds", "--model", "tiny", "--resolution", "100")
+    assert odd.returncode == 2
+    assert "--resolution 100 is not a multiple of 8" in odd.stderr
+    model = encode("birds", "--model", "no-such-model")
+    assert model.returncode == 2
+    assert "unknown model 'no-such-model'" in model.stderr
