@@ -31,22 +31,8 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sdq.migrations import upgrade  # noqa: E402
-from sdq.models.db import make_engine  # noqa: E402
-from tests.services import (  # noqa: E402
-    MotoServer,
-    aws_env,
-    clean_env,
-    ensure_service,
-    free_port,
-    listening,
-    s3_client,
-    scratch_database,
-    wait_for,
-)
+from tests.services import deployment, free_port, listening, wait_for  # noqa: E402
 
-BROKER_URL = "redis://127.0.0.1:6379/13"
-BUCKET = "sdq-bench"
 ROWS_PER_SHARD = 250
 
 
@@ -138,32 +124,20 @@ def main() -> None:
     )
     parser.add_argument("--img2dataset", default=shutil.which("img2dataset") or "img2dataset")
     args = parser.parse_args()
-    ensure_service("redis")
     make_images(args.image_dir, args.images)
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
         cwd=args.image_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
-    moto = MotoServer().start()
-    s3_client(moto.endpoint).create_bucket(Bucket=BUCKET)
     try:
-        with scratch_database("sdq_bench") as database_url:
-            upgrade(make_engine(database_url))
-            env = {
-                **clean_env(),
-                **aws_env(moto.endpoint),
-                "SDQ_DATABASE_URL": database_url,
-                "SDQ_BROKER_URL": BROKER_URL,
-                "SDQ_STORE_URL": f"s3://{BUCKET}/sdq",
-                "SDQ_DOWNLOAD_ALLOW_NETWORKS": "127.0.0.0/8",
-                "SDQ_DOWNLOAD_THREADS": str(args.threads),
-            }
+        with deployment(broker_db=13) as env:
+            env["SDQ_DOWNLOAD_ALLOW_NETWORKS"] = "127.0.0.0/8"
+            env["SDQ_DOWNLOAD_THREADS"] = str(args.threads)
             wait_for(lambda: listening(port), what="image server")
             rates = interleaved_rounds(env, port, args)
     finally:
         server.terminate()
-        moto.stop()
     sdq, img2dataset = (statistics.median(rates[name]) for name in ("sdq", "img2dataset"))
     print(
         json.dumps(

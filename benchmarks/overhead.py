@@ -27,8 +27,6 @@ import tempfile
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -40,28 +38,19 @@ from sqlalchemy import func, select
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sdq.migrations import upgrade  # noqa: E402
 from sdq.models.db import make_engine, session_factory  # noqa: E402
 from sdq.models.jobs.lifecycle import as_utc  # noqa: E402
 from sdq.models.tables import FINISHED, Job  # noqa: E402
 from sdq.producer.cli.main import main as sdq  # noqa: E402
 from sdq.workers.tiny import build_pipeline  # noqa: E402
 from tests.conftest import WorkerProcess  # noqa: E402
-from tests.services import (  # noqa: E402
-    MotoServer,
-    aws_env,
-    clean_env,
-    ensure_service,
-    s3_client,
-    scratch_database,
-)
+from tests.services import BENCH_BUCKET, deployment  # noqa: E402
 
 SUBJECTS = [
     "a lighthouse", "a fox", "an old library", "a paper boat", "a mountain village",
     "a robot gardener", "a koi pond", "a desert caravan",
 ]  # fmt: skip
 STYLES = ["ink", "oil paint", "pixel art", "watercolor", "charcoal", "bauhaus", "ukiyo-e", "neon"]
-BUCKET = "sdq-bench"
 
 
 def prompts(count: int, round_: int) -> list[tuple[str, int]]:
@@ -101,26 +90,6 @@ class PlainLoop:
             return time.perf_counter() - started
 
 
-@contextmanager
-def deployment() -> Iterator[dict[str, str]]:
-    """A database of its own, Redis, and a moto S3 server; yields the environment for sdq."""
-    ensure_service("redis")
-    s3 = MotoServer().start()
-    s3_client(s3.endpoint).create_bucket(Bucket=BUCKET)
-    try:
-        with scratch_database("sdq_bench") as database_url:
-            yield {
-                **clean_env(),
-                **aws_env(s3.endpoint),
-                "SDQ_DATABASE_URL": database_url,
-                "SDQ_BROKER_URL": "redis://127.0.0.1:6379/12",
-                "SDQ_STORE_URL": f"s3://{BUCKET}/bench",
-                "SDQ_HOME": tempfile.mkdtemp(prefix="sdq-bench-"),
-            }
-    finally:
-        s3.stop()
-
-
 class ThroughSdq:
     """`sdq submit` in this process, one `sdq worker gpu` process rendering."""
 
@@ -130,7 +99,6 @@ class ThroughSdq:
         self.options = ["--steps", str(steps), "--size", f"{size}x{size}"]
         self.options += ["--batch-size", str(batch_size)]
         self.engine = make_engine(env["SDQ_DATABASE_URL"])
-        upgrade(self.engine)
         self.sessions = session_factory(self.engine)
         self.worker = WorkerProcess(env, self.home / "worker.log").start()
         self.seconds([("warm-up", 1)])  # the worker loads its pipeline here
@@ -186,9 +154,9 @@ def main() -> None:
     args = parser.parse_args()
     plain = PlainLoop(steps=args.steps, size=args.size)
     timings: dict[str, list[float]] = defaultdict(list)
-    with deployment() as env:
+    with deployment(broker_db=12) as env:
         os.environ.update(env)  # boto3 in this process reads AWS_* like the worker does
-        plain.bucket = boto3.resource("s3").Bucket(BUCKET)
+        plain.bucket = boto3.resource("s3").Bucket(BENCH_BUCKET)
         if args.store == "local":
             env = {**env, "SDQ_STORE_URL": str(Path(env["SDQ_HOME"]) / "store")}
         queued = ThroughSdq(env, steps=args.steps, size=args.size, batch_size=args.batch_size)

@@ -15,6 +15,15 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SPEC_VERSION = 1
 
 
+# Why a download failed, when another try later may not: the network or a busy server.
+TRANSIENT_REASON = re.compile(r"timeout|dns timeout|connection failed(: \w+)?|http (429|5\d\d)")
+
+
+def is_transient(reason: str) -> bool:
+    """Whether a failure may pass: what the fetcher retries and `--retry-failed` redoes."""
+    return TRANSIENT_REASON.fullmatch(reason) is not None
+
+
 class SampleStatus:
     """A sample's fate, in img2dataset's words where it has them."""
 
@@ -70,6 +79,10 @@ class SliceSpec:
     key_digits: int  # digits of a row's index within its shard, in sample keys
     columns: ListColumns
     image: ImageOptions
+    # `--retry-failed`: only these rows are fetched again; the rest are kept as the shard
+    # file with this hash has them.
+    retry_keys: tuple[str, ...] = ()
+    previous_sha256: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,10 +90,12 @@ class SliceSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SliceSpec":
         columns = data["columns"]
+        nested = ("columns", "image", "retry_keys")
         return cls(
-            **{key: value for key, value in data.items() if key not in ("columns", "image")},
+            **{key: value for key, value in data.items() if key not in nested},
             columns=ListColumns(**{**columns, "save": tuple(columns["save"])}),
             image=ImageOptions(**data["image"]),
+            retry_keys=tuple(data.get("retry_keys", ())),
         )
 
     def hash(self) -> str:

@@ -111,6 +111,17 @@ class Handler(BaseHTTPRequestHandler):
                 self._send(200, "image/jpeg", jpeg(300, 300, seed=5))
         elif path == "/busy.jpg":
             self._send(429, "text/plain", b"slow down")
+        elif path == "/recovering.jpg":  # 503 the first two times: past one retry
+            if self.hits[path] <= 2:
+                self._send(503, "text/plain", b"down for maintenance")
+            else:
+                self._send(200, "image/jpeg", jpeg(300, 300, seed=6))
+        elif path.startswith("/retry-after/"):  # 429 "come back in N s" once, then the image
+            if self.hits[path] == 1:
+                wait = path.removeprefix("/retry-after/").removesuffix(".jpg")
+                self._send(429, "text/plain", b"later", {"Retry-After": wait})
+            else:
+                self._send(200, "image/jpeg", jpeg(300, 300, seed=7))
         elif path == "/slow.jpg":
             self._send_slowly(_fixed()["/photo.jpg"][1])
         elif path == "/loop":

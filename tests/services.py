@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -136,3 +137,31 @@ def scratch_database(prefix: str) -> Iterator[str]:
     finally:
         with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
             connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+BENCH_BUCKET = "sdq-bench"
+
+
+@contextmanager
+def deployment(*, broker_db: int) -> Iterator[dict[str, str]]:
+    """For the benchmarks: a migrated database of its own, Redis (database `broker_db`) and
+    a moto S3 server with an empty bucket; yields the environment sdq runs with on them."""
+    from sdq.migrations import upgrade
+    from sdq.models.db import make_engine
+
+    ensure_service("redis")
+    s3 = MotoServer().start()
+    s3_client(s3.endpoint).create_bucket(Bucket=BENCH_BUCKET)
+    try:
+        with scratch_database("sdq_bench") as database_url:
+            upgrade(make_engine(database_url))
+            yield {
+                **clean_env(),
+                **aws_env(s3.endpoint),
+                "SDQ_DATABASE_URL": database_url,
+                "SDQ_BROKER_URL": f"redis://127.0.0.1:6379/{broker_db}",
+                "SDQ_STORE_URL": f"s3://{BENCH_BUCKET}/bench",
+                "SDQ_HOME": tempfile.mkdtemp(prefix="sdq-bench-"),
+            }
+    finally:
+        s3.stop()

@@ -27,6 +27,7 @@ from sdq.producer.generate.prompts import PromptRow
 from sdq.producer.generate.submit import Batching, record_run
 from sdq.workers.generate.pipelines import PipelineCache, render
 from sdq.workers.generate.work import GenerateWork
+from sdq.workers.weights import ModelFiles
 from tests.conftest import BUCKET, write
 from tests.services import aws_env, free_port
 
@@ -37,7 +38,7 @@ TINY_CONTENT_HASH = "7cdee06cebe26e85a74cb5daead99b943047167755715c7ce556ffaed19
 @pytest.fixture(scope="module")
 def pipelines(tmp_path_factory) -> PipelineCache:
     root = tmp_path_factory.mktemp("pipelines")
-    return PipelineCache(store=LocalStore(root / "store"), cache_dir=root / "cache", size=2)
+    return PipelineCache(files=ModelFiles(LocalStore(root / "store"), root / "cache"), size=2)
 
 
 def specs(*prompts: str, seed: int = 1, steps: int = 5):
@@ -321,7 +322,7 @@ def test_a_spec_rendered_after_submit_is_served_at_the_worker(
 
 def test_a_worker_loads_each_pipeline_once_and_keeps_the_last_few(tmp_path) -> None:
     cache = PipelineCache(
-        store=LocalStore(tmp_path / "store"), cache_dir=tmp_path / "cache", size=1
+        files=ModelFiles(LocalStore(tmp_path / "store"), tmp_path / "cache"), size=1
     )
     spec = specs("x")[0]
     first = cache.get(spec)

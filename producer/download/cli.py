@@ -23,13 +23,21 @@ from sdq.producer.download.submit import (
     DatasetOptions,
     DownloadSubmission,
     record_download,
+    record_retry,
 )
 from sdq.workers.app import SdqCelery
 
 
 @click.command()
-@click.argument("lists", nargs=-1, required=True, metavar="LIST...")
-@click.option("--dataset", "name", required=True, help="The dataset to make or add to.")
+@click.argument("lists", nargs=-1, metavar="LIST...")
+@click.option("--dataset", "name", help="The dataset to make or add to.")
+@click.option(
+    "--retry-failed",
+    "retry_name",
+    metavar="NAME",
+    help="Fetch again only the samples of dataset NAME that failed for a reason that may "
+    "have passed (timeouts, connection failures, 429, 5xx); no LIST.",
+)
 @click.option("--url-col", default="url", show_default=True, help="The column of image URLs.")
 @click.option("--caption-col", default="caption", show_default=True, help="The captions.")
 @click.option("--resolution", default=256, show_default=True, type=click.IntRange(min=8))
@@ -68,7 +76,8 @@ from sdq.workers.app import SdqCelery
 def download(
     app: SdqCelery,
     lists: tuple[str, ...],
-    name: str,
+    name: str | None,
+    retry_name: str | None,
     url_col: str,
     caption_col: str,
     rows_per_shard: int,
@@ -81,20 +90,21 @@ def download(
     or s3://) into a dataset of parquet shards, each sample's fate recorded.
 
     Without a broker (SDQ_BROKER_URL unset) the work runs here, in this process."""
-    try:
-        check_name(name)
-        options = DatasetOptions(
-            ImageOptions(format=image.pop("image_format"), **image), rows_per_shard
-        )
-    except ValueError as error:
-        raise click.UsageError(str(error)) from None
-    columns = ListColumns(
-        url=url_col,
-        caption=caption_col,
-        save=tuple(column.strip() for column in save_columns.split(",") if column.strip()),
-    )
     ensure_schema(app)
-    submission = _submit(app, name, lists, columns, options)
+    if retry_name:
+        if lists or name:
+            raise click.UsageError("--retry-failed NAME takes no LIST and no --dataset")
+        with found():
+            submission = record_retry(app.sessions, retry_name)
+    else:
+        if not (lists and name):
+            raise click.UsageError("give LIST... and --dataset NAME, or --retry-failed NAME")
+        columns = ListColumns(
+            url=url_col,
+            caption=caption_col,
+            save=tuple(column.strip() for column in save_columns.split(",") if column.strip()),
+        )
+        submission = _submit(app, name, lists, columns, _options(name, image, rows_per_shard))
     sent = carry_out(
         app,
         submission.run_id,
@@ -106,7 +116,17 @@ def download(
     if sent:
         _report_submission(submission, sent.messages, as_json)
     else:
-        report_dataset(app, name, as_json)
+        report_dataset(app, submission.dataset, as_json)
+
+
+def _options(name: str, image: dict[str, Any], rows_per_shard: int) -> DatasetOptions:
+    try:
+        check_name(name)
+        return DatasetOptions(
+            ImageOptions(format=image.pop("image_format"), **image), rows_per_shard
+        )
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
 
 
 def _submit(

@@ -3,18 +3,19 @@ and one job per shard, in one transaction; the jobs table is the outbox, as for 
 kind. A slice some job already made into a shard is served as it is."""
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.datasets import ImageOptions, ListColumns, SliceSpec
+from sdq.models.datasets import ImageOptions, ListColumns, SampleStatus, SliceSpec, is_transient
 from sdq.models.jobs.kinds import DOWNLOAD
 from sdq.models.jobs.outbox import add_jobs
-from sdq.models.tables import Run
-from sdq.models.tables.download import Dataset, Shard
+from sdq.models.tables import Job, JobStatus, Run
+from sdq.models.tables.download import Dataset, Sample, Shard
 from sdq.producer.download.lists import PlannedList, Slice, slices
+from sdq.producer.download.lookups import dataset_named
 
 
 class DatasetMismatch(Exception):
@@ -66,6 +67,55 @@ def record_download(
         ]
         cached = add_jobs(session, run, DOWNLOAD, specs)
     return DownloadSubmission(run.id, name, len(specs), cached)
+
+
+def record_retry(sessions: sessionmaker[Session], name: str) -> DownloadSubmission:
+    """A run that fetches again, shard by shard, only the samples that failed for a reason
+    that may have passed (timeouts, busy servers); every other row stays as it is."""
+    with sessions.begin() as session:
+        dataset = dataset_named(session, name)
+        failed: dict[int, list[str]] = {}
+        for shard_id, key, reason in session.execute(
+            select(Sample.shard_id, Sample.key, Sample.reason)
+            .where(Sample.dataset_id == dataset.id, Sample.status == SampleStatus.failed)
+            .order_by(Sample.key)
+        ):
+            if is_transient(reason):
+                failed.setdefault(shard_id, []).append(key)
+        run = Run(
+            kind=DOWNLOAD.name,
+            source=name,
+            options={"dataset": name, "retry_failed": True},
+            job_count=0,
+            jobs_per_message=1,
+            task_options={},
+        )
+        session.add(run)
+        session.flush()
+        specs = [
+            replace(spec, retry_keys=tuple(failed[shard.id]), previous_sha256=shard.sha256)
+            for shard, spec in _made(session, dataset)
+            if shard.id in failed
+        ]
+        cached = add_jobs(session, run, DOWNLOAD, specs)
+    return DownloadSubmission(run.id, name, len(specs), cached)
+
+
+def _made(session: Session, dataset: Dataset) -> list[tuple[Shard, SliceSpec]]:
+    """Each written shard of the dataset with the spec of the job that last wrote it."""
+    specs = {}
+    for (spec,) in session.execute(
+        select(Job.spec)
+        .join(Run, Run.id == Job.run_id)
+        .where(Run.kind == DOWNLOAD.name, Job.status == JobStatus.succeeded)
+        .where(Run.options["dataset"].as_string() == dataset.name)
+        .order_by(Job.finished_at)
+    ):
+        specs[spec["shard"]] = SliceSpec.from_dict(spec)
+    shards = session.scalars(
+        select(Shard).where(Shard.dataset_id == dataset.id, Shard.sha256.is_not(None))
+    )
+    return [(shard, specs[shard.number]) for shard in shards if shard.number in specs]
 
 
 def _dataset(session: Session, name: str, options: DatasetOptions) -> Dataset:

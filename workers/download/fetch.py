@@ -7,11 +7,13 @@ name that resolves to a public address when checked and a private one when used 
 rebinding) cannot slip between the two.
 """
 
+import email.utils
 import ipaddress
 import socket
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from urllib.parse import urljoin, urlsplit
 
 import urllib3
@@ -19,6 +21,7 @@ from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 from urllib3.exceptions import HTTPError, ProtocolError, TimeoutError
 
+from sdq.models.datasets import is_transient
 from sdq.models.settings import DownloadSettings
 
 READ_CHUNK = 64 * 1024
@@ -26,18 +29,28 @@ REDIRECTS = (301, 302, 303, 307, 308)
 # img2dataset's default: these X-Robots-Tag directives mean "not for training".
 OPT_OUT_TOKENS = frozenset({"noai", "noimageai"})
 USER_AGENT = "sdq-download/0.1 (+https://github.com/sdq/sdq)"
+# A Retry-After longer than this is not waited for: the thread has other images to fetch.
+MAX_RETRY_AFTER = 10.0
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 class FetchFailed(Exception):
-    """The image could not be had; `reason` says why in words, `transient` whether the
-    same request may succeed later."""
+    """The image could not be had; `reason` says why in words. A server that names when
+    to come back (Retry-After) is asked again then, if that is soon."""
 
-    def __init__(self, reason: str, *, transient: bool = False) -> None:
+    def __init__(self, reason: str, *, retry_after: float | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
-        self.transient = transient
+        self.retry_after = retry_after
+
+    @property
+    def transient(self) -> bool:
+        return is_transient(self.reason)
+
+    def pause(self, attempt: int) -> float:
+        """Seconds before the next try: the server's word, else exponential backoff."""
+        return self.retry_after if self.retry_after is not None else 0.5 * 2**attempt
 
 
 class BlockedAddress(Exception):
@@ -91,7 +104,7 @@ def _guarded(base: type[HTTPConnection], allowed: tuple[Network, ...]) -> type[H
 
 
 def _unresolved(error: socket.gaierror) -> FetchFailed:
-    return FetchFailed("host not found", transient=error.errno == socket.EAI_AGAIN)
+    return FetchFailed("dns timeout" if error.errno == socket.EAI_AGAIN else "host not found")
 
 
 class Fetcher:
@@ -123,14 +136,18 @@ class Fetcher:
         }
 
     def fetch(self, url: str) -> Fetched:
-        """The image's bytes; transient failures are tried again with backoff."""
+        """The image's bytes; transient failures are tried again after a pause. A server
+        that asks for a longer pause than sdq waits gets no retry now; `--retry-failed`
+        asks again later."""
         for attempt in range(self.settings.retries + 1):
             try:
                 return self._follow(url)
             except FetchFailed as failure:
-                if not failure.transient or attempt == self.settings.retries:
+                pause = failure.pause(attempt)
+                last = attempt == self.settings.retries
+                if not failure.transient or last or pause > MAX_RETRY_AFTER:
                     raise
-                time.sleep(0.5 * 2**attempt)
+                time.sleep(pause)
         raise AssertionError("unreachable")
 
     def _follow(self, url: str) -> Fetched:
@@ -166,7 +183,8 @@ class Fetcher:
     def _body(self, response: urllib3.BaseHTTPResponse) -> bytes:
         status = response.status
         if status == 429 or status >= 500:
-            raise FetchFailed(f"http {status}", transient=True)
+            wait = _retry_after(response.headers.get("Retry-After"))
+            raise FetchFailed(f"http {status}", retry_after=wait)
         if status != 200:
             raise FetchFailed(f"http {status}")
         if _opted_out(response.headers.getlist("X-Robots-Tag")):
@@ -188,7 +206,7 @@ class Fetcher:
                 if size > self.settings.max_bytes:
                     raise FetchFailed("too large")
                 if time.monotonic() > deadline:
-                    raise FetchFailed("timeout", transient=True)
+                    raise FetchFailed("timeout")
                 chunks.append(chunk)
         except (HTTPError, OSError) as error:
             raise _network_failure(error) from None
@@ -213,7 +231,23 @@ def _opted_out(values: list[str]) -> bool:
 
 def _network_failure(error: BaseException) -> FetchFailed:
     if isinstance(error, TimeoutError | socket.timeout):
-        return FetchFailed("timeout", transient=True)
+        return FetchFailed("timeout")
     if isinstance(error, ProtocolError | ConnectionError):
-        return FetchFailed("connection failed", transient=True)
-    return FetchFailed(f"connection failed: {type(error).__name__}", transient=True)
+        return FetchFailed("connection failed")
+    return FetchFailed(f"connection failed: {type(error).__name__}")
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Retry-After in seconds or as an HTTP date, as seconds from now; None when absent
+    or unreadable."""
+    if not value:
+        return None
+    if value.strip().isdigit():
+        seconds = float(value)
+    else:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        seconds = (when - datetime.now(UTC)).total_seconds()
+    return max(0.0, seconds)

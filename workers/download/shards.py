@@ -80,3 +80,15 @@ def shard_bytes(rows: list[ShardRow], image_format: str, saved: pa.Table) -> byt
     buffer = io.BytesIO()
     pq.write_table(pa.table(columns), buffer, compression=compression)
     return buffer.getvalue()
+
+
+def read_shard_rows(data: bytes, image_format: str) -> dict[str, ShardRow]:
+    """A shard file's rows by key, images included: what a retry keeps as it was."""
+    table = pq.read_table(
+        io.BytesIO(data), columns=[field.name for field in SHARD_COLUMNS] + [image_format]
+    )
+    rows = {}
+    for record in table.to_pylist():
+        image = record.pop(image_format)
+        rows[record["key"]] = ShardRow(**record, image=image)
+    return rows

@@ -13,18 +13,19 @@ from sdq.models.datasets import SampleStatus, SliceSpec
 from sdq.models.jobs.delivery import Work
 from sdq.models.jobs.lifecycle import Output, utcnow
 from sdq.models.settings import DownloadSettings
-from sdq.models.store import ObjectStore
+from sdq.models.store import MissingObject, ObjectStore
 from sdq.models.tables import Job
 from sdq.workers.download.fetch import Fetcher, FetchFailed
 from sdq.workers.download.images import ImageRejected, make_image
 from sdq.workers.download.records import claim, dataset_id, image_digest, record_shard, url_digest
-from sdq.workers.download.shards import ShardRow, read_slice, shard_bytes
+from sdq.workers.download.shards import ShardRow, read_shard_rows, read_slice, shard_bytes
 
 PARQUET = "application/vnd.apache.parquet"
 
 
 class ListUnreadable(Exception):
-    """The slice's list is gone or not what was planned; another try will not help."""
+    """The slice's list (or, for a retry, its shard) is gone or not what was planned;
+    another try will not help."""
 
 
 class DownloadWork(Work):
@@ -76,11 +77,25 @@ class DownloadWork(Work):
                 _fail(row, "no url")
             elif not (row.caption or "").strip():
                 _fail(row, "empty caption")
+        if spec.previous_sha256:
+            rows = self._keep_previous(spec, rows)
         self._mark_duplicates(dataset, rows, lambda row: url_digest(row.url))
         with ThreadPoolExecutor(self.settings.threads, thread_name_prefix="sdq-fetch") as pool:
             list(pool.map(lambda row: self._fetch(spec, row), rows))
         self._mark_duplicates(dataset, rows, lambda row: image_digest(row.sha256 or ""))
         return rows
+
+    def _keep_previous(self, spec: SliceSpec, rows: list[ShardRow]) -> list[ShardRow]:
+        """For a retry: every row not named for retrying, as the shard file has it."""
+        try:
+            data = self.store.get_bytes(spec.shard_key)
+        except MissingObject as error:
+            raise ListUnreadable(str(error)) from None
+        if hashlib.sha256(data).hexdigest() != spec.previous_sha256:
+            raise ListUnreadable(f"shard {spec.shard} changed since the retry was planned")
+        previous = read_shard_rows(data, spec.image.format)
+        retry = set(spec.retry_keys)
+        return [row if row.key in retry else previous[row.key] for row in rows]
 
     def _fetch(self, spec: SliceSpec, row: ShardRow) -> None:
         if row.status:

@@ -1,0 +1,211 @@
+"""Encoding at scale: `sdq encode` against a plain batched loop on the same image shards.
+
+The image shards are made once, untimed: N generated JPEGs of mixed sizes served over
+local HTTP, through `sdq download` at the encoding resolution. Then, in interleaved
+rounds, the same shards go through
+  - sdq: `sdq encode --wait` end to end, one `sdq worker gpu` process (Redis, Postgres,
+    shards read from and latents written to an S3 server over HTTP, lineage in SQL);
+  - plain: one process, a batched loop over the same tiny VAE and text encoder: shards
+    read from the same S3 server, images decoded and normalized, the same per-sample
+    seeds, latents and embeddings written to local parquet files;
+  - Ray Data's `map_batches`, when `ray` is installed.
+Both sides build their models before the clock starts (sdq in a warm-up round), and each
+round encodes afresh: the earlier round's encode runs are deleted, so nothing is served
+from the cache. Prints one JSON object with samples/s of each and `sdq_vs_plain`.
+
+    python benchmarks/encode.py [--images 512] [--rounds 3] [--resolution 256]
+        [--batch-size 32]
+"""
+
+import argparse
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import boto3
+import numpy as np
+import psycopg
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.download import make_images, write_list  # noqa: E402
+from sdq.models.datasets import latent_seed  # noqa: E402
+from sdq.workers.tiny import build_text_encoder, build_tokenizer, build_vae  # noqa: E402
+from tests.conftest import WorkerProcess  # noqa: E402
+from tests.services import BENCH_BUCKET, deployment, free_port, listening, wait_for  # noqa: E402
+
+DATASET = "encode-bench"
+ROWS_PER_SHARD = 128
+
+
+def sdq(env: dict[str, str], *args: str) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", *args, "--json"],
+        env=env, cwd=ROOT, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return json.loads(result.stdout)
+
+
+def make_dataset(env: dict[str, str], args) -> None:
+    """The image shards, through `sdq download` with a CPU worker; not timed."""
+    make_images(args.image_dir, args.images)
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        cwd=args.image_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    home = Path(env["SDQ_HOME"])
+    worker = WorkerProcess(
+        {**env, "SDQ_DOWNLOAD_ALLOW_NETWORKS": "127.0.0.0/8"}, home / "cpu.log", pool="cpu"
+    )
+    try:
+        wait_for(lambda: listening(port), what="image server")
+        worker.start()
+        listing = home / "list.parquet"
+        write_list(listing, port, args.images)
+        sdq(
+            env, "download", str(listing), "--dataset", DATASET, "--resolution",
+            str(args.resolution), "--rows-per-shard", str(ROWS_PER_SHARD), "--wait",
+        )  # fmt: skip
+    finally:
+        worker.stop()
+        server.terminate()
+
+
+def forget_encodings(database_url: str) -> None:
+    """As if the dataset had never been encoded: the next encode does all the work."""
+    with psycopg.connect(database_url) as connection:
+        connection.execute("DELETE FROM runs WHERE kind = 'encode'")
+        connection.execute("DELETE FROM latent_shards")
+
+
+def through_sdq(env: dict[str, str], args) -> float:
+    forget_encodings(env["SDQ_DATABASE_URL"])
+    started = time.perf_counter()
+    summary = sdq(
+        env, "encode", DATASET, "--model", "tiny", "--resolution", str(args.resolution),
+        "--batch-size", str(args.batch_size), "--wait",
+    )  # fmt: skip
+    seconds = time.perf_counter() - started
+    return summary["latents"][0]["samples"] / seconds
+
+
+class PlainLoop:
+    """The way a script does it: read a shard, encode it batch by batch, save, repeat."""
+
+    def __init__(self, keys: list[str], args) -> None:
+        self.bucket = boto3.resource("s3").Bucket(BENCH_BUCKET)
+        self.keys, self.args = keys, args
+        self.vae, self.text_encoder = build_vae().eval(), build_text_encoder().eval()
+        self.tokenizer = build_tokenizer()
+        self.output = Path(tempfile.mkdtemp(prefix="sdq-plain-encode-"))
+
+    @torch.inference_mode()
+    def run(self) -> float:
+        started = time.perf_counter()
+        samples = 0
+        for number, key in enumerate(self.keys):
+            table = pq.read_table(io.BytesIO(self.bucket.Object(key).get()["Body"].read()))
+            table = table.filter(pc.equal(table["status"], "success"))
+            latents, embeddings = [], []
+            for start in range(0, len(table), self.args.batch_size):
+                batch = table.slice(start, self.args.batch_size)
+                latent, embedding = self._encode(batch)
+                latents.append(latent)
+                embeddings.append(embedding)
+            self._save(number, table, np.concatenate(latents), np.concatenate(embeddings))
+            samples += len(table)
+        return samples / (time.perf_counter() - started)
+
+    def _encode(self, batch: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+        pixels = np.stack(
+            [np.asarray(Image.open(io.BytesIO(data)).convert("RGB")) for data in batch["jpg"]]
+        )
+        images = torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 127.5 - 1
+        seeds = [latent_seed(DATASET, key) for key in batch["key"].to_pylist()]
+        generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        distribution = self.vae.encode(images).latent_dist
+        latents = distribution.sample(generator=generators) * self.vae.config.scaling_factor
+        tokens = self.tokenizer(
+            batch["caption"].to_pylist(), padding="max_length", max_length=77,
+            truncation=True, return_tensors="pt",
+        ).input_ids  # fmt: skip
+        return latents.numpy(), self.text_encoder(tokens)[0].numpy()
+
+    def _save(self, number: int, table: pa.Table, latents: np.ndarray, embeddings) -> None:
+        columns = {"key": table["key"]}
+        for name, array in (("latents", latents), ("text_embeddings", embeddings)):
+            flat = pa.array(array.reshape(-1))
+            columns[name] = pa.FixedSizeListArray.from_arrays(flat, int(np.prod(array.shape[1:])))
+        pq.write_table(pa.table(columns), self.output / f"{number:05d}.parquet")
+
+
+def ray_data(keys: list[str], args) -> float | None:
+    """Ray Data's way, when it is installed: read, map_batches, write."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return None
+    raise NotImplementedError("Ray Data is installed: add its side here")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--resolution", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument(
+        "--image-dir", type=Path, default=Path(tempfile.gettempdir()) / "sdq-bench-images"
+    )
+    args = parser.parse_args()
+    rates: dict[str, list[float]] = {"sdq": [], "plain": []}
+    with deployment(broker_db=14) as env:
+        os.environ.update(env)  # boto3 in this process reads AWS_* like the worker does
+        make_dataset(env, args)
+        worker = WorkerProcess(env, Path(env["SDQ_HOME"]) / "gpu.log").start()
+        try:
+            through_sdq(env, args)  # warm-up: the worker builds its encoders
+            keys = [
+                f"bench/datasets/{DATASET}/images/{n:05d}.parquet"
+                for n in range(-(-args.images // ROWS_PER_SHARD))
+            ]
+            plain = PlainLoop(keys, args)
+            for _ in range(args.rounds):
+                rates["sdq"].append(through_sdq(env, args))
+                rates["plain"].append(plain.run())
+        finally:
+            worker.stop()
+    sdq_rate, plain_rate = (statistics.median(rates[name]) for name in ("sdq", "plain"))
+    ratios = [s / p for s, p in zip(rates["sdq"], rates["plain"], strict=True)]
+    print(
+        json.dumps(
+            {
+                "images": args.images,
+                "resolution": args.resolution,
+                "batch_size": args.batch_size,
+                "sdq_samples_per_second": round(sdq_rate, 2),
+                "plain_samples_per_second": round(plain_rate, 2),
+                "ray_data_samples_per_second": ray_data(keys, args),
+                "rounds": {name: [round(r, 2) for r in values] for name, values in rates.items()},
+                "sdq_vs_plain": round(statistics.median(ratios), 3),
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

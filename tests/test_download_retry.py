@@ -1,0 +1,85 @@
+"""Failures that may pass: a server's Retry-After is honoured within a fetch, and
+`sdq download --retry-failed NAME` fetches again only the rows that failed for a
+transient reason, keeping every other row as it was."""
+
+import sqlite3
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from sdq.models.datasets import is_transient
+from sdq.models.settings import DownloadSettings
+from sdq.workers.download.fetch import Fetcher, FetchFailed
+from tests.conftest import ROOT, sdq_json
+from tests.hostile_server import HostileServer
+from tests.netns_download import DOWNLOAD_ENV, write_list
+from tests.services import clean_env
+
+SETTINGS = DownloadSettings(allow_networks=("127.0.0.1/32",), retries=1, read_timeout=5)
+
+
+@pytest.mark.parametrize(
+    ("reason", "transient"),
+    [
+        ("timeout", True),
+        ("connection failed", True),
+        ("connection failed: SSLError", True),
+        ("http 429", True),
+        ("http 503", True),
+        ("http 404", False),
+        ("blocked address", False),
+        ("not an image", False),
+        ("host not found", False),
+    ],
+)
+def test_which_reasons_may_pass(reason: str, transient: bool) -> None:
+    assert is_transient(reason) is transient
+
+
+def test_a_short_retry_after_is_waited_for_and_a_long_one_is_not() -> None:
+    with HostileServer() as server:
+        fetcher = Fetcher(SETTINGS)
+        started = time.monotonic()
+        fetched = fetcher.fetch(f"{server.base}/retry-after/1.jpg")
+        assert time.monotonic() - started >= 1  # the server's word, not the 0.5 s backoff
+        assert fetched.data[:2] == b"\xff\xd8"
+        with pytest.raises(FetchFailed, match="http 429"):
+            fetcher.fetch(f"{server.base}/retry-after/3600.jpg")
+        assert server.server.RequestHandlerClass.hits["/retry-after/3600.jpg"] == 1
+
+
+def test_retry_failed_fetches_only_transient_failures_again(tmp_path: Path) -> None:
+    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT)}
+    with HostileServer() as server:
+        hits = server.server.RequestHandlerClass.hits
+        paths = ["/photo.jpg", "/recovering.jpg", "/missing.jpg", "/busy.jpg", "/img/1.jpg"]
+        rows = [{"url": server.base + path, "caption": f"row {path}"} for path in paths]
+        write_list(tmp_path / "list.csv", rows)
+        first = sdq_json(
+            env, "download", str(tmp_path / "list.csv"), "--dataset", "flaky",
+            "--rows-per-shard", "3", cwd=tmp_path,
+        )  # fmt: skip
+        assert first["reasons"] == {"http 404": 1, "http 429": 1, "http 503": 1}
+        shard = tmp_path / "sdq-data/store/datasets/flaky/images/00000.parquet"
+        before = pq.read_table(shard).to_pylist()
+        fetched_before = dict(hits)
+
+        again = sdq_json(env, "download", "--retry-failed", "flaky", cwd=tmp_path)
+    assert again["reasons"] == {"http 404": 1, "http 429": 1}
+    assert again["by_status"] == {"success": 3, "failed": 2}
+    # Only the transient failures were asked for again.
+    fetched_again = {path: hits[path] - fetched_before.get(path, 0) for path in paths}
+    assert fetched_again == {
+        "/photo.jpg": 0, "/recovering.jpg": 1, "/missing.jpg": 0, "/busy.jpg": 2, "/img/1.jpg": 0
+    }  # fmt: skip
+    after = pq.read_table(shard).to_pylist()
+    assert after[0] == before[0]  # kept as it was, image bytes and all
+    assert after[1]["status"] == "success" and after[1]["jpg"]
+    assert after[2] == before[2]
+    with sqlite3.connect(tmp_path / "sdq-data/sdq.db") as db:
+        assert db.execute("SELECT count(*) FROM samples").fetchone()[0] == len(paths)
+        assert db.execute(
+            "SELECT status, reason FROM samples WHERE url LIKE '%/recovering.jpg'"
+        ).fetchone() == ("success", None)
