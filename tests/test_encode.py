@@ -19,7 +19,7 @@ from PIL import Image
 from sdq.models.datasets import latent_seed
 from sdq.models.tiny import content_hash
 from sdq.workers.encode.shards import read_tensor
-from sdq.workers.tiny import build_text_encoder, build_tokenizer, build_vae
+from sdq.workers.tiny import build_pipeline, build_text_encoder, build_tokenizer, build_vae
 from tests.conftest import BUCKET, ROOT, WorkerProcess, sdq_json
 from tests.hostile_server import HostileServer
 from tests.netns_download import DOWNLOAD_ENV
@@ -101,6 +101,24 @@ def test_encode_embedded_matches_a_direct_computation_and_is_served_again(
         )
     again = sdq_json(env, "encode", "pets", "--model", "tiny", "--resolution", "64", cwd=tmp_path)
     assert again["latents"] == summary["latents"]
+
+    # The same weights saved as a diffusers folder load through from_pretrained: another
+    # revision (its files' hash) in the folder's float16, the same numbers to its precision.
+    folder = tmp_path / "tiny-saved"
+    build_pipeline().save_pretrained(folder)
+    saved = sdq_json(
+        env, "encode", "pets", "--model", str(folder), "--resolution", "64", cwd=tmp_path
+    )
+    [from_folder] = [entry for entry in saved["latents"] if entry != latents]
+    for number in range(3):
+        name = f"{number:05d}.parquet"
+        half = read_tensor(pq.read_table(store / from_folder["prefix"] / name), "latents")
+        assert half.dtype == np.float16
+        np.testing.assert_allclose(
+            half,
+            read_tensor(pq.read_table(store / latents["prefix"] / name), "latents"),
+            atol=5e-3,
+        )
 
 
 def test_encode_on_services_writes_latents_to_s3_with_lineage_to_the_urls(

@@ -7,7 +7,6 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from sdq.models import registry, tiny
 from sdq.models.store import ObjectStore, S3Store
@@ -18,17 +17,22 @@ class ModelUnavailable(Exception):
 
 
 @dataclass(frozen=True)
+class Location:
+    """What diffusers' and transformers' `from_pretrained` take: a hub id at a commit, or
+    a local folder (revision None)."""
+
+    path: str
+    revision: str | None = None
+
+
+@dataclass(frozen=True)
 class ModelFiles:
     store: ObjectStore
     cache_dir: Path
 
-    def locate(self, source: str, revision: str) -> dict[str, Any]:
-        """Arguments for diffusers' and transformers' `from_pretrained`."""
+    def locate(self, source: str, revision: str) -> Location:
         if source.startswith(registry.HUB_SOURCE):
-            return {
-                "pretrained_model_name_or_path": source.removeprefix(registry.HUB_SOURCE),
-                "revision": revision,
-            }
+            return Location(source.removeprefix(registry.HUB_SOURCE), revision)
         if source.startswith("s3://"):
             folder = self._pull(S3Store.from_uri(source), "", revision)
         elif source.startswith(registry.STORE_SOURCE):
@@ -38,7 +42,7 @@ class ModelFiles:
             folder = Path(source)
             if not folder.is_dir():
                 raise ModelUnavailable(f"model folder {source} does not exist on this worker")
-        return {"pretrained_model_name_or_path": str(folder)}
+        return Location(str(folder))
 
     def _pull(self, store: ObjectStore, prefix: str, revision: str) -> Path:
         """Copies a stored model to local disk once per machine, keyed by its revision."""

@@ -57,11 +57,12 @@ class LoadedEncoders:
             vae, text_encoder, tokenizer = build_vae(), build_text_encoder(), build_tokenizer()
         else:
             where = self.files.locate(spec.model_source, spec.model_revision)
-            vae = AutoencoderKL.from_pretrained(**where, subfolder="vae", dtype=dtype)
+            found = {"revision": where.revision}
+            vae = AutoencoderKL.from_pretrained(where.path, subfolder="vae", dtype=dtype, **found)
             text_encoder = CLIPTextModel.from_pretrained(
-                **where, subfolder="text_encoder", dtype=dtype
+                where.path, subfolder="text_encoder", dtype=dtype, **found
             )
-            tokenizer = CLIPTokenizer.from_pretrained(**where, subfolder="tokenizer")
+            tokenizer = CLIPTokenizer.from_pretrained(where.path, subfolder="tokenizer", **found)
         device = torch.device(device_name())
         vae = vae.to(device, dtype).eval().requires_grad_(False)
         text_encoder = text_encoder.to(device, dtype).eval().requires_grad_(False)

@@ -47,8 +47,9 @@ class PipelineCache:
             check_tiny_revision(spec.model_revision)
             pipeline = build_pipeline()
         else:
+            where = self.files.locate(spec.model_source, spec.model_revision)
             pipeline = AutoPipelineForText2Image.from_pretrained(
-                **self.files.locate(spec.model_source, spec.model_revision), dtype=dtype
+                where.path, revision=where.revision, dtype=dtype
             )
         if pipeline.dtype != dtype:
             pipeline = pipeline.to(dtype=dtype)
