@@ -209,7 +209,8 @@ def through_ray(keys: list[str], args) -> float:
     return len(pq.read_table(output, columns=["key"])) / seconds
 
 
-def ray_installed() -> bool:
+def start_ray() -> bool:
+    """Starts Ray in this process when it is installed; says whether it is."""
     try:
         import ray
     except ImportError:
@@ -229,7 +230,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     rates: dict[str, list[float]] = {"sdq": [], "plain": []}
-    if ray_installed():
+    if start_ray():
         rates["ray_data"] = []
     with deployment(broker_db=14) as env:
         os.environ.update(env)  # boto3 in this process reads AWS_* like the worker does
