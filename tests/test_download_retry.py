@@ -67,10 +67,17 @@ def test_retry_failed_fetches_only_transient_failures_again(tmp_path: Path) -> N
         fetched_before = dict(hits)
 
         again = sdq_json(env, "download", "--retry-failed", "flaky", cwd=tmp_path)
+        fetched_again = {path: hits[path] - fetched_before.get(path, 0) for path in paths}
+
+        # A dataset whose failures will not pass has nothing to retry: a run with no jobs,
+        # finished as it is written.
+        write_list(tmp_path / "gone.csv", [rows[2]])
+        sdq_json(env, "download", str(tmp_path / "gone.csv"), "--dataset", "gone", cwd=tmp_path)
+        nothing = sdq_json(env, "download", "--retry-failed", "gone", cwd=tmp_path)
+        assert nothing["by_status"] == {"failed": 1}
     assert again["reasons"] == {"http 404": 1, "http 429": 1}
     assert again["by_status"] == {"success": 3, "failed": 2}
     # Only the transient failures were asked for again.
-    fetched_again = {path: hits[path] - fetched_before.get(path, 0) for path in paths}
     assert fetched_again == {
         "/photo.jpg": 0, "/recovering.jpg": 1, "/missing.jpg": 0, "/busy.jpg": 2, "/img/1.jpg": 0
     }  # fmt: skip
@@ -79,7 +86,8 @@ def test_retry_failed_fetches_only_transient_failures_again(tmp_path: Path) -> N
     assert after[1]["status"] == "success" and after[1]["jpg"]
     assert after[2] == before[2]
     with sqlite3.connect(tmp_path / "sdq-data/sdq.db") as db:
-        assert db.execute("SELECT count(*) FROM samples").fetchone()[0] == len(paths)
+        assert db.execute("SELECT count(*) FROM samples").fetchone()[0] == len(paths) + 1
+        assert db.execute("SELECT count(*) FROM runs WHERE finished_at IS NULL").fetchone()[0] == 0
         assert db.execute(
             "SELECT status, reason FROM samples WHERE url LIKE '%/recovering.jpg'"
         ).fetchone() == ("success", None)

@@ -113,6 +113,8 @@ def add_jobs(session: Session, run: Run, kind: Kind, specs: Sequence[Spec]) -> i
     run.job_count = len(specs)
     cached = sum(spec_hash in known for spec_hash in hashes)
     record_submitted(session, run.id, cached=cached, now=now)
+    if not specs:
+        close_runs(session, [run.id])  # nothing to do (a retry with nothing failed): done
     return cached
 
 
