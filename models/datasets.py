@@ -144,8 +144,11 @@ class EncodeSpec:
 
     @property
     def latent_key(self) -> str:
-        prefix = latent_prefix(self.dataset, self.model_revision, self.resolution)
-        return f"{prefix}/{self.shard:05d}.parquet"
+        return latent_key(self.dataset, self.model_revision, self.resolution, self.shard)
+
+
+def latent_key(dataset: str, model_revision: str, resolution: int, shard: int) -> str:
+    return f"{latent_prefix(dataset, model_revision, resolution)}/{shard:05d}.parquet"
 
 
 def latent_prefix(dataset: str, model_revision: str, resolution: int) -> str:

@@ -209,11 +209,20 @@ def record_model(
     session: Session, identity: ModelIdentity, store_prefix: str | None = None
 ) -> None:
     """Adds the identity to the registry unless it is there; safe under concurrent submits."""
+    _record(session, identity.name, identity.source, identity.revision, store_prefix)
+
+
+def record_stored_model(session: Session, name: str, prefix: str, revision: str) -> None:
+    """Registers a pipeline folder in the store under a name: `--model NAME` is then its
+    newest revision (a push, or a training checkpoint)."""
+    _record(session, name, f"{STORE_SOURCE}{prefix}", revision, prefix)
+
+
+def _record(
+    session: Session, name: str, source: str, revision: str, store_prefix: str | None
+) -> None:
     statement = upsert(session, ModelRecord).values(
-        name=identity.name,
-        source=identity.source,
-        revision=identity.revision,
-        store_prefix=store_prefix,
+        name=name, source=source, revision=revision, store_prefix=store_prefix
     )
     key = [ModelRecord.name, ModelRecord.revision]
     if store_prefix:

@@ -105,6 +105,36 @@ def show_dataset(summary: dict[str, Any]) -> None:
         stdout.print(rows_table(summary["latents"], columns, title="latents"))
 
 
+def show_training(status: dict[str, Any]) -> None:
+    stdout.print(
+        f"[bold]train run {status['run_id']}[/bold] ({status['status']}): step "
+        f"{status['step']} of {status['steps']}, {status['dataset']} on {status['base']}"
+    )
+    if status["samples_per_second"]:
+        eta = status["eta_seconds"]
+        left = f", about {eta // 60} min {eta % 60} s left" if eta else ""
+        stdout.print(f"{status['samples_per_second']:.1f} samples/s{left}")
+    if status["losses"]:
+        stdout.print(f"loss {loss_curve([loss for _, loss in status['losses']])}")
+    checkpoints = status["checkpoints"]
+    if checkpoints:
+        stdout.print(rows_table(checkpoints, ["step", "uri"], title="checkpoints"))
+        stdout.print(f"render with: sdq submit PROMPTS --model {status['model']}@STEP")
+
+
+def loss_curve(losses: list[float], width: int = 60) -> str:
+    """The loss as a line of block characters, averaged into `width` buckets."""
+    size = max(1, -(-len(losses) // width))
+    buckets = [
+        sum(losses[i : i + size]) / len(losses[i : i + size]) for i in range(0, len(losses), size)
+    ]
+    low, high = min(buckets), max(buckets)
+    bars = "▁▂▃▄▅▆▇█"
+    span = (high - low) or 1.0
+    line = "".join(bars[int((value - low) / span * (len(bars) - 1))] for value in buckets)
+    return f"{buckets[0]:.4f} {line} {buckets[-1]:.4f}"
+
+
 def rows_table(
     rows: list[dict[str, Any]], columns: list[str], *, title: str | None = None
 ) -> Table:

@@ -16,6 +16,7 @@ GPU_MODULES = {
     "workers/tiny.py",
     "workers/generate/pipelines.py",
     "workers/encode/encoders.py",
+    "workers/train/trainer.py",
 }
 PACKAGES = ("producer", "workers", "models", "migrations")
 

@@ -44,8 +44,9 @@ class Kind:
 GENERATE = Kind("generate", queue="generate")
 DOWNLOAD = Kind("download", queue="download")
 ENCODE = Kind("encode", queue="encode")
+TRAIN = Kind("train", queue="train")
 
-KINDS = {kind.name: kind for kind in (GENERATE, DOWNLOAD, ENCODE)}
+KINDS = {kind.name: kind for kind in (GENERATE, DOWNLOAD, ENCODE, TRAIN)}
 
 
 class UnknownKind(Exception):

@@ -11,6 +11,7 @@ from sdq.producer.cli import admin, runs
 from sdq.producer.download import cli as download
 from sdq.producer.encode import cli as encode
 from sdq.producer.generate import cli as generate
+from sdq.producer.train import cli as train
 from sdq.workers.app import create_app, quiet_libraries
 
 
@@ -27,6 +28,6 @@ def main(ctx: click.Context) -> None:
     ctx.obj = create_app(settings)
 
 
-for group in (generate, download, encode, runs, admin):
+for group in (generate, download, encode, train, runs, admin):
     for command in group.COMMANDS:
         main.add_command(command)

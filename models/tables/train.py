@@ -1,0 +1,68 @@
+"""What only the train kind has: each run's inputs, its loss at every step, and its
+checkpoints, each of them a model that generation can use."""
+
+from datetime import datetime
+
+from sqlalchemy import (
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
+)
+from sqlalchemy.orm import Mapped, mapped_column
+
+from sdq.models.tables import Base, Id
+
+
+class TrainInput(Base):
+    """A latent shard a train run reads: the link from a checkpoint back to its data."""
+
+    __tablename__ = "train_inputs"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    latent_shard_id: Mapped[int] = mapped_column(
+        ForeignKey("latent_shards.id", ondelete="CASCADE"), primary_key=True
+    )
+
+
+class TrainStep(Base):
+    """One optimizer step: what the loss curve and the throughput figures are made of."""
+
+    __tablename__ = "train_steps"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    loss: Mapped[float] = mapped_column(Float)
+    lr: Mapped[float] = mapped_column(Float)
+    samples_per_second: Mapped[float] = mapped_column(Float)
+    at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.current_timestamp()
+    )
+
+
+class Checkpoint(Base):
+    """The state after `step`: everything to resume from (under `uri`), and the model it
+    makes (`model_prefix` in the store, registered under `model_revision`)."""
+
+    __tablename__ = "checkpoints"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    uri: Mapped[str] = mapped_column(Text)
+    model_prefix: Mapped[str] = mapped_column(Text)
+    model_revision: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.current_timestamp()
+    )
+
+    __table_args__ = (
+        UniqueConstraint("run_id", "step", name="uq_checkpoints_run_id_step"),
+        # From a generated image's model revision to the checkpoint that made it.
+        Index("ix_checkpoints_model_revision", "model_revision"),
+    )

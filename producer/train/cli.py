@@ -1,0 +1,175 @@
+"""The train commands: fit a base model's U-Net on a dataset's latents, and follow a run."""
+
+from typing import Any
+
+import click
+
+from sdq.models.registry import ModelNotFound, resolve_model
+from sdq.models.tables import Run
+from sdq.models.training import MIXED_PRECISION, TrainOptions
+from sdq.producer import display
+from sdq.producer.cli.common import (
+    ensure_schema,
+    found,
+    json_option,
+    lookup,
+    pass_app,
+    report_submission,
+    send_run,
+    work_here,
+)
+from sdq.producer.train import lookups as train_lookups
+from sdq.producer.train.submit import MissingLatents, TrainSubmission, record_train
+from sdq.workers.app import SdqCelery
+
+
+class TrainGroup(click.Group):
+    """`sdq train NAME ...` starts a run; `sdq train status RUN` follows one."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
+            args = ["start", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=TrainGroup)
+def train() -> None:
+    """Train a base model's U-Net on a dataset's latents: `sdq train NAME --base M --steps
+    N`. Each checkpoint is a model `sdq submit --model RUN@STEP` renders with."""
+
+
+@train.command()
+@click.argument("name")
+@click.option("--base", required=True, help="The model to start from: any --model source.")
+@click.option("--resolution", default=256, show_default=True, type=click.IntRange(min=8))
+@click.option("--steps", required=True, type=click.IntRange(min=1))
+@click.option("--batch-size", default=8, show_default=True, type=click.IntRange(min=1))
+@click.option("--lr", default=1e-4, show_default=True, type=click.FloatRange(min=0))
+@click.option("--lr-warmup", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option(
+    "--checkpoint-every",
+    default=100,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Steps per train-shard job: each ends with a checkpoint.",
+)
+@click.option("--ema", default=0.9999, show_default=True, help="EMA decay; 0 keeps none.")
+@click.option("--min-snr", default=5.0, show_default=True, help="Min-SNR gamma; 0 for plain MSE.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option(
+    "--mixed-precision", type=click.Choice(MIXED_PRECISION), default="no", show_default=True
+)
+@click.option("--gradient-checkpointing", is_flag=True)
+@click.option("--compile", "compile_", is_flag=True, help="torch.compile the U-Net.")
+@click.option("--into", metavar="MODELNAME", help="Register the checkpoints under this name.")
+@click.option("--wait", is_flag=True, help="Show progress until the last step.")
+@json_option
+@pass_app
+def start(
+    app: SdqCelery,
+    name: str,
+    base: str,
+    resolution: int,
+    into: str | None,
+    wait: bool,
+    as_json: bool,
+    ema: float,
+    min_snr: float,
+    compile_: bool,
+    **options: Any,
+) -> None:
+    """Train on dataset NAME's latents made with the base model at the resolution.
+
+    Without a broker (SDQ_BROKER_URL unset) the work runs here, in this process."""
+    if into is not None and ("@" in into or "/" in into):
+        raise click.UsageError(f"--into {into!r}: a model name has no '@' or '/'")
+    try:
+        train_options = TrainOptions(
+            ema=ema or None, min_snr=min_snr or None, compile=compile_, **options
+        )
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+    ensure_schema(app)
+    submission = _submit(app, name, base, resolution, train_options, into)
+    if app.settings.embedded:
+        work_here(app, submission.run_id, jobs=submission.jobs, done=0)
+    else:
+        sent = send_run(app, submission.run_id)
+        if not wait:
+            _report_submission(submission, sent.messages, as_json)
+            return
+        _watch(app, submission.run_id, submission.jobs, show=not as_json)
+    _report_status(app, submission.run_id, as_json)
+
+
+def _submit(
+    app: SdqCelery,
+    name: str,
+    base: str,
+    resolution: int,
+    options: TrainOptions,
+    into: str | None,
+) -> TrainSubmission:
+    with found():
+        try:
+            with app.sessions() as session:
+                identity = resolve_model(base, store=app.store, session=session)
+            return record_train(
+                app.sessions, name, identity, resolution=resolution, options=options, into=into
+            )
+        except (ModelNotFound, MissingLatents) as error:
+            raise click.UsageError(str(error)) from None
+
+
+def _watch(app: SdqCelery, run_id: int, jobs: int, *, show: bool) -> None:
+    """Until the run closes: every job done, or the chain stopped by a dead job."""
+
+    def finished() -> int:
+        with app.sessions() as session:
+            if session.get_one(Run, run_id).finished_at is not None:
+                return jobs
+            return (
+                train_lookups.train_status(session, run_id)["step"]
+                * jobs
+                // max(1, session.get_one(Run, run_id).options["steps"])
+            )
+
+    display.watch(f"train run {run_id}", jobs, finished, show=show)
+
+
+def _report_submission(submission: TrainSubmission, tasks: int, as_json: bool) -> None:
+    report_submission(
+        {
+            "run_id": submission.run_id,
+            "dataset": submission.dataset,
+            "model": submission.model,
+            "jobs": submission.jobs,
+            "samples": submission.samples,
+            "tasks": tasks,
+        },
+        f"training on {submission.samples} samples in {submission.jobs} train-shard jobs; "
+        f"`sdq train status {submission.run_id}` follows it",
+        as_json=as_json,
+    )
+
+
+def _report_status(app: SdqCelery, run_id: int, as_json: bool) -> None:
+    lookup(
+        app,
+        lambda session: train_lookups.train_status(session, run_id),
+        as_json=as_json,
+        show=display.show_training,
+    )
+
+
+@train.command()
+@click.argument("run_id", type=int, metavar="RUN")
+@json_option
+@pass_app
+def status(app: SdqCelery, run_id: int, as_json: bool) -> None:
+    """Progress, ETA, the loss curve and the checkpoints of train run RUN."""
+    with found():
+        _report_status(app, run_id, as_json)
+
+
+COMMANDS = (train,)

@@ -1,0 +1,79 @@
+"""Questions about train runs, answered from the database: how far a run is, its loss
+curve and throughput, its checkpoints, and what each train-shard job covers."""
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from sdq.models.db import chunked
+from sdq.models.jobs.kinds import TRAIN
+from sdq.models.tables import FINISHED, Job, JobStatus, Run
+from sdq.models.tables.train import Checkpoint, TrainStep
+from sdq.producer.errors import NotFound
+
+# Steps whose speed makes the ETA: the recent ones, not the first (compilation, loading).
+RECENT_STEPS = 50
+
+
+def job_fields(session: Session, job_ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+    """Job id -> the steps it covers, from the job's spec."""
+    found: dict[int, dict[str, Any]] = {}
+    for chunk in chunked(job_ids):
+        for job_id, spec in session.execute(
+            select(Job.id, Job.spec).where(Job.id.in_(chunk), Job.kind == TRAIN.name)
+        ):
+            found[job_id] = {"steps": f"{spec['first_step'] + 1}-{spec['last_step']}"}
+    return found
+
+
+def train_status(session: Session, run_id: int) -> dict[str, Any]:
+    run = session.get(Run, run_id)
+    if run is None or run.kind != TRAIN.name:
+        raise NotFound(f"no train run {run_id}")
+    losses = session.execute(
+        select(TrainStep.step, TrainStep.loss, TrainStep.samples_per_second)
+        .where(TrainStep.run_id == run_id)
+        .order_by(TrainStep.step)
+    ).all()
+    checkpoints = session.scalars(
+        select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.step)
+    ).all()
+    steps = run.options["steps"]
+    step = checkpoints[-1].step if checkpoints else 0
+    speed = statistics.median(row[2] for row in losses[-RECENT_STEPS:]) if losses else None
+    left = (steps - step) * run.options["batch_size"]
+    return {
+        "run_id": run_id,
+        "status": _status(session, run_id, done=step >= steps),
+        "dataset": run.options["dataset"],
+        "base": run.options["base"],
+        "model": run.options["into"] or str(run_id),
+        "step": step,
+        "steps": steps,
+        "samples_per_second": round(speed, 2) if speed else None,
+        "eta_seconds": round(left / speed) if speed and left else None,
+        "losses": [[row[0], row[1]] for row in losses],
+        "checkpoints": [
+            {"step": c.step, "uri": c.uri, "model_revision": c.model_revision} for c in checkpoints
+        ],
+    }
+
+
+def _status(session: Session, run_id: int, *, done: bool) -> str:
+    counts = dict(
+        session.execute(
+            select(Job.status, func.count()).where(Job.run_id == run_id).group_by(Job.status)
+        )
+        .tuples()
+        .all()
+    )
+    counts = {status: counts.get(status, 0) for status in JobStatus}
+    if done:
+        return "succeeded"
+    if counts[JobStatus.dead] or counts[JobStatus.cancelled]:
+        return "failed" if counts[JobStatus.dead] else "cancelled"
+    unfinished = sum(count for status, count in counts.items() if status not in FINISHED)
+    return "running" if counts[JobStatus.running] else "queued" if unfinished else "stopped"

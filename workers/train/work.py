@@ -1,0 +1,222 @@
+"""The train work: one train-shard job takes a run from the checkpoint at its first step
+to the one at its last, records every step's loss, and writes the run's next job in the
+same transaction as the checkpoint, so the database, not the broker, drives the chain.
+Plain code, no Celery; torch loads lazily.
+
+A worker keeps the state it has just checkpointed and goes on from it in memory when the
+next job comes to it; any other worker restores the checkpoint from the store.
+"""
+
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing
+from dataclasses import replace
+from pathlib import Path
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from sdq.models.db import insert_rows, upsert
+from sdq.models.jobs.delivery import Work
+from sdq.models.jobs.kinds import TRAIN
+from sdq.models.jobs.lifecycle import Output, record_events, utcnow
+from sdq.models.jobs.outbox import job_row
+from sdq.models.registry import record_stored_model
+from sdq.models.store import ObjectStore
+from sdq.models.tables import Job, JobStatus
+from sdq.models.tables.train import Checkpoint, TrainStep
+from sdq.models.training import TrainShardSpec, checkpoint_prefix
+from sdq.workers.train.data import LatentStream
+from sdq.workers.weights import ModelFiles, ModelUnavailable
+
+if TYPE_CHECKING:
+    from sdq.workers.train.trainer import TrainState
+
+
+class NotReady(Exception):
+    """The checkpoint this job starts from is not written yet; it will be."""
+
+
+class LiveStates:
+    """The training state this process last checkpointed, by run: the next job of that
+    run goes on from it without reading the checkpoint back."""
+
+    def __init__(self) -> None:
+        self._states: dict[int, TrainState] = {}
+
+    def take(self, run: int, step: int) -> "TrainState | None":
+        state = self._states.pop(run, None)
+        return state if state is not None and state.step == step else None
+
+    def keep(self, state: "TrainState") -> None:
+        self._states = {state.run: state}  # one run at a time fits on a GPU
+
+
+class TrainWork(Work):
+    permanent_errors = (ModelUnavailable,)
+
+    def __init__(
+        self,
+        *,
+        store: ObjectStore,
+        sessions: sessionmaker[Session],
+        files: ModelFiles,
+        live: LiveStates,
+        send_next: Callable[[int], None],
+    ) -> None:
+        self.store = store
+        self.sessions = sessions
+        self.files = files
+        self.live = live
+        self.send_next = send_next
+
+    def run(self, jobs: Sequence[Job]) -> Iterator[Output]:
+        for job in jobs:
+            spec = TrainShardSpec.from_dict(job.spec)
+            yield self._done_before(job.id, spec) or self._train(job.id, spec)
+            self.send_next(spec.run)
+
+    def _done_before(self, job_id: int, spec: TrainShardSpec) -> Output | None:
+        """A job delivered again after its checkpoint was written finds it, and stops."""
+        with self.sessions() as session:
+            checkpoint = _checkpoint(session, spec.run, spec.last_step)
+        if checkpoint is None:
+            return None
+        return Output(job_id, checkpoint.uri, checkpoint.model_revision, work_seconds=None)
+
+    def _train(self, job_id: int, spec: TrainShardSpec) -> Output:
+        from sdq.workers.train.trainer import on_device
+
+        started = perf_counter()
+        state = self._state(spec)
+        stream = LatentStream(
+            spec.inputs,
+            seed=spec.options.seed,
+            batch_size=spec.options.batch_size,
+            read=self.store.get_bytes,
+        )
+        steps: list[dict[str, Any]] = []
+        with closing(on_device(stream.batches(state.step), state.device)) as batches:
+            self._steps(spec, state, batches, steps)
+        output = self._checkpoint(job_id, spec, state, steps, started)
+        self.live.keep(state)
+        return output
+
+    def _steps(self, spec: TrainShardSpec, state: "TrainState", batches, steps: list) -> None:
+        """Steps until the job's last, each one's loss, learning rate and speed noted."""
+        from sdq.workers.train.trainer import train_step
+
+        for latents, embeddings in batches:
+            step_started = perf_counter()
+            loss = train_step(state, spec, latents, embeddings)
+            seconds = perf_counter() - step_started
+            steps.append(
+                {
+                    "run_id": spec.run,
+                    "step": state.step,
+                    "loss": loss,
+                    "lr": state.lr_scheduler.get_last_lr()[0],
+                    "samples_per_second": spec.options.batch_size / seconds,
+                }
+            )
+            if state.step == spec.last_step:
+                return
+
+    def _state(self, spec: TrainShardSpec) -> "TrainState":
+        from sdq.workers.train.trainer import base_unet, load_checkpoint, new_state
+
+        state = self.live.take(spec.run, spec.first_step)
+        if state is not None:
+            return state
+        if spec.first_step == 0:
+            return new_state(spec, base_unet(spec, self.files))
+        with self.sessions() as session:
+            checkpoint = _checkpoint(session, spec.run, spec.first_step)
+        if checkpoint is None:
+            raise NotReady(f"run {spec.run} has no checkpoint at step {spec.first_step} yet")
+        prefix = checkpoint_prefix(spec.run, spec.first_step)
+        with tempfile.TemporaryDirectory(prefix="sdq-checkpoint-") as folder:
+            for key in self.store.list_keys(f"{prefix}/state/"):
+                self.store.get_file(key, Path(folder) / key.removeprefix(f"{prefix}/state/"))
+            return load_checkpoint(spec, Path(folder))
+
+    def _checkpoint(
+        self,
+        job_id: int,
+        spec: TrainShardSpec,
+        state: "TrainState",
+        steps: list[dict[str, Any]],
+        started: float,
+    ) -> Output:
+        """Writes the checkpoint and the model it makes, then, in one transaction, its row,
+        the steps' losses, the model's registration and the run's next job."""
+        from sdq.workers.train.trainer import base_folder, export_model, save_checkpoint
+
+        prefix = checkpoint_prefix(spec.run, state.step)
+        with tempfile.TemporaryDirectory(prefix="sdq-checkpoint-") as folder:
+            save_checkpoint(state, Path(folder) / "state")
+            base = base_folder(spec, self.files, self.files.cache_dir)
+            revision = export_model(state, base, Path(folder) / "model")
+            for path in sorted(Path(folder).rglob("*")):
+                if path.is_file():
+                    self.store.put_file(f"{prefix}/{path.relative_to(folder).as_posix()}", path)
+        uri = self.store.uri(prefix)
+        with self.sessions.begin() as session:
+            _record(session, spec, steps, uri=uri, prefix=prefix, revision=revision)
+        return Output(job_id, uri, revision, work_seconds=perf_counter() - started)
+
+
+def _checkpoint(session: Session, run: int, step: int) -> Checkpoint | None:
+    return session.scalars(
+        select(Checkpoint).where(Checkpoint.run_id == run, Checkpoint.step == step)
+    ).one_or_none()
+
+
+def _record(
+    session: Session,
+    spec: TrainShardSpec,
+    steps: list[dict[str, Any]],
+    *,
+    uri: str,
+    prefix: str,
+    revision: str,
+) -> None:
+    step = spec.last_step
+    if steps:
+        # Steps a killed worker had done are done again, with the same numbers.
+        insert = upsert(session, TrainStep).values(steps)
+        session.execute(
+            insert.on_conflict_do_update(
+                index_elements=["run_id", "step"],
+                set_={name: insert.excluded[name] for name in ("loss", "lr", "samples_per_second")},
+            )
+        )
+    written = session.execute(
+        upsert(session, Checkpoint)
+        .values(
+            run_id=spec.run,
+            step=step,
+            uri=uri,
+            model_prefix=f"{prefix}/model",
+            model_revision=revision,
+        )
+        .on_conflict_do_nothing(index_elements=["run_id", "step"])
+        .returning(Checkpoint.id)
+    ).first()
+    record_stored_model(session, spec.model_name, f"{prefix}/model", revision)
+    if written is None or step >= spec.options.steps:
+        return  # a second writer of this checkpoint: the next job is written already
+    after = replace(
+        spec,
+        first_step=step,
+        last_step=min(step + spec.options.checkpoint_every, spec.options.steps),
+    )
+    now = utcnow()
+    [job_id] = insert_rows(
+        session,
+        Job.__table__,
+        [job_row(spec.run, TRAIN, after.to_dict(), after.hash(), None, now)],
+    )
+    record_events(session, [job_id], JobStatus.queued, at=now)
