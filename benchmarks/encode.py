@@ -77,10 +77,11 @@ def make_dataset(env: dict[str, str], args) -> None:
         worker.start()
         listing = home / "list.parquet"
         write_list(listing, port, args.images)
-        sdq(
+        summary = sdq(
             env, "download", str(listing), "--dataset", DATASET, "--resolution",
             str(args.resolution), "--rows-per-shard", str(ROWS_PER_SHARD), "--wait",
         )  # fmt: skip
+        print(f"dataset: {summary['by_status']} {summary['reasons']}", file=sys.stderr)
     finally:
         worker.stop()
         server.terminate()
@@ -127,6 +128,8 @@ class PlainLoop:
         for number, key in enumerate(self.keys):
             table = pq.read_table(io.BytesIO(self.bucket.Object(key).get()["Body"].read()))
             table = table.filter(pc.equal(table["status"], "success"))
+            if not len(table):
+                continue
             latents, embeddings = [], []
             for start in range(0, len(table), self.args.batch_size):
                 batch = table.slice(start, self.args.batch_size)

@@ -6,6 +6,7 @@ hash, or a hub commit), so the spec hash of an image changes when the weights ch
 
 import hashlib
 import json
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,13 +17,17 @@ from sqlalchemy.orm import Session
 
 from sdq.models import tiny
 from sdq.models.db import upsert
+from sdq.models.jobs.kinds import TRAIN
 from sdq.models.specs import ModelIdentity
 from sdq.models.store import MissingObject, ObjectStore, S3Store
-from sdq.models.tables import ModelRecord
+from sdq.models.tables import ModelRecord, Run
+from sdq.models.tables.train import Checkpoint
 
 SCHEDULER_CONFIG_FILE = "scheduler/scheduler_config.json"
 UNET_CONFIG_FILE = "unet/config.json"
 STORE_SOURCE = "store:"
+# A training checkpoint: the run id or its `--into` name, then the step.
+CHECKPOINT_REF = re.compile(r"(?P<owner>[^/@\s]+)@(?P<step>\d+)")
 HUB_SOURCE = "hub:"
 
 
@@ -83,13 +88,21 @@ def scheduler_from_config(raw: bytes, where: str) -> tuple[str, dict[str, Any]]:
 
 
 def resolve_model(ref: str, *, store: ObjectStore, session: Session) -> ModelIdentity:
-    """`tiny`, a local diffusers folder, an s3:// URI, a pushed name, or a hub id."""
+    """`tiny`, a local diffusers folder, an s3:// URI, a training checkpoint (RUN@STEP or
+    NAME@STEP), a pushed or trained name (its newest revision), or a hub id."""
     if ref == tiny.TINY_NAME:
         return tiny_identity()
     if ref.startswith("s3://"):
         return _resolve_s3(ref)
     if Path(ref).is_dir():
         return _resolve_folder(Path(ref))
+    if (checkpoint := _checkpoint(session, ref)) is not None:
+        return _identity(
+            name=ref,
+            source=f"{STORE_SOURCE}{checkpoint.model_prefix}",
+            revision=checkpoint.model_revision,
+            read=_store_reader(store, f"{checkpoint.model_prefix}/"),
+        )
     if (record := _latest_pushed(session, ref)) is not None:
         return _resolve_pushed(record, store)
     if ref.startswith(HUB_SOURCE) or ref.count("/") == 1:
@@ -151,6 +164,25 @@ def _resolve_s3(uri: str) -> ModelIdentity:
         revision=content_hash(listing.items()),
         read=_store_reader(store, ""),
     )
+
+
+def _checkpoint(session: Session, ref: str) -> Checkpoint | None:
+    """`RUN@STEP` or `NAME@STEP` (a run's `--into` name): that step's checkpoint."""
+    match = CHECKPOINT_REF.fullmatch(ref)
+    if match is None:
+        return None
+    owner, step = match["owner"], int(match["step"])
+    runs = select(Run.id).where(Run.kind == TRAIN.name)
+    if owner.isdigit():
+        runs = runs.where(Run.id == int(owner))
+    else:
+        runs = runs.where(Run.options["into"].as_string() == owner)
+    return session.scalars(
+        select(Checkpoint)
+        .where(Checkpoint.run_id.in_(runs), Checkpoint.step == step)
+        .order_by(Checkpoint.run_id.desc())
+        .limit(1)
+    ).first()
 
 
 def _resolve_pushed(record: ModelRecord, store: ObjectStore) -> ModelIdentity:

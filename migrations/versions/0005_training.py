@@ -75,9 +75,31 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("run_id", "latent_shard_id", name=op.f("pk_train_inputs")),
     )
+    model_revision = {
+        "postgresql": "j.spec ->> 'model_revision'",
+        "sqlite": "json_extract(j.spec, '$.model_revision')",
+    }[op.get_bind().dialect.name]
+    op.execute(IMAGE_SOURCES.format(model_revision=model_revision))
+
+
+# The whole chain behind a generated image: the checkpoint whose model made it, the train
+# run, the latent shards it read, their image shards, and the samples (URLs, captions).
+IMAGE_SOURCES = """
+CREATE VIEW image_sources AS
+SELECT j.id AS job_id, c.run_id AS train_run_id, c.step, c.model_revision,
+       l.uri AS latent_shard, h.uri AS image_shard, s.key, s.url, s.caption
+FROM jobs j
+JOIN checkpoints c ON c.model_revision = {model_revision}
+JOIN train_inputs i ON i.run_id = c.run_id
+JOIN latent_shards l ON l.id = i.latent_shard_id
+JOIN shards h ON h.id = l.shard_id
+JOIN samples s ON s.shard_id = l.shard_id AND s.status = 'success'
+WHERE j.kind = 'generate'
+"""
 
 
 def downgrade() -> None:
+    op.execute("DROP VIEW image_sources")
     op.drop_table("train_inputs")
     op.drop_table("train_steps")
     op.drop_index("ix_checkpoints_model_revision", table_name="checkpoints")
