@@ -39,11 +39,13 @@ ROWS_PER_SHARD = 250
 def make_images(folder: Path, count: int) -> None:
     """Photo-like JPEGs (gradients and noise), 480 to 1600 px on a side; kept between runs."""
     folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
     for n in range(count):
         path = folder / f"{n}.jpg"
         if path.exists():
             continue
+        # A generator per image: picture n is the same whether or not the ones before it
+        # were made in this run (kept from an earlier one).
+        rng = np.random.default_rng(n)
         width, height = (int(side) for side in rng.integers(480, 1601, size=2))
         y, x = np.mgrid[0:height, 0:width]
         base = np.stack([x * 255 / width, y * 255 / height, (x * y) % 255], -1)

@@ -1,0 +1,182 @@
+"""Training on sdq against a plain loop: the same latent shards, the same steps.
+
+The latent shards are made once, untimed: generated JPEGs served over local HTTP, through
+`sdq download` and `sdq encode` with the tiny model. Then, in interleaved rounds,
+  - plain: one process, the shards read into memory before the clock starts, the same
+    optimizer steps (`train_step`, plain PyTorch: AdamW, DDPM noise, min-SNR MSE, EMA);
+  - sdq: `sdq train --wait` end to end, one `sdq worker gpu` process, shards read from an
+    S3 server over HTTP, a checkpoint (state and model) written to it every K steps, every
+    step's loss in Postgres.
+Prints one JSON object with samples/s of each, `sdq_vs_plain`, and how sdq's time splits
+between optimizer steps and the rest (mostly checkpoint writing).
+
+    python benchmarks/train.py [--images 256] [--steps 300] [--checkpoint-every 100]
+        [--batch-size 8] [--rounds 3]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import boto3
+import psycopg
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.download import make_images, write_list  # noqa: E402
+from sdq.models.registry import tiny_identity  # noqa: E402
+from sdq.models.training import LatentInput, TrainOptions, TrainShardSpec  # noqa: E402
+from sdq.workers.train.data import LatentStream  # noqa: E402
+from sdq.workers.train.trainer import base_unet, new_state, train_step  # noqa: E402
+from tests.conftest import WorkerProcess  # noqa: E402
+from tests.services import BENCH_BUCKET, deployment, free_port, listening, wait_for  # noqa: E402
+
+DATASET = "train-bench"
+RESOLUTION = 64
+
+
+def sdq(env: dict[str, str], *args: str) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", *args, "--json"],
+        env=env, cwd=ROOT, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return json.loads(result.stdout)
+
+
+def make_latents(env: dict[str, str], args) -> None:
+    make_images(args.image_dir, args.images)
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        cwd=args.image_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    home = Path(env["SDQ_HOME"])
+    worker = WorkerProcess(
+        {**env, "SDQ_DOWNLOAD_ALLOW_NETWORKS": "127.0.0.0/8"}, home / "cpu.log", pool="cpu"
+    )
+    try:
+        wait_for(lambda: listening(port), what="image server")
+        worker.start()
+        listing = home / "list.parquet"
+        write_list(listing, port, args.images)
+        sdq(env, "download", str(listing), "--dataset", DATASET, "--resolution",
+            str(RESOLUTION), "--rows-per-shard", "64", "--wait")  # fmt: skip
+    finally:
+        worker.stop()
+        server.terminate()
+    sdq(env, "encode", DATASET, "--model", "tiny", "--resolution", str(RESOLUTION), "--wait")
+
+
+def options(args) -> list[str]:
+    return [
+        "--base", "tiny", "--resolution", str(RESOLUTION), "--steps", str(args.steps),
+        "--batch-size", str(args.batch_size), "--checkpoint-every", str(args.checkpoint_every),
+    ]  # fmt: skip
+
+
+def through_sdq(env: dict[str, str], args) -> tuple[float, float]:
+    """Samples/s end to end, and the share of the time spent in optimizer steps."""
+    started = time.perf_counter()
+    status = sdq(env, "train", DATASET, *options(args), "--wait")
+    seconds = time.perf_counter() - started
+    with psycopg.connect(env["SDQ_DATABASE_URL"]) as connection:
+        [stepping] = connection.execute(
+            "SELECT sum(%s / samples_per_second) FROM train_steps WHERE run_id = %s",
+            (args.batch_size, status["run_id"]),
+        ).fetchone()
+    return args.steps * args.batch_size / seconds, stepping / seconds
+
+
+class PlainLoop:
+    """The same steps in this process, the shards in memory before the clock starts."""
+
+    def __init__(self, env: dict[str, str], args) -> None:
+        self.args = args
+        with psycopg.connect(env["SDQ_DATABASE_URL"]) as connection:
+            rows = connection.execute("SELECT uri, samples FROM latent_shards ORDER BY id")
+            inputs = tuple(
+                LatentInput(uri=uri, key=uri.split(f"{BENCH_BUCKET}/", 1)[1], samples=n)
+                for uri, n in rows
+            )
+        bucket = boto3.resource("s3").Bucket(BENCH_BUCKET)
+        files = {item.key: bucket.Object(item.key).get()["Body"].read() for item in inputs}
+        self.stream = LatentStream(
+            inputs, seed=0, batch_size=args.batch_size, read=files.__getitem__
+        )
+        model = tiny_identity()
+        self.spec = TrainShardSpec(
+            run=0, first_step=0, last_step=args.steps, model_name="plain",
+            base_name=model.name, base_source=model.source, base_revision=model.revision,
+            prediction_type="epsilon", scheduler_config=model.scheduler_config,
+            options=TrainOptions(steps=args.steps, batch_size=args.batch_size),
+            inputs=inputs,
+        )  # fmt: skip
+        self.batches = [
+            (torch.from_numpy(b.latents), torch.from_numpy(b.text_embeddings))
+            for b, _ in zip(self.stream.batches(0), range(args.steps), strict=False)
+        ]
+
+    def run(self) -> float:
+        state = new_state(self.spec, base_unet(self.spec, files=None))
+        started = time.perf_counter()
+        for latents, embeddings in self.batches:
+            train_step(state, self.spec, latents, embeddings)
+        return self.args.steps * self.args.batch_size / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--image-dir", type=Path, default=Path(tempfile.gettempdir()) / "sdq-bench-images"
+    )
+    args = parser.parse_args()
+    rates: dict[str, list[float]] = {"sdq": [], "plain": []}
+    stepping: list[float] = []
+    with deployment(broker_db=15) as env:
+        os.environ.update(env)  # boto3 in this process reads AWS_* like the worker does
+        worker = WorkerProcess(env, Path(env["SDQ_HOME"]) / "gpu.log").start()
+        try:
+            make_latents(env, args)
+            plain = PlainLoop(env, args)
+            for _ in range(args.rounds):
+                rate, share = through_sdq(env, args)
+                rates["sdq"].append(rate)
+                stepping.append(share)
+                rates["plain"].append(plain.run())
+        finally:
+            worker.stop()
+    ratios = [s / p for s, p in zip(rates["sdq"], rates["plain"], strict=True)]
+    print(
+        json.dumps(
+            {
+                "steps": args.steps,
+                "batch_size": args.batch_size,
+                "checkpoint_every": args.checkpoint_every,
+                "samples_per_second": {
+                    name: round(statistics.median(values), 2) for name, values in rates.items()
+                },
+                "rounds": {name: [round(r, 2) for r in values] for name, values in rates.items()},
+                # The rest of sdq's time: checkpoints, reading shards, the command, the queue.
+                "sdq_share_in_steps": round(statistics.median(stepping), 3),
+                "sdq_vs_plain": round(statistics.median(ratios), 3),
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

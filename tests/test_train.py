@@ -1,0 +1,155 @@
+"""sdq train end to end: the whole chain embedded (download -> encode -> train ->
+generate, and SQL from the image back to its URLs), and on the services with a real
+worker process: a SIGKILL mid-job resumes to bit-for-bit the weights of an uninterrupted
+run, and a train-shard job delivered again finds its step done."""
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from tests.conftest import ROOT, WorkerProcess, sdq_json
+from tests.hostile_server import HostileServer
+from tests.netns_download import DOWNLOAD_ENV
+from tests.services import clean_env, wait_for
+
+pytestmark = pytest.mark.timeout(600)
+TRAIN = ["--base", "tiny", "--resolution", "64", "--batch-size", "4"]
+
+
+def write_list(path: Path, base: str, rows: int) -> Path:
+    lines = ["url,caption"] + [f"{base}/img/{n}.jpg,picture number {n}" for n in range(rows)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def encoded_dataset(env: dict[str, str], name: str, rows: int, cwd: Path) -> None:
+    with HostileServer() as server:
+        listing = write_list(cwd / f"{name}.csv", server.base, rows)
+        sdq_json(
+            env, "download", str(listing), "--dataset", name, "--resolution", "64",
+            "--rows-per-shard", "8", "--wait", cwd=cwd,
+        )  # fmt: skip
+    sdq_json(env, "encode", name, "--model", "tiny", "--resolution", "64", "--wait", cwd=cwd)
+
+
+def test_the_whole_chain_on_one_machine(tmp_path: Path) -> None:
+    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT)}
+    with HostileServer() as server:
+        listing = write_list(tmp_path / "toy.csv", server.base, 20)
+        sdq_json(
+            env, "download", str(listing), "--dataset", "toy", "--resolution", "64",
+            "--rows-per-shard", "8", cwd=tmp_path,
+        )  # fmt: skip
+    missing = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", "train", "toy", *TRAIN, "--steps", "4"],
+        env=env, cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    assert missing.returncode == 2
+    assert "dataset 'toy' has no latents made with tiny" in missing.stderr
+    assert "`sdq encode toy --model tiny --resolution 64` makes them" in missing.stderr
+
+    sdq_json(env, "encode", "toy", "--model", "tiny", "--resolution", "64", cwd=tmp_path)
+    trained = sdq_json(
+        env, "train", "toy", *TRAIN, "--steps", "60", "--checkpoint-every", "30",
+        "--lr", "1e-3", "--into", "toy-model", cwd=tmp_path,
+    )  # fmt: skip
+    assert (trained["status"], trained["step"], trained["steps"]) == ("succeeded", 60, 60)
+    losses = [loss for _, loss in trained["losses"]]
+    assert [step for step, _ in trained["losses"]] == list(range(1, 61))
+    assert sum(losses[-10:]) < 0.8 * sum(losses[:10])  # it learns
+    assert [c["step"] for c in trained["checkpoints"]] == [30, 60]
+
+    prompts = tmp_path / "prompts.csv"
+    prompts.write_text("prompt,seed\na picture,1\n")
+    render = ["--steps", "2", "--dtype", "float32", "--size", "64x64"]
+    by_step = sdq_json(env, "run", str(prompts), "--model", "toy-model@30", *render, cwd=tmp_path)
+    newest = sdq_json(env, "run", str(prompts), "--model", "toy-model", *render, cwd=tmp_path)
+    assert by_step["counts"] == newest["counts"] == {"succeeded": 1}
+    image_job = newest["jobs"][0]["id"]
+    with sqlite3.connect(tmp_path / "sdq-data/sdq.db") as db:
+        revision = db.execute(
+            "SELECT json_extract(spec, '$.model_revision') FROM jobs WHERE id = ?", (image_job,)
+        ).fetchone()[0]
+        assert revision == trained["checkpoints"][-1]["model_revision"]
+        # From the generated image back to the URLs and captions its model learned from.
+        sources = db.execute(
+            "SELECT train_run_id, step, url, caption FROM image_sources WHERE job_id = ?",
+            (image_job,),
+        ).fetchall()
+        kept = db.execute("SELECT url, caption FROM samples WHERE status = 'success'").fetchall()
+    assert {(step, url, caption) for _, step, url, caption in sources} == {
+        (60, url, caption) for url, caption in kept
+    }
+    assert len(kept) == 20
+
+
+def _jobs(database_url: str, run_id: int) -> list[tuple]:
+    with psycopg.connect(database_url) as connection:
+        return connection.execute(
+            "SELECT id, status, attempts, spec->>'first_step' FROM jobs WHERE run_id = %s "
+            "ORDER BY id",
+            (run_id,),
+        ).fetchall()
+
+
+def _train(env: dict[str, str], *args: str) -> dict:
+    return sdq_json(env, "train", "birds", *TRAIN, "--steps", "120", "--checkpoint-every", "40",
+                    *args)  # fmt: skip
+
+
+def test_a_killed_train_worker_resumes_to_the_same_weights(
+    download_env: dict[str, str], cpu_worker: WorkerProcess, worker: WorkerProcess, tmp_path
+) -> None:
+    database_url = download_env["SDQ_DATABASE_URL"]
+    encoded_dataset(download_env, "birds", 16, tmp_path)
+    steady = _train(download_env, "--wait")
+    assert steady["status"] == "succeeded"
+
+    run_id = _train(download_env)["run_id"]
+
+    def second_job_running() -> int | None:
+        jobs = _jobs(database_url, run_id)
+        return jobs[1][0] if len(jobs) > 1 and jobs[1][1] == "running" else None
+
+    wait_for(second_job_running, what="the second train-shard job", timeout=300)
+    time.sleep(0.5)  # into its steps
+    with psycopg.connect(database_url) as connection:
+        holder = connection.execute(
+            "SELECT worker_host FROM jobs WHERE id = %s", (second_job_running(),)
+        ).fetchone()[0]
+    os.kill(int(holder.rsplit(":", 1)[1]), signal.SIGKILL)
+
+    def finished() -> bool:
+        jobs = _jobs(database_url, run_id)
+        return len(jobs) == 3 and all(status == "succeeded" for _, status, *_ in jobs)
+
+    wait_for(finished, what=f"train run {run_id} to finish", timeout=300)
+    jobs = _jobs(database_url, run_id)
+    assert [attempts for _, _, attempts, _ in jobs] == [1, 2, 1]  # killed mid-job, redone
+    resumed = sdq_json(download_env, "train", "status", str(run_id))
+    # Every checkpoint's model is bit-for-bit the uninterrupted run's: same content hash.
+    assert [c["model_revision"] for c in resumed["checkpoints"]] == [
+        c["model_revision"] for c in steady["checkpoints"]
+    ]
+    assert resumed["losses"] == steady["losses"]
+
+    # The second job delivered again (a lost acknowledgement): it finds its step done.
+    with psycopg.connect(database_url) as connection:
+        connection.execute("UPDATE jobs SET status = 'queued' WHERE id = %s", (jobs[1][0],))
+    requeue = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", "requeue", str(run_id)],
+        env=download_env, cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert requeue.returncode == 0, requeue.stderr
+    wait_for(finished, what="the redelivered job", timeout=120)
+    assert len(_jobs(database_url, run_id)) == 3  # no second successor
+    again = sdq_json(download_env, "train", "status", str(run_id))
+    assert again["checkpoints"] == resumed["checkpoints"]
+    assert again["losses"] == resumed["losses"]
