@@ -134,11 +134,11 @@ def test_a_killed_train_worker_resumes_to_the_same_weights(
     jobs = _jobs(database_url, run_id)
     assert [attempts for _, _, attempts, _ in jobs] == [1, 2, 1]  # killed mid-job, redone
     resumed = sdq_json(download_env, "train", "status", str(run_id))
+    assert resumed["losses"] == steady["losses"]
     # Every checkpoint's model is bit-for-bit the uninterrupted run's: same content hash.
     assert [c["model_revision"] for c in resumed["checkpoints"]] == [
         c["model_revision"] for c in steady["checkpoints"]
     ]
-    assert resumed["losses"] == steady["losses"]
 
     # The second job delivered again (a lost acknowledgement): it finds its step done.
     with psycopg.connect(database_url) as connection:

@@ -64,7 +64,7 @@ def new_state(spec: TrainShardSpec, unet: UNet2DConditionModel) -> TrainState:
     """The state before step 1, around the base model's U-Net."""
     options = spec.options
     device = torch.device(device_name())
-    unet = unet.to(device, torch.float32).train()
+    unet = _without_origin(unet).to(device, torch.float32).train()
     if device.type == "cuda":
         unet = unet.to(memory_format=torch.channels_last)
     if options.gradient_checkpointing:
@@ -95,6 +95,17 @@ def new_state(spec: TrainShardSpec, unet: UNet2DConditionModel) -> TrainState:
         ),
         device=device,
     )
+
+
+def _without_origin(unet: UNet2DConditionModel) -> UNet2DConditionModel:
+    """The U-Net with a config that does not name the folder it was loaded from: saved, that
+    path would make two checkpoints of equal weights hash apart."""
+    if "_name_or_path" not in unet.config:
+        return unet
+    config = {key: value for key, value in unet.config.items() if key != "_name_or_path"}
+    clean = UNet2DConditionModel.from_config(config)
+    clean.load_state_dict(unet.state_dict())
+    return clean
 
 
 def on_device(batches: Iterator[Batch], device: torch.device) -> Iterator[tuple]:
