@@ -45,6 +45,19 @@ class LatentInput:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Validation:
+    """Images rendered from every checkpoint with fixed prompts and seeds, so that a run's
+    page shows how they change as it trains."""
+
+    prompts: tuple[tuple[str, int], ...]  # (prompt, seed)
+    size: int
+    scheduler: str
+    dtype: str
+    steps: int = 25
+    guidance: float = 7.5
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainShardSpec:
     """One train-shard job: steps (first_step, last_step] of run `run`, from the
     checkpoint at first_step (none when 0) to the one at last_step."""
@@ -61,16 +74,23 @@ class TrainShardSpec:
     scheduler_config: dict[str, Any]
     options: TrainOptions
     inputs: tuple[LatentInput, ...] = field(default=())
+    validation: Validation | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainShardSpec":
+        validation = data.get("validation")
+        if validation is not None:
+            prompts = tuple((prompt, seed) for prompt, seed in validation["prompts"])
+            validation = Validation(**{**validation, "prompts": prompts})
+        nested = ("options", "inputs", "validation")
         return cls(
-            **{key: value for key, value in data.items() if key not in ("options", "inputs")},
+            **{key: value for key, value in data.items() if key not in nested},
             options=TrainOptions(**data["options"]),
             inputs=tuple(LatentInput(**item) for item in data["inputs"]),
+            validation=validation,
         )
 
     def hash(self) -> str:

@@ -120,6 +120,7 @@ def show_training(status: dict[str, Any]) -> None:
     if checkpoints:
         stdout.print(rows_table(checkpoints, ["step", "uri"], title="checkpoints"))
         stdout.print(f"render with: sdq submit PROMPTS --model {status['model']}@STEP")
+    stdout.print(f"page: {status['page']}", soft_wrap=True)
 
 
 def loss_curve(losses: list[float], width: int = 60) -> str:

@@ -4,6 +4,7 @@ worker process: a SIGKILL mid-job resumes to bit-for-bit the weights of an unint
 run, and a train-shard job delivered again finds its step done."""
 
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -56,15 +57,26 @@ def test_the_whole_chain_on_one_machine(tmp_path: Path) -> None:
     assert "`sdq encode toy --model tiny --resolution 64` makes them" in missing.stderr
 
     sdq_json(env, "encode", "toy", "--model", "tiny", "--resolution", "64", cwd=tmp_path)
+    validation = tmp_path / "validation.csv"
+    validation.write_text("prompt,seed\na red square,7\na blue circle,\n")
     trained = sdq_json(
         env, "train", "toy", *TRAIN, "--steps", "60", "--checkpoint-every", "30",
-        "--lr", "1e-3", "--into", "toy-model", cwd=tmp_path,
+        "--lr", "1e-3", "--into", "toy-model", "--validation-prompts", str(validation),
+        cwd=tmp_path,
     )  # fmt: skip
     assert (trained["status"], trained["step"], trained["steps"]) == ("succeeded", 60, 60)
     losses = [loss for _, loss in trained["losses"]]
     assert [step for step, _ in trained["losses"]] == list(range(1, 61))
     assert sum(losses[-10:]) < 0.8 * sum(losses[:10])  # it learns
     assert [c["step"] for c in trained["checkpoints"]] == [30, 60]
+    # The run's page: the loss curve, and each checkpoint's validation images.
+    store = tmp_path / "sdq-data/store"
+    page = (store / f"runs/{trained['run_id']}/training.html").read_text()
+    assert "<polyline" in page
+    images = re.findall(r'<img src="\.\./\.\./(images/\w+\.png)"', page)
+    assert len(images) == len(set(images)) == 4  # 2 checkpoints x 2 prompts, all distinct
+    assert all((store / image).is_file() for image in images)
+    assert "a blue circle (seed 3)" in page  # no seed given: its line
 
     prompts = tmp_path / "prompts.csv"
     prompts.write_text("prompt,seed\na picture,1\n")
@@ -109,7 +121,9 @@ def test_a_killed_train_worker_resumes_to_the_same_weights(
 ) -> None:
     database_url = download_env["SDQ_DATABASE_URL"]
     encoded_dataset(download_env, "birds", 16, tmp_path)
-    steady = _train(download_env, "--wait")
+    validation = tmp_path / "validation.csv"
+    validation.write_text("prompt,seed\na bird,5\n")
+    steady = _train(download_env, "--wait", "--validation-prompts", str(validation))
     assert steady["status"] == "succeeded"
 
     run_id = _train(download_env)["run_id"]
@@ -153,3 +167,16 @@ def test_a_killed_train_worker_resumes_to_the_same_weights(
     again = sdq_json(download_env, "train", "status", str(run_id))
     assert again["checkpoints"] == resumed["checkpoints"]
     assert again["losses"] == resumed["losses"]
+
+    # The uninterrupted run's checkpoints each rendered its validation prompt on the
+    # generate queue, from that checkpoint's model.
+    def rendered() -> bool:
+        with psycopg.connect(database_url) as connection:
+            return connection.execute(
+                "SELECT count(*) FILTER (WHERE j.status = 'succeeded'), "
+                "array_agg(DISTINCT j.spec->>'model_revision') FROM runs r "
+                "JOIN jobs j ON j.run_id = r.id WHERE (r.options->>'validation_of')::int = %s",
+                (steady["run_id"],),
+            ).fetchone() == (3, sorted(c["model_revision"] for c in steady["checkpoints"]))
+
+    wait_for(rendered, what="the validation renders", timeout=180)

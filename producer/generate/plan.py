@@ -4,6 +4,7 @@ import secrets
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from sdq.models.generations import PlannedJob
 from sdq.models.specs import GenerationSpec, ModelIdentity
 from sdq.producer.generate.prompts import MAX_SEED, PromptRow
 
@@ -22,13 +23,6 @@ class Defaults:
     n: int = 1
     negative_prompt: str = ""
     dtype: str | None = None  # None: the model's preferred precision
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlannedJob:
-    spec: GenerationSpec
-    style: str | None
-    source_line: int
 
 
 def plan_jobs(

@@ -1,15 +1,18 @@
 """The train commands: fit a base model's U-Net on a dataset's latents, and follow a run."""
 
+from pathlib import Path
 from typing import Any
 
 import click
+from sqlalchemy.orm import Session
 
 from sdq.models.registry import ModelNotFound, resolve_model
 from sdq.models.tables import Run
-from sdq.models.training import MIXED_PRECISION, TrainOptions
+from sdq.models.training import MIXED_PRECISION, TrainOptions, Validation
 from sdq.producer import display
 from sdq.producer.cli.common import (
     ensure_schema,
+    exit_bad_input,
     found,
     json_option,
     lookup,
@@ -18,7 +21,9 @@ from sdq.producer.cli.common import (
     send_run,
     work_here,
 )
+from sdq.producer.generate.prompts import InvalidInput, read_prompts
 from sdq.producer.train import lookups as train_lookups
+from sdq.producer.train.page import page_key, training_html
 from sdq.producer.train.submit import MissingLatents, TrainSubmission, record_train
 from sdq.workers.app import SdqCelery
 
@@ -61,6 +66,12 @@ def train() -> None:
 )
 @click.option("--gradient-checkpointing", is_flag=True)
 @click.option("--compile", "compile_", is_flag=True, help="torch.compile the U-Net.")
+@click.option(
+    "--validation-prompts",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A prompt file (as `sdq submit` reads; a row without a seed gets its line): "
+    "each checkpoint renders these, with the same seeds, on the generate queue.",
+)
 @click.option("--into", metavar="MODELNAME", help="Register the checkpoints under this name.")
 @click.option("--wait", is_flag=True, help="Show progress until the last step.")
 @json_option
@@ -71,6 +82,7 @@ def start(
     base: str,
     resolution: int,
     into: str | None,
+    validation_prompts: Path | None,
     wait: bool,
     as_json: bool,
     ema: float,
@@ -89,10 +101,15 @@ def start(
         )
     except ValueError as error:
         raise click.UsageError(str(error)) from None
+    prompts = _validation_prompts(validation_prompts) if validation_prompts else ()
     ensure_schema(app)
-    submission = _submit(app, name, base, resolution, train_options, into)
+    submission = _submit(app, name, base, resolution, train_options, into, prompts)
     if app.settings.embedded:
         work_here(app, submission.run_id, jobs=submission.jobs, done=0)
+        with app.sessions() as session:
+            validations = train_lookups.validation_runs(session, submission.run_id)
+        for run_id, jobs in validations:
+            work_here(app, run_id, jobs=jobs, done=0)
     else:
         sent = send_run(app, submission.run_id)
         if not wait:
@@ -102,6 +119,16 @@ def start(
     _report_status(app, submission.run_id, as_json)
 
 
+def _validation_prompts(path: Path) -> tuple[tuple[str, int], ...]:
+    try:
+        return tuple(
+            (row.prompt, row.seed if row.seed is not None else row.line)
+            for row in read_prompts(path)
+        )
+    except InvalidInput as problems:
+        exit_bad_input(problems)
+
+
 def _submit(
     app: SdqCelery,
     name: str,
@@ -109,13 +136,28 @@ def _submit(
     resolution: int,
     options: TrainOptions,
     into: str | None,
+    prompts: tuple[tuple[str, int], ...],
 ) -> TrainSubmission:
     with found():
         try:
             with app.sessions() as session:
                 identity = resolve_model(base, store=app.store, session=session)
+            validation = None
+            if prompts:
+                validation = Validation(
+                    prompts=prompts,
+                    size=resolution,
+                    scheduler=identity.scheduler,
+                    dtype=identity.default_dtype,
+                )
             return record_train(
-                app.sessions, name, identity, resolution=resolution, options=options, into=into
+                app.sessions,
+                name,
+                identity,
+                resolution=resolution,
+                options=options,
+                into=into,
+                validation=validation,
             )
         except (ModelNotFound, MissingLatents) as error:
             raise click.UsageError(str(error)) from None
@@ -154,12 +196,17 @@ def _report_submission(submission: TrainSubmission, tasks: int, as_json: bool) -
 
 
 def _report_status(app: SdqCelery, run_id: int, as_json: bool) -> None:
-    lookup(
-        app,
-        lambda session: train_lookups.train_status(session, run_id),
-        as_json=as_json,
-        show=display.show_training,
-    )
+    """The run's status, with its page (loss curve, validation images) written anew."""
+
+    def status_and_page(session: Session) -> dict[str, Any]:
+        status = train_lookups.train_status(session, run_id)
+        page = training_html(status, train_lookups.validation_images(session, run_id))
+        status["page"] = app.store.put_bytes(
+            page_key(run_id), page.encode(), content_type="text/html; charset=utf-8"
+        )
+        return status
+
+    lookup(app, status_and_page, as_json=as_json, show=display.show_training)
 
 
 @train.command()

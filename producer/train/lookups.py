@@ -9,8 +9,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from sdq.models.db import chunked
-from sdq.models.jobs.kinds import TRAIN
+from sdq.models.jobs.kinds import GENERATE, TRAIN
 from sdq.models.tables import FINISHED, Job, JobStatus, Run
+from sdq.models.tables.generate import Generation
 from sdq.models.tables.train import Checkpoint, TrainStep
 from sdq.producer.errors import NotFound
 
@@ -77,3 +78,34 @@ def _status(session: Session, run_id: int, *, done: bool) -> str:
         return "failed" if counts[JobStatus.dead] else "cancelled"
     unfinished = sum(count for status, count in counts.items() if status not in FINISHED)
     return "running" if counts[JobStatus.running] else "queued" if unfinished else "stopped"
+
+
+def validation_runs(session: Session, run_id: int) -> list[tuple[int, int]]:
+    """(run id, jobs) of the train run's validation renders not finished yet."""
+    return [
+        (validation.id, validation.job_count)
+        for validation in session.scalars(
+            select(Run)
+            .where(Run.kind == GENERATE.name, Run.finished_at.is_(None))
+            .where(Run.options["validation_of"].as_integer() == run_id)
+            .order_by(Run.id)
+        )
+    ]
+
+
+def validation_images(session: Session, run_id: int) -> list[dict[str, Any]]:
+    """Every validation image of the train run: the checkpoint's step, prompt, seed,
+    status and spec hash (which names the image in the store)."""
+    rows = session.execute(
+        select(Run.options["step"].as_integer(), Generation.prompt, Generation.seed, Job.status,
+               Job.spec_hash)
+        .join(Job, Job.run_id == Run.id)
+        .join(Generation, Generation.job_id == Job.id)
+        .where(Run.kind == GENERATE.name)
+        .where(Run.options["validation_of"].as_integer() == run_id)
+        .order_by(Run.id, Generation.source_line)
+    )  # fmt: skip
+    return [
+        {"step": step, "prompt": prompt, "seed": seed, "status": status, "spec_hash": spec_hash}
+        for step, prompt, seed, status, spec_hash in rows
+    ]

@@ -15,7 +15,7 @@ from sdq.models.tables import Run
 from sdq.models.tables.download import Shard
 from sdq.models.tables.encode import LatentShard
 from sdq.models.tables.train import TrainInput
-from sdq.models.training import LatentInput, TrainOptions, TrainShardSpec
+from sdq.models.training import LatentInput, TrainOptions, TrainShardSpec, Validation
 from sdq.producer.download.lookups import dataset_named
 
 
@@ -40,6 +40,7 @@ def record_train(
     resolution: int,
     options: TrainOptions,
     into: str | None,
+    validation: Validation | None = None,
 ) -> TrainSubmission:
     with sessions.begin() as session:
         shards = _latent_shards(session, name, base, resolution)
@@ -73,6 +74,7 @@ def record_train(
             scheduler_config=base.scheduler_config,
             options=options,
             inputs=tuple(_input(name, shard, number) for shard, number in shards),
+            validation=validation,
         )
         add_jobs(session, run, TRAIN, [first])
         run.job_count = -(-options.steps // options.checkpoint_every)

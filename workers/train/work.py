@@ -10,29 +10,27 @@ next job comes to it; any other worker restores the checkpoint from the store.
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing
-from dataclasses import replace
 from pathlib import Path
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.db import insert_rows, upsert
 from sdq.models.jobs.delivery import Work
-from sdq.models.jobs.kinds import TRAIN
-from sdq.models.jobs.lifecycle import Output, record_events, utcnow
-from sdq.models.jobs.outbox import job_row
-from sdq.models.registry import record_stored_model
+from sdq.models.jobs.lifecycle import Output
 from sdq.models.store import ObjectStore
-from sdq.models.tables import Job, JobStatus
-from sdq.models.tables.train import Checkpoint, TrainStep
+from sdq.models.tables import Job
 from sdq.models.training import TrainShardSpec, checkpoint_prefix
 from sdq.workers.train.data import LatentStream
+from sdq.workers.train.records import checkpoint_at, record_checkpoint
 from sdq.workers.weights import ModelFiles, ModelUnavailable
 
 if TYPE_CHECKING:
     from sdq.workers.train.trainer import TrainState
+
+
+# A job's output, and the runs it gave new jobs to send.
+Done = tuple[Output, list[int]]
 
 
 class NotReady(Exception):
@@ -75,18 +73,22 @@ class TrainWork(Work):
     def run(self, jobs: Sequence[Job]) -> Iterator[Output]:
         for job in jobs:
             spec = TrainShardSpec.from_dict(job.spec)
-            yield self._done_before(job.id, spec) or self._train(job.id, spec)
-            self.send_next(spec.run)
+            output, new_work = self._done_before(job.id, spec) or self._train(job.id, spec)
+            yield output
+            for run_id in new_work:
+                self.send_next(run_id)
 
-    def _done_before(self, job_id: int, spec: TrainShardSpec) -> Output | None:
-        """A job delivered again after its checkpoint was written finds it, and stops."""
+    def _done_before(self, job_id: int, spec: TrainShardSpec) -> "Done | None":
+        """A job delivered again after its checkpoint was written finds it, and stops (its
+        run's next job is sent again, in case the first send was lost)."""
         with self.sessions() as session:
-            checkpoint = _checkpoint(session, spec.run, spec.last_step)
+            checkpoint = checkpoint_at(session, spec.run, spec.last_step)
         if checkpoint is None:
             return None
-        return Output(job_id, checkpoint.uri, checkpoint.model_revision, work_seconds=None)
+        output = Output(job_id, checkpoint.uri, checkpoint.model_revision, work_seconds=None)
+        return output, [spec.run]
 
-    def _train(self, job_id: int, spec: TrainShardSpec) -> Output:
+    def _train(self, job_id: int, spec: TrainShardSpec) -> "Done":
         from sdq.workers.train.trainer import on_device
 
         started = perf_counter()
@@ -100,9 +102,9 @@ class TrainWork(Work):
         steps: list[dict[str, Any]] = []
         with closing(on_device(stream.batches(state.step), state.device)) as batches:
             self._steps(spec, state, batches, steps)
-        output = self._checkpoint(job_id, spec, state, steps, started)
+        done = self._checkpoint(job_id, spec, state, steps, started)
         self.live.keep(state)
-        return output
+        return done
 
     def _steps(self, spec: TrainShardSpec, state: "TrainState", batches, steps: list) -> None:
         """Steps until the job's last, each one's loss, learning rate and speed noted."""
@@ -133,7 +135,7 @@ class TrainWork(Work):
         if spec.first_step == 0:
             return new_state(spec, base_unet(spec, self.files))
         with self.sessions() as session:
-            checkpoint = _checkpoint(session, spec.run, spec.first_step)
+            checkpoint = checkpoint_at(session, spec.run, spec.first_step)
         if checkpoint is None:
             raise NotReady(f"run {spec.run} has no checkpoint at step {spec.first_step} yet")
         prefix = checkpoint_prefix(spec.run, spec.first_step)
@@ -149,9 +151,10 @@ class TrainWork(Work):
         state: "TrainState",
         steps: list[dict[str, Any]],
         started: float,
-    ) -> Output:
+    ) -> "Done":
         """Writes the checkpoint and the model it makes, then, in one transaction, its row,
-        the steps' losses, the model's registration and the run's next job."""
+        the steps' losses, the model's registration, the run's next job and the checkpoint's
+        validation renders."""
         from sdq.workers.train.trainer import base_folder, export_model, save_checkpoint
 
         prefix = checkpoint_prefix(spec.run, state.step)
@@ -164,59 +167,7 @@ class TrainWork(Work):
                     self.store.put_file(f"{prefix}/{path.relative_to(folder).as_posix()}", path)
         uri = self.store.uri(prefix)
         with self.sessions.begin() as session:
-            _record(session, spec, steps, uri=uri, prefix=prefix, revision=revision)
-        return Output(job_id, uri, revision, work_seconds=perf_counter() - started)
-
-
-def _checkpoint(session: Session, run: int, step: int) -> Checkpoint | None:
-    return session.scalars(
-        select(Checkpoint).where(Checkpoint.run_id == run, Checkpoint.step == step)
-    ).one_or_none()
-
-
-def _record(
-    session: Session,
-    spec: TrainShardSpec,
-    steps: list[dict[str, Any]],
-    *,
-    uri: str,
-    prefix: str,
-    revision: str,
-) -> None:
-    step = spec.last_step
-    if steps:
-        # Steps a killed worker had done are done again, with the same numbers.
-        insert = upsert(session, TrainStep).values(steps)
-        session.execute(
-            insert.on_conflict_do_update(
-                index_elements=["run_id", "step"],
-                set_={name: insert.excluded[name] for name in ("loss", "lr", "samples_per_second")},
+            new_work = record_checkpoint(
+                session, spec, steps, uri=uri, prefix=prefix, revision=revision
             )
-        )
-    written = session.execute(
-        upsert(session, Checkpoint)
-        .values(
-            run_id=spec.run,
-            step=step,
-            uri=uri,
-            model_prefix=f"{prefix}/model",
-            model_revision=revision,
-        )
-        .on_conflict_do_nothing(index_elements=["run_id", "step"])
-        .returning(Checkpoint.id)
-    ).first()
-    record_stored_model(session, spec.model_name, f"{prefix}/model", revision)
-    if written is None or step >= spec.options.steps:
-        return  # a second writer of this checkpoint: the next job is written already
-    after = replace(
-        spec,
-        first_step=step,
-        last_step=min(step + spec.options.checkpoint_every, spec.options.steps),
-    )
-    now = utcnow()
-    [job_id] = insert_rows(
-        session,
-        Job.__table__,
-        [job_row(spec.run, TRAIN, after.to_dict(), after.hash(), None, now)],
-    )
-    record_events(session, [job_id], JobStatus.queued, at=now)
+        return Output(job_id, uri, revision, work_seconds=perf_counter() - started), new_work

@@ -1,0 +1,90 @@
+"""A train run's page: the loss curve and, per checkpoint, the validation images.
+
+Written into the store beside the galleries (runs/<run>/training.html) with relative
+links to the images, so it opens from a local store folder as it is.
+"""
+
+import html
+from collections import defaultdict
+from typing import Any
+
+from sdq.models.specs import image_key
+
+WIDTH, HEIGHT = 640, 200
+PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>sdq train run {run_id}</title>
+<style>
+body {{ font: 14px system-ui, sans-serif; margin: 1.5rem; color: #222; }}
+svg {{ border: 1px solid #ddd; background: #fafafa; }}
+table {{ border-collapse: collapse; margin-top: 1rem; }}
+th, td {{ border: 1px solid #ddd; padding: .4rem; vertical-align: top; }}
+th {{ background: #f6f6f6; font-weight: 600; }}
+td img {{ width: 128px; image-rendering: pixelated; display: block; }}
+.missing {{ width: 128px; color: #a00; }}
+</style></head><body>
+<h1>Train run {run_id}</h1><p>{summary}</p>
+<h2>Loss</h2>{curve}
+<h2>Validation images</h2>
+<table><thead><tr><th>step</th>{prompt_headers}</tr></thead><tbody>
+{rows}
+</tbody></table></body></html>
+"""
+
+
+def page_key(run_id: int) -> str:
+    return f"runs/{run_id}/training.html"
+
+
+def training_html(status: dict[str, Any], images: list[dict[str, Any]]) -> str:
+    prompts = list(dict.fromkeys((image["prompt"], image["seed"]) for image in images))
+    cells: dict[tuple[int, str, int], dict[str, Any]] = {}
+    by_step: dict[int, list] = defaultdict(list)
+    for image in images:
+        cells[(image["step"], image["prompt"], image["seed"])] = image
+        by_step[image["step"]].append(image)
+    rows = "\n".join(
+        "<tr><th>{}</th>{}</tr>".format(
+            step,
+            "".join(f"<td>{_image(cells.get((step, *prompt)))}</td>" for prompt in prompts),
+        )
+        for step in sorted(by_step)
+    )
+    return PAGE.format(
+        run_id=status["run_id"],
+        summary=html.escape(
+            f"{status['status']}: step {status['step']} of {status['steps']}, "
+            f"{status['dataset']} on {status['base']}, model {status['model']}"
+        ),
+        curve=_curve([loss for _, loss in status["losses"]]),
+        prompt_headers="".join(
+            f"<th>{html.escape(prompt)} (seed {seed})</th>" for prompt, seed in prompts
+        ),
+        rows=rows,
+    )
+
+
+def _curve(losses: list[float]) -> str:
+    """The loss per step as an SVG polyline, scaled to the box."""
+    if not losses:
+        return "<p>no steps yet</p>"
+    low, high = min(losses), max(losses)
+    span = (high - low) or 1.0
+    step_width = WIDTH / max(1, len(losses) - 1)
+    points = " ".join(
+        f"{index * step_width:.1f},{HEIGHT - (loss - low) / span * HEIGHT:.1f}"
+        for index, loss in enumerate(losses)
+    )
+    return (
+        f'<svg width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}">'
+        f'<polyline fill="none" stroke="#36c" points="{points}"/></svg>'
+        f"<p>{high:.4f} (top) to {low:.4f} (bottom), {len(losses)} steps</p>"
+    )
+
+
+def _image(image: dict[str, Any] | None) -> str:
+    if image is None:
+        return '<div class="missing">none</div>'
+    if image["status"] != "succeeded":
+        return f'<div class="missing">{html.escape(image["status"])}</div>'
+    alt = html.escape(f"{image['prompt']} at step {image['step']}")
+    return f'<img src="../../{image_key(image["spec_hash"])}" alt="{alt}">'
