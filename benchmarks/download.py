@@ -21,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -31,9 +33,14 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.conftest import WorkerProcess, sdq_json  # noqa: E402
 from tests.services import deployment, free_port, listening, wait_for  # noqa: E402
 
 ROWS_PER_SHARD = 250
+# The image server is on loopback, which downloads refuse unless allowed.
+SERVER_ALLOWED = {"SDQ_DOWNLOAD_ALLOW_NETWORKS": "127.0.0.1/32"}
+# A benchmark's command may run far longer than a test's.
+COMMAND_TIMEOUT = 3600
 
 
 def make_images(folder: Path, count: int) -> None:
@@ -59,15 +66,52 @@ def write_list(path: Path, port: int, count: int) -> None:
     pq.write_table(pa.table({"url": urls, "caption": [f"image {n}" for n in range(count)]}), path)
 
 
+@contextmanager
+def image_server(folder: Path, count: int) -> Iterator[int]:
+    """The benchmark's images served over local HTTP by a process of their own; yields the
+    port."""
+    make_images(folder, count)
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: listening(port), what="image server")
+        yield port
+    finally:
+        server.terminate()
+
+
+def download_dataset(
+    env: dict[str, str], image_dir: Path, *, images: int, name: str, resolution: int,
+    rows_per_shard: int,
+) -> dict:  # fmt: skip
+    """A dataset of the benchmark's images through `sdq download` with a CPU worker, for the
+    benchmarks of the kinds that read one; not timed. Returns the download's summary."""
+    home = Path(env["SDQ_HOME"])
+    with image_server(image_dir, images) as port:
+        worker = WorkerProcess({**env, **SERVER_ALLOWED}, home / "cpu.log", pool="cpu").start()
+        try:
+            listing = home / "list.parquet"
+            write_list(listing, port, images)
+            return sdq_json(
+                env, "download", str(listing), "--dataset", name, "--resolution",
+                str(resolution), "--rows-per-shard", str(rows_per_shard), "--wait",
+                timeout=COMMAND_TIMEOUT,
+            )  # fmt: skip
+        finally:
+            worker.stop()
+
+
 def run_sdq(env: dict[str, str], listing: Path, name: str) -> float:
     started = time.perf_counter()
-    result = subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", "download", str(listing), "--dataset", name,
-         "--rows-per-shard", str(ROWS_PER_SHARD), "--wait", "--json"],
-        env=env, cwd=ROOT, capture_output=True, text=True, check=True,
+    summary = sdq_json(
+        env, "download", str(listing), "--dataset", name,
+        "--rows-per-shard", str(ROWS_PER_SHARD), "--wait", timeout=COMMAND_TIMEOUT,
     )  # fmt: skip
     seconds = time.perf_counter() - started
-    return json.loads(result.stdout)["by_status"].get("success", 0) / seconds
+    return summary["by_status"].get("success", 0) / seconds
 
 
 def run_img2dataset(command: str, listing: Path, output: Path, args) -> float:
@@ -126,20 +170,9 @@ def main() -> None:
     )
     parser.add_argument("--img2dataset", default=shutil.which("img2dataset") or "img2dataset")
     args = parser.parse_args()
-    make_images(args.image_dir, args.images)
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-        cwd=args.image_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        with deployment(broker_db=13) as env:
-            env["SDQ_DOWNLOAD_ALLOW_NETWORKS"] = "127.0.0.0/8"
-            env["SDQ_DOWNLOAD_THREADS"] = str(args.threads)
-            wait_for(lambda: listening(port), what="image server")
-            rates = interleaved_rounds(env, port, args)
-    finally:
-        server.terminate()
+    with image_server(args.image_dir, args.images) as port, deployment(broker_db=13) as env:
+        env.update(SERVER_ALLOWED, SDQ_DOWNLOAD_THREADS=str(args.threads))
+        rates = interleaved_rounds(env, port, args)
     sdq, img2dataset = (statistics.median(rates[name]) for name in ("sdq", "img2dataset"))
     print(
         json.dumps(

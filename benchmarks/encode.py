@@ -24,7 +24,6 @@ import io
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,49 +41,22 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.download import make_images, write_list  # noqa: E402
+from benchmarks.download import COMMAND_TIMEOUT, download_dataset  # noqa: E402
 from sdq.models.datasets import latent_seed  # noqa: E402
 from sdq.workers.tiny import build_text_encoder, build_tokenizer, build_vae  # noqa: E402
-from tests.conftest import WorkerProcess  # noqa: E402
-from tests.services import BENCH_BUCKET, deployment, free_port, listening, wait_for  # noqa: E402
+from tests.conftest import WorkerProcess, sdq_json  # noqa: E402
+from tests.services import BENCH_BUCKET, deployment  # noqa: E402
 
 DATASET = "encode-bench"
 ROWS_PER_SHARD = 256
 
 
-def sdq(env: dict[str, str], *args: str) -> dict:
-    result = subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", *args, "--json"],
-        env=env, cwd=ROOT, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return json.loads(result.stdout)
-
-
 def make_dataset(env: dict[str, str], args) -> None:
-    """The image shards, through `sdq download` with a CPU worker; not timed."""
-    make_images(args.image_dir, args.images)
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-        cwd=args.image_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    summary = download_dataset(
+        env, args.image_dir, images=args.images, name=DATASET, resolution=args.resolution,
+        rows_per_shard=ROWS_PER_SHARD,
     )  # fmt: skip
-    home = Path(env["SDQ_HOME"])
-    worker = WorkerProcess(
-        {**env, "SDQ_DOWNLOAD_ALLOW_NETWORKS": "127.0.0.0/8"}, home / "cpu.log", pool="cpu"
-    )
-    try:
-        wait_for(lambda: listening(port), what="image server")
-        worker.start()
-        listing = home / "list.parquet"
-        write_list(listing, port, args.images)
-        summary = sdq(
-            env, "download", str(listing), "--dataset", DATASET, "--resolution",
-            str(args.resolution), "--rows-per-shard", str(ROWS_PER_SHARD), "--wait",
-        )  # fmt: skip
-        print(f"dataset: {summary['by_status']} {summary['reasons']}", file=sys.stderr)
-    finally:
-        worker.stop()
-        server.terminate()
+    print(f"dataset: {summary['by_status']} {summary['reasons']}", file=sys.stderr)
 
 
 def forget_encodings(database_url: str) -> None:
@@ -98,9 +70,9 @@ def through_sdq(env: dict[str, str], args) -> tuple[float, float]:
     """Samples/s end to end, and the share of the time the worker spent in its jobs."""
     forget_encodings(env["SDQ_DATABASE_URL"])
     started = time.perf_counter()
-    summary = sdq(
+    summary = sdq_json(
         env, "encode", DATASET, "--model", "tiny", "--resolution", str(args.resolution),
-        "--batch-size", str(args.batch_size), "--wait",
+        "--batch-size", str(args.batch_size), "--wait", timeout=COMMAND_TIMEOUT,
     )  # fmt: skip
     seconds = time.perf_counter() - started
     with psycopg.connect(env["SDQ_DATABASE_URL"]) as connection:

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,48 +30,24 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.download import make_images, write_list  # noqa: E402
+from benchmarks.download import COMMAND_TIMEOUT, download_dataset  # noqa: E402
 from sdq.models.registry import tiny_identity  # noqa: E402
 from sdq.models.training import LatentInput, TrainOptions, TrainShardSpec  # noqa: E402
 from sdq.workers.train.data import LatentStream  # noqa: E402
 from sdq.workers.train.trainer import base_unet, new_state, train_step  # noqa: E402
-from tests.conftest import WorkerProcess  # noqa: E402
-from tests.services import BENCH_BUCKET, deployment, free_port, listening, wait_for  # noqa: E402
+from tests.conftest import WorkerProcess, sdq_json  # noqa: E402
+from tests.services import BENCH_BUCKET, deployment  # noqa: E402
 
 DATASET = "train-bench"
 RESOLUTION = 64
 
 
-def sdq(env: dict[str, str], *args: str) -> dict:
-    result = subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", *args, "--json"],
-        env=env, cwd=ROOT, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return json.loads(result.stdout)
-
-
 def make_latents(env: dict[str, str], args) -> None:
-    make_images(args.image_dir, args.images)
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-        cwd=args.image_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    download_dataset(
+        env, args.image_dir, images=args.images, name=DATASET, resolution=RESOLUTION,
+        rows_per_shard=64,
     )  # fmt: skip
-    home = Path(env["SDQ_HOME"])
-    worker = WorkerProcess(
-        {**env, "SDQ_DOWNLOAD_ALLOW_NETWORKS": "127.0.0.0/8"}, home / "cpu.log", pool="cpu"
-    )
-    try:
-        wait_for(lambda: listening(port), what="image server")
-        worker.start()
-        listing = home / "list.parquet"
-        write_list(listing, port, args.images)
-        sdq(env, "download", str(listing), "--dataset", DATASET, "--resolution",
-            str(RESOLUTION), "--rows-per-shard", "64", "--wait")  # fmt: skip
-    finally:
-        worker.stop()
-        server.terminate()
-    sdq(env, "encode", DATASET, "--model", "tiny", "--resolution", str(RESOLUTION), "--wait")
+    sdq_json(env, "encode", DATASET, "--model", "tiny", "--resolution", str(RESOLUTION), "--wait")
 
 
 def options(args) -> list[str]:
@@ -86,7 +61,7 @@ def through_sdq(env: dict[str, str], args) -> tuple[float, dict[str, float]]:
     """Samples/s end to end, and the shares of the time spent in optimizer steps and in the
     rest of the jobs (starting from or writing checkpoints, reading shards)."""
     started = time.perf_counter()
-    status = sdq(env, "train", DATASET, *options(args), "--wait")
+    status = sdq_json(env, "train", DATASET, *options(args), "--wait", timeout=COMMAND_TIMEOUT)
     seconds = time.perf_counter() - started
     with psycopg.connect(env["SDQ_DATABASE_URL"]) as connection:
         [stepping] = connection.execute(

@@ -160,7 +160,7 @@ def sdq(service_env: dict[str, str]):
     return run
 
 
-def sdq_json(env: dict[str, str], *args: str, cwd: Path = ROOT) -> dict:
+def sdq_json(env: dict[str, str], *args: str, cwd: Path = ROOT, timeout: float = 240) -> dict:
     """Runs an sdq command as a user does, in a process of its own, and reads its JSON."""
     result = subprocess.run(
         [sys.executable, "-m", "sdq.producer.cli", *args, "--json"],
@@ -168,7 +168,7 @@ def sdq_json(env: dict[str, str], *args: str, cwd: Path = ROOT) -> dict:
         cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)

@@ -21,6 +21,8 @@ from tests.netns_download import DOWNLOAD_ENV
 from tests.services import clean_env, wait_for
 
 pytestmark = pytest.mark.timeout(600)
+# The services' database is shared by the whole session: a dataset name of this file's own.
+DATASET = "train-birds"
 TRAIN = ["--base", "tiny", "--resolution", "64", "--batch-size", "4"]
 
 
@@ -112,7 +114,7 @@ def _jobs(database_url: str, run_id: int) -> list[tuple]:
 
 
 def _train(env: dict[str, str], *args: str) -> dict:
-    return sdq_json(env, "train", "birds", *TRAIN, "--steps", "120", "--checkpoint-every", "40",
+    return sdq_json(env, "train", DATASET, *TRAIN, "--steps", "120", "--checkpoint-every", "40",
                     *args)  # fmt: skip
 
 
@@ -120,7 +122,7 @@ def test_a_killed_train_worker_resumes_to_the_same_weights(
     download_env: dict[str, str], cpu_worker: WorkerProcess, worker: WorkerProcess, tmp_path
 ) -> None:
     database_url = download_env["SDQ_DATABASE_URL"]
-    encoded_dataset(download_env, "birds", 16, tmp_path)
+    encoded_dataset(download_env, DATASET, 16, tmp_path)
     validation = tmp_path / "validation.csv"
     validation.write_text("prompt,seed\na bird,5\n")
     steady = _train(download_env, "--wait", "--validation-prompts", str(validation))

@@ -1,6 +1,7 @@
 """The download commands: turn URL lists into a dataset, and look at datasets."""
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import click
 
@@ -105,18 +106,13 @@ def download(
             save=tuple(column.strip() for column in save_columns.split(",") if column.strip()),
         )
         submission = _submit(app, name, lists, columns, _options(name, image, rows_per_shard))
-    sent = carry_out(
+    carry_out_dataset_run(
         app,
-        submission.run_id,
-        jobs=submission.jobs,
-        done=submission.cached,
+        submission,
         wait=wait,
         as_json=as_json,
+        report_sent=lambda tasks: _report_submission(submission, tasks, as_json),
     )
-    if sent:
-        _report_submission(submission, sent.messages, as_json)
-    else:
-        report_dataset(app, submission.dataset, as_json)
 
 
 def _options(name: str, image: dict[str, Any], rows_per_shard: int) -> DatasetOptions:
@@ -165,6 +161,39 @@ def _report_submission(submission: DownloadSubmission, tasks: int, as_json: bool
         f"`sdq dataset show {submission.dataset}` follows it",
         as_json=as_json,
     )
+
+
+class DatasetSubmission(Protocol):
+    """A recorded run that adds to a dataset (downloaded samples or their latents)."""
+
+    run_id: int
+    dataset: str
+    jobs: int
+    cached: int
+
+
+def carry_out_dataset_run(
+    app: SdqCelery,
+    submission: DatasetSubmission,
+    *,
+    wait: bool,
+    as_json: bool,
+    report_sent: Callable[[int], None],
+) -> None:
+    """Does or sends a run that adds to a dataset: reports what was sent (given the number
+    of task messages) when the run is left to the workers, else the dataset as it now is."""
+    sent = carry_out(
+        app,
+        submission.run_id,
+        jobs=submission.jobs,
+        done=submission.cached,
+        wait=wait,
+        as_json=as_json,
+    )
+    if sent:
+        report_sent(sent.messages)
+    else:
+        report_dataset(app, submission.dataset, as_json)
 
 
 def report_dataset(app: SdqCelery, name: str, as_json: bool) -> None:

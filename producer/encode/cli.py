@@ -4,14 +4,13 @@ import click
 
 from sdq.models.registry import ModelNotFound, resolve_model
 from sdq.producer.cli.common import (
-    carry_out,
     ensure_schema,
     found,
     json_option,
     pass_app,
     report_submission,
 )
-from sdq.producer.download.cli import report_dataset
+from sdq.producer.download.cli import carry_out_dataset_run
 from sdq.producer.encode.submit import (
     VAE_SCALE,
     EncodeSubmission,
@@ -57,18 +56,13 @@ def encode(
         raise click.UsageError(f"--resolution {resolution} is not a multiple of {VAE_SCALE}")
     ensure_schema(app)
     submission = _submit(app, name, model, resolution, batch_size)
-    sent = carry_out(
+    carry_out_dataset_run(
         app,
-        submission.run_id,
-        jobs=submission.jobs,
-        done=submission.cached,
+        submission,
         wait=wait,
         as_json=as_json,
+        report_sent=lambda tasks: _report_submission(submission, tasks, as_json),
     )
-    if sent:
-        _report_submission(submission, sent.messages, as_json)
-    else:
-        report_dataset(app, name, as_json)
 
 
 def _submit(

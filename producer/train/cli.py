@@ -115,7 +115,7 @@ def start(
         if not wait:
             _report_submission(submission, sent.messages, as_json)
             return
-        _watch(app, submission.run_id, submission.jobs, show=not as_json)
+        _watch(app, submission.run_id, train_options.steps, show=not as_json)
     _report_status(app, submission.run_id, as_json)
 
 
@@ -163,20 +163,17 @@ def _submit(
             raise click.UsageError(str(error)) from None
 
 
-def _watch(app: SdqCelery, run_id: int, jobs: int, *, show: bool) -> None:
-    """Until the run closes: every job done, or the chain stopped by a dead job."""
+def _watch(app: SdqCelery, run_id: int, steps: int, *, show: bool) -> None:
+    """Step by step until the run closes: every job done, or the chain stopped by a dead
+    job."""
 
     def finished() -> int:
         with app.sessions() as session:
             if session.get_one(Run, run_id).finished_at is not None:
-                return jobs
-            return (
-                train_lookups.train_status(session, run_id)["step"]
-                * jobs
-                // max(1, session.get_one(Run, run_id).options["steps"])
-            )
+                return steps
+            return train_lookups.latest_step(session, run_id)
 
-    display.watch(f"train run {run_id}", jobs, finished, show=show)
+    display.watch(f"train run {run_id}", steps, finished, show=show)
 
 
 def _report_submission(submission: TrainSubmission, tasks: int, as_json: bool) -> None:

@@ -63,6 +63,11 @@ def train_status(session: Session, run_id: int) -> dict[str, Any]:
     }
 
 
+def latest_step(session: Session, run_id: int) -> int:
+    """The last optimizer step recorded: ahead of the last checkpoint while a job runs."""
+    return session.scalar(select(func.max(TrainStep.step)).where(TrainStep.run_id == run_id)) or 0
+
+
 def _status(session: Session, run_id: int, *, done: bool) -> str:
     counts = dict(
         session.execute(
