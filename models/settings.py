@@ -35,6 +35,15 @@ class JobSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MaintenanceSettings:
+    """Beat's healing: how often it runs, and how long a queued job may wait unclaimed in
+    an empty queue before it is taken for lost and sent again."""
+
+    interval_seconds: int = 15
+    relay_after_seconds: int = 60
+
+
+@dataclass(frozen=True, kw_only=True)
 class GenerateSettings:
     batch_size: int = 8
     # A task message carries this many pipeline calls, so a worker uploads one call's
@@ -68,6 +77,7 @@ class Settings:
     broker_url: str | None
     model_cache_dir: Path
     jobs: JobSettings = field(default_factory=JobSettings)
+    maintenance: MaintenanceSettings = field(default_factory=MaintenanceSettings)
     generate: GenerateSettings = field(default_factory=GenerateSettings)
     download: DownloadSettings = field(default_factory=DownloadSettings)
     # Queue name -> its task time limits.
@@ -99,6 +109,10 @@ class Settings:
                 lease_seconds=_int(env, "SDQ_LEASE_SECONDS", 120),
                 max_attempts=_int(env, "SDQ_MAX_ATTEMPTS", 3),
                 retry_backoff_seconds=_int(env, "SDQ_RETRY_BACKOFF_SECONDS", 5),
+            ),
+            maintenance=MaintenanceSettings(
+                interval_seconds=_int(env, "SDQ_MAINTENANCE_INTERVAL_SECONDS", 15),
+                relay_after_seconds=_int(env, "SDQ_RELAY_AFTER_SECONDS", 60),
             ),
             generate=GenerateSettings(
                 batch_size=_int(env, "SDQ_BATCH_SIZE", 8),

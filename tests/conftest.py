@@ -86,13 +86,20 @@ def service_env(
 class WorkerProcess:
     """`sdq worker gpu` (or `cpu`) as a user starts it, in a process group of its own."""
 
+    # What the log says once the process is ready.
+    READY = "ready."
+
     def __init__(self, env: dict[str, str], log: Path, pool: str = "gpu") -> None:
         self.env, self.log, self.pool = env, log, pool
         self.process: subprocess.Popen | None = None
 
+    @property
+    def command(self) -> list[str]:
+        return ["worker", self.pool]
+
     def start(self) -> "WorkerProcess":
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "sdq.producer.cli", "worker", self.pool, "--loglevel", "info"],
+            [sys.executable, "-m", "sdq.producer.cli", *self.command, "--loglevel", "info"],
             env=self.env,
             cwd=ROOT,
             stdout=self.log.open("ab"),
@@ -105,7 +112,7 @@ class WorkerProcess:
     def ready(self) -> bool:
         if self.process.poll() is not None:
             raise RuntimeError(f"worker exited: {self.log.read_text()[-3000:]}")
-        return "ready." in self.log.read_text()
+        return self.READY in self.log.read_text()
 
     def children(self) -> list[int]:
         """Pids of the prefork pool processes that run the tasks."""
@@ -122,6 +129,16 @@ class WorkerProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, 9)
                 self.process.wait()
+
+
+class BeatProcess(WorkerProcess):
+    """`sdq beat`, as a user starts it."""
+
+    READY = "beat: Starting"
+
+    @property
+    def command(self) -> list[str]:
+        return ["beat"]
 
 
 @pytest.fixture(scope="session")

@@ -5,18 +5,20 @@ sends into a list. What is checked is what every kind relies on.
 """
 
 from collections.abc import Iterator, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.migrations import upgrade
 from sdq.models.db import make_engine, session_factory
 from sdq.models.jobs.delivery import Work, deliver
 from sdq.models.jobs.kinds import GENERATE, Kind
-from sdq.models.jobs.lifecycle import Output, Worker, cancel_jobs, claim
+from sdq.models.jobs.lifecycle import Output, Worker, cancel_jobs, claim, utcnow
+from sdq.models.jobs.maintenance import EXPIRED, finish_runs, relay, sweep_leases
 from sdq.models.jobs.outbox import EnqueueFailed, enqueue
 from sdq.models.settings import JobSettings
 from sdq.models.specs import canonical_sha256
@@ -208,3 +210,52 @@ def test_the_outbox_sends_after_commit_and_resends_what_the_broker_never_took(se
         assert cancel_jobs(session, run_id) == job_ids
     assert enqueue(sessions, broker, run_id).jobs == 0
     assert run_of(sessions, job_ids[0]).finished_at is not None
+
+
+def test_maintenance_expires_dead_leases_and_sends_again_only_what_is_lost(sessions) -> None:
+    hour_ago = utcnow() - timedelta(hours=1)
+    # A worker died holding two jobs, one with an attempt left; two more wait in the queue.
+    dropped, exhausted, waiting, fresh = new_run(
+        sessions, *({"text": str(n)} for n in range(4)), status=JobStatus.queued
+    )
+    with sessions.begin() as session:
+        claim(session, [dropped, exhausted], worker=WORKER, lease_seconds=60, max_attempts=2)
+        session.execute(update(Job).where(Job.id == exhausted).values(attempts=2))
+        session.execute(
+            update(Job).where(Job.id.in_([dropped, exhausted])).values(lease_expires_at=hour_ago)
+        )
+        session.execute(update(Job).where(Job.id == waiting).values(enqueued_at=hour_ago))
+        session.execute(update(Job).where(Job.id == fresh).values(enqueued_at=utcnow()))
+    mine = {dropped, exhausted, waiting, fresh}
+
+    sent_back, dead = sweep_leases(sessions, SETTINGS)  # other tests' jobs may count too
+    assert sent_back >= 1 and dead >= 1
+    assert statuses(sessions, [dropped, exhausted]) == [(JobStatus.pending, 1), (JobStatus.dead, 2)]
+    sent: list[int] = []
+
+    def broker(kind: Kind, ids: list[int], options: dict[str, Any]) -> None:
+        sent.extend(job_id for job_id in ids if job_id in mine)
+
+    # The queue still holds messages: only the job that no message carries is sent.
+    relay(sessions, broker, relay_after=timedelta(minutes=1), idle_queues=())
+    assert sent == [dropped]
+    # The queue is empty: the job left unclaimed past the relay time is taken for lost;
+    # the one just sent, and the one queued a moment ago, are not.
+    sent.clear()
+    relay(sessions, broker, relay_after=timedelta(minutes=1), idle_queues=(GENERATE.queue,))
+    assert sent == [waiting]
+    sent.clear()
+    relay(sessions, broker, relay_after=timedelta(minutes=1), idle_queues=(GENERATE.queue,))
+    assert sent == []
+    with sessions() as session:
+        details = session.scalars(
+            select(JobEvent.detail).where(JobEvent.job_id == dropped).order_by(JobEvent.id)
+        ).all()
+    assert details[-2:] == [EXPIRED, "sent again by the relay"]
+
+    # Every job settled by hand: the finisher closes the run.
+    with sessions.begin() as session:
+        session.execute(update(Job).where(Job.id.in_(mine)).values(status=JobStatus.cancelled))
+    assert run_of(sessions, dropped).finished_at is None
+    assert finish_runs(sessions) >= 1
+    assert run_of(sessions, dropped).finished_at is not None

@@ -22,6 +22,13 @@ from sdq.models.jobs.outbox import Send
 from sdq.models.settings import Settings
 from sdq.models.store import ObjectStore, open_store
 
+# Beat's periodic tasks (workers/maintenance.py), all on the maintenance queue.
+MAINTENANCE_TASKS = (
+    "sdq.maintenance.sweep_leases",
+    "sdq.maintenance.relay",
+    "sdq.maintenance.finish_runs",
+)
+
 
 class SdqCelery(Celery):
     """A Celery app that carries sdq's settings and builds its resources lazily, after fork."""
@@ -74,7 +81,7 @@ def create_app(settings: Settings) -> SdqCelery:
     app = SdqCelery(
         "sdq",
         broker=settings.broker_url or "memory://",
-        include=[kind.task_module for kind in KINDS.values()],
+        include=[*(kind.task_module for kind in KINDS.values()), "sdq.workers.maintenance"],
     )
     app.settings = settings
     general = settings.time_limits[MAINTENANCE_QUEUE]
@@ -107,5 +114,14 @@ def create_app(settings: Settings) -> SdqCelery:
         task_default_queue=MAINTENANCE_QUEUE,
         task_routes={kind.task_name: {"queue": kind.queue} for kind in KINDS.values()},
         worker_send_task_events=True,
+        beat_schedule={
+            name: {
+                "task": name,
+                "schedule": settings.maintenance.interval_seconds,
+                # A tick nobody ran in time is dropped, not piled up behind a stopped pool.
+                "options": {"expires": settings.maintenance.interval_seconds},
+            }
+            for name in MAINTENANCE_TASKS
+        },
     )
     return app

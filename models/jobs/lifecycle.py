@@ -94,6 +94,20 @@ def mark_queued(session: Session, run_id: int, first_id: int, last_id: int) -> N
     record_events(session, moved, JobStatus.queued, at=now)
 
 
+def mark_resent(session: Session, job_ids: Sequence[int]) -> None:
+    """After the broker took messages for these jobs again: they are queued as of now, so
+    the relay waits its full time before it sends them once more."""
+    now = utcnow()
+    for chunk in chunked(job_ids):
+        moved = session.scalars(
+            update(Job)
+            .where(Job.id.in_(chunk), Job.status.in_((JobStatus.pending, JobStatus.queued)))
+            .values(status=JobStatus.queued, enqueued_at=now)
+            .returning(Job.id)
+        ).all()
+        record_events(session, moved, JobStatus.queued, detail="sent again by the relay", at=now)
+
+
 def mark_unsent(session: Session, run_id: int, after_id: int, reason: str) -> None:
     """The broker failed before it took the run's jobs past `after_id`: those still queued
     go back to pending, so the record says they wait for a send."""
@@ -103,6 +117,33 @@ def mark_unsent(session: Session, run_id: int, after_id: int, reason: str) -> No
         update(Job).where(unsent).values(status=JobStatus.pending).returning(Job.id)
     ).all()
     record_events(session, moved, JobStatus.pending, detail=reason, at=now)
+
+
+def abandoned_at(now: datetime) -> ColumnElement[bool]:
+    """Running, but the worker holding it has stopped renewing its lease: it died, or
+    lost its way to the database."""
+    return and_(Job.status == JobStatus.running, Job.lease_expires_at < now)
+
+
+def bury_exhausted(
+    session: Session,
+    jobs: ColumnElement[bool],
+    *,
+    max_attempts: int,
+    worker: Worker | None,
+    at: datetime,
+) -> list[int]:
+    """Those of `jobs` that were abandoned having used every attempt end dead: a job
+    that kills every worker that tries it is not tried for ever."""
+    exhausted = session.scalars(
+        update(Job)
+        .where(jobs, abandoned_at(at), Job.attempts >= max_attempts)
+        .values(status=JobStatus.dead, finished_at=at, lease_expires_at=None, error=LOST)
+        .returning(Job.id)
+    ).all()
+    record_events(session, exhausted, JobStatus.dead, worker=worker, detail=LOST, at=at)
+    close_finished_runs(session, exhausted)
+    return list(exhausted)
 
 
 def claim(
@@ -119,15 +160,8 @@ def claim(
     has used all its attempts: a job that kills every worker that tries it ends dead.
     """
     now = utcnow()
-    abandoned = and_(Job.status == JobStatus.running, Job.lease_expires_at < now)
-    exhausted = session.scalars(
-        update(Job)
-        .where(Job.id.in_(job_ids), abandoned, Job.attempts >= max_attempts)
-        .values(status=JobStatus.dead, finished_at=now, lease_expires_at=None, error=LOST)
-        .returning(Job.id)
-    ).all()
-    record_events(session, exhausted, JobStatus.dead, worker=worker, detail=LOST, at=now)
-    close_finished_runs(session, exhausted)
+    abandoned = abandoned_at(now)
+    bury_exhausted(session, Job.id.in_(job_ids), max_attempts=max_attempts, worker=worker, at=now)
     claimable = or_(Job.status.in_(CLAIMABLE), abandoned)
     claimed = session.scalars(
         update(Job)

@@ -1,4 +1,4 @@
-"""Commands that set a deployment up: the schema, the model registry, the workers."""
+"""Commands that set a deployment up: the schema, the model registry, the workers, beat."""
 
 import os
 import sys
@@ -92,4 +92,16 @@ def cpu(app: SdqCelery, concurrency: int, loglevel: str) -> None:
     sys.exit(supervise(cpu_workers(concurrency, loglevel=loglevel)))
 
 
-COMMANDS = (db, model, worker)
+@click.command()
+@click.option("--loglevel", default="info", show_default=True)
+@pass_app
+def beat(app: SdqCelery, loglevel: str) -> None:
+    """Celery beat with sdq's schedule: every SDQ_MAINTENANCE_INTERVAL_SECONDS it has the
+    CPU pool expire dead leases, send again what the broker lost and close finished runs.
+    One is enough; a second does no harm."""
+    require_broker(app, "beat")
+    # The schedule is a few fixed intervals: nothing worth a file of its own to remember.
+    app.Beat(scheduler="celery.beat:Scheduler", loglevel=loglevel.upper()).run()
+
+
+COMMANDS = (db, model, worker, beat)

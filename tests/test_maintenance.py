@@ -1,0 +1,179 @@
+"""Beat heals without anyone typing a command: messages the broker lost are sent again,
+a worker killed with its whole pool has its jobs finished after the lease, jobs the broker
+refused at submit are sent once it is back, and two beats at once do every job once."""
+
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+
+from sdq.migrations import upgrade
+from sdq.models.db import make_engine
+from sdq.models.jobs.maintenance import EXPIRED
+from tests.conftest import BeatProcess, WorkerProcess, sdq_json, write
+from tests.services import free_port, listening, scratch_database, wait_for
+
+pytestmark = pytest.mark.timeout(400)
+
+# A broker database of this file's own: the session's worker must not take these jobs.
+BROKER = "redis://127.0.0.1:6379/9"
+# Beat every second; a queued job unclaimed for 3 s in an empty queue counts as lost.
+HEALING = {"SDQ_MAINTENANCE_INTERVAL_SECONDS": "1", "SDQ_RELAY_AFTER_SECONDS": "3"}
+RESENT = "sent again by the relay"
+
+
+@pytest.fixture
+def heal_env(service_env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """The deployment with a database of its own: beat relays every lost job it finds, and
+    must find only this test's."""
+    redis.Redis.from_url(BROKER).flushdb()
+    with scratch_database("sdq_heal") as database_url:
+        upgrade(make_engine(database_url))
+        yield {
+            **service_env, **HEALING, "SDQ_BROKER_URL": BROKER, "SDQ_DATABASE_URL": database_url
+        }  # fmt: skip
+
+
+def prompts(tmp_path: Path, count: int, label: str) -> Path:
+    rows = "".join(f"{label} {n},{n}\n" for n in range(count))
+    return write(tmp_path / f"{label.replace(' ', '-')}.csv", "prompt,seed\n" + rows)
+
+
+def events(database_url: str, run_id: int) -> list[tuple[int, str, str | None]]:
+    with psycopg.connect(database_url) as connection:
+        return connection.execute(
+            "SELECT e.job_id, e.status, e.detail FROM job_events e JOIN jobs j ON j.id = e.job_id "
+            "WHERE j.run_id = %s ORDER BY e.id",
+            (run_id,),
+        ).fetchall()
+
+
+def wait_for_run(database_url: str, run_id: int, timeout: float = 240) -> dict[str, int]:
+    def finished() -> bool:
+        with psycopg.connect(database_url) as connection:
+            [done] = connection.execute(
+                "SELECT finished_at IS NOT NULL FROM runs WHERE id = %s", (run_id,)
+            ).fetchone()
+        return done
+
+    wait_for(finished, what=f"run {run_id} to finish", timeout=timeout)
+    with psycopg.connect(database_url) as connection:
+        return dict(
+            connection.execute(
+                "SELECT status, count(*) FROM jobs WHERE run_id = %s GROUP BY status", (run_id,)
+            ).fetchall()
+        )
+
+
+def started(*processes: WorkerProcess) -> list[WorkerProcess]:
+    return [process.start() for process in processes]
+
+
+def stop(processes: list[WorkerProcess]) -> None:
+    for process in processes:
+        process.stop()
+
+
+def test_jobs_the_broker_lost_are_sent_again_by_two_beats_and_done_once(
+    heal_env: dict[str, str], tmp_path: Path
+) -> None:
+    database_url = heal_env["SDQ_DATABASE_URL"]
+    run_id = sdq_json(heal_env, "submit", str(prompts(tmp_path, 200, "lost")), "--steps", "1")[
+        "run_id"
+    ]
+    redis.Redis.from_url(BROKER).flushdb()  # the broker restarts empty: 200 messages gone
+
+    processes = started(
+        WorkerProcess(heal_env, tmp_path / "gpu.log"),
+        WorkerProcess(heal_env, tmp_path / "cpu.log", pool="cpu"),
+        BeatProcess(heal_env, tmp_path / "beat-1.log"),
+        BeatProcess(heal_env, tmp_path / "beat-2.log"),
+    )
+    try:
+        assert wait_for_run(database_url, run_id) == {"succeeded": 200}
+    finally:
+        stop(processes)
+    history = events(database_url, run_id)
+    resent = Counter(job for job, status, detail in history if detail == RESENT)
+    claims = Counter(job for job, status, _ in history if status == "running")
+    successes = Counter(job for job, status, _ in history if status == "succeeded")
+    assert len(resent) == 200  # every job was sent again, by beat alone
+    assert set(claims.values()) == {1} and set(successes.values()) == {1}  # each done once
+
+
+def test_a_worker_killed_with_its_whole_pool_has_its_jobs_finished_after_the_lease(
+    heal_env: dict[str, str], tmp_path: Path
+) -> None:
+    database_url = heal_env["SDQ_DATABASE_URL"]
+    gpu = WorkerProcess(heal_env, tmp_path / "gpu.log").start()
+    helpers = started(
+        WorkerProcess(heal_env, tmp_path / "cpu.log", pool="cpu"),
+        BeatProcess(heal_env, tmp_path / "beat.log"),
+    )
+    try:
+        listing = prompts(tmp_path, 16, "killed pool")
+        run_id = sdq_json(heal_env, "submit", str(listing), "--steps", "60")["run_id"]
+        wait_for(
+            lambda: any(status == "running" for _, status, _ in events(database_url, run_id)),
+            what="a job to start",
+            timeout=120,
+        )
+        os.killpg(gpu.process.pid, signal.SIGKILL)  # the parent and every child at once
+        gpu.process.wait()
+        gpu = WorkerProcess(heal_env, tmp_path / "gpu-2.log").start()
+        assert wait_for_run(database_url, run_id) == {"succeeded": 16}
+    finally:
+        stop([gpu, *helpers])
+    expired = {job for job, status, detail in events(database_url, run_id) if detail == EXPIRED}
+    assert expired, "the killed worker's jobs came back through the lease sweep"
+
+
+def test_jobs_submitted_while_the_broker_is_down_are_sent_when_it_is_back(
+    heal_env: dict[str, str], tmp_path: Path
+) -> None:
+    port = free_port()
+    env = {**heal_env, "SDQ_BROKER_URL": f"redis://127.0.0.1:{port}/0"}
+    database_url = env["SDQ_DATABASE_URL"]
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sdq.producer.cli",
+            "submit",
+            str(prompts(tmp_path, 5, "no broker")),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 1, refused.stderr
+    assert "saved as pending" in refused.stderr
+    with psycopg.connect(database_url) as connection:
+        [run_id] = connection.execute("SELECT max(id) FROM runs").fetchone()
+    assert {status for _, status, _ in events(database_url, run_id)} >= {"pending"}
+
+    subprocess.run(
+        ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no",
+         "--daemonize", "yes"],
+        check=True,
+    )  # fmt: skip
+    wait_for(lambda: listening(port), what="the broker to come back")
+    processes: list[WorkerProcess] = []
+    try:
+        processes = started(
+            WorkerProcess(env, tmp_path / "gpu.log"),
+            WorkerProcess(env, tmp_path / "cpu.log", pool="cpu"),
+            BeatProcess(env, tmp_path / "beat.log"),
+        )
+        assert wait_for_run(database_url, run_id) == {"succeeded": 5}
+    finally:
+        stop(processes)
+        redis.Redis(port=port).shutdown(nosave=True)

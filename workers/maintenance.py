@@ -1,0 +1,48 @@
+"""Beat's periodic tasks on the `maintenance` queue (CPU pool): thin wrappers over the
+plain functions in models/jobs/maintenance.py."""
+
+from datetime import timedelta
+from typing import Any
+
+from celery import shared_task
+
+from sdq.models.jobs import maintenance
+from sdq.workers.app import MAINTENANCE_TASKS, SdqCelery
+
+SWEEP_LEASES, RELAY, FINISH_RUNS = MAINTENANCE_TASKS
+
+
+@shared_task(bind=True, name=SWEEP_LEASES)
+def sweep_leases(self) -> dict[str, Any]:
+    sent_back, dead = maintenance.sweep_leases(self.app.sessions, self.app.settings.jobs)
+    return {"sent_back": sent_back, "dead": dead}
+
+
+@shared_task(bind=True, name=RELAY)
+def relay(self) -> dict[str, Any]:
+    app = self.app
+    with app.sender() as send:
+        relayed = maintenance.relay(
+            app.sessions,
+            send,
+            relay_after=timedelta(seconds=app.settings.maintenance.relay_after_seconds),
+            idle_queues=idle_queues(app),
+        )
+    return {"jobs": relayed.jobs, "messages": relayed.messages}
+
+
+@shared_task(bind=True, name=FINISH_RUNS)
+def finish_runs(self) -> dict[str, Any]:
+    return {"closed": maintenance.finish_runs(self.app.sessions)}
+
+
+def idle_queues(app: SdqCelery) -> set[str]:
+    """The queues that hold no message in the broker now (messages a worker has taken
+    but not acknowledged are not counted: they are not lost)."""
+    with app.connection_for_read() as connection:
+        channel = connection.default_channel
+        return {
+            queue.name
+            for queue in app.conf.task_queues
+            if queue.bind(channel).queue_declare().message_count == 0
+        }
