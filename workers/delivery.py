@@ -12,6 +12,18 @@ from sdq.models.jobs.kinds import Kind
 from sdq.workers.app import worker_identity
 
 MAX_BACKOFF_SECONDS = 600
+# Retries of one message: a database outage of hours at the capped backoff, or a job held
+# by another worker through many leases. Jobs whose message gives up are still in the
+# database, where the relay finds them.
+MAX_RETRIES = 50
+
+
+class JobTask(Task):
+    """The base of every kind's task: its messages are checked before a worker takes them
+    in, and its retries are bounded."""
+
+    Strategy = "sdq.workers.messages:checked_strategy"
+    max_retries = MAX_RETRIES
 
 
 def backoff(task: Task) -> float:

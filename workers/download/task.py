@@ -7,12 +7,12 @@ from celery import shared_task
 
 from sdq.models.jobs.kinds import DOWNLOAD
 from sdq.workers.app import SdqCelery
-from sdq.workers.delivery import deliver_task
+from sdq.workers.delivery import JobTask, deliver_task
 from sdq.workers.download.fetch import Fetcher
 from sdq.workers.download.work import DownloadWork
 
 
-@shared_task(bind=True, name=DOWNLOAD.task_name, max_retries=None)
+@shared_task(bind=True, base=JobTask, name=DOWNLOAD.task_name)
 def download(self, job_ids: list[int]) -> dict[str, Any]:
     app = self.app
     work = DownloadWork(

@@ -7,12 +7,12 @@ from celery import shared_task
 
 from sdq.models.jobs.kinds import ENCODE
 from sdq.workers.app import SdqCelery
-from sdq.workers.delivery import deliver_task
+from sdq.workers.delivery import JobTask, deliver_task
 from sdq.workers.encode.work import EncodeWork
 from sdq.workers.weights import ModelFiles
 
 
-@shared_task(bind=True, name=ENCODE.task_name, max_retries=None)
+@shared_task(bind=True, base=JobTask, name=ENCODE.task_name)
 def encode(self, job_ids: list[int], batch_size: int) -> dict[str, Any]:
     app = self.app
     work = EncodeWork(

@@ -7,12 +7,12 @@ from celery import shared_task
 
 from sdq.models.jobs.kinds import GENERATE
 from sdq.workers.app import SdqCelery
-from sdq.workers.delivery import deliver_task
+from sdq.workers.delivery import JobTask, deliver_task
 from sdq.workers.generate.work import GenerateWork
 from sdq.workers.weights import ModelFiles
 
 
-@shared_task(bind=True, name=GENERATE.task_name, max_retries=None)
+@shared_task(bind=True, base=JobTask, name=GENERATE.task_name)
 def generate(self, job_ids: list[int], batch_size: int | None = None) -> dict[str, Any]:
     app = self.app
     work = GenerateWork(

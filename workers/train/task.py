@@ -8,12 +8,12 @@ from celery import shared_task
 from sdq.models.jobs.kinds import TRAIN
 from sdq.models.jobs.outbox import enqueue
 from sdq.workers.app import SdqCelery
-from sdq.workers.delivery import deliver_task
+from sdq.workers.delivery import JobTask, deliver_task
 from sdq.workers.train.work import LiveStates, TrainWork
 from sdq.workers.weights import ModelFiles
 
 
-@shared_task(bind=True, name=TRAIN.task_name, max_retries=None)
+@shared_task(bind=True, base=JobTask, name=TRAIN.task_name)
 def train(self, job_ids: list[int]) -> dict[str, Any]:
     app = self.app
     work = TrainWork(
