@@ -213,14 +213,30 @@ def test_a_missing_bucket_is_named_before_anything_is_written(sdq, sessions, tmp
         assert session.scalar(select(func.count()).select_from(Job)) == before
 
 
-def test_bad_input_writes_nothing(sdq, sessions, tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("text", "problems"),
+    [
+        ("prompt,seed\nfine,1\n,2\nalso fine,-1\n",
+         [":3: prompt: empty prompt", ":4: seed: seed must be between 0"]),
+        # Postgres cannot store a NUL; it used to end in a driver traceback.
+        ("prompt,seed\nfine,1\nnul\x00inside,2\n", [":3: a NUL byte (0x00)"]),
+        # An unclosed quote used to swallow every later row into one prompt.
+        ("seed,prompt\n1,fine\n2,\"never closed\n3,later\n4,last\n",
+         [":3: a quote opened here is never closed"]),
+        ("prompt,guidance\nfine,7.5\nhuge,1e308\n",
+         [":3: guidance: guidance must be a number from 0 to 100, got 1e308"]),
+    ],
+)  # fmt: skip
+def test_bad_input_is_named_by_line_and_writes_nothing(
+    sdq, sessions, tmp_path, text: str, problems: list[str]
+) -> None:
     with sessions() as session:
         before = session.scalar(select(func.count()).select_from(Job))
-    prompts = write(tmp_path / "bad.csv", "prompt,seed\nfine,1\n,2\nalso fine,-1\n")
+    prompts = write(tmp_path / "bad.csv", text)
     result = sdq("submit", str(prompts))
     assert result.exit_code == 2
-    assert f"{prompts}:3: prompt: empty prompt" in result.output
-    assert f"{prompts}:4: seed: seed must be between 0" in result.output
+    for problem in problems:
+        assert f"{prompts}{problem}" in result.output
     assert "nothing was submitted" in result.output
     with sessions() as session:
         assert session.scalar(select(func.count()).select_from(Job)) == before

@@ -27,6 +27,8 @@ MAX_SEED = 2**63 - 1
 MAX_STEPS = 1000
 MAX_SIDE = 8192
 MAX_IMAGES_PER_ROW = 10_000
+# Far past any useful classifier-free guidance (7.5 is usual); a bigger number is a typo.
+MAX_GUIDANCE = 100.0
 # Past this many problems a file is clearly not what was meant; the rest are only counted.
 MAX_REPORTED_ERRORS = 1000
 
@@ -71,17 +73,24 @@ def text_lines(path: Path) -> Iterator[str]:
     with path.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):
             try:
-                yield raw.decode("utf-8-sig" if number == 1 else "utf-8")
+                text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as error:
                 reason = f"not UTF-8 text (byte 0x{raw[error.start]:02x})"
                 raise InvalidInput([InputError(str(path), number, None, reason)]) from None
+            if "\x00" in text:
+                # Text, not binary: Postgres could not store it, and no prompt has one.
+                reason = "a NUL byte (0x00): not a text file?"
+                raise InvalidInput([InputError(str(path), number, None, reason)]) from None
+            yield text
 
 
 def read_prompts(path: Path) -> Iterator[PromptRow]:
     """Yields the file's rows as they are checked. Problems are collected, and raised
     together as InvalidInput once the whole file has been read."""
     name = str(path)
-    reader = csv.reader(text_lines(path))
+    # Strict: a quote never closed is an error at the end of the file, instead of a last
+    # prompt that has swallowed every row after it.
+    reader = csv.reader(text_lines(path), strict=True)
     try:
         header = next(reader)
     except StopIteration:
@@ -109,7 +118,7 @@ def read_prompts(path: Path) -> Iterator[PromptRow]:
         except StopIteration:
             break
         except csv.Error as error:
-            report(InputError(name, start, None, f"malformed CSV: {error}"))
+            report(InputError(name, start, None, _malformed(error)))
             break
         line, start = start, reader.line_num + 1
         if not any(field.strip() for field in fields):
@@ -130,6 +139,12 @@ def read_prompts(path: Path) -> Iterator[PromptRow]:
         raise InvalidInput(errors)
     if not rows:
         raise InvalidInput([InputError(name, None, None, "no prompts: the file has only a header")])
+
+
+def _malformed(error: csv.Error) -> str:
+    if "unexpected end of data" in str(error):
+        return "a quote opened here is never closed (a quote inside a field is written twice)"
+    return f"malformed CSV: {error}"
 
 
 def _check_header(name: str, columns: list[str]) -> list[InputError]:
@@ -208,8 +223,8 @@ def parse_guidance(text: str) -> float:
         value = float(text)
     except ValueError:
         raise ValueError(f"guidance must be a number, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"guidance must be a finite number >= 0, got {text}")
+    if not (math.isfinite(value) and 0 <= value <= MAX_GUIDANCE):
+        raise ValueError(f"guidance must be a number from 0 to {MAX_GUIDANCE:g}, got {text}")
     return value
 
 
