@@ -9,11 +9,19 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 from sdq.models.jobs.kinds import POOL_QUEUES, Pool
 
 CELERY_APP = "sdq.workers.main"
+# A dead worker is started again after 2, 4, 8... seconds, at most this many; one that ran
+# longer than that before dying starts the count afresh.
+RESTART_BACKOFF_CAP = 60.0
+# Deaths in a row, each soon after the start, before the launcher gives up (its own
+# supervisor, systemd or Kubernetes, takes it from there).
+MAX_QUICK_FAILURES = 5
+POLL_SECONDS = 0.5
 
 
 @dataclass(frozen=True)
@@ -78,27 +86,74 @@ def cpu_workers(concurrency: int, *, loglevel: str) -> list[WorkerCommand]:
     return [WorkerCommand(argv, dict(os.environ))]
 
 
+class Supervised:
+    """One worker process, started again with backoff when it dies on its own: one GPU's
+    crash leaves the others working."""
+
+    def __init__(self, command: WorkerCommand) -> None:
+        self.command = command
+        self.process = self._start()
+        self.quick_failures = 0
+        self.restart_at: float | None = None
+
+    def _start(self) -> subprocess.Popen:
+        self.started = time.monotonic()
+        return subprocess.Popen(self.command.argv, env=self.command.env)
+
+    @property
+    def name(self) -> str:
+        return self.command.argv[self.command.argv.index("--hostname") + 1]
+
+    def check(self) -> int | None:
+        """Restarts the process when it is due; returns its exit code once it has failed
+        too often in a row to go on."""
+        if self.restart_at is not None:
+            if time.monotonic() >= self.restart_at:
+                self.restart_at = None
+                self.process = self._start()
+            return None
+        code = self.process.poll()
+        if code is None:
+            return None
+        ran = time.monotonic() - self.started
+        self.quick_failures = 0 if ran > RESTART_BACKOFF_CAP else self.quick_failures + 1
+        if self.quick_failures >= MAX_QUICK_FAILURES:
+            _say(f"{self.name}: exited {MAX_QUICK_FAILURES} times in a row soon after it "
+                 f"started (last code {code}); giving up")  # fmt: skip
+            return code or 1
+        delay = min(RESTART_BACKOFF_CAP, 2.0**self.quick_failures)
+        _say(f"{self.name}: exited with code {code}; starting it again in {delay:.0f} s")
+        self.restart_at = time.monotonic() + delay
+        return None
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def supervise(commands: list[WorkerCommand]) -> int:
-    """Runs the workers until one exits or we are told to stop; passes stop signals on.
+    """Runs the workers until told to stop, starting again any that dies (with backoff);
+    passes stop signals on.
 
     Celery's warm shutdown on SIGTERM lets a running batch finish; a second SIGTERM or a
     SIGQUIT stops at once, and acks_late hands the unfinished batch back to the queue.
     """
-    children = [subprocess.Popen(command.argv, env=command.env) for command in commands]
+    workers = [Supervised(command) for command in commands]
+    stopping: list[int] = []
 
     def forward(signum, _frame) -> None:
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
+        stopping.append(signum)
+        for worker in workers:
+            if worker.process.poll() is None:
+                worker.process.send_signal(signum)
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
         signal.signal(signum, forward)
-    try:
-        _, status = os.wait()
-    except ChildProcessError:
-        status = 0
-    forward(signal.SIGTERM, None)
-    codes = [child.wait() for child in children]
-    return next(
-        (code for code in codes if code), os.waitstatus_to_exitcode(status) if status else 0
-    )
+    failed = 0
+    while not stopping and not failed:
+        failed = next((code for worker in workers if (code := worker.check())), 0)
+        time.sleep(POLL_SECONDS)
+    if failed:
+        forward(signal.SIGTERM, None)
+    codes = [worker.process.wait() for worker in workers]
+    return failed or next((code for code in codes if code), 0)
