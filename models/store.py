@@ -7,12 +7,14 @@ S3 gives that for a single PUT; the local store writes a temporary file and rena
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 from typing import BinaryIO, Protocol
 from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 
 class StoreError(Exception):
@@ -171,6 +173,14 @@ class S3Store:
     def list_keys(self, prefix: str) -> Iterator[str]:
         yield from self.object_digests(prefix)
 
+    def holds_any(self, prefix: str) -> bool:
+        """Whether any object lies under the prefix: one listing call of one key."""
+        with self._errors(prefix):
+            page = self._client.list_objects_v2(
+                Bucket=self.bucket, Prefix=self._key(prefix), MaxKeys=1
+            )
+        return page.get("KeyCount", 0) > 0
+
     def object_digests(self, prefix: str) -> dict[str, str]:
         """Key -> ETag for every object under the prefix: a content identity without a download."""
         strip = len(self._key(""))
@@ -235,3 +245,35 @@ def open_store(url: str) -> ObjectStore:
     raise StoreError(
         f"unsupported store URL {url!r}: use s3://bucket/prefix, file:///path or a folder"
     )
+
+
+# HEAD requests in flight at once when many outputs are checked.
+EXISTENCE_THREADS = 32
+
+
+def existing(uris: Iterable[str]) -> set[str]:
+    """Those of the URIs (s3:// or file://, as stores return them) whose object, or folder
+    of objects (a checkpoint), is there now: one HEAD each, many at once. A store that
+    cannot be asked raises."""
+    wanted = sorted(set(uris))
+    if not wanted:
+        return set()
+    with ThreadPoolExecutor(min(EXISTENCE_THREADS, len(wanted))) as pool:
+        found = pool.map(_exists, wanted)
+        return {uri for uri, there in zip(wanted, found, strict=True) if there}
+
+
+def _exists(uri: str) -> bool:
+    parsed = urlparse(uri)
+    if parsed.scheme == "s3":
+        bucket, key = _bucket(parsed.netloc), parsed.path.lstrip("/")
+        return bucket.exists(key) or bucket.holds_any(f"{key}/")
+    if parsed.scheme == "file":
+        return Path(url2pathname(parsed.path)).exists()
+    raise StoreError(f"not an object URI: {uri!r}")
+
+
+@cache
+def _bucket(name: str) -> S3Store:
+    """One store (and so one boto3 client) per bucket for the whole process."""
+    return S3Store(name)

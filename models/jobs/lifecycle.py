@@ -12,6 +12,7 @@ from sqlalchemy import ColumnElement, Select, and_, insert, literal, or_, select
 from sqlalchemy.orm import Session
 
 from sdq.models.db import chunked, insert_rows
+from sdq.models.store import existing
 from sdq.models.tables import CLAIMABLE, FINISHED, Job, JobEvent, JobStatus, Run
 
 # Jobs that wait for a message to be sent: never sent, or failed and to be sent again.
@@ -297,7 +298,9 @@ def close_runs(session: Session, run_ids: Select[tuple[int]] | Sequence[int]) ->
 
 
 def stored_outputs(session: Session, spec_hashes: Iterable[str]) -> dict[str, tuple[str, str]]:
-    """spec hash -> (uri, sha256) of an output some job already made for it."""
+    """spec hash -> (uri, sha256) of an output some job already made for it and that is
+    still in the store: the database says what was made, the store whether it is still
+    there (a store restarted empty, a lifecycle rule, a cleanup by hand)."""
     found: dict[str, tuple[str, str]] = {}
     for chunk in chunked(sorted(set(spec_hashes))):
         rows = session.execute(
@@ -307,4 +310,5 @@ def stored_outputs(session: Session, spec_hashes: Iterable[str]) -> dict[str, tu
         )
         for spec_hash, uri, digest in rows:
             found[spec_hash] = (uri, digest)
-    return found
+    there = existing(uri for uri, _ in found.values())
+    return {spec_hash: output for spec_hash, output in found.items() if output[0] in there}
