@@ -1,13 +1,14 @@
 """The sdq command line. Reads the settings once, here, and passes them down.
 
 Commands are grouped by what they act on: runs and jobs of any kind (runs.py), each kind's
-own commands (producer/<kind>/cli.py), and setting a deployment up (admin.py).
+own commands (producer/<kind>/cli.py), SQL on the history (sql.py), and setting a deployment
+up (admin.py).
 """
 
 import click
 
 from sdq.models.settings import Settings
-from sdq.producer.cli import admin, runs
+from sdq.producer.cli import admin, runs, sql
 from sdq.producer.download import cli as download
 from sdq.producer.encode import cli as encode
 from sdq.producer.generate import cli as generate
@@ -28,6 +29,6 @@ def main(ctx: click.Context) -> None:
     ctx.obj = create_app(settings)
 
 
-for group in (generate, download, encode, train, runs, admin):
+for group in (generate, download, encode, train, runs, sql, admin):
     for command in group.COMMANDS:
         main.add_command(command)

@@ -1,0 +1,97 @@
+"""SQL on the history: the views, `sdq sql` (read-only, table, CSV, JSON), and every query
+the README offers, run against a real run on Postgres and embedded on SQLite."""
+
+import csv
+import io
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, sdq_json, write
+from tests.services import clean_env
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def readme_queries() -> list[tuple[str, str]]:
+    """(question, query) for each query in the README's "Questions in SQL" section."""
+    section = (ROOT / "README.md").read_text().split("### Questions in SQL", 1)[1]
+    block = section.split("```sql", 1)[1].split("```", 1)[0]
+    queries = []
+    for chunk in block.split(";"):
+        lines = chunk.strip().splitlines()
+        if lines:
+            queries.append((lines[0].removeprefix("-- "), "\n".join(lines[1:])))
+    return queries
+
+
+def sql(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", "sql", *args],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def rendered_run(worker, service_env: dict[str, str], tmp_path_factory) -> dict:
+    rows = "".join(f"sql lighthouse,{seed}\n" for seed in range(5)) + "sql harbour,9\n"
+    prompts = write(tmp_path_factory.mktemp("sql") / "p.csv", "prompt,seed\n" + rows)
+    return sdq_json(service_env, "submit", str(prompts), "--steps", "2", "--wait")
+
+
+def test_the_views_describe_the_run(rendered_run: dict, service_env: dict[str, str]) -> None:
+    run_id = rendered_run["run_id"]
+    summary = sql(service_env, f"SELECT * FROM run_summary WHERE run_id = {run_id}", "--json")
+    [row] = json.loads(summary.stdout)
+    assert (row["jobs"], row["succeeded"], row["dead"], row["kind"]) == (6, 6, 0, "generate")
+    assert float(row["seconds"]) > 0 and float(row["jobs_per_second"]) > 0
+    history = sql(
+        service_env,
+        f"SELECT job_id, status, worker, queued_seconds, work_seconds FROM job_history "
+        f"WHERE run_id = {run_id} ORDER BY job_id",
+        "--csv",
+    )
+    rows = list(csv.DictReader(io.StringIO(history.stdout)))
+    assert [row["status"] for row in rows] == ["succeeded"] * 6
+    assert all(row["worker"] and float(row["queued_seconds"]) >= 0 for row in rows)
+
+
+def test_sdq_sql_only_reads(rendered_run: dict, service_env: dict[str, str]) -> None:
+    count = f"SELECT count(*) AS n FROM jobs WHERE run_id = {rendered_run['run_id']}"
+    refused = sql(service_env, f"DELETE FROM jobs WHERE run_id = {rendered_run['run_id']}")
+    assert refused.returncode == 1
+    assert "sdq sql only reads" in refused.stderr
+    assert json.loads(sql(service_env, count, "--json").stdout) == [{"n": 6}]
+    broken = sql(service_env, "SELEC 1")
+    assert broken.returncode == 1 and "syntax error" in broken.stderr
+    table = sql(service_env, count)
+    assert table.returncode == 0 and re.search(r"\b6\b", table.stdout)
+
+
+def test_every_readme_question_is_answered(rendered_run: dict, service_env: dict[str, str]) -> None:
+    queries = readme_queries()
+    assert len(queries) >= 6
+    spec_hash = rendered_run["jobs"][0]["uri"].rsplit("/", 1)[1].removesuffix(".png")
+    answers = {}
+    for question, query in queries:
+        result = sql(service_env, query.replace("3f2a...", spec_hash), "--json")
+        assert result.returncode == 0, f"{question}\n{result.stderr}"
+        answers[question] = json.loads(result.stdout)
+    made_by = next(rows for question, rows in answers.items() if "seed made" in question)
+    assert [row["output_uri"] for row in made_by] == [rendered_run["jobs"][0]["uri"]]
+    most = next(rows for question, rows in answers.items() if "rendered most" in question)
+    assert {"prompt": "sql lighthouse", "images": 5} in most
+
+
+def test_embedded_history_is_sql_too(tmp_path: Path) -> None:
+    env = {**clean_env(), "SDQ_HOME": str(tmp_path / "home")}
+    prompts = write(tmp_path / "p.csv", "prompt,seed\nembedded sql,1\n")
+    run = sdq_json(env, "run", str(prompts), "--steps", "2")
+    summary = sql(env, "SELECT run_id, succeeded FROM run_summary", "--json")
+    assert json.loads(summary.stdout) == [{"run_id": run["run_id"], "succeeded": 1}]
+    refused = sql(env, "DROP TABLE jobs")
+    assert refused.returncode == 1 and "sdq sql only reads" in refused.stderr
