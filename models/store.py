@@ -35,6 +35,7 @@ class ObjectStore(Protocol):
     def get_bytes(self, key: str) -> bytes: ...
     def get_file(self, key: str, destination: Path) -> None: ...
     def exists(self, key: str) -> bool: ...
+    def delete(self, key: str) -> None: ...
     def list_keys(self, prefix: str) -> Iterator[str]: ...
     def uri(self, key: str) -> str: ...
     def check(self) -> None: ...
@@ -93,6 +94,9 @@ class LocalStore:
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
 
     def list_keys(self, prefix: str) -> Iterator[str]:
         base = self._path(prefix)
@@ -169,6 +173,10 @@ class S3Store:
         except MissingObject:
             return False
         return True
+
+    def delete(self, key: str) -> None:
+        with self._errors(key):
+            self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
     def list_keys(self, prefix: str) -> Iterator[str]:
         yield from self.object_digests(prefix)

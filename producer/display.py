@@ -136,6 +136,13 @@ def loss_curve(losses: list[float], width: int = 60) -> str:
     return f"{buckets[0]:.4f} {line} {buckets[-1]:.4f}"
 
 
+def health_table(checks: list[Any]) -> Table:
+    table = Table("check", "", "detail", title="sdq health")
+    for check in checks:
+        table.add_row(check.name, "[green]ok" if check.ok else "[red]DOWN", check.detail)
+    return table
+
+
 def rows_table(
     rows: list[dict[str, Any]], columns: list[str], *, title: str | None = None
 ) -> Table:

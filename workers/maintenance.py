@@ -15,7 +15,7 @@ SWEEP_LEASES, RELAY, FINISH_RUNS = MAINTENANCE_TASKS
 @shared_task(bind=True, name=SWEEP_LEASES)
 def sweep_leases(self) -> dict[str, Any]:
     sent_back, dead = maintenance.sweep_leases(self.app.sessions, self.app.settings.jobs)
-    return {"sent_back": sent_back, "dead": dead}
+    return ticked(self, {"sent_back": sent_back, "dead": dead})
 
 
 @shared_task(bind=True, name=RELAY)
@@ -28,12 +28,17 @@ def relay(self) -> dict[str, Any]:
             relay_after=timedelta(seconds=app.settings.maintenance.relay_after_seconds),
             idle_queues=idle_queues(app),
         )
-    return {"jobs": relayed.jobs, "messages": relayed.messages}
+    return ticked(self, {"jobs": relayed.jobs, "messages": relayed.messages})
 
 
 @shared_task(bind=True, name=FINISH_RUNS)
 def finish_runs(self) -> dict[str, Any]:
-    return {"closed": maintenance.finish_runs(self.app.sessions)}
+    return ticked(self, {"closed": maintenance.finish_runs(self.app.sessions)})
+
+
+def ticked(task, result: dict[str, Any]) -> dict[str, Any]:
+    maintenance.record_tick(task.app.sessions, task.name, result)
+    return result
 
 
 def idle_queues(app: SdqCelery) -> set[str]:

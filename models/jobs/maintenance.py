@@ -12,11 +12,12 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import IntEnum
+from typing import Any
 
 from sqlalchemy import ColumnElement, and_, func, or_, select, true, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.db import chunked
+from sdq.models.db import chunked, upsert
 from sdq.models.jobs.kinds import KINDS, kind_named
 from sdq.models.jobs.lifecycle import (
     abandoned_at,
@@ -28,7 +29,7 @@ from sdq.models.jobs.lifecycle import (
 )
 from sdq.models.jobs.outbox import Send
 from sdq.models.settings import JobSettings
-from sdq.models.tables import Job, JobStatus, Run
+from sdq.models.tables import Job, JobStatus, MaintenanceTick, Run
 
 # Jobs sent again per tick at most: a tick stays short whatever the backlog; the next one
 # takes the rest.
@@ -48,6 +49,20 @@ class Lock(IntEnum):
 class Relayed:
     jobs: int
     messages: int
+
+
+def record_tick(sessions: sessionmaker[Session], task: str, result: dict[str, Any]) -> None:
+    """Notes that a periodic task ran, and what it did: how `sdq health` knows beat is alive."""
+    now = utcnow()
+    with sessions.begin() as session:
+        statement = upsert(session, MaintenanceTick.__table__).values(
+            task=task, at=now, result=result
+        )
+        session.execute(
+            statement.on_conflict_do_update(
+                index_elements=["task"], set_={"at": now, "result": result}
+            )
+        )
 
 
 def holds_lock(session: Session, lock: Lock) -> bool:

@@ -160,3 +160,13 @@ class ModelRecord(Base):
     )
 
     __table_args__ = (UniqueConstraint("name", "revision", name="uq_models_name_revision"),)
+
+
+class MaintenanceTick(Base):
+    """When each of beat's periodic tasks last ran and what it did; `sdq health` reads it."""
+
+    __tablename__ = "maintenance_ticks"
+
+    task: Mapped[str] = mapped_column(Text, primary_key=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    result: Mapped[dict[str, Any]] = mapped_column(JsonDocument)

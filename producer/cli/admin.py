@@ -1,4 +1,5 @@
-"""Commands that set a deployment up: the schema, the model registry, the workers, beat."""
+"""Commands that set a deployment up and check it: the schema, the model registry, the
+workers, beat, health."""
 
 import os
 import sys
@@ -8,7 +9,7 @@ import click
 
 from sdq.models.registry import ModelNotFound, push_model
 from sdq.models.store import StoreError
-from sdq.producer import lookups
+from sdq.producer import display, lookups
 from sdq.producer.cli.common import ensure_schema, json_option, lookup, pass_app, require_broker
 from sdq.producer.cli.common import table as rows_table
 from sdq.workers.app import SdqCelery
@@ -104,4 +105,21 @@ def beat(app: SdqCelery, loglevel: str) -> None:
     app.Beat(scheduler="celery.beat:Scheduler", loglevel=loglevel.upper()).run()
 
 
-COMMANDS = (db, model, worker, beat)
+@click.command()
+@json_option
+@pass_app
+def health(app: SdqCelery, as_json: bool) -> None:
+    """Check the database and its schema, the broker, the object store, the workers behind
+    each queue and beat's last tick; exits 1 when any is down."""
+    from sdq.producer import health as checks
+
+    found = checks.health(app)
+    if as_json:
+        display.print_json(checks.as_json(found))
+    else:
+        display.stdout.print(display.health_table(found))
+    if not all(check.ok for check in found):
+        sys.exit(1)
+
+
+COMMANDS = (db, model, worker, beat, health)
