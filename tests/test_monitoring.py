@@ -1,15 +1,32 @@
-"""Flower, as ops/systemd/sdq-flower.service runs it, sees the workers and their queues."""
+"""Flower, as `sdq flower` (and ops/systemd/sdq-flower.service) runs it: every page behind
+its credentials, the workers and their queues listed, Prometheus metrics served."""
 
+import base64
 import json
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
 
 from tests.conftest import ROOT
-from tests.services import answers, free_port, wait_for
+from tests.services import free_port, listening, wait_for
+
+CREDENTIALS = "ops:correct-horse"
+
+
+def get(url: str, credentials: str | None = CREDENTIALS) -> tuple[int, bytes]:
+    request = urllib.request.Request(url)
+    if credentials:
+        token = base64.b64encode(credentials.encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
 
 
 @pytest.fixture
@@ -17,31 +34,36 @@ def flower(service_env: dict[str, str], tmp_path) -> Iterator[str]:
     port = free_port()
     log = tmp_path / "flower.log"
     process = subprocess.Popen(
-        [sys.executable, "-m", "celery", "--app", "sdq.workers.main", "flower", f"--port={port}"],
-        env={**service_env, "FLOWER_UNAUTHENTICATED_API": "true"},
+        [sys.executable, "-m", "sdq.producer.cli", "flower", "--port", str(port)],
+        env={**service_env, "FLOWER_BASIC_AUTH": CREDENTIALS},
         cwd=ROOT,
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
     )
-    url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: answers(url), what=f"flower (log: {log})")
-        yield url
+        wait_for(lambda: listening(port), what=f"flower (log: {log})")
+        yield f"http://127.0.0.1:{port}"
     finally:
         process.terminate()
         process.wait(10)
 
 
-def test_flower_lists_the_gpu_worker_and_its_queues(worker, flower: str) -> None:
-    def workers() -> dict:
-        with urllib.request.urlopen(f"{flower}/api/workers?refresh=1", timeout=10) as response:
-            return json.load(response)
+def test_every_page_asks_for_the_credentials(flower: str) -> None:
+    for path in ("/", "/workers", "/tasks", "/api/workers", "/api/tasks", "/metrics",
+                 "/healthcheck"):  # fmt: skip
+        assert get(flower + path, credentials=None)[0] == 401, path
+        assert get(flower + path, credentials="ops:wrong")[0] == 401, path
+    status, metrics = get(f"{flower}/metrics")
+    assert status == 200 and b"flower_" in metrics
 
+
+def test_flower_lists_the_gpu_worker_and_its_queues(worker, flower: str) -> None:
     found: dict = {}
 
     def listed() -> bool:
         nonlocal found
-        found = workers()
+        status, body = get(f"{flower}/api/workers?refresh=1")
+        found = json.loads(body) if status == 200 else {}
         return any(name.startswith("cpu-render@") for name in found)
 
     wait_for(listed, what="the worker in flower's list", timeout=30)
@@ -50,3 +72,12 @@ def test_flower_lists_the_gpu_worker_and_its_queues(worker, flower: str) -> None
     assert queues == {"generate", "encode", "train"}
     assert "sdq.generate" in info["registered"]
     assert info["stats"]["prefetch_count"] == 1
+
+
+def test_flower_will_not_start_open_by_accident(service_env: dict[str, str]) -> None:
+    refused = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", "flower", "--port", str(free_port())],
+        env=service_env, cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert refused.returncode == 2
+    assert "--basic-auth USER:PASSWORD (or set FLOWER_BASIC_AUTH), or --no-auth" in refused.stderr

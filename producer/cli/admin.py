@@ -1,5 +1,5 @@
-"""Commands that set a deployment up and check it: the schema, the model registry, the
-workers, beat, health."""
+"""Commands that set a deployment up and watch it: the schema, the model registry, the
+workers, beat, Flower, health."""
 
 import os
 import sys
@@ -106,6 +106,34 @@ def beat(app: SdqCelery, loglevel: str) -> None:
 
 
 @click.command()
+@click.option("--port", type=click.IntRange(1, 65535), default=5555, show_default=True)
+@click.option(
+    "--basic-auth",
+    "credentials",
+    envvar="FLOWER_BASIC_AUTH",
+    metavar="USER:PASSWORD[,USER:PASSWORD]",
+    help="Who may see it; also read from FLOWER_BASIC_AUTH.",
+)
+@click.option(
+    "--no-auth", is_flag=True, help="Serve it open, on purpose (behind a proxy that asks)."
+)
+@pass_app
+def flower(app: SdqCelery, port: int, credentials: str | None, no_auth: bool) -> None:
+    """Flower for this deployment: workers, queues and tasks live, Prometheus metrics at
+    /metrics. Every page asks for credentials. Tasks carry job ids only, never prompts or
+    URLs."""
+    from sdq.producer.monitor import serve_flower
+
+    require_broker(app, "Flower")
+    if not credentials and not no_auth:
+        raise click.UsageError(
+            "Flower shows every worker and task and can shut workers down: give --basic-auth "
+            "USER:PASSWORD (or set FLOWER_BASIC_AUTH), or --no-auth to serve it open on purpose"
+        )
+    serve_flower(app, port=port, credentials=None if no_auth else credentials)
+
+
+@click.command()
 @json_option
 @pass_app
 def health(app: SdqCelery, as_json: bool) -> None:
@@ -122,4 +150,4 @@ def health(app: SdqCelery, as_json: bool) -> None:
         sys.exit(1)
 
 
-COMMANDS = (db, model, worker, beat, health)
+COMMANDS = (db, model, worker, beat, flower, health)
