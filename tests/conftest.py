@@ -150,6 +150,21 @@ def worker(service_env: dict[str, str], tmp_path_factory) -> Iterator[WorkerProc
 
 
 @pytest.fixture
+def own_deployment(service_env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """The deployment with a database and a broker of this test's own: what it counts (every
+    job, every tick of beat) is its own, and the session's worker takes none of its jobs."""
+    import redis
+
+    from sdq.migrations import upgrade
+
+    broker = "redis://127.0.0.1:6379/9"
+    redis.Redis.from_url(broker).flushdb()
+    with scratch_database("sdq_own") as database_url:
+        upgrade(make_engine(database_url))
+        yield {**service_env, "SDQ_BROKER_URL": broker, "SDQ_DATABASE_URL": database_url}
+
+
+@pytest.fixture
 def download_env(service_env: dict[str, str]) -> dict[str, str]:
     """The deployment, with the test image server's address allowed."""
     return {**service_env, **DOWNLOAD_ENV}

@@ -17,7 +17,7 @@ from sdq.migrations import upgrade
 from sdq.models.db import make_engine, session_factory
 from sdq.models.jobs.delivery import Work, deliver
 from sdq.models.jobs.kinds import GENERATE, Kind
-from sdq.models.jobs.lifecycle import Output, Worker, cancel_jobs, claim, utcnow
+from sdq.models.jobs.lifecycle import Output, Worker, cancel_jobs, claim, succeed, utcnow
 from sdq.models.jobs.maintenance import EXPIRED, finish_runs, relay, sweep_leases
 from sdq.models.jobs.outbox import EnqueueFailed, enqueue
 from sdq.models.settings import JobSettings
@@ -259,3 +259,22 @@ def test_maintenance_expires_dead_leases_and_sends_again_only_what_is_lost(sessi
     assert run_of(sessions, dropped).finished_at is None
     assert finish_runs(sessions) >= 1
     assert run_of(sessions, dropped).finished_at is not None
+
+
+def test_a_job_whose_twin_is_being_made_waits_and_is_served_its_output(
+    sessions, work: EchoWork
+) -> None:
+    making, waiting = new_run(sessions, {"text": "twin"}, {"text": "twin"})
+    other = Worker("other:2", "cpu")
+    with sessions.begin() as session:
+        claim(session, [making], worker=other, lease_seconds=60, max_attempts=2)
+    outcome = deliver([waiting], work, sessions=sessions, worker=WORKER, settings=SETTINGS)
+    assert (outcome.held, outcome.done, work.ran) == ([waiting], [], [])
+    assert outcome.held_until - utcnow() < timedelta(seconds=10)  # looks again soon
+    assert statuses(sessions, [waiting]) == [(JobStatus.pending, 0)]  # not claimed
+
+    uri = work.store.put_bytes("echo/twin", b"twin", content_type="text/plain")
+    with sessions.begin() as session:
+        succeed(session, [Output(making, uri, "made", work_seconds=0.0)], worker=other)
+    again = deliver([waiting], work, sessions=sessions, worker=WORKER, settings=SETTINGS)
+    assert (again.reused, again.done, work.ran) == ([waiting], [], [])

@@ -7,38 +7,26 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
 import redis
 
-from sdq.migrations import upgrade
-from sdq.models.db import make_engine
 from sdq.models.jobs.maintenance import EXPIRED
 from tests.conftest import BeatProcess, WorkerProcess, sdq_json, write
-from tests.services import free_port, listening, scratch_database, wait_for
+from tests.services import free_port, listening, wait_for
 
 pytestmark = pytest.mark.timeout(400)
 
-# A broker database of this file's own: the session's worker must not take these jobs.
-BROKER = "redis://127.0.0.1:6379/9"
 # Beat every second; a queued job unclaimed for 3 s in an empty queue counts as lost.
 HEALING = {"SDQ_MAINTENANCE_INTERVAL_SECONDS": "1", "SDQ_RELAY_AFTER_SECONDS": "3"}
 RESENT = "sent again by the relay"
 
 
 @pytest.fixture
-def heal_env(service_env: dict[str, str]) -> Iterator[dict[str, str]]:
-    """The deployment with a database of its own: beat relays every lost job it finds, and
-    must find only this test's."""
-    redis.Redis.from_url(BROKER).flushdb()
-    with scratch_database("sdq_heal") as database_url:
-        upgrade(make_engine(database_url))
-        yield {
-            **service_env, **HEALING, "SDQ_BROKER_URL": BROKER, "SDQ_DATABASE_URL": database_url
-        }  # fmt: skip
+def heal_env(own_deployment: dict[str, str]) -> dict[str, str]:
+    return {**own_deployment, **HEALING}
 
 
 def prompts(tmp_path: Path, count: int, label: str) -> Path:
@@ -88,7 +76,7 @@ def test_jobs_the_broker_lost_are_sent_again_by_two_beats_and_done_once(
     run_id = sdq_json(heal_env, "submit", str(prompts(tmp_path, 200, "lost")), "--steps", "1")[
         "run_id"
     ]
-    redis.Redis.from_url(BROKER).flushdb()  # the broker restarts empty: 200 messages gone
+    redis.Redis.from_url(heal_env["SDQ_BROKER_URL"]).flushdb()  # restarted empty: 200 lost
 
     processes = started(
         WorkerProcess(heal_env, tmp_path / "gpu.log"),

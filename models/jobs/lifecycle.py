@@ -8,8 +8,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import ColumnElement, Select, and_, insert, literal, or_, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy import ColumnElement, Select, and_, func, insert, literal, or_, select, update
+from sqlalchemy.orm import Session, aliased
 
 from sdq.models.db import chunked, insert_rows
 from sdq.models.store import existing
@@ -18,6 +18,8 @@ from sdq.models.tables import CLAIMABLE, FINISHED, Job, JobEvent, JobStatus, Run
 # Jobs that wait for a message to be sent: never sent, or failed and to be sent again.
 UNSENT = (JobStatus.pending, JobStatus.failed)
 LOST = "attempts exhausted: the worker holding the job stopped renewing its lease"
+# A job whose twin (same spec) is being made looks again this soon, to be served its output.
+TWIN_RECHECK_SECONDS = 3
 
 
 def utcnow() -> datetime:
@@ -160,10 +162,11 @@ def claim(
     A job whose worker died holding it is taken over once its lease runs out, unless it
     has used all its attempts: a job that kills every worker that tries it ends dead.
     """
+    _lock_specs(session, job_ids)
     now = utcnow()
     abandoned = abandoned_at(now)
     bury_exhausted(session, Job.id.in_(job_ids), max_attempts=max_attempts, worker=worker, at=now)
-    claimable = or_(Job.status.in_(CLAIMABLE), abandoned)
+    claimable = or_(Job.status.in_(CLAIMABLE), abandoned) & ~_twin_running(now).exists()
     claimed = session.scalars(
         update(Job)
         .where(Job.id.in_(job_ids), claimable)
@@ -192,8 +195,39 @@ def extend_leases(
     )
 
 
+def _twin_running(now: datetime) -> Select[tuple[int]]:
+    """Another job with the same spec that a live worker is making now: its output will
+    serve this one, so this one is not made a second time."""
+    twin = aliased(Job)
+    return select(twin.id).where(
+        twin.spec_hash == Job.spec_hash,
+        twin.id != Job.id,
+        twin.status == JobStatus.running,
+        twin.lease_expires_at >= now,
+    )
+
+
+def _lock_specs(session: Session, job_ids: Sequence[int]) -> None:
+    """Claims of jobs with equal specs take turns (Postgres; SQLite has one writer at a
+    time anyway), so that two workers cannot both see no twin running and both make it.
+    Locks are taken in spec order: two claims never wait on each other in a circle."""
+    if session.get_bind().dialect.name != "postgresql":
+        return
+    specs = select(Job.spec_hash).where(Job.id.in_(job_ids)).distinct().subquery()
+    key = func.hashtextextended(specs.c.spec_hash, 0)
+    # Postgres takes a volatile function of the select list after the ORDER BY's sort.
+    session.execute(
+        select(func.pg_advisory_xact_lock(key)).select_from(specs).order_by(specs.c.spec_hash)
+    )
+
+
 def held_until(session: Session, job_ids: Sequence[int]) -> datetime | None:
-    """When the last lease another worker holds on these jobs runs out, if any is held."""
+    """When to look at these unclaimed jobs again: soon, if a twin of one is being made
+    (its output will then serve it); else when the last lease another worker holds on them
+    runs out; None if nothing holds them."""
+    now = utcnow()
+    if session.scalar(select(Job.id).where(Job.id.in_(job_ids), _twin_running(now).exists())):
+        return now + timedelta(seconds=TWIN_RECHECK_SECONDS)
     until = session.scalar(
         select(Job.lease_expires_at)
         .where(Job.id.in_(job_ids), Job.status == JobStatus.running)
