@@ -32,6 +32,10 @@ class JobSettings:
     lease_seconds: int = 120
     max_attempts: int = 3
     retry_backoff_seconds: int = 5
+    # An outage of a dependency (the object store unreachable) does not use up attempts,
+    # which are for crashes and poison: it is retried, with backoff, for this long after
+    # the job's first failure.
+    outage_budget_seconds: int = 900
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +113,7 @@ class Settings:
                 lease_seconds=_int(env, "SDQ_LEASE_SECONDS", 120),
                 max_attempts=_int(env, "SDQ_MAX_ATTEMPTS", 3),
                 retry_backoff_seconds=_int(env, "SDQ_RETRY_BACKOFF_SECONDS", 5),
+                outage_budget_seconds=_int(env, "SDQ_OUTAGE_BUDGET_SECONDS", 900, minimum=0),
             ),
             maintenance=MaintenanceSettings(
                 interval_seconds=_int(env, "SDQ_MAINTENANCE_INTERVAL_SECONDS", 15),

@@ -22,7 +22,7 @@ from sdq.models.jobs.maintenance import EXPIRED, finish_runs, relay, sweep_lease
 from sdq.models.jobs.outbox import EnqueueFailed, enqueue
 from sdq.models.settings import JobSettings
 from sdq.models.specs import canonical_sha256
-from sdq.models.store import LocalStore, StoreUnavailable
+from sdq.models.store import LocalStore
 from sdq.models.tables import Job, JobEvent, JobStatus, Run
 
 WORKER = Worker("echo-host:1", "cpu")
@@ -30,7 +30,8 @@ SETTINGS = JobSettings(lease_seconds=60, max_attempts=2)
 
 
 class EchoWork(Work):
-    """Stores each job's text; a spec can ask to fail, for a permanent or passing reason."""
+    """Stores each job's text; a spec can ask to fail, for a permanent or passing reason
+    (one that uses up an attempt: not an outage of the store)."""
 
     permanent_errors = (LookupError,)
 
@@ -44,7 +45,7 @@ class EchoWork(Work):
             if failure == "permanent":
                 raise LookupError(f"no such thing as {job.spec['text']!r}")
             if failure == "passing":
-                raise StoreUnavailable("the store is down for a moment")
+                raise TimeoutError("the work took too long this time")
             self.ran.append(job.id)
             data = job.spec["text"].encode()
             uri = self.store.put_bytes(f"echo/{job.spec_hash}", data, content_type="text/plain")
@@ -129,7 +130,7 @@ def test_passing_failures_retry_up_to_the_cap_and_permanent_ones_end_at_once(
 ) -> None:
     [passing] = new_run(sessions, {"text": "later", "fail": "passing"})
     outcome = deliver([passing], work, sessions=sessions, worker=WORKER, settings=SETTINGS)
-    assert outcome.retry == [passing] and "StoreUnavailable" in outcome.error
+    assert outcome.retry == [passing] and "TimeoutError" in outcome.error
     assert statuses(sessions, [passing]) == [(JobStatus.failed, 1)]
     outcome = deliver([passing], work, sessions=sessions, worker=WORKER, settings=SETTINGS)
     assert outcome.retry == [] and statuses(sessions, [passing]) == [(JobStatus.dead, 2)]

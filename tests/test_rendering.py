@@ -21,7 +21,7 @@ from sdq.models.jobs.lifecycle import Worker, as_utc, claim, utcnow
 from sdq.models.registry import resolve_model, tiny_identity
 from sdq.models.settings import JobSettings
 from sdq.models.store import LocalStore, S3Store
-from sdq.models.tables import Job, JobStatus, Run
+from sdq.models.tables import Job, JobEvent, JobStatus, Run
 from sdq.producer.generate.plan import Defaults, plan_jobs
 from sdq.producer.generate.prompts import PromptRow
 from sdq.producer.generate.submit import Batching, record_run
@@ -181,11 +181,36 @@ def direct_work(database_url: str, store, pipelines, **settings) -> Direct:
     return Direct(sessions, store, pipelines, JobSettings(**settings))
 
 
-def test_unreachable_store_retries_then_gives_up(migrated_postgres, pipelines, monkeypatch) -> None:
+def test_an_outage_does_not_use_up_attempts_within_its_budget(
+    migrated_postgres, pipelines, monkeypatch
+) -> None:
     for key, value in aws_env(f"http://127.0.0.1:{free_port()}").items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     work = direct_work(migrated_postgres, S3Store(BUCKET), pipelines, max_attempts=2)
+    job_ids = recorded(work.sessions, planned("store is down for a while"))
+    for _ in range(4):  # twice the attempts, each failing on the store
+        assert work.deliver(job_ids).retry == job_ids
+    with work.sessions() as session:
+        job = session.get(Job, job_ids[0])
+        assert (job.status, job.attempts) == (JobStatus.failed, 0)
+        details = session.scalars(
+            select(JobEvent.detail).where(
+                JobEvent.job_id == job.id, JobEvent.status == JobStatus.failed
+            )
+        ).all()
+    assert len(details) == 4 and all("the attempt is not counted" in d for d in details)
+
+
+def test_unreachable_store_past_the_outage_budget_gives_up(
+    migrated_postgres, pipelines, monkeypatch
+) -> None:
+    for key, value in aws_env(f"http://127.0.0.1:{free_port()}").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    work = direct_work(
+        migrated_postgres, S3Store(BUCKET), pipelines, max_attempts=2, outage_budget_seconds=0
+    )
     sessions = work.sessions
     job_ids = recorded(sessions, planned("store is down"))
     first = work.deliver(job_ids)
@@ -274,7 +299,7 @@ def test_a_failed_upload_is_retried_to_exactly_one_image(
     assert back.deliver(job_ids).done == job_ids
     with down.sessions() as session:
         job = session.get(Job, job_ids[0])
-    assert (job.status, job.attempts) == (JobStatus.succeeded, 2)
+    assert (job.status, job.attempts) == (JobStatus.succeeded, 1)  # the outage is not counted
     listing = s3_client.list_objects_v2(Bucket=BUCKET, Prefix="retried/")["Contents"]
     assert [item["Key"] for item in listing] == [f"retried/images/{job.spec_hash}.png"]
     body = s3_client.get_object(Bucket=BUCKET, Key=listing[0]["Key"])["Body"].read()

@@ -29,6 +29,7 @@ from sdq.models.jobs.lifecycle import (
     succeed,
 )
 from sdq.models.settings import JobSettings
+from sdq.models.store import StoreUnavailable
 from sdq.models.tables import Job
 
 
@@ -37,6 +38,8 @@ class Work(ABC):
 
     # Errors that another attempt cannot fix: the jobs are dead at once.
     permanent_errors: tuple[type[Exception], ...] = ()
+    # A dependency that is down for now: retried without using up attempts, for a while.
+    outage_errors: tuple[type[Exception], ...] = (StoreUnavailable,)
 
     def reuse(self, session: Session, jobs: Sequence[Job]) -> list[Output]:
         """Outputs that already exist for some of the jobs. By default: any job that
@@ -101,7 +104,8 @@ def deliver(
                 [job.id for job in todo if job.id not in stored],
                 error=outcome.error,
                 permanent=work.is_permanent(error),
-                max_attempts=settings.max_attempts,
+                outage=isinstance(error, work.outage_errors),
+                settings=settings,
                 worker=worker,
             )
         outcome.done = sorted(stored)

@@ -12,12 +12,14 @@ from sqlalchemy import ColumnElement, Select, and_, func, insert, literal, or_, 
 from sqlalchemy.orm import Session, aliased
 
 from sdq.models.db import chunked, insert_rows
+from sdq.models.settings import JobSettings
 from sdq.models.store import existing
 from sdq.models.tables import CLAIMABLE, FINISHED, Job, JobEvent, JobStatus, Run
 
 # Jobs that wait for a message to be sent: never sent, or failed and to be sent again.
 UNSENT = (JobStatus.pending, JobStatus.failed)
 LOST = "attempts exhausted: the worker holding the job stopped renewing its lease"
+OUTAGE = "an outage: the attempt is not counted"
 # A job whose twin (same spec) is being made looks again this soon, to be served its output.
 TWIN_RECHECK_SECONDS = 3
 
@@ -277,28 +279,54 @@ def fail(
     *,
     error: str,
     permanent: bool,
-    max_attempts: int,
+    outage: bool = False,
+    settings: JobSettings,
     worker: Worker,
 ) -> list[int]:
-    """Records a failure; returns the jobs that may be tried again."""
+    """Records a failure; returns the jobs that may be tried again. An outage gives the
+    attempt back while the job's first failure is less than the outage budget ago."""
     now = utcnow()
     jobs = session.scalars(
         select(Job).where(
             Job.id.in_(job_ids), Job.status == JobStatus.running, Job.worker_host == worker.host
         )
     ).all()
+    forgiven = _within_outage_budget(session, jobs, settings, now) if outage else set()
     for job in jobs:
-        dead = permanent or job.attempts >= max_attempts
+        if job.id in forgiven:
+            job.attempts -= 1
+        dead = permanent or job.attempts >= settings.max_attempts
         job.status = JobStatus.dead if dead else JobStatus.failed
         job.error = error
         job.lease_expires_at = None
         job.finished_at = now if dead else None
     retryable = [job.id for job in jobs if job.status == JobStatus.failed]
     given_up = [job.id for job in jobs if job.status == JobStatus.dead]
-    record_events(session, retryable, JobStatus.failed, worker=worker, detail=error, at=now)
+    detail = f"{error} ({OUTAGE})" if forgiven else error
+    record_events(session, retryable, JobStatus.failed, worker=worker, detail=detail, at=now)
     record_events(session, given_up, JobStatus.dead, worker=worker, detail=error, at=now)
     close_finished_runs(session, given_up)
     return retryable
+
+
+def _within_outage_budget(
+    session: Session, jobs: Sequence[Job], settings: JobSettings, now: datetime
+) -> set[int]:
+    """The jobs whose first failure (this one, if none came before) is within the budget."""
+    first_failed = dict(
+        session.execute(
+            select(JobEvent.job_id, func.min(JobEvent.at))
+            .where(
+                JobEvent.job_id.in_([job.id for job in jobs]),
+                JobEvent.status == JobStatus.failed,
+            )
+            .group_by(JobEvent.job_id)
+        )
+        .tuples()
+        .all()
+    )
+    budget = timedelta(seconds=settings.outage_budget_seconds)
+    return {job.id for job in jobs if now - as_utc(first_failed.get(job.id, now)) < budget}
 
 
 def cancel_jobs(session: Session, run_id: int) -> list[int]:
