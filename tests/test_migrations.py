@@ -78,3 +78,20 @@ def test_kind_neutral_jobs_keep_every_existing_row(empty_database: str) -> None:
         assert connection.scalar(text("SELECT count(*) FROM job_events")) == 2
     downgrade(engine, "base")
     upgrade(engine)
+
+
+def test_every_command_on_a_database_without_tables_says_to_upgrade(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from sdq.producer.cli.main import main
+    from tests.services import clean_env, scratch_database
+
+    with scratch_database("sdq_bare") as database_url:
+        env = {**clean_env(), "SDQ_DATABASE_URL": database_url, "SDQ_HOME": str(tmp_path)}
+        commands = [["runs"], ["status", "1"], ["show", "1"], ["find", "--prompt", "x"],
+                    ["cancel", "1"], ["dataset", "list"], ["train", "status", "1"]]  # fmt: skip
+        for command in commands:
+            result = CliRunner().invoke(main, command, env=env)
+            assert result.exit_code == 1, (command, result.output)
+            assert "no sdq tables yet: run `sdq db upgrade`" in result.output, command
+            assert "Traceback" not in result.output

@@ -6,6 +6,7 @@ up (admin.py).
 """
 
 import click
+from sqlalchemy.exc import DBAPIError
 
 from sdq.models.settings import Settings
 from sdq.producer.cli import admin, runs, sql
@@ -16,7 +17,26 @@ from sdq.producer.train import cli as train
 from sdq.workers.app import create_app, quiet_libraries
 
 
-@click.group()
+class SdqGroup(click.Group):
+    """Every command's answer to a database without sdq's tables: how to make them."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except DBAPIError as error:
+            if not _no_schema(error):
+                raise
+            raise click.ClickException(
+                "the database has no sdq tables yet: run `sdq db upgrade`"
+            ) from None
+
+
+def _no_schema(error: DBAPIError) -> bool:
+    # Postgres: undefined_table; SQLite says it in words.
+    return getattr(error.orig, "sqlstate", None) == "42P01" or "no such table" in str(error.orig)
+
+
+@click.group(cls=SdqGroup)
 @click.version_option(package_name="sdq")
 @click.pass_context
 def main(ctx: click.Context) -> None:
