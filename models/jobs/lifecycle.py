@@ -343,6 +343,32 @@ def cancel_jobs(session: Session, run_id: int) -> list[int]:
     return sorted(cancelled)  # RETURNING gives no order
 
 
+def retry_jobs(
+    session: Session, run_id: int, statuses: Iterable[JobStatus], *, asked_by: str
+) -> list[int]:
+    """Gives the run's jobs in these finished-or-failed states a fresh start (no attempts
+    used, no error) as `pending`, to be sent again, and opens the run again."""
+    now = utcnow()
+    again = session.scalars(
+        update(Job)
+        .where(Job.run_id == run_id, Job.status.in_(list(statuses)))
+        .values(
+            status=JobStatus.pending,
+            attempts=0,
+            error=None,
+            finished_at=None,
+            lease_expires_at=None,
+            cached=False,
+        )
+        .returning(Job.id)
+    ).all()
+    detail = f"retry asked by {asked_by}"
+    record_events(session, again, JobStatus.pending, detail=detail, at=now)
+    if again:
+        session.execute(update(Run).where(Run.id == run_id).values(finished_at=None))
+    return sorted(again)
+
+
 def close_finished_runs(session: Session, job_ids: Sequence[int]) -> None:
     """Stamps `finished_at` on the runs of these jobs that have no unfinished job left."""
     if job_ids:

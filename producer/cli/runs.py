@@ -1,10 +1,15 @@
 """Commands for runs and jobs of any kind: each dispatches on the run's kind."""
 
+import getpass
+import socket
+
 import click
 
-from sdq.models.jobs.lifecycle import cancel_jobs
+from sdq.models.jobs.lifecycle import cancel_jobs, retry_jobs
+from sdq.models.tables import JobStatus
 from sdq.producer import display, lookups
 from sdq.producer.cli.common import (
+    carry_out,
     found,
     json_option,
     lookup,
@@ -63,6 +68,37 @@ def requeue(app: SdqCelery, run_id: int, as_json: bool) -> None:
         click.echo(f"run {run_id}: sent {sent.jobs} jobs again in {sent.messages} tasks")
 
 
+RETRYABLE = (JobStatus.dead, JobStatus.failed, JobStatus.cancelled)
+
+
+@click.command()
+@click.argument("run_id", type=int)
+@click.option(
+    "--status",
+    "statuses",
+    multiple=True,
+    type=click.Choice([str(status) for status in RETRYABLE]),
+    help="Which jobs to try again (repeat for more) [default: dead, failed and cancelled].",
+)
+@json_option
+@pass_app
+def retry(app: SdqCelery, run_id: int, statuses: tuple[str, ...], as_json: bool) -> None:
+    """Try RUN's dead, failed or cancelled jobs again from scratch: attempts reset, sent
+    again (without a broker, done here). The history records who asked."""
+    chosen = [JobStatus(status) for status in statuses] or list(RETRYABLE)
+    asked_by = f"{getpass.getuser()}@{socket.gethostname()}"
+    with app.sessions.begin() as session, found():
+        jobs = lookups.get_run(session, run_id).job_count
+        job_ids = retry_jobs(session, run_id, chosen, asked_by=asked_by)
+    if job_ids:
+        done = jobs - len(job_ids)
+        carry_out(app, run_id, jobs=jobs, done=done, wait=False, as_json=as_json)
+    if as_json:
+        display.print_json({"run_id": run_id, "retried": len(job_ids)})
+    else:
+        click.echo(f"run {run_id}: {len(job_ids)} jobs sent again")
+
+
 @click.command()
 @click.argument("run_id", type=int)
 @json_option
@@ -78,4 +114,4 @@ def cancel(app: SdqCelery, run_id: int, as_json: bool) -> None:
         click.echo(f"run {run_id}: cancelled {len(cancelled)} jobs")
 
 
-COMMANDS = (runs, status, show, requeue, cancel)
+COMMANDS = (runs, status, show, requeue, retry, cancel)
