@@ -24,6 +24,9 @@ from sdq.models.tables import ModelRecord, Run
 from sdq.models.tables.train import Checkpoint
 
 SCHEDULER_CONFIG_FILE = "scheduler/scheduler_config.json"
+MODEL_INDEX = "model_index.json"
+# A model named like a path is a folder, never a hub id: if it is not there, say so.
+PATH_PREFIXES = ("./", "../", "/", "~", ".\\")
 UNET_CONFIG_FILE = "unet/config.json"
 STORE_SOURCE = "store:"
 # A training checkpoint: the run id or its `--into` name, then the step.
@@ -96,6 +99,8 @@ def resolve_model(ref: str, *, store: ObjectStore, session: Session) -> ModelIde
         return _resolve_s3(ref)
     if Path(ref).is_dir():
         return _resolve_folder(Path(ref))
+    if ref.startswith(PATH_PREFIXES):
+        raise ModelNotFound(f"no folder {ref} ({Path(ref).expanduser().absolute()})")
     if (checkpoint := _checkpoint(session, ref)) is not None:
         return _identity(
             name=ref,
@@ -141,6 +146,9 @@ def _native_size(unet_config: bytes | None) -> int:
 
 
 def _resolve_folder(folder: Path) -> ModelIdentity:
+    if not (folder / MODEL_INDEX).is_file():
+        raise ModelNotFound(f"{folder} is not a diffusers pipeline: no {MODEL_INDEX}")
+
     def read(relative: str) -> bytes | None:
         path = folder / relative
         return path.read_bytes() if path.is_file() else None

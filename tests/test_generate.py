@@ -306,3 +306,14 @@ def test_submit_wait_reports_the_end_and_fails_on_dead_jobs(worker, sdq, tmp_pat
     failed = sdq("submit", str(prompts), "--model", str(broken), "--steps", "2", "--wait")
     assert failed.exit_code == 1, failed.output
     assert "1 failed for good" in failed.output
+
+
+def test_a_model_path_that_is_not_a_pipeline_is_refused_at_submit(sdq, tmp_path) -> None:
+    prompts = write(tmp_path / "p.csv", "prompt\nnever rendered\n")
+    (tmp_path / "empty-folder").mkdir()
+    for model, message in [
+        ("./no-such-folder", "no folder ./no-such-folder"),
+        (str(tmp_path / "empty-folder"), "is not a diffusers pipeline: no model_index.json"),
+    ]:
+        result = sdq("submit", str(prompts), "--model", model)
+        assert result.exit_code == 2 and message in result.output, result.output
