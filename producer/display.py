@@ -65,6 +65,11 @@ def describe_status(status: dict[str, Any]) -> list[str]:
     if status["dead"]:
         listing = f"sdq find --run {status['run_id']} --status dead"
         lines.append(f"[red]{status['dead']} failed for good[/red]: `{listing}` lists them")
+    for failure in status["failures"]:
+        lines.append(
+            f"  {failure['jobs']} {failure['status']}: {failure['error']} "
+            f"(e.g. `sdq show {failure['example_job']}`)"
+        )
     if status["per_second"]:
         lines.append(f"throughput {status['per_second']:.2f} {unit}/s")
     if status["eta_seconds"]:

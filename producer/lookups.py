@@ -64,10 +64,26 @@ def run_status(session: Session, run_id: int, *, with_jobs: bool = True) -> dict
         "cached": cached,
         "per_second": round(throughput, 3) if throughput else None,
         "eta_seconds": round(remaining / throughput, 1) if throughput and remaining else None,
+        "failures": failures(session, run_id),
     }
     if with_jobs:
         status["jobs"] = run_jobs(session, run)
     return status
+
+
+def failures(session: Session, run_id: int) -> list[dict[str, Any]]:
+    """The run's dead and failed jobs grouped by error, most common first, each with a job
+    to look at (`sdq show`)."""
+    rows = session.execute(
+        select(Job.status, Job.error, func.count(), func.min(Job.id))
+        .where(Job.run_id == run_id, Job.status.in_([JobStatus.dead, JobStatus.failed]))
+        .group_by(Job.status, Job.error)
+        .order_by(func.count().desc(), func.min(Job.id))
+    )
+    return [
+        {"status": str(status), "error": error, "jobs": count, "example_job": example}
+        for status, error, count, example in rows
+    ]
 
 
 def run_jobs(session: Session, run: Run) -> list[dict[str, Any]]:

@@ -4,6 +4,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -306,6 +307,8 @@ def test_submit_wait_reports_the_end_and_fails_on_dead_jobs(worker, sdq, tmp_pat
     failed = sdq("submit", str(prompts), "--model", str(broken), "--steps", "2", "--wait")
     assert failed.exit_code == 1, failed.output
     assert "1 failed for good" in failed.output
+    # The reason is in the summary, grouped, with a job to look at.
+    assert re.search(r"1 dead: \w+Error: .+\(e\.g\. `sdq show \d+`\)", failed.output, re.S)
 
 
 def test_a_model_path_that_is_not_a_pipeline_is_refused_at_submit(sdq, tmp_path) -> None:
