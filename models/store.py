@@ -44,12 +44,26 @@ class ObjectStore(Protocol):
 CHUNK = 8 * 1024 * 1024
 
 
+def _umask() -> int:
+    """The process's umask (reading it means setting it: set it straight back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# What a new file's mode becomes, read once at import, before any thread of the process
+# could create a file while the umask is briefly 0.
+FILE_MODE = 0o666 & ~_umask()
+
+
 @contextmanager
 def atomic_file(path: Path) -> Iterator[BinaryIO]:
     """Write beside the target, then rename over it: readers see the old file or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp makes the file private (0600); the umask decides, as for any other file.
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as handle:
             yield handle
         os.replace(tmp, path)

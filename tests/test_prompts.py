@@ -78,8 +78,8 @@ def test_header_problems(tmp_path: Path) -> None:
         list_prompts(write(tmp_path / "h.csv", "promt,sede,seed,seed\nx,1,2,3\n"))
     reasons = {(error.column, error.reason.split(";")[0]) for error in caught.value.errors}
     assert reasons == {
-        ("promt", "unknown column"),
-        ("sede", "unknown column"),
+        ("promt", "unknown column (did you mean 'prompt'?)"),
+        ("sede", "unknown column (did you mean 'seed'?)"),
         ("seed", "column appears more than once"),
         ("prompt", "required column is missing"),
     }

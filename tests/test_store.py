@@ -1,5 +1,7 @@
 """The object store on a local folder and on a real S3 API over HTTP."""
 
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -71,6 +73,25 @@ def test_a_failed_write_leaves_nothing(tmp_path: Path) -> None:
     with pytest.raises(IsADirectoryError):
         store.put_file("images/k.png", unreadable)
     assert list((tmp_path / "store" / "images").iterdir()) == []
+
+
+def test_local_files_get_the_mode_the_umask_gives(tmp_path: Path) -> None:
+    """Not mkstemp's private 0600: a web server or another user can read what is written."""
+    # In a process of its own: the store reads the umask once, when it is imported.
+    script = (
+        "import os, stat, sys\n"
+        "from pathlib import Path\n"
+        "os.umask(0o022)\n"
+        "from sdq.models.store import LocalStore\n"
+        "root = Path(sys.argv[1])\n"
+        "LocalStore(root).put_bytes('a/b.png', b'x', content_type='image/png')\n"
+        "print(oct(stat.S_IMODE((root / 'a/b.png').stat().st_mode)))\n"
+    )
+    check = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "store")],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert check.stdout.strip() == "0o644"
 
 
 def test_keys_cannot_escape_a_local_store(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ stream: a file of millions of prompts is checked and planned without being held 
 """
 
 import csv
+import difflib
 import math
 import string
 from collections.abc import Iterator
@@ -147,10 +148,18 @@ def _malformed(error: csv.Error) -> str:
     return f"malformed CSV: {error}"
 
 
+def _did_you_mean(column: str) -> str:
+    close = difflib.get_close_matches(column, COLUMNS, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _check_header(name: str, columns: list[str]) -> list[InputError]:
     errors = [
         InputError(
-            name, 1, column or "(empty)", f"unknown column; expected some of {', '.join(COLUMNS)}"
+            name,
+            1,
+            column or "(empty)",
+            f"unknown column{_did_you_mean(column)}; expected some of {', '.join(COLUMNS)}",
         )
         for column in columns
         if column not in COLUMNS
