@@ -2,6 +2,7 @@
 
 from collections import Counter
 from datetime import datetime
+from pathlib import PurePosixPath
 from typing import Any
 
 from sqlalchemy import func, select
@@ -111,6 +112,37 @@ def recent_runs(session: Session, limit: int = 20) -> list[dict[str, Any]]:
         }
         for run in runs
     ]
+
+
+# A spec-hash prefix shorter than this would name too many images to be worth a query.
+MIN_HASH_PREFIX = 6
+
+
+def job_named(session: Session, ref: str) -> int:
+    """The job a person names: its id, its spec hash or a unique prefix of it, or the path
+    or URI of its output (`.../images/<hash>.png`). Of several jobs with one spec, the one
+    that made the output."""
+    if ref.isdigit():
+        return int(ref)
+    prefix = PurePosixPath(ref.rstrip("/")).stem.lower() if "/" in ref or "." in ref else ref
+    if len(prefix) < MIN_HASH_PREFIX or any(c not in "0123456789abcdef" for c in prefix):
+        raise NotFound(
+            f"{ref!r} names no job: give a job id, a spec hash (or {MIN_HASH_PREFIX}+ of its "
+            "first characters), or an image's path"
+        )
+    hashes = session.scalars(
+        select(Job.spec_hash).where(Job.spec_hash.startswith(prefix)).distinct().limit(2)
+    ).all()
+    if not hashes:
+        raise NotFound(f"no job with a spec hash starting {prefix}")
+    if len(hashes) > 1:
+        raise NotFound(f"{prefix} starts more than one spec hash: give more of it")
+    return session.scalars(
+        select(Job.id)
+        .where(Job.spec_hash == hashes[0])
+        .order_by((Job.status == JobStatus.succeeded).desc(), Job.cached, Job.id)
+        .limit(1)
+    ).one()
 
 
 def job_details(session: Session, job_id: int) -> dict[str, Any]:

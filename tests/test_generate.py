@@ -217,6 +217,16 @@ def test_lookups(worker, sdq, tmp_path) -> None:
     out = tmp_path / "out.png"
     assert sdq("get", str(job_id), "-o", str(out)).exit_code == 0
     assert Image.open(out).text["sdq-spec-hash"] == shown["spec_hash"]
+    # An image is named by its spec hash: the hash, a prefix of it, or its path name the job.
+    spec_hash = shown["spec_hash"]
+    for name in (spec_hash, spec_hash[:8], shown["uri"], f"images/{spec_hash}.png"):
+        assert json.loads(sdq("show", name, "--json").stdout)["id"] == job_id, name
+    by_hash = tmp_path / "by-hash.png"
+    assert sdq("get", spec_hash[:10], "-o", str(by_hash)).exit_code == 0
+    assert by_hash.read_bytes() == out.read_bytes()
+    for name, message in [("zz", "names no job"), ("abcdef0123", "no job with a spec hash")]:
+        refused = sdq("show", name)
+        assert refused.exit_code == 1 and message in refused.output, name
 
     runs = json.loads(sdq("runs", "--json").stdout)
     assert any(run["run_id"] == run_id for run in runs)

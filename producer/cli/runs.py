@@ -43,13 +43,18 @@ def status(app: SdqCelery, run_id: int, as_json: bool) -> None:
 
 
 @click.command()
-@click.argument("job_id", type=int)
+@click.argument("job")
 @json_option
 @pass_app
-def show(app: SdqCelery, job_id: int, as_json: bool) -> None:
-    """Everything about one job: spec, timings, worker, output, history."""
-    lookup(app, lambda session: lookups.job_details(session, job_id),
-           as_json=as_json, show=display.show_job)  # fmt: skip
+def show(app: SdqCelery, job: str, as_json: bool) -> None:
+    """Everything about one job: spec, timings, worker, output, history. JOB is a job id, a
+    spec hash (or its first characters), or an image's path or URI."""
+    lookup(
+        app,
+        lambda session: lookups.job_details(session, lookups.job_named(session, job)),
+        as_json=as_json,
+        show=display.show_job,
+    )
 
 
 @click.command()

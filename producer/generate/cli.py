@@ -249,13 +249,14 @@ def gallery(app: SdqCelery, run_id: int) -> None:
 
 
 @click.command()
-@click.argument("job_id", type=int)
+@click.argument("job")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 @pass_app
-def get(app: SdqCelery, job_id: int, output: Path) -> None:
-    """Copy a job's image out of the store."""
+def get(app: SdqCelery, job: str, output: Path) -> None:
+    """Copy a job's image out of the store. JOB is a job id, a spec hash (or its first
+    characters), or the image's path or URI."""
     with app.sessions() as session, found():
-        key = generate_lookups.job_image_key(session, job_id)
+        key = generate_lookups.job_image_key(session, lookups.job_named(session, job))
     try:
         app.store.get_file(key, output)
     except StoreError as error:
