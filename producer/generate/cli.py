@@ -27,6 +27,7 @@ from sdq.producer.cli.common import (
     work_here,
 )
 from sdq.producer.generate import lookups as generate_lookups
+from sdq.producer.generate.export import FORMATS, export_run
 from sdq.producer.generate.gallery import gallery_html, gallery_key
 from sdq.producer.generate.plan import DEFAULT_TEMPLATE, Defaults, plan_jobs
 from sdq.producer.generate.prompts import (
@@ -265,6 +266,31 @@ def get(app: SdqCelery, job: str, output: Path) -> None:
 
 
 @click.command()
+@click.argument("run_id", type=int)
+@click.argument("folder", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--format", "format_", type=click.Choice(FORMATS), default="folder",
+              show_default=True, help="folder: PNGs and metadata.csv; parquet: one file with "
+              "the PNG bytes; webdataset: tar shards of <hash>.png and <hash>.json.")  # fmt: skip
+@json_option
+@pass_app
+def export(app: SdqCelery, run_id: int, folder: Path, format_: str, as_json: bool) -> None:
+    """Write RUN's images with a metadata table (prompt, style, seed, model revision, spec
+    hash, file name) into FOLDER, for other tools."""
+    with app.sessions() as session, found():
+        rows = generate_lookups.export_rows(session, run_id)
+    try:
+        files = export_run(rows, app.store, folder, run_id=run_id, format=format_)
+    except StoreError as error:
+        raise click.ClickException(str(error)) from None
+    if as_json:
+        display.print_json(
+            {"run_id": run_id, "images": len(rows), "files": [str(f) for f in files]}
+        )
+    else:
+        click.echo(f"run {run_id}: {len(rows)} images written to {folder} ({format_})")
+
+
+@click.command()
 @click.option("--prompt", help="Text the prompt contains (case-insensitive).")
 @click.option("--style", help="Text the style contains.")
 @click.option("--model", help="Model name, exactly.")
@@ -279,4 +305,4 @@ def find(app: SdqCelery, as_json: bool, **filters: Any) -> None:
            as_json=as_json, show=table(["id", "run_id", "status", "seed", "prompt"]))  # fmt: skip
 
 
-COMMANDS = (submit, run, find, get, gallery)
+COMMANDS = (submit, run, find, get, gallery, export)

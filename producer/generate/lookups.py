@@ -7,6 +7,7 @@ from sqlalchemy import RowMapping, select
 from sqlalchemy.orm import Session
 
 from sdq.models.db import chunked
+from sdq.models.jobs.kinds import GENERATE
 from sdq.models.specs import image_key
 from sdq.models.tables import Job, JobStatus, Run
 from sdq.models.tables.generate import Generation
@@ -85,6 +86,41 @@ def gallery_jobs(session: Session, run_id: int) -> list[dict[str, Any]]:
         .order_by(Job.id)
     )
     return _with_status_text(session.execute(query).mappings())
+
+
+def export_rows(session: Session, run_id: int) -> list[dict[str, Any]]:
+    """What `sdq export` writes beside each image of a generation run: one row per
+    succeeded job, in the run's order."""
+    run = session.get(Run, run_id)
+    if run is None:
+        raise NotFound(f"no run {run_id}")
+    if run.kind != GENERATE.name:
+        raise NotFound(f"run {run_id} is a {run.kind} run: only generation runs have images")
+    rows = session.execute(
+        select(Job.id, Job.spec_hash, Job.spec, Generation.prompt, Generation.style,
+               Generation.seed, Generation.source_line)
+        .join(Generation, Generation.job_id == Job.id)
+        .where(Job.run_id == run_id, Job.status == JobStatus.succeeded)
+        .order_by(Job.id)
+    )  # fmt: skip
+    return [
+        {
+            "job_id": job_id,
+            "file_name": f"{spec_hash}.png",
+            "prompt": prompt,
+            "style": style,
+            "seed": seed,
+            "source_line": line,
+            "model": spec["model_name"],
+            "model_revision": spec["model_revision"],
+            "steps": spec["steps"],
+            "guidance": spec["guidance"],
+            "width": spec["width"],
+            "height": spec["height"],
+            "spec_hash": spec_hash,
+        }
+        for job_id, spec_hash, spec, prompt, style, seed, line in rows
+    ]
 
 
 def _with_status_text(rows: Iterable[RowMapping]) -> list[dict[str, Any]]:
