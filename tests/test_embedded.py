@@ -9,7 +9,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, sdq_json
 from tests.services import clean_env
 
 
@@ -75,6 +75,9 @@ def test_run_does_the_whole_job_in_one_process(tmp_path: Path) -> None:
         in again.stdout
     )
     assert "images: file://" in again.stdout
+    rewritten = sdq_json({**clean_env(), "PYTHONPATH": str(ROOT)}, "gallery",
+                         str(status["run_id"]), cwd=tmp_path)  # fmt: skip
+    assert rewritten == {"run_id": status["run_id"], "gallery": status["gallery"]}
 
 
 def test_commands_that_send_refuse_without_a_broker(tmp_path: Path) -> None:

@@ -222,7 +222,8 @@ def test_lookups(worker, sdq, tmp_path) -> None:
     for name in (spec_hash, spec_hash[:8], shown["uri"], f"images/{spec_hash}.png"):
         assert json.loads(sdq("show", name, "--json").stdout)["id"] == job_id, name
     by_hash = tmp_path / "by-hash.png"
-    assert sdq("get", spec_hash[:10], "-o", str(by_hash)).exit_code == 0
+    got = json.loads(sdq("get", spec_hash[:10], "-o", str(by_hash), "--json").stdout)
+    assert (got["job_id"], got["uri"]) == (job_id, shown["uri"])
     assert by_hash.read_bytes() == out.read_bytes()
     for name, message in [("zz", "names no job"), ("abcdef0123", "no job with a spec hash")]:
         refused = sdq("show", name)

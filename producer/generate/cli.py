@@ -240,29 +240,39 @@ def write_gallery(app: SdqCelery, run_id: int) -> str:
 
 @click.command()
 @click.argument("run_id", type=int)
+@json_option
 @pass_app
-def gallery(app: SdqCelery, run_id: int) -> None:
+def gallery(app: SdqCelery, run_id: int, as_json: bool) -> None:
     """Write RUN's contact sheet (a line x style grid) next to its images in the store."""
     try:
-        click.echo(write_gallery(app, run_id))
+        uri = write_gallery(app, run_id)
     except StoreError as error:
         raise click.ClickException(str(error)) from None
+    if as_json:
+        display.print_json({"run_id": run_id, "gallery": uri})
+    else:
+        click.echo(uri)
 
 
 @click.command()
 @click.argument("job")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
+@json_option
 @pass_app
-def get(app: SdqCelery, job: str, output: Path) -> None:
+def get(app: SdqCelery, job: str, output: Path, as_json: bool) -> None:
     """Copy a job's image out of the store. JOB is a job id, a spec hash (or its first
     characters), or the image's path or URI."""
     with app.sessions() as session, found():
-        key = generate_lookups.job_image_key(session, lookups.job_named(session, job))
+        job_id = lookups.job_named(session, job)
+        key = generate_lookups.job_image_key(session, job_id)
     try:
         app.store.get_file(key, output)
     except StoreError as error:
         raise click.ClickException(str(error)) from None
-    click.echo(output)
+    if as_json:
+        display.print_json({"job_id": job_id, "output": str(output), "uri": app.store.uri(key)})
+    else:
+        click.echo(output)
 
 
 @click.command()
