@@ -3,6 +3,8 @@
 import json
 import re
 import shutil
+import signal
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +12,7 @@ from pathlib import Path
 from PIL import Image
 
 from tests.conftest import ROOT, sdq_json
-from tests.services import clean_env
+from tests.services import clean_env, wait_for
 
 
 def sdq_run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
@@ -93,3 +95,40 @@ def test_commands_that_send_refuse_without_a_broker(tmp_path: Path) -> None:
         )
         assert done.returncode == 2 and "needs a broker" in done.stderr, done.stderr
     assert not (tmp_path / "sdq-data").exists()
+
+
+def test_ctrl_c_puts_the_jobs_in_hand_back_and_resume_finishes_the_run(tmp_path: Path) -> None:
+    env = {**clean_env(), "PYTHONPATH": str(ROOT)}
+    rows = "".join(f"interrupted {n},{n}\n" for n in range(48))
+    (tmp_path / "p.csv").write_text("prompt,seed\n" + rows)
+    database = tmp_path / "sdq-data/sdq.db"
+    running = subprocess.Popen(
+        [sys.executable, "-m", "sdq.producer.cli", "run", "p.csv", "--steps", "8", "--json"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+    def some_done() -> bool:
+        if not database.exists():
+            return False
+        with sqlite3.connect(database) as db:
+            return db.execute("SELECT count(*) FROM jobs WHERE status = 'succeeded'").fetchone()[0]
+
+    wait_for(some_done, what="the first images", timeout=240)
+    running.send_signal(signal.SIGINT)
+    _, stderr = running.communicate(timeout=120)
+    assert running.returncode == 130, stderr
+    assert "`sdq resume 1` finishes them" in stderr
+    with sqlite3.connect(database) as db:
+        statuses = dict(db.execute("SELECT status, count(*) FROM jobs GROUP BY status").fetchall())
+        put_back = db.execute(
+            "SELECT count(*) FROM job_events WHERE detail = 'stopped by Ctrl-C'"
+        ).fetchone()[0]
+    assert "running" not in statuses and statuses.get("queued", 0) > 0  # nothing left held
+    assert put_back > 0
+
+    resumed = sdq_json(env, "resume", "1", cwd=tmp_path)
+    assert resumed["counts"] == {"succeeded": 48}
+    with sqlite3.connect(database) as db:
+        attempts = {n for (n,) in db.execute("SELECT attempts FROM jobs WHERE NOT cached")}
+    assert attempts == {1}  # the interrupted ones did not lose an attempt
+    assert len(list((tmp_path / "sdq-data/store/images").glob("*.png"))) == 48

@@ -369,6 +369,23 @@ def retry_jobs(
     return sorted(again)
 
 
+def release_jobs(session: Session, run_id: int, *, worker: Worker, reason: str) -> list[int]:
+    """Puts back the run's jobs this worker holds, at once and without using up an attempt:
+    it stopped on purpose (Ctrl-C), so no lease needs to run out first."""
+    released = session.scalars(
+        update(Job)
+        .where(
+            Job.run_id == run_id,
+            Job.status == JobStatus.running,
+            Job.worker_host == worker.host,
+        )
+        .values(status=JobStatus.queued, lease_expires_at=None, attempts=Job.attempts - 1)
+        .returning(Job.id)
+    ).all()
+    record_events(session, released, JobStatus.queued, worker=worker, detail=reason)
+    return sorted(released)
+
+
 def close_finished_runs(session: Session, job_ids: Sequence[int]) -> None:
     """Stamps `finished_at` on the runs of these jobs that have no unfinished job left."""
     if job_ids:

@@ -9,14 +9,16 @@ import click
 from sqlalchemy.orm import Session
 
 from sdq.models.jobs.kinds import kind_named
+from sdq.models.jobs.lifecycle import Worker, release_jobs
 from sdq.models.jobs.outbox import EnqueueFailed, Sent, enqueue, messages
 from sdq.models.tables import FINISHED, Run
 from sdq.producer import display, lookups
 from sdq.producer.errors import NotFound
 from sdq.producer.generate.prompts import InvalidInput
-from sdq.workers.app import SdqCelery
+from sdq.workers.app import SdqCelery, worker_identity
 
 BAD_INPUT = 2
+INTERRUPTED = 130  # as a shell reports a command stopped by SIGINT
 T = TypeVar("T")
 
 pass_app = click.make_pass_decorator(SdqCelery)
@@ -105,15 +107,31 @@ def work_here(app: SdqCelery, run_id: int, *, jobs: int, done: int) -> None:
     app.loader.import_default_modules()  # registers the kinds' tasks with the app
     with app.sessions() as session:
         run = session.get_one(Run, run_id)
-    task = app.tasks[kind_named(run.kind).task_name]
-    with display.progress() as bar:
-        progress = bar.add_task(f"run {run_id}", total=jobs, completed=done)
-        for job_ids in messages(app.sessions, run):
-            # A retry inside apply() runs at once, in this process; only a crash is left here.
-            result = task.apply(args=[job_ids], kwargs=run.task_options)
-            if result.failed():
-                raise result.result
-            bar.advance(progress, len(job_ids))
+    kind = kind_named(run.kind)
+    task = app.tasks[kind.task_name]
+    try:
+        with display.progress() as bar:
+            progress = bar.add_task(f"run {run_id}", total=jobs, completed=done)
+            for job_ids in messages(app.sessions, run):
+                # A retry inside apply() runs at once, in this process; only a crash is left.
+                result = task.apply(args=[job_ids], kwargs=run.task_options)
+                if result.failed():
+                    raise result.result
+                bar.advance(progress, len(job_ids))
+    except KeyboardInterrupt:
+        _stop_here(app, run_id, worker_identity(kind.pool))
+
+
+def _stop_here(app: SdqCelery, run_id: int, worker: Worker) -> NoReturn:
+    """Ctrl-C: the jobs in hand go back at once, and the user learns how to go on."""
+    with app.sessions.begin() as session:
+        released = release_jobs(session, run_id, worker=worker, reason="stopped by Ctrl-C")
+        left = sum(lookups.status_counts(session, run_id)[s] for s in ("queued", "pending"))
+    display.console.print(
+        f"stopped: {len(released)} jobs in hand put back, {left} not done; "
+        f"`sdq resume {run_id}` finishes them (what is done is kept)"
+    )
+    sys.exit(INTERRUPTED)
 
 
 def carry_out(

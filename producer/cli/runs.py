@@ -6,7 +6,7 @@ import socket
 import click
 
 from sdq.models.jobs.lifecycle import cancel_jobs, retry_jobs
-from sdq.models.tables import JobStatus
+from sdq.models.tables import FINISHED, JobStatus
 from sdq.producer import display, lookups
 from sdq.producer.cli.common import (
     carry_out,
@@ -73,6 +73,30 @@ def requeue(app: SdqCelery, run_id: int, as_json: bool) -> None:
         click.echo(f"run {run_id}: sent {sent.jobs} jobs again in {sent.messages} tasks")
 
 
+@click.command()
+@click.argument("run_id", type=int)
+@click.option("--wait", is_flag=True, help="With a broker: show progress until it is done.")
+@json_option
+@pass_app
+def resume(app: SdqCelery, run_id: int, wait: bool, as_json: bool) -> None:
+    """Finish RUN's jobs that are not done (after Ctrl-C, a crash or a lost broker), reusing
+    everything already stored: here without a broker, else sent to the workers."""
+    with app.sessions() as session, found():
+        jobs = lookups.get_run(session, run_id).job_count
+        counts = lookups.status_counts(session, run_id)
+    done = sum(counts[str(status)] for status in FINISHED)
+    sent = carry_out(app, run_id, jobs=jobs, done=done, wait=wait, as_json=as_json)
+    if sent:
+        summary = {"run_id": run_id, "jobs": sent.jobs, "tasks": sent.messages}
+        if as_json:
+            display.print_json(summary)
+        else:
+            click.echo(f"run {run_id}: sent {sent.jobs} jobs not done in {sent.messages} tasks")
+        return
+    lookup(app, lambda session: lookups.run_status(session, run_id, with_jobs=False),
+           as_json=as_json, show=display.show_status)  # fmt: skip
+
+
 RETRYABLE = (JobStatus.dead, JobStatus.failed, JobStatus.cancelled)
 
 
@@ -119,4 +143,4 @@ def cancel(app: SdqCelery, run_id: int, as_json: bool) -> None:
         click.echo(f"run {run_id}: cancelled {len(cancelled)} jobs")
 
 
-COMMANDS = (runs, status, show, requeue, retry, cancel)
+COMMANDS = (runs, status, show, resume, requeue, retry, cancel)
