@@ -10,8 +10,9 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, sdq_json
 from tests.services import free_port, listening, wait_for
 
 CREDENTIALS = "ops:correct-horse"
@@ -81,3 +82,38 @@ def test_flower_will_not_start_open_by_accident(service_env: dict[str, str]) -> 
     )  # fmt: skip
     assert refused.returncode == 2
     assert "--basic-auth USER:PASSWORD (or set FLOWER_BASIC_AUTH), or --no-auth" in refused.stderr
+
+
+def test_sdq_metrics_serves_what_flower_does_not(
+    worker, service_env: dict[str, str], tmp_path
+) -> None:
+    prompts = tmp_path / "p.csv"
+    prompts.write_text("prompt,seed\nmeasured,1\n")
+    sdq_json(service_env, "submit", str(prompts), "--steps", "2", "--wait")
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "sdq.producer.cli", "metrics", "--port", str(port),
+         "--address", "127.0.0.1"],
+        env=service_env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: listening(port), what="sdq metrics")
+        status, body = get(f"http://127.0.0.1:{port}/metrics", credentials=None)
+    finally:
+        server.terminate()
+        server.wait(10)
+    assert status == 200
+    families = list(text_string_to_metric_families(body.decode()))
+    assert {"sdq_lease_expiries", "sdq_retries", "sdq_dead_jobs", "sdq_worker_running_jobs"} <= {
+        family.name for family in families
+    }
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in families
+        for sample in family.samples
+    }
+    queues = {dict(labels)["queue"] for name, labels in samples if name == "sdq_queue_messages"}
+    assert queues == {"generate", "encode", "train", "download", "maintenance"}
+    succeeded = (("kind", "generate"), ("status", "succeeded"))
+    assert samples[("sdq_jobs", succeeded)] >= 1
+    assert samples[("sdq_outputs_per_second", (("kind", "generate"),))] > 0

@@ -47,6 +47,16 @@ class SdqCelery(Celery):
     def store(self) -> ObjectStore:
         return open_store(self.settings.store_url)
 
+    def queue_depths(self) -> dict[str, int]:
+        """Messages waiting in each of sdq's queues in the broker now (a message a worker has
+        taken but not yet acknowledged is not waiting)."""
+        with self.connection_for_read() as connection:
+            channel = connection.default_channel
+            return {
+                queue.name: queue.bind(channel).queue_declare().message_count
+                for queue in self.conf.task_queues
+            }
+
     @contextmanager
     def sender(self) -> Iterator[Send]:
         """Sends task messages over one broker connection, each to its kind's queue."""

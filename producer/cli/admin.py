@@ -3,6 +3,7 @@ workers, beat, Flower, health."""
 
 import os
 import sys
+import threading
 from pathlib import Path
 
 import click
@@ -134,6 +135,25 @@ def flower(app: SdqCelery, port: int, credentials: str | None, no_auth: bool) ->
 
 
 @click.command()
+@click.option("--port", type=click.IntRange(1, 65535), default=9808, show_default=True)
+@click.option("--address", default="0.0.0.0", show_default=True, help="Where to listen.")
+@pass_app
+def metrics(app: SdqCelery, port: int, address: str) -> None:
+    """Serve Prometheus metrics Flower does not have at http://ADDRESS:PORT/metrics: queue
+    depths, jobs by kind and status, outputs per second, jobs each worker holds, lease
+    expiries, retries and dead jobs; read from the broker and the database at each scrape."""
+    from prometheus_client import REGISTRY, start_http_server
+
+    from sdq.producer.metrics import SdqCollector
+
+    require_broker(app, "sdq metrics")
+    REGISTRY.register(SdqCollector(app))
+    start_http_server(port, addr=address)
+    click.echo(f"sdq metrics at http://{address}:{port}/metrics")
+    threading.Event().wait()  # serves on its own thread until the process is stopped
+
+
+@click.command()
 @json_option
 @pass_app
 def health(app: SdqCelery, as_json: bool) -> None:
@@ -150,4 +170,4 @@ def health(app: SdqCelery, as_json: bool) -> None:
         sys.exit(1)
 
 
-COMMANDS = (db, model, worker, beat, flower, health)
+COMMANDS = (db, model, worker, beat, flower, metrics, health)

@@ -1,0 +1,86 @@
+"""Prometheus metrics Flower does not have, read from the broker and the database at each
+scrape: queue depths, jobs by kind and status, outputs per second, what each worker holds,
+lease expiries, retries and dead jobs."""
+
+from collections.abc import Iterator
+from datetime import timedelta
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from sqlalchemy import func, select
+
+from sdq.models.jobs.lifecycle import utcnow
+from sdq.models.jobs.maintenance import EXPIRED
+from sdq.models.tables import Job, JobEvent, JobStatus
+from sdq.workers.app import SdqCelery
+
+# Outputs per second are counted over this window.
+RATE_WINDOW = timedelta(minutes=5)
+
+
+class SdqCollector:
+    """A prometheus_client collector: everything is asked afresh at each scrape."""
+
+    def __init__(self, app: SdqCelery) -> None:
+        self.app = app
+
+    def collect(self) -> Iterator[Metric]:
+        depth = GaugeMetricFamily(
+            "sdq_queue_messages", "Messages waiting in the broker, per queue", labels=["queue"]
+        )
+        for queue, messages in self.app.queue_depths().items():
+            depth.add_metric([queue], messages)
+        yield depth
+        with self.app.sessions() as session:
+            yield from self._jobs(session)
+
+    def _jobs(self, session) -> Iterator[Metric]:
+        jobs = GaugeMetricFamily("sdq_jobs", "Jobs by kind and status", labels=["kind", "status"])
+        for kind, status, count in session.execute(
+            select(Job.kind, Job.status, func.count()).group_by(Job.kind, Job.status)
+        ):
+            jobs.add_metric([kind, str(status)], count)
+        yield jobs
+
+        rate = GaugeMetricFamily(
+            "sdq_outputs_per_second",
+            f"Outputs made (not served from cache) per second over {RATE_WINDOW}",
+            labels=["kind"],
+        )
+        since = utcnow() - RATE_WINDOW
+        for kind, count in session.execute(
+            select(Job.kind, func.count())
+            .where(Job.status == JobStatus.succeeded, ~Job.cached, Job.finished_at >= since)
+            .group_by(Job.kind)
+        ):
+            rate.add_metric([kind], count / RATE_WINDOW.total_seconds())
+        yield rate
+
+        held = GaugeMetricFamily(
+            "sdq_worker_running_jobs", "Jobs each worker holds now", labels=["worker", "device"]
+        )
+        for worker, device, count in session.execute(
+            select(Job.worker_host, Job.device, func.count())
+            .where(Job.status == JobStatus.running)
+            .group_by(Job.worker_host, Job.device)
+        ):
+            held.add_metric([worker or "", device or ""], count)
+        yield held
+
+        yield from self._events(session)
+
+    def _events(self, session) -> Iterator[Metric]:
+        counters = {
+            "sdq_lease_expiries": ("Running jobs whose lease ran out", JobEvent.detail == EXPIRED),
+            "sdq_retries": ("Failures that were retried", JobEvent.status == JobStatus.failed),
+            "sdq_dead_jobs": ("Jobs that gave up", JobEvent.status == JobStatus.dead),
+        }
+        for name, (text, which) in counters.items():
+            family = CounterMetricFamily(name, text, labels=["kind"])
+            for kind, count in session.execute(
+                select(Job.kind, func.count())
+                .join(JobEvent, JobEvent.job_id == Job.id)
+                .where(which)
+                .group_by(Job.kind)
+            ):
+                family.add_metric([kind], count)
+            yield family
