@@ -321,9 +321,7 @@ def _within_outage_budget(
                 JobEvent.status == JobStatus.failed,
             )
             .group_by(JobEvent.job_id)
-        )
-        .tuples()
-        .all()
+        ).all()
     )
     budget = timedelta(seconds=settings.outage_budget_seconds)
     return {job.id for job in jobs if now - as_utc(first_failed.get(job.id, now)) < budget}

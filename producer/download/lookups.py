@@ -76,9 +76,7 @@ def dataset_summary(session: Session, name: str) -> dict[str, Any]:
     by_status = dict(
         session.execute(
             select(Sample.status, func.count()).where(of_dataset).group_by(Sample.status)
-        )
-        .tuples()
-        .all()
+        ).all()
     )
     reasons = dict(
         session.execute(
@@ -86,9 +84,7 @@ def dataset_summary(session: Session, name: str) -> dict[str, Any]:
             .where(of_dataset, Sample.status == SampleStatus.failed)
             .group_by(Sample.reason)
             .order_by(func.count().desc(), Sample.reason)
-        )
-        .tuples()
-        .all()
+        ).all()
     )
     shards = session.scalars(
         select(Shard).where(Shard.dataset_id == dataset.id).order_by(Shard.number)

@@ -72,9 +72,7 @@ def _status(session: Session, run_id: int, *, done: bool) -> str:
     counts = dict(
         session.execute(
             select(Job.status, func.count()).where(Job.run_id == run_id).group_by(Job.status)
-        )
-        .tuples()
-        .all()
+        ).all()
     )
     counts = {status: counts.get(status, 0) for status in JobStatus}
     if done:

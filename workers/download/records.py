@@ -46,9 +46,7 @@ def claim(session: Session, dataset: int, digests: Mapping[str, str]) -> dict[st
                     SampleClaim.dataset_id == dataset,
                     SampleClaim.digest.in_({digest for _, digest in chunk}),
                 )
-            )
-            .tuples()
-            .all()
+            ).all()
         )
     return {key: holders[digest] for key, digest in digests.items()}
 
