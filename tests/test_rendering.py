@@ -126,6 +126,13 @@ def test_every_model_source_loads_the_same_weights(sdq, tiny_folder, s3_client, 
         reference = images_by_seed(run(seed, "tiny"), s3_client)[seed]
         assert np.array_equal(rendered, reference), f"{model} renders other pixels than tiny"
 
+    # A run done here on a machine without a GPU renders a half-precision model in float32.
+    prompts = write(tmp_path / "cpu.csv", "prompt,seed\nsources: on the cpu,5\n")
+    code, status = run_json(sdq, str(prompts), "--steps", "2", "--model", str(tiny_folder))
+    assert code == 0, status
+    shown = json.loads(sdq("show", str(status["jobs"][0]["id"]), "--json").stdout)
+    assert shown["spec"]["dtype"] == "float32"
+
     models = json.loads(sdq("model", "list", "--json").stdout)
     by_name = {model["name"]: model for model in models}
     assert {"tiny", "tiny-saved", "pushed-tiny"} <= set(by_name)

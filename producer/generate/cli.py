@@ -1,7 +1,7 @@
 """The generate commands: submit and run prompt files, find and fetch images, galleries."""
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from sdq.producer.generate.prompts import (
     read_styles,
 )
 from sdq.producer.generate.submit import Batching, Submission, record_run
+from sdq.producer.launch import visible_gpus
 from sdq.workers.app import SdqCelery
 
 
@@ -197,7 +198,12 @@ def submit(app: SdqCelery, as_json: bool, wait: bool, **options: Any) -> None:
 @pass_app
 def run(app: SdqCelery, as_json: bool, **options: Any) -> None:
     """Do the whole job here, in this process: no broker or worker needed."""
-    submission = prepare(app, Request.from_options(options))
+    request = Request.from_options(options)
+    if request.defaults.dtype is None and not visible_gpus():
+        # Rendered here, on the CPU: half precision crawls there, or fails. An explicit
+        # --dtype is kept, and every dtype is recorded in the spec.
+        request = replace(request, defaults=replace(request.defaults, dtype="float32"))
+    submission = prepare(app, request)
     work_here(app, submission.run_id, jobs=submission.jobs, done=submission.cached)
     _report_run(app, submission.run_id, as_json)
 
