@@ -103,17 +103,18 @@ def test_ctrl_c_puts_the_jobs_in_hand_back_and_resume_finishes_the_run(tmp_path:
     (tmp_path / "p.csv").write_text("prompt,seed\n" + rows)
     database = tmp_path / "sdq-data/sdq.db"
     running = subprocess.Popen(
-        [sys.executable, "-m", "sdq.producer.cli", "run", "p.csv", "--steps", "8", "--json"],
+        [sys.executable, "-m", "sdq.producer.cli", "run", "p.csv", "--steps", "40", "--json"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
-    def some_done() -> bool:
+    def rendering() -> bool:
+        """Jobs are claimed and held while their images render (seconds at 40 steps)."""
         if not database.exists():
             return False
         with sqlite3.connect(database) as db:
-            return db.execute("SELECT count(*) FROM jobs WHERE status = 'succeeded'").fetchone()[0]
+            return db.execute("SELECT count(*) FROM jobs WHERE status = 'running'").fetchone()[0]
 
-    wait_for(some_done, what="the first images", timeout=240)
+    wait_for(rendering, what="jobs being rendered", timeout=240)
     running.send_signal(signal.SIGINT)
     _, stderr = running.communicate(timeout=120)
     assert running.returncode == 130, stderr
