@@ -5,6 +5,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 from click.testing import CliRunner, Result
 
@@ -204,6 +205,25 @@ def sdq_json(env: dict[str, str], *args: str, cwd: Path = ROOT, timeout: float =
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
+
+
+def wait_for_run(database_url: str, run_id: int, timeout: float = 240) -> dict[str, int]:
+    """Waits until the run is finished; returns its jobs counted by status."""
+
+    def finished() -> bool:
+        with psycopg.connect(database_url) as connection:
+            [done] = connection.execute(
+                "SELECT finished_at IS NOT NULL FROM runs WHERE id = %s", (run_id,)
+            ).fetchone()
+        return done
+
+    wait_for(finished, what=f"run {run_id} to finish", timeout=timeout)
+    with psycopg.connect(database_url) as connection:
+        return dict(
+            connection.execute(
+                "SELECT status, count(*) FROM jobs WHERE run_id = %s GROUP BY status", (run_id,)
+            ).fetchall()
+        )
 
 
 def write(path: Path, text: str, encoding: str = "utf-8") -> Path:

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from sdq.models.jobs.maintenance import EXPIRED
-from tests.conftest import BeatProcess, WorkerProcess, sdq_json, write
+from tests.conftest import BeatProcess, WorkerProcess, sdq_json, wait_for_run, write
 from tests.services import free_port, listening, wait_for
 
 pytestmark = pytest.mark.timeout(400)
@@ -41,23 +41,6 @@ def events(database_url: str, run_id: int) -> list[tuple[int, str, str | None]]:
             "WHERE j.run_id = %s ORDER BY e.id",
             (run_id,),
         ).fetchall()
-
-
-def wait_for_run(database_url: str, run_id: int, timeout: float = 240) -> dict[str, int]:
-    def finished() -> bool:
-        with psycopg.connect(database_url) as connection:
-            [done] = connection.execute(
-                "SELECT finished_at IS NOT NULL FROM runs WHERE id = %s", (run_id,)
-            ).fetchone()
-        return done
-
-    wait_for(finished, what=f"run {run_id} to finish", timeout=timeout)
-    with psycopg.connect(database_url) as connection:
-        return dict(
-            connection.execute(
-                "SELECT status, count(*) FROM jobs WHERE run_id = %s GROUP BY status", (run_id,)
-            ).fetchall()
-        )
 
 
 def started(*processes: WorkerProcess) -> list[WorkerProcess]:

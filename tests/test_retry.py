@@ -6,8 +6,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from tests.conftest import WorkerProcess, sdq_json, write
-from tests.services import wait_for
+from tests.conftest import WorkerProcess, sdq_json, wait_for_run, write
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,15 +25,7 @@ def test_cancelled_jobs_are_retried_and_done(
 
     worker = WorkerProcess(env, tmp_path / "gpu.log").start()
     try:
-
-        def finished() -> bool:
-            with psycopg.connect(database_url) as connection:
-                [done] = connection.execute(
-                    "SELECT finished_at IS NOT NULL FROM runs WHERE id = %s", (run_id,)
-                ).fetchone()
-            return done
-
-        wait_for(finished, what="the retried run", timeout=120)
+        assert wait_for_run(database_url, run_id, timeout=120) == {"succeeded": 2}
     finally:
         worker.stop()
     with psycopg.connect(database_url) as connection:
