@@ -21,6 +21,7 @@ class PlannedJob:
     spec: GenerationSpec
     style: str | None
     source_line: int
+    subject: str  # the row's prompt, before the style was crossed in
 
 
 class BatchKeys(dict[tuple[Any, ...], str]):
@@ -71,6 +72,7 @@ def _generation_row(job_id: int, job: PlannedJob, batch_key: str) -> dict[str, A
     return {
         "job_id": job_id,
         "prompt": spec.prompt,
+        "subject": job.subject,
         "style": job.style,
         "model": spec.model_name,
         "seed": spec.seed,

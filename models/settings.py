@@ -45,6 +45,8 @@ class MaintenanceSettings:
 
     interval_seconds: int = 15
     relay_after_seconds: int = 60
+    # The hourly rollups are recomputed this often: dashboards need minutes, not seconds.
+    rollup_interval_seconds: int = 60
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,6 +120,7 @@ class Settings:
             maintenance=MaintenanceSettings(
                 interval_seconds=_int(env, "SDQ_MAINTENANCE_INTERVAL_SECONDS", 15),
                 relay_after_seconds=_int(env, "SDQ_RELAY_AFTER_SECONDS", 60),
+                rollup_interval_seconds=_int(env, "SDQ_ROLLUP_INTERVAL_SECONDS", 60),
             ),
             generate=GenerateSettings(
                 batch_size=_int(env, "SDQ_BATCH_SIZE", 8),

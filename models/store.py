@@ -38,6 +38,7 @@ class ObjectStore(Protocol):
     def delete(self, key: str) -> None: ...
     def list_keys(self, prefix: str) -> Iterator[str]: ...
     def uri(self, key: str) -> str: ...
+    def link(self, key: str, *, expires_seconds: int) -> str: ...
     def check(self) -> None: ...
 
 
@@ -123,6 +124,10 @@ class LocalStore:
 
     def uri(self, key: str) -> str:
         return self._path(key).as_uri()
+
+    def link(self, key: str, *, expires_seconds: int) -> str:
+        """What a browser opens: the file itself."""
+        return self.uri(key)
 
     def check(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -218,6 +223,15 @@ class S3Store:
 
     def uri(self, key: str) -> str:
         return f"s3://{self.bucket}/{self._key(key)}"
+
+    def link(self, key: str, *, expires_seconds: int) -> str:
+        """What a browser opens: a presigned HTTPS link, good for `expires_seconds`, so a
+        private bucket's object can be shown without handing out credentials."""
+        return self._client.generate_presigned_url(
+            "get_object",
+            Params={"Bucket": self.bucket, "Key": self._key(key)},
+            ExpiresIn=expires_seconds,
+        )
 
     def check(self) -> None:
         with self._errors(""):

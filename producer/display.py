@@ -1,8 +1,10 @@
 """What people see: progress bars while work runs, tables when it is done."""
 
 import json
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
@@ -29,6 +31,37 @@ def progress() -> Progress:
     )
 
 
+@contextmanager
+def following(
+    title: str,
+    total: int,
+    finished: Callable[[], int],
+    *,
+    show: bool = True,
+    poll_seconds: float = 0.5,
+) -> Iterator[None]:
+    """While the body runs, a thread polls `finished()` and draws it against `total` (if
+    `show`): the bar moves as work is recorded, whoever does it, with a time left estimated
+    from the first progress on."""
+    stop = threading.Event()
+    with progress() as bar:
+        bar.disable = not show
+        task = bar.add_task(title, total=total)
+
+        def poll() -> None:
+            while not stop.wait(poll_seconds):
+                bar.update(task, completed=finished())
+
+        thread = threading.Thread(target=poll, name="sdq-progress", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+        bar.update(task, completed=finished())
+
+
 def watch(
     title: str,
     total: int,
@@ -37,14 +70,10 @@ def watch(
     show: bool = True,
     poll_seconds: float = 0.5,
 ) -> None:
-    """Polls until `finished()` reaches `total`, drawing a progress bar if `show`."""
-    with progress() as bar:
-        bar.disable = not show
-        task = bar.add_task(title, total=total)
-        while (done := finished()) < total:
-            bar.update(task, completed=done)
+    """Waits until `finished()` reaches `total`, drawing a progress bar if `show`."""
+    with following(title, total, finished, show=show, poll_seconds=poll_seconds):
+        while finished() < total:
             time.sleep(poll_seconds)
-        bar.update(task, completed=total)
 
 
 def status_table(status: dict[str, Any]) -> Table:

@@ -1,5 +1,7 @@
 """`sdq run` on a fresh machine: no services, no settings, everything under ./sdq-data."""
 
+import csv
+import html
 import json
 import re
 import shutil
@@ -57,16 +59,36 @@ def test_run_does_the_whole_job_in_one_process(tmp_path: Path) -> None:
         assert Image.open(path).text["sdq-spec-hash"] == path.stem
     assert (tmp_path / "sdq-data/sdq.db").is_file()
 
-    # The contact sheet: a row per prompt line, a column per style, every image linked.
+    # Loading the model is counted apart from rendering, against the call that waited.
+    with sqlite3.connect(tmp_path / "sdq-data/sdq.db") as db:
+        loads, units = db.execute(
+            "SELECT count(setup_seconds), sum(units) FROM jobs WHERE run_id = ?",
+            (status["run_id"],),
+        ).fetchone()
+    assert loads == 8 and units == status["total"]  # the first call of 8 loaded the model
+
+    # The contact sheet: a row per prompt row, labelled by its text, a column per style,
+    # every image linked to its file, with its seed; the settings stated once.
     gallery = Path(status["gallery"].removeprefix("file://"))
     assert gallery == (tmp_path / f"sdq-data/store/runs/{status['run_id']}/gallery.html").resolve()
+    assert status["gallery_link"] == gallery.as_uri()
     page = gallery.read_text()
-    sources = re.findall(r'<img src="([^"]+)"', page)
-    assert sorted((gallery.parent / source).resolve() for source in sources) == [
+    links = re.findall(r'<a href="([^"]+)"><img src="([^"]+)"', page)
+    assert all(link == source for link, source in links)
+    assert sorted((gallery.parent / source).resolve() for _, source in links) == [
         image.resolve() for image in images
     ]
-    # One header row (line + a column per style), then a row per line.
-    assert page.count("<tr><th>") == 1 + subjects and page.count("<th>") == 1 + styles + subjects
+    rows = re.findall(r'<th class="row">([^<]+)<br><small>line (\d+)</small>', page)
+    with (tmp_path / "examples/subjects.csv").open() as subjects_file:
+        expected = [
+            (row["prompt"], str(n)) for n, row in enumerate(csv.DictReader(subjects_file), 2)
+        ]
+    assert [(html.unescape(text), line) for text, line in rows] == expected
+    assert page.count("<th>") == 1 + styles
+    assert "model tiny" in page and "4 steps, 64x64, sampler Euler" in page
+    assert sorted(map(int, re.findall(r"<figcaption>seed (\d+)</figcaption>", page))) == sorted(
+        job["seed"] for job in status["jobs"]
+    )
 
     again = sdq_run(
         tmp_path, "examples/subjects.csv", "--styles", "examples/styles.txt", "--steps", "4"
@@ -77,9 +99,23 @@ def test_run_does_the_whole_job_in_one_process(tmp_path: Path) -> None:
         in again.stdout
     )
     assert "images: file://" in again.stdout
-    rewritten = sdq_json({**clean_env(), "PYTHONPATH": str(ROOT)}, "gallery",
-                         str(status["run_id"]), cwd=tmp_path)  # fmt: skip
-    assert rewritten == {"run_id": status["run_id"], "gallery": status["gallery"]}
+    env = {**clean_env(), "PYTHONPATH": str(ROOT)}
+    rewritten = sdq_json(env, "gallery", str(status["run_id"]), cwd=tmp_path)
+    assert rewritten == {
+        "run_id": status["run_id"],
+        "gallery": status["gallery"],
+        "gallery_link": status["gallery_link"],
+    }
+
+    # A copy to take anywhere: the page and its images, linked relatively.
+    copied = sdq_json(env, "gallery", str(status["run_id"]), "-o", "copy", cwd=tmp_path)
+    page = (tmp_path / "copy/gallery.html").read_text()
+    assert copied["gallery"] == "copy/gallery.html"
+    sources = re.findall(r'<img src="([^"]+)"', page)
+    assert all(source.startswith("images/") for source in sources)
+    assert sorted((tmp_path / "copy" / source).read_bytes() for source in sources) == sorted(
+        image.read_bytes() for image in images
+    )
 
 
 def test_commands_that_send_refuse_without_a_broker(tmp_path: Path) -> None:
@@ -111,10 +147,11 @@ def test_ctrl_c_puts_the_jobs_in_hand_back_and_resume_finishes_the_run(tmp_path:
         """The second message's jobs held while their images render (seconds at 40 steps):
         past the first, the pipeline is loaded, and the interrupt lands in the work, not in
         an import's finalizer, where Python would drop it."""
-        if not database.exists():
+        try:
+            with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as db:
+                counts = dict(db.execute("SELECT status, count(*) FROM jobs GROUP BY status"))
+        except sqlite3.OperationalError:  # not made yet, or its tables not yet
             return False
-        with sqlite3.connect(database) as db:
-            counts = dict(db.execute("SELECT status, count(*) FROM jobs GROUP BY status"))
         return counts.get("succeeded", 0) > 0 and counts.get("running", 0) > 0
 
     wait_for(rendering, what="jobs being rendered", timeout=240)

@@ -1,6 +1,7 @@
 """Submit -> Redis -> a real worker process -> S3 -> Postgres, end to end."""
 
 import hashlib
+import html
 import io
 import json
 import os
@@ -8,6 +9,7 @@ import re
 import signal
 import time
 from pathlib import Path
+from urllib.request import urlopen
 
 import pytest
 from PIL import Image
@@ -331,3 +333,22 @@ def test_a_model_path_that_is_not_a_pipeline_is_refused_at_submit(sdq, tmp_path)
     ]:
         result = sdq("submit", str(prompts), "--model", model)
         assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_an_s3_gallery_opens_over_http_by_its_presigned_link(worker, sdq, s3_client, tmp_path):
+    prompts = write(tmp_path / "p.csv", "prompt,seed\ne2e gallery kite,7\ne2e gallery drum,8\n")
+    run = wait_for_run(sdq, submit(sdq, prompts, "--steps", "3")["run_id"])
+    result = sdq("gallery", str(run["run_id"]), "--json")
+    assert result.exit_code == 0, result.output
+    gallery = json.loads(result.stdout)
+    assert gallery["gallery"].startswith(f"s3://{BUCKET}/") and gallery["gallery_link"].startswith(
+        "http"
+    )
+    # What a browser does: fetch the page by its link, then every image by the page's links,
+    # with no credentials at all.
+    page = urlopen(gallery["gallery_link"], timeout=10).read().decode()
+    sources = re.findall(r'<img src="([^"]+)"', page)
+    assert len(sources) == 2
+    fetched = sorted(urlopen(html.unescape(src), timeout=10).read() for src in sources)
+    assert fetched == sorted(s3_object(s3_client, job["uri"]) for job in run["jobs"])
+    assert ">e2e gallery kite<" in page and "seed 7" in page and "3 steps" in page

@@ -17,13 +17,23 @@ from sdq.migrations import upgrade
 from sdq.models.db import make_engine, session_factory
 from sdq.models.jobs.delivery import Work, deliver
 from sdq.models.jobs.kinds import GENERATE, Kind
-from sdq.models.jobs.lifecycle import Output, Worker, cancel_jobs, claim, succeed, utcnow
+from sdq.models.jobs.lifecycle import (
+    Output,
+    Worker,
+    as_utc,
+    cancel_jobs,
+    claim,
+    fail,
+    succeed,
+    utcnow,
+)
 from sdq.models.jobs.maintenance import EXPIRED, finish_runs, relay, sweep_leases
 from sdq.models.jobs.outbox import EnqueueFailed, enqueue
+from sdq.models.rollups import roll_up
 from sdq.models.settings import JobSettings
 from sdq.models.specs import canonical_sha256
 from sdq.models.store import LocalStore
-from sdq.models.tables import Job, JobEvent, JobStatus, Run
+from sdq.models.tables import HourlyRollup, Job, JobEvent, JobStatus, Run
 
 WORKER = Worker("echo-host:1", "cpu")
 SETTINGS = JobSettings(lease_seconds=60, max_attempts=2)
@@ -279,3 +289,44 @@ def test_a_job_whose_twin_is_being_made_waits_and_is_served_its_output(
         succeed(session, [Output(making, uri, "made", work_seconds=0.0)], worker=other)
     again = deliver([waiting], work, sessions=sessions, worker=WORKER, settings=SETTINGS)
     assert (again.reused, again.done, work.ran) == ([waiting], [], [])
+
+
+def test_hourly_rollups_add_up_the_hour_and_recompute_the_same(sessions) -> None:
+    worker = Worker("rollup-host:1", "cpu")
+    made, made_too, broken = new_run(
+        sessions, *({"text": f"rollup {n}"} for n in range(3)), status=JobStatus.queued
+    )
+    with sessions.begin() as session:
+        claim(session, [made, made_too, broken], worker=worker, lease_seconds=60, max_attempts=2)
+        outputs = [
+            Output(made, "u1", "s1", work_seconds=1.5, setup_seconds=0.5, units=2),
+            Output(made_too, "u2", "s2", work_seconds=2.5, units=2),
+        ]
+        succeed(session, outputs, worker=worker)
+        fail(session, [broken], error="poison", permanent=True, settings=SETTINGS, worker=worker)
+
+    assert roll_up(sessions) >= 1
+    first = rollups_of(sessions, worker)
+    assert roll_up(sessions) >= 1  # twice in a row: recomputed, not added again
+    assert rollups_of(sessions, worker) == first
+    hour = utcnow().replace(minute=0, second=0, microsecond=0)
+    assert first == [
+        {"hour": hour, "kind": "generate", "model": "", "jobs": 2, "cached": 0, "units": 4,
+         "setup_seconds": 0.5, "work_seconds": 4.0, "failures": 1}
+    ]  # fmt: skip
+
+
+def rollups_of(sessions, worker: Worker) -> list[dict[str, Any]]:
+    with sessions() as session:
+        rows = session.scalars(select(HourlyRollup).where(HourlyRollup.worker == worker.host))
+        return [
+            {
+                "hour": as_utc(row.hour),
+                **{column: getattr(row, column) for column in ROLLUP_FIGURES},
+            }
+            for row in rows
+        ]
+
+
+ROLLUP_FIGURES = ("kind", "model", "jobs", "cached", "units", "setup_seconds", "work_seconds",
+                  "failures")  # fmt: skip

@@ -54,7 +54,7 @@ def pixels(image: Image.Image) -> np.ndarray:
 def test_tiny_is_the_same_model_everywhere(pipelines: PipelineCache) -> None:
     assert tiny.content_hash() == TINY_CONTENT_HASH
     weights = hashlib.sha256()
-    pipeline = pipelines.get(specs("x")[0])
+    pipeline, _ = pipelines.get(specs("x")[0])
     for module in (pipeline.unet, pipeline.vae, pipeline.text_encoder):
         for _, tensor in sorted(module.state_dict().items()):
             weights.update(tensor.cpu().numpy().tobytes())
@@ -64,7 +64,7 @@ def test_tiny_is_the_same_model_everywhere(pipelines: PipelineCache) -> None:
 def test_same_spec_same_pixels_whatever_the_batch(pipelines: PipelineCache) -> None:
     alone = specs("a lighthouse")
     batch = specs("a cat", "a lighthouse", "a boat")
-    pipeline = pipelines.get(alone[0])
+    pipeline, _ = pipelines.get(alone[0])
     first = pixels(render(pipeline, alone)[0])
     again = pixels(render(pipeline, alone)[0])
     in_batch = pixels(render(pipeline, batch)[1])
@@ -357,8 +357,11 @@ def test_a_worker_loads_each_pipeline_once_and_keeps_the_last_few(tmp_path) -> N
         files=ModelFiles(LocalStore(tmp_path / "store"), tmp_path / "cache"), size=1
     )
     spec = specs("x")[0]
-    first = cache.get(spec)
-    assert cache.get(replace(spec, prompt="y", seed=9)) is first  # same model: no reload
-    other = cache.get(replace(spec, dtype="bfloat16"))
+    first, loading = cache.get(spec)
+    assert loading is not None and loading > 0
+    # Same model: no reload, and no load time.
+    assert cache.get(replace(spec, prompt="y", seed=9)) == (first, None)
+    other, _ = cache.get(replace(spec, dtype="bfloat16"))
     assert other is not first and str(other.unet.dtype) == "torch.bfloat16"
-    assert cache.get(spec) is not first  # evicted by the size-1 cache, loaded anew
+    again, loading = cache.get(spec)
+    assert again is not first and loading is not None  # evicted by the size-1 cache

@@ -19,7 +19,7 @@ from sdq.models.db import make_engine, session_factory
 from sdq.models.jobs.kinds import KINDS, MAINTENANCE_QUEUE, QUEUES, Kind, Pool
 from sdq.models.jobs.lifecycle import Worker
 from sdq.models.jobs.outbox import Send
-from sdq.models.settings import Settings
+from sdq.models.settings import MaintenanceSettings, Settings
 from sdq.models.store import ObjectStore, open_store
 
 # Beat's periodic tasks (workers/maintenance.py), all on the maintenance queue.
@@ -27,6 +27,7 @@ MAINTENANCE_TASKS = (
     "sdq.maintenance.sweep_leases",
     "sdq.maintenance.relay",
     "sdq.maintenance.finish_runs",
+    "sdq.maintenance.roll_up",
 )
 
 
@@ -127,11 +128,20 @@ def create_app(settings: Settings) -> SdqCelery:
         beat_schedule={
             name: {
                 "task": name,
-                "schedule": settings.maintenance.interval_seconds,
+                "schedule": seconds,
                 # A tick nobody ran in time is dropped, not piled up behind a stopped pool.
-                "options": {"expires": settings.maintenance.interval_seconds},
+                "options": {"expires": seconds},
             }
-            for name in MAINTENANCE_TASKS
+            for name, seconds in _schedule(settings.maintenance).items()
         },
     )
     return app
+
+
+def _schedule(settings: MaintenanceSettings) -> dict[str, int]:
+    """Each periodic task and its interval: the healing steps often, the rollups less."""
+    *healing, rollup = MAINTENANCE_TASKS
+    return {
+        **{name: settings.interval_seconds for name in healing},
+        rollup: settings.rollup_interval_seconds,
+    }

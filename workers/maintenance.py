@@ -1,15 +1,16 @@
 """Beat's periodic tasks on the `maintenance` queue (CPU pool): thin wrappers over the
-plain functions in models/jobs/maintenance.py."""
+plain functions in models/jobs/maintenance.py and models/rollups.py."""
 
 from datetime import timedelta
 from typing import Any
 
 from celery import shared_task
 
+from sdq.models import rollups
 from sdq.models.jobs import maintenance
 from sdq.workers.app import MAINTENANCE_TASKS, SdqCelery
 
-SWEEP_LEASES, RELAY, FINISH_RUNS = MAINTENANCE_TASKS
+SWEEP_LEASES, RELAY, FINISH_RUNS, ROLL_UP = MAINTENANCE_TASKS
 
 
 @shared_task(bind=True, name=SWEEP_LEASES)
@@ -34,6 +35,11 @@ def relay(self) -> dict[str, Any]:
 @shared_task(bind=True, name=FINISH_RUNS)
 def finish_runs(self) -> dict[str, Any]:
     return ticked(self, {"closed": maintenance.finish_runs(self.app.sessions)})
+
+
+@shared_task(bind=True, name=ROLL_UP)
+def roll_up(self) -> dict[str, Any]:
+    return ticked(self, {"rows": rollups.roll_up(self.app.sessions)})
 
 
 def ticked(task, result: dict[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
+from time import monotonic
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -31,6 +32,9 @@ from sdq.models.jobs.lifecycle import (
 from sdq.models.settings import JobSettings
 from sdq.models.store import StoreUnavailable
 from sdq.models.tables import Job
+
+# How often a delivery records the outputs made so far: what progress bars move by.
+RECORD_EVERY_SECONDS = 1.0
 
 
 class Work(ABC):
@@ -89,31 +93,55 @@ def deliver(
     reused_ids = {output.job_id for output in reused}
     outcome.reused = sorted(reused_ids)
     todo = [job for job in jobs if job.id not in reused_ids]
-    outputs: list[Output] = []
+    record = Recorder(sessions, worker)
     try:
         with keep_leases(sessions, [job.id for job in todo], worker=worker, settings=settings):
-            outputs.extend(work.run(todo))
+            for output in work.run(todo):
+                record.add(output)
     except Exception as error:
         outcome.error = f"{type(error).__name__}: {error}"
         with sessions.begin() as session:
             # What was stored before the failure stays done; the rest fails with the error.
-            succeed(session, outputs, worker=worker)
-            stored = {output.job_id for output in outputs}
+            record.flush(session)
             outcome.retry = fail(
                 session,
-                [job.id for job in todo if job.id not in stored],
+                [job.id for job in todo if job.id not in record.done],
                 error=outcome.error,
                 permanent=work.is_permanent(error),
                 outage=isinstance(error, work.outage_errors),
                 settings=settings,
                 worker=worker,
             )
-        outcome.done = sorted(stored)
+        outcome.done = sorted(record.done)
         return outcome
     with sessions.begin() as session:
-        succeed(session, outputs, worker=worker)
-    outcome.done = [output.job_id for output in outputs]
+        record.flush(session)
+    outcome.done = sorted(record.done)
     return outcome
+
+
+class Recorder:
+    """Records outputs as succeeded a few at a time while the work goes on, so progress
+    shows per pipeline call rather than per message, without a transaction per output."""
+
+    def __init__(self, sessions: sessionmaker[Session], worker: Worker) -> None:
+        self.sessions = sessions
+        self.worker = worker
+        self.done: set[int] = set()
+        self._pending: list[Output] = []
+        self._last = monotonic()
+
+    def add(self, output: Output) -> None:
+        self._pending.append(output)
+        if monotonic() - self._last >= RECORD_EVERY_SECONDS:
+            with self.sessions.begin() as session:
+                self.flush(session)
+
+    def flush(self, session: Session) -> None:
+        succeed(session, self._pending, worker=self.worker)
+        self.done.update(output.job_id for output in self._pending)
+        self._pending = []
+        self._last = monotonic()
 
 
 def _claim(

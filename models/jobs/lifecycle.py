@@ -41,6 +41,8 @@ class Output:
     sha256: str
     work_seconds: float | None
     cached: bool = False
+    setup_seconds: float | None = None  # this job's share of loading what the work needed
+    units: int | None = None  # images or samples made
 
 
 def record_events(
@@ -260,7 +262,9 @@ def succeed(session: Session, outputs: Sequence[Output], *, worker: Worker) -> N
                 "lease_expires_at": None,
                 "output_uri": output.uri,
                 "output_sha256": output.sha256,
+                "setup_seconds": output.setup_seconds,
                 "work_seconds": output.work_seconds,
+                "units": output.units,
                 "cached": output.cached,
                 "error": None,
             }

@@ -1,5 +1,6 @@
 """What beat does every few seconds so that nothing waits for someone to type `sdq requeue`:
-expire dead leases, send again what the broker lost, close finished runs.
+expire dead leases, send again what the broker lost, close finished runs. (Less often, it
+also keeps the hourly rollups: models/rollups.py.)
 
 Each step is one transaction that first takes a Postgres advisory lock of its own and does
 nothing when another beat or maintenance worker holds it, so two of them never act twice.
@@ -43,6 +44,7 @@ class Lock(IntEnum):
     sweep = 0x5D0_0001
     relay = 0x5D0_0002
     finish = 0x5D0_0003
+    rollup = 0x5D0_0004  # models/rollups.py
 
 
 @dataclass(frozen=True)

@@ -107,8 +107,13 @@ class Job(Base):
     enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    # Time spent doing the work itself, without queueing or bookkeeping.
+    # Time spent getting ready for the work (loading a model), this job's share of it:
+    # kept apart from the work itself so that "where did the time go" adds up in SQL.
+    setup_seconds: Mapped[float | None]
+    # Time spent doing the work itself, without queueing, setup or bookkeeping.
     work_seconds: Mapped[float | None]
+    # What the job made, in its kind's unit: images for generation, samples for the others.
+    units: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text)
     output_uri: Mapped[str | None] = mapped_column(Text)
     output_sha256: Mapped[str | None] = mapped_column(String(64))
@@ -117,6 +122,8 @@ class Job(Base):
     __table_args__ = (
         Index("ix_jobs_run_id_status", "run_id", "status"),
         Index("ix_jobs_spec_hash_status", "spec_hash", "status"),
+        # The hourly rollups read one hour of finished jobs at a time.
+        Index("ix_jobs_finished_at", "finished_at"),
         # Unfinished jobs are few among millions; the relay and lease sweeps scan only them.
         Index(
             "ix_jobs_unfinished",
@@ -160,6 +167,25 @@ class ModelRecord(Base):
     )
 
     __table_args__ = (UniqueConstraint("name", "revision", name="uq_models_name_revision"),)
+
+
+class HourlyRollup(Base):
+    """Per hour, kind, model and worker: jobs finished, what they made, where the time went
+    and how often they failed. Beat keeps it current; dashboards read it, not the jobs."""
+
+    __tablename__ = "hourly_rollups"
+
+    hour: Mapped[datetime] = mapped_column(DateTime(timezone=True), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(32), primary_key=True)
+    # '' where a kind has no one model, or a job no worker: key columns cannot be NULL.
+    model: Mapped[str] = mapped_column(Text, primary_key=True)
+    worker: Mapped[str] = mapped_column(Text, primary_key=True)
+    jobs: Mapped[int] = mapped_column(Integer)
+    cached: Mapped[int] = mapped_column(Integer)
+    units: Mapped[int] = mapped_column(Integer)
+    setup_seconds: Mapped[float]
+    work_seconds: Mapped[float]
+    failures: Mapped[int] = mapped_column(Integer)
 
 
 class MaintenanceTick(Base):

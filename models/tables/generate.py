@@ -15,6 +15,8 @@ class Generation(Base):
         Id, ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True
     )
     prompt: Mapped[str] = mapped_column(Text)
+    # The prompt file row's own text, before a style was crossed in: what a gallery row shows.
+    subject: Mapped[str | None] = mapped_column(Text)
     style: Mapped[str | None] = mapped_column(Text)
     model: Mapped[str] = mapped_column(Text)
     seed: Mapped[int] = mapped_column(BigInteger)

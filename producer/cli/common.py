@@ -90,18 +90,23 @@ def report_submission(fields: dict[str, Any], line: str, *, as_json: bool) -> No
     display.console.print(line)
 
 
-def watch_run(app: SdqCelery, run_id: int, *, jobs: int, show: bool) -> None:
-    """Waits for the run's jobs to finish, with a progress bar when `show`."""
+def finished_jobs(app: SdqCelery, run_id: int) -> Callable[[], int]:
+    """How many of the run's jobs have finished, asked anew at each call."""
 
     def finished() -> int:
         with app.sessions() as session:
             counts = lookups.status_counts(session, run_id)
         return sum(counts[status] for status in FINISHED)
 
-    display.watch(f"run {run_id}", jobs, finished, show=show)
+    return finished
 
 
-def work_here(app: SdqCelery, run_id: int, *, jobs: int, done: int) -> None:
+def watch_run(app: SdqCelery, run_id: int, *, jobs: int, show: bool) -> None:
+    """Waits for the run's jobs to finish, with a progress bar when `show`."""
+    display.watch(f"run {run_id}", jobs, finished_jobs(app, run_id), show=show)
+
+
+def work_here(app: SdqCelery, run_id: int, *, jobs: int) -> None:
     """Does a run's jobs in this process, message by message, as a worker would: the
     embedded way, with no broker or worker."""
     app.loader.import_default_modules()  # registers the kinds' tasks with the app
@@ -110,14 +115,12 @@ def work_here(app: SdqCelery, run_id: int, *, jobs: int, done: int) -> None:
     kind = kind_named(run.kind)
     task = app.tasks[kind.task_name]
     try:
-        with display.progress() as bar:
-            progress = bar.add_task(f"run {run_id}", total=jobs, completed=done)
+        with display.following(f"run {run_id}", jobs, finished_jobs(app, run_id)):
             for job_ids in messages(app.sessions, run):
                 # A retry inside apply() runs at once, in this process; only a crash is left.
                 result = task.apply(args=[job_ids], kwargs=run.task_options)
                 if result.failed():
                     raise result.result
-                bar.advance(progress, len(job_ids))
     except KeyboardInterrupt:
         _stop_here(app, run_id, worker_identity(kind.pool))
 
@@ -134,13 +137,11 @@ def _stop_here(app: SdqCelery, run_id: int, worker: Worker) -> NoReturn:
     sys.exit(INTERRUPTED)
 
 
-def carry_out(
-    app: SdqCelery, run_id: int, *, jobs: int, done: int, wait: bool, as_json: bool
-) -> Sent | None:
+def carry_out(app: SdqCelery, run_id: int, *, jobs: int, wait: bool, as_json: bool) -> Sent | None:
     """Embedded (no broker): does the run here. Otherwise sends it to the workers and, with
     `wait`, watches it finish. Returns what was sent when the run was left to them."""
     if app.settings.embedded:
-        work_here(app, run_id, jobs=jobs, done=done)
+        work_here(app, run_id, jobs=jobs)
         return None
     sent = send_run(app, run_id)
     if not wait:

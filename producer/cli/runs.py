@@ -6,7 +6,7 @@ import socket
 import click
 
 from sdq.models.jobs.lifecycle import cancel_jobs, retry_jobs
-from sdq.models.tables import FINISHED, JobStatus
+from sdq.models.tables import JobStatus
 from sdq.producer import display, lookups
 from sdq.producer.cli.common import (
     carry_out,
@@ -83,9 +83,7 @@ def resume(app: SdqCelery, run_id: int, wait: bool, as_json: bool) -> None:
     everything already stored: here without a broker, else sent to the workers."""
     with app.sessions() as session, found():
         jobs = lookups.get_run(session, run_id).job_count
-        counts = lookups.status_counts(session, run_id)
-    done = sum(counts[str(status)] for status in FINISHED)
-    sent = carry_out(app, run_id, jobs=jobs, done=done, wait=wait, as_json=as_json)
+    sent = carry_out(app, run_id, jobs=jobs, wait=wait, as_json=as_json)
     if sent:
         summary = {"run_id": run_id, "jobs": sent.jobs, "tasks": sent.messages}
         if as_json:
@@ -120,8 +118,7 @@ def retry(app: SdqCelery, run_id: int, statuses: tuple[str, ...], as_json: bool)
         jobs = lookups.get_run(session, run_id).job_count
         job_ids = retry_jobs(session, run_id, chosen, asked_by=asked_by)
     if job_ids:
-        done = jobs - len(job_ids)
-        carry_out(app, run_id, jobs=jobs, done=done, wait=False, as_json=as_json)
+        carry_out(app, run_id, jobs=jobs, wait=False, as_json=as_json)
     if as_json:
         display.print_json({"run_id": run_id, "retried": len(job_ids)})
     else:

@@ -186,7 +186,6 @@ def carry_out_dataset_run(
         app,
         submission.run_id,
         jobs=submission.jobs,
-        done=submission.cached,
         wait=wait,
         as_json=as_json,
     )

@@ -28,7 +28,13 @@ from sdq.producer.cli.common import (
 )
 from sdq.producer.generate import lookups as generate_lookups
 from sdq.producer.generate.export import FORMATS, export_run
-from sdq.producer.generate.gallery import gallery_html, gallery_key
+from sdq.producer.generate.gallery import (
+    LINK_SECONDS,
+    copy_gallery,
+    gallery_html,
+    gallery_key,
+    store_image_link,
+)
 from sdq.producer.generate.plan import DEFAULT_TEMPLATE, Defaults, plan_jobs
 from sdq.producer.generate.prompts import (
     InvalidInput,
@@ -204,7 +210,7 @@ def run(app: SdqCelery, as_json: bool, **options: Any) -> None:
         # --dtype is kept, and every dtype is recorded in the spec.
         request = replace(request, defaults=replace(request.defaults, dtype="float32"))
     submission = prepare(app, request)
-    work_here(app, submission.run_id, jobs=submission.jobs, done=submission.cached)
+    work_here(app, submission.run_id, jobs=submission.jobs)
     _report_run(app, submission.run_id, as_json)
 
 
@@ -228,36 +234,54 @@ def _report_run(app: SdqCelery, run_id: int, as_json: bool) -> None:
         status = lookups.run_status(session, run_id)
     gallery = write_gallery(app, run_id)
     if as_json:
-        display.print_json({**status, "gallery": gallery})
+        display.print_json({**status, **gallery})
     else:
         display.show_status(status)
         display.stdout.print(f"images: {app.store.uri('images/')}", soft_wrap=True)
-        display.stdout.print(f"gallery: {gallery}", soft_wrap=True)
+        display.stdout.print(f"gallery: {gallery['gallery_link']}", soft_wrap=True)
     if status["dead"]:
         sys.exit(1)
 
 
-def write_gallery(app: SdqCelery, run_id: int) -> str:
+def write_gallery(app: SdqCelery, run_id: int) -> dict[str, str]:
+    """Writes the page next to the run's images in the store; returns where it lies and the
+    link a browser opens it by."""
     with app.sessions() as session, found():
         jobs = generate_lookups.gallery_jobs(session, run_id)
-    page = gallery_html(run_id, jobs).encode()
-    return app.store.put_bytes(gallery_key(run_id), page, content_type="text/html; charset=utf-8")
+    key = gallery_key(run_id)
+    page = gallery_html(run_id, jobs, store_image_link(app.store)).encode()
+    uri = app.store.put_bytes(key, page, content_type="text/html; charset=utf-8")
+    return {"gallery": uri, "gallery_link": app.store.link(key, expires_seconds=LINK_SECONDS)}
 
 
 @click.command()
 @click.argument("run_id", type=int)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Write a copy here instead, with its images, to open or send anywhere.",
+)
 @json_option
 @pass_app
-def gallery(app: SdqCelery, run_id: int, as_json: bool) -> None:
-    """Write RUN's contact sheet (a line x style grid) next to its images in the store."""
+def gallery(app: SdqCelery, run_id: int, output: Path | None, as_json: bool) -> None:
+    """Write RUN's contact sheet (a prompt x style grid) next to its images in the store and
+    print the link that opens it: the file in a local store, a presigned HTTPS link (good
+    for 7 days) in S3. With -o DIR, a local copy: DIR/gallery.html and DIR/images/."""
     try:
-        uri = write_gallery(app, run_id)
+        if output:
+            with app.sessions() as session, found():
+                jobs = generate_lookups.gallery_jobs(session, run_id)
+            page = copy_gallery(app.store, run_id, jobs, output)
+            written = {"gallery": str(page), "gallery_link": page.resolve().as_uri()}
+        else:
+            written = write_gallery(app, run_id)
     except StoreError as error:
         raise click.ClickException(str(error)) from None
     if as_json:
-        display.print_json({"run_id": run_id, "gallery": uri})
+        display.print_json({"run_id": run_id, **written})
     else:
-        click.echo(uri)
+        click.echo(written["gallery_link"])
 
 
 @click.command()

@@ -75,11 +75,13 @@ def gallery_jobs(session: Session, run_id: int) -> list[dict[str, Any]]:
     query = (
         select(
             Generation.source_line,
+            Generation.subject,
             Generation.style,
             Generation.prompt,
             Generation.seed,
             Job.status,
             Job.spec_hash,
+            Job.spec,
         )
         .join(Generation, Generation.job_id == Job.id)
         .where(Job.run_id == run_id)

@@ -39,7 +39,7 @@ def plan_jobs(
             prompt = template.format(prompt=row.prompt, style=style) if style else row.prompt
             for seed in seeds_for(row, defaults):
                 spec = _spec(row, prompt=prompt, seed=seed, model=model, defaults=defaults)
-                yield PlannedJob(spec=spec, style=style, source_line=row.line)
+                yield PlannedJob(spec=spec, style=style, source_line=row.line, subject=row.prompt)
 
 
 def seeds_for(row: PromptRow, defaults: Defaults) -> list[int]:

@@ -105,11 +105,11 @@ def start(
     ensure_schema(app)
     submission = _submit(app, name, base, resolution, train_options, into, prompts)
     if app.settings.embedded:
-        work_here(app, submission.run_id, jobs=submission.jobs, done=0)
+        work_here(app, submission.run_id, jobs=submission.jobs)
         with app.sessions() as session:
             validations = train_lookups.validation_runs(session, submission.run_id)
         for run_id, jobs in validations:
-            work_here(app, run_id, jobs=jobs, done=0)
+            work_here(app, run_id, jobs=jobs)
     else:
         sent = send_run(app, submission.run_id)
         if not wait:

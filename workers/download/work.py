@@ -60,7 +60,10 @@ class DownloadWork(Work):
         data = shard_bytes(rows, spec.image.format, table.select(list(spec.columns.save)))
         uri = self.store.put_bytes(spec.shard_key, data, content_type=PARQUET)
         seconds = perf_counter() - started
-        output = Output(job_id, uri, hashlib.sha256(data).hexdigest(), work_seconds=seconds)
+        kept = sum(row.status == SampleStatus.success for row in rows)
+        output = Output(
+            job_id, uri, hashlib.sha256(data).hexdigest(), work_seconds=seconds, units=kept
+        )
         with self.sessions.begin() as session:
             record_shard(session, dataset, spec, rows, stored=output, size=len(data), at=utcnow())
         return output

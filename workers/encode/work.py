@@ -110,7 +110,11 @@ class EncodeWork(Work):
         data = latent_shard_bytes(shard, encoded, about)
         uri = self.store.put_bytes(spec.latent_key, data, content_type=PARQUET)
         output = Output(
-            job_id, uri, hashlib.sha256(data).hexdigest(), work_seconds=perf_counter() - started
+            job_id,
+            uri,
+            hashlib.sha256(data).hexdigest(),
+            work_seconds=perf_counter() - started,
+            units=len(shard),
         )
         with self.sessions.begin() as session:
             _record(session, spec, output, samples=len(shard), tensors=describe(encoded))

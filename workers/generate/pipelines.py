@@ -6,6 +6,7 @@ fork, and keeps the last few loaded for the tasks that follow.
 """
 
 from collections import OrderedDict
+from time import perf_counter
 
 import torch
 from diffusers import AutoPipelineForText2Image, DiffusionPipeline
@@ -28,18 +29,21 @@ class PipelineCache:
         self.size = size
         self._loaded: OrderedDict[tuple[str, str, str], DiffusionPipeline] = OrderedDict()
 
-    def get(self, spec: GenerationSpec) -> DiffusionPipeline:
+    def get(self, spec: GenerationSpec) -> tuple[DiffusionPipeline, float | None]:
+        """The spec's pipeline, and the seconds it took to load it now (None: it was
+        loaded already)."""
         key = (spec.model_source, spec.model_revision, spec.dtype)
         if key in self._loaded:
             self._loaded.move_to_end(key)
-            return self._loaded[key]
+            return self._loaded[key], None
         while len(self._loaded) >= self.size:
             self._loaded.popitem(last=False)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+        started = perf_counter()
         pipeline = self._load(spec)
         self._loaded[key] = pipeline
-        return pipeline
+        return pipeline, perf_counter() - started
 
     def _load(self, spec: GenerationSpec) -> DiffusionPipeline:
         dtype = getattr(torch, spec.dtype)

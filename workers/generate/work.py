@@ -3,6 +3,7 @@ each image as a PNG that carries its spec. Plain code, no Celery; torch loads la
 
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from time import perf_counter
 from typing import TYPE_CHECKING
 
@@ -47,18 +48,36 @@ class GenerateWork(Work):
         with ThreadPoolExecutor(UPLOAD_THREADS) as uploads:
             previous: list[Future[Output]] = []
             for call in calls:
+                pipeline, loading = self.pipelines.get(specs[call[0]])
                 started = perf_counter()
-                images = render(self.pipelines.get(specs[call[0]]), [specs[i] for i in call])
-                seconds_each = (perf_counter() - started) / len(call)
+                images = render(pipeline, [specs[i] for i in call])
+                # Each image's share of the call, and of the model load it waited for.
+                timing = Timing(
+                    setup=loading / len(call) if loading is not None else None,
+                    work=(perf_counter() - started) / len(call),
+                )
                 # The previous call's uploads had this call's rendering to finish in.
                 yield from (upload.result() for upload in previous)
                 previous = [
-                    uploads.submit(self._store, by_id[job_id], specs[job_id], image, seconds_each)
+                    uploads.submit(self._store, by_id[job_id], specs[job_id], image, timing)
                     for job_id, image in zip(call, images, strict=True)
                 ]
             yield from (upload.result() for upload in previous)
 
-    def _store(self, job: Job, spec: GenerationSpec, image: Image, seconds: float) -> Output:
+    def _store(self, job: Job, spec: GenerationSpec, image: Image, timing: "Timing") -> Output:
         data = encode_png(image, spec, job.spec_hash)
         uri = self.store.put_bytes(image_key(job.spec_hash), data, content_type="image/png")
-        return Output(job.id, uri, sha256(data), work_seconds=seconds)
+        return Output(
+            job.id,
+            uri,
+            sha256(data),
+            work_seconds=timing.work,
+            setup_seconds=timing.setup,
+            units=1,
+        )
+
+
+@dataclass(frozen=True)
+class Timing:
+    setup: float | None
+    work: float

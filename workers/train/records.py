@@ -113,6 +113,7 @@ def _validation_run(
             ),
             style=None,
             source_line=line,
+            subject=prompt,
         )
         for line, (prompt, seed) in enumerate(validation.prompts, start=1)
     ]

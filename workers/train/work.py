@@ -170,4 +170,11 @@ class TrainWork(Work):
             new_work = record_checkpoint(
                 session, spec, steps, uri=uri, prefix=prefix, revision=revision
             )
-        return Output(job_id, uri, revision, work_seconds=perf_counter() - started), new_work
+        output = Output(
+            job_id,
+            uri,
+            revision,
+            work_seconds=perf_counter() - started,
+            units=len(steps) * spec.options.batch_size,  # samples trained on
+        )
+        return output, new_work

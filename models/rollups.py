@@ -1,0 +1,119 @@
+"""Hourly rollups for dashboards: per hour, kind, model and worker, the jobs that succeeded,
+what they made, where their time went and how often jobs failed. Beat recomputes the
+recent hours; Grafana (ops/grafana/) and SQL read the table instead of scanning jobs.
+
+Generation is the one kind with a model per job (its generations row); the others roll
+up under model ''.
+"""
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import delete, func, insert, select, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from sdq.models.jobs.lifecycle import as_utc
+from sdq.models.jobs.maintenance import Lock, holds_lock
+from sdq.models.tables import HourlyRollup, Job, JobEvent, JobStatus
+from sdq.models.tables.generate import Generation
+
+# By the first four columns, the key (hour, kind, model, worker): by position, since each
+# rendering of a COALESCE binds its '' anew and Postgres cannot tell two of them equal.
+BY_KEY = text("1, 2, 3, 4")
+
+
+def roll_up(sessions: sessionmaker[Session]) -> int:
+    """Recomputes the hourly rollups from the hour before the latest one kept (all of the
+    history the first time) up to now; returns how many rows it wrote. Recomputing, not
+    adding, keeps it right when it runs twice or a late job lands in a past hour."""
+    with sessions.begin() as session:
+        if not holds_lock(session, Lock.rollup):
+            return 0
+        latest = session.scalar(select(func.max(HourlyRollup.hour)))
+        since = as_utc(latest) - timedelta(hours=1) if latest else None
+        rows = _hourly(session, since)
+        if since is not None:
+            session.execute(delete(HourlyRollup).where(HourlyRollup.hour >= since))
+        else:
+            session.execute(delete(HourlyRollup))
+        if rows:
+            session.execute(insert(HourlyRollup), rows)
+        return len(rows)
+
+
+def _hourly(session: Session, since: datetime | None) -> list[dict[str, Any]]:
+    """Per hour, kind, model and worker: the jobs that succeeded in it, and the failures."""
+    model = func.coalesce(Generation.model, "")
+    finished = _hour(session, Job.finished_at)
+    done = (
+        select(
+            finished,
+            Job.kind,
+            model,
+            func.coalesce(Job.worker_host, ""),
+            func.count(),
+            func.count().filter(Job.cached.is_(True)),
+            func.coalesce(func.sum(Job.units), 0),
+            func.coalesce(func.sum(Job.setup_seconds), 0.0),
+            func.coalesce(func.sum(Job.work_seconds), 0.0),
+        )
+        .outerjoin(Generation, Generation.job_id == Job.id)
+        .where(Job.status == JobStatus.succeeded, Job.finished_at.is_not(None))
+        .group_by(BY_KEY)
+    )
+    failed_at = _hour(session, JobEvent.at)
+    failures = (
+        select(failed_at, Job.kind, model, func.coalesce(JobEvent.worker_host, ""), func.count())
+        .join(Job, Job.id == JobEvent.job_id)
+        .outerjoin(Generation, Generation.job_id == Job.id)
+        .where(JobEvent.status.in_([JobStatus.failed, JobStatus.dead]))
+        .group_by(BY_KEY)
+    )
+    if since is not None:
+        done = done.where(Job.finished_at >= since)
+        failures = failures.where(JobEvent.at >= since)
+    rows: dict[tuple[datetime, str, str, str], dict[str, Any]] = {}
+    for hour, kind, model_name, worker, jobs, cached, units, setup, work in session.execute(done):
+        key = (_as_hour(hour), kind, model_name, worker)
+        rows[key] = _rollup(key, jobs=jobs, cached=cached, units=units, setup=setup, work=work)
+    for hour, kind, model_name, worker, count in session.execute(failures):
+        key = (_as_hour(hour), kind, model_name, worker)
+        rows.setdefault(key, _rollup(key))["failures"] = count
+    return list(rows.values())
+
+
+def _rollup(
+    key: tuple[datetime, str, str, str],
+    *,
+    jobs: int = 0,
+    cached: int = 0,
+    units: int = 0,
+    setup: float = 0.0,
+    work: float = 0.0,
+) -> dict[str, Any]:
+    hour, kind, model, worker = key
+    return {
+        "hour": hour,
+        "kind": kind,
+        "model": model,
+        "worker": worker,
+        "jobs": jobs,
+        "cached": cached,
+        "units": units,
+        "setup_seconds": setup,
+        "work_seconds": work,
+        "failures": 0,
+    }
+
+
+def _hour(session: Session, moment: Any) -> Any:
+    """The hour a timestamp falls in, in the backend's words."""
+    if session.get_bind().dialect.name == "postgresql":
+        return func.date_trunc("hour", moment)
+    return func.strftime("%Y-%m-%d %H:00:00", moment)
+
+
+def _as_hour(value: datetime | str) -> datetime:
+    # SQLite's strftime gives text; Postgres a timestamp. sdq writes every time in UTC.
+    moment = datetime.fromisoformat(value) if isinstance(value, str) else value
+    return as_utc(moment)
