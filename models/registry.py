@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from sdq.models import tiny
 from sdq.models.db import upsert
 from sdq.models.jobs.kinds import TRAIN
-from sdq.models.specs import ModelIdentity
+from sdq.models.specs import AUTO_DTYPE, ModelIdentity
 from sdq.models.store import MissingObject, ObjectStore, S3Store
 from sdq.models.tables import ModelRecord, Run
 from sdq.models.tables.train import Checkpoint
@@ -132,7 +132,7 @@ def _identity(
         revision=revision,
         scheduler=scheduler,
         scheduler_config=scheduler_config,
-        default_dtype="float16",
+        default_dtype=AUTO_DTYPE,
         default_size=_native_size(read(UNET_CONFIG_FILE)),
     )
 

@@ -5,7 +5,10 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-DTYPES = ("float16", "bfloat16", "float32")
+# "auto": whatever suits the device that does the work, decided there (workers/gpu.py):
+# half precision on a GPU, float32 on the CPU, where half precision crawls or fails.
+AUTO_DTYPE = "auto"
+DTYPES = ("float16", "bfloat16", "float32", AUTO_DTYPE)
 SPEC_VERSION = 1
 
 

@@ -76,3 +76,12 @@ def test_spec_hash_follows_the_revision_not_the_name() -> None:
 def test_batches_share_one_pipeline_call_setting() -> None:
     pairs = [(1, "a"), (2, "b"), (3, "a"), (4, "a"), (5, "b")]
     assert batches(pairs, 2) == [[1, 3], [4], [2, 5]]
+
+
+def test_the_precision_is_left_to_the_rendering_device_unless_asked() -> None:
+    folder_model = replace(MODEL, default_dtype="auto")  # what a diffusers folder resolves to
+    row = PromptRow(line=2, prompt="x", seed=1)
+    [auto] = list_plan([row], model=folder_model, defaults=Defaults())
+    [asked] = list_plan([row], model=folder_model, defaults=Defaults(dtype="bfloat16"))
+    assert (auto.spec.dtype, asked.spec.dtype) == ("auto", "bfloat16")
+    assert auto.spec.hash() != asked.spec.hash()

@@ -359,8 +359,10 @@ def test_a_worker_loads_each_pipeline_once_and_keeps_the_last_few(tmp_path) -> N
     spec = specs("x")[0]
     first, loading = cache.get(spec)
     assert loading is not None and loading > 0
-    # Same model: no reload, and no load time.
+    # Same model: no reload, and no load time. "auto" on the CPU is float32: the same too.
+    assert spec.dtype == "float32"
     assert cache.get(replace(spec, prompt="y", seed=9)) == (first, None)
+    assert cache.get(replace(spec, dtype="auto")) == (first, None)
     other, _ = cache.get(replace(spec, dtype="bfloat16"))
     assert other is not first and str(other.unet.dtype) == "torch.bfloat16"
     again, loading = cache.get(spec)

@@ -87,7 +87,8 @@ def generation_options(command):
                      callback=_validated(parse_count), help="Images per row and style."),
         click.option("--negative-prompt", default="", help="For rows without their own."),
         click.option("--dtype", type=click.Choice(DTYPES),
-                     help="[default: float16, float32 for tiny]"),
+                     help="Precision [default: auto: float16 on a GPU, float32 on the "
+                          "CPU; float32 for tiny]"),
         click.option("--batch-size", type=click.IntRange(1, 256),
                      help="Images per pipeline call [default: SDQ_BATCH_SIZE or 8]"),
         json_option,

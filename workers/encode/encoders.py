@@ -14,7 +14,7 @@ from transformers import CLIPTextModel, CLIPTokenizer
 from sdq.models import tiny
 from sdq.models.datasets import EncodeSpec, latent_seed
 from sdq.workers.encode.shards import Encoded, ImageShard, pixels
-from sdq.workers.gpu import device_name
+from sdq.workers.gpu import device_name, torch_dtype
 from sdq.workers.tiny import build_text_encoder, build_tokenizer, build_vae
 from sdq.workers.weights import ModelFiles, check_tiny_revision
 
@@ -43,7 +43,7 @@ class LoadedEncoders:
         self._encoders: Encoders | None = None
 
     def get(self, spec: EncodeSpec) -> Encoders:
-        key = (spec.model_source, spec.model_revision, spec.dtype)
+        key = (spec.model_source, spec.model_revision, torch_dtype(spec.dtype))
         if key != self._key or self._encoders is None:
             self._encoders = None  # let the old weights go before the new ones load
             self._encoders = self._load(spec)
@@ -51,7 +51,7 @@ class LoadedEncoders:
         return self._encoders
 
     def _load(self, spec: EncodeSpec) -> Encoders:
-        dtype = getattr(torch, spec.dtype)
+        dtype = torch_dtype(spec.dtype)
         if spec.model_source == tiny.TINY_NAME:
             check_tiny_revision(spec.model_revision)
             vae, text_encoder, tokenizer = build_vae(), build_text_encoder(), build_tokenizer()

@@ -16,7 +16,7 @@ from PIL.Image import Image
 from sdq.models import tiny
 from sdq.models.specs import GenerationSpec
 from sdq.workers.generate.work import PipelineError
-from sdq.workers.gpu import device_name
+from sdq.workers.gpu import device_name, torch_dtype
 from sdq.workers.tiny import build_pipeline
 from sdq.workers.weights import ModelFiles, check_tiny_revision
 
@@ -27,12 +27,12 @@ class PipelineCache:
     def __init__(self, *, files: ModelFiles, size: int) -> None:
         self.files = files
         self.size = size
-        self._loaded: OrderedDict[tuple[str, str, str], DiffusionPipeline] = OrderedDict()
+        self._loaded: OrderedDict[tuple[str, str, torch.dtype], DiffusionPipeline] = OrderedDict()
 
     def get(self, spec: GenerationSpec) -> tuple[DiffusionPipeline, float | None]:
         """The spec's pipeline, and the seconds it took to load it now (None: it was
         loaded already)."""
-        key = (spec.model_source, spec.model_revision, spec.dtype)
+        key = (spec.model_source, spec.model_revision, torch_dtype(spec.dtype))
         if key in self._loaded:
             self._loaded.move_to_end(key)
             return self._loaded[key], None
@@ -46,7 +46,7 @@ class PipelineCache:
         return pipeline, perf_counter() - started
 
     def _load(self, spec: GenerationSpec) -> DiffusionPipeline:
-        dtype = getattr(torch, spec.dtype)
+        dtype = torch_dtype(spec.dtype)
         if spec.model_source == tiny.TINY_NAME:
             check_tiny_revision(spec.model_revision)
             pipeline = build_pipeline()
