@@ -101,6 +101,9 @@ def describe_status(status: dict[str, Any]) -> list[str]:
         )
     if status["per_second"]:
         lines.append(f"throughput {status['per_second']:.2f} {unit}/s")
+    if status["work_seconds"]:
+        setup = f"{status['setup_seconds'] or 0:.1f} s loading models, "
+        lines.append(f"time spent: {setup}{status['work_seconds']:.1f} s working")
     if status["eta_seconds"]:
         lines.append(f"about {status['eta_seconds']:.0f}s to go")
     return lines

@@ -38,12 +38,14 @@ def run_status(session: Session, run_id: int, *, with_jobs: bool = True) -> dict
     done = sum(counts[str(status)] for status in FINISHED)
     # One pass over the run's succeeded jobs: throughput counts only work actually done.
     worked = Job.cached.is_(False)
-    first_start, last_finish, finished_work, cached = session.execute(
+    first_start, last_finish, finished_work, cached, setup, work = session.execute(
         select(
             func.min(Job.started_at).filter(worked),
             func.max(Job.finished_at).filter(worked),
             func.count().filter(worked),
             func.count().filter(Job.cached.is_(True)),
+            func.sum(Job.setup_seconds),
+            func.sum(Job.work_seconds),
         ).where(Job.run_id == run_id, Job.status == JobStatus.succeeded)
     ).one()
     throughput = None
@@ -65,6 +67,9 @@ def run_status(session: Session, run_id: int, *, with_jobs: bool = True) -> dict
         "cached": cached,
         "per_second": round(throughput, 3) if throughput else None,
         "eta_seconds": round(remaining / throughput, 1) if throughput and remaining else None,
+        # Summed over the workers: loading what the work needed (models), and the work.
+        "setup_seconds": round(setup, 3) if setup else None,
+        "work_seconds": round(work, 3) if work else None,
         "failures": failures(session, run_id),
     }
     if with_jobs:

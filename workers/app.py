@@ -84,8 +84,10 @@ def worker_identity(pool: Pool) -> Worker:
 
 def quiet_libraries() -> None:
     """Called at the entry points, before any GPU module loads: transformers warns at import
-    about image processors that Stable Diffusion pipelines never use."""
+    about image processors that Stable Diffusion pipelines never use, and both libraries
+    log loading details that say nothing to an sdq user."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 
 
 def create_app(settings: Settings) -> SdqCelery:

@@ -22,13 +22,18 @@ def db() -> None:
 
 
 @db.command()
+@json_option
 @pass_app
-def upgrade(app: SdqCelery) -> None:
+def upgrade(app: SdqCelery, as_json: bool) -> None:
     """Apply every migration not applied yet."""
     from sdq.migrations import upgrade as upgrade_schema
 
     upgrade_schema(app.engine)
-    click.echo(f"database at the newest schema: {app.engine.url.render_as_string()}")
+    database = app.engine.url.render_as_string()  # the password masked
+    if as_json:
+        display.print_json({"database": database, "current": True})
+    else:
+        click.echo(f"database at the newest schema: {database}")
 
 
 @click.group()
@@ -39,8 +44,9 @@ def model() -> None:
 @model.command()
 @click.argument("source", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("name")
+@json_option
 @pass_app
-def push(app: SdqCelery, source: Path, name: str) -> None:
+def push(app: SdqCelery, source: Path, name: str, as_json: bool) -> None:
     """Copy the pipeline folder SOURCE into the store, registered as NAME."""
     ensure_schema(app)
     try:
@@ -49,6 +55,12 @@ def push(app: SdqCelery, source: Path, name: str) -> None:
     except (ModelNotFound, StoreError) as error:
         raise click.ClickException(str(error)) from None
     where = app.store.uri(pushed.prefix)
+    if as_json:
+        revision = pushed.identity.revision
+        display.print_json(
+            {"name": name, "revision": revision, "uri": where, "uploaded": pushed.uploaded}
+        )
+        return
     done = "pushed to" if pushed.uploaded else "already in the store at"
     click.echo(f"{name}: revision {pushed.identity.revision[:16]} {done} {where}")
 
@@ -62,6 +74,10 @@ def list_models(app: SdqCelery, as_json: bool) -> None:
            show=rows_table(["name", "revision", "source", "created_at"]))  # fmt: skip
 
 
+LOGLEVEL = click.option("--loglevel", default="info", show_default=True,
+                        help="Celery's log level: debug, info, warning, error.")  # fmt: skip
+
+
 @click.group()
 def worker() -> None:
     """Start worker processes (plain Celery workers underneath)."""
@@ -69,7 +85,7 @@ def worker() -> None:
 
 @worker.command()
 @click.option("--gpus", help="Comma-separated GPU indices [default: every GPU nvidia-smi lists]")
-@click.option("--loglevel", default="info", show_default=True)
+@LOGLEVEL
 @pass_app
 def gpu(app: SdqCelery, gpus: str | None, loglevel: str) -> None:
     """One process per GPU for generate, encode and train; one CPU process if there is no GPU."""
@@ -82,9 +98,13 @@ def gpu(app: SdqCelery, gpus: str | None, loglevel: str) -> None:
 
 @worker.command()
 @click.option(
-    "--concurrency", type=click.IntRange(1), default=os.cpu_count() or 1, show_default=True
+    "--concurrency",
+    type=click.IntRange(1),
+    default=os.cpu_count() or 1,
+    show_default=True,
+    help="Worker processes (downloads run threads in each).",
 )
-@click.option("--loglevel", default="info", show_default=True)
+@LOGLEVEL
 @pass_app
 def cpu(app: SdqCelery, concurrency: int, loglevel: str) -> None:
     """The CPU pool: download and maintenance queues. Never loads torch."""
@@ -95,7 +115,7 @@ def cpu(app: SdqCelery, concurrency: int, loglevel: str) -> None:
 
 
 @click.command()
-@click.option("--loglevel", default="info", show_default=True)
+@LOGLEVEL
 @pass_app
 def beat(app: SdqCelery, loglevel: str) -> None:
     """Celery beat with sdq's schedule: every SDQ_MAINTENANCE_INTERVAL_SECONDS it has the
@@ -107,7 +127,13 @@ def beat(app: SdqCelery, loglevel: str) -> None:
 
 
 @click.command()
-@click.option("--port", type=click.IntRange(1, 65535), default=5555, show_default=True)
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=5555,
+    show_default=True,
+    help="Where Flower listens.",
+)
 @click.option(
     "--basic-auth",
     "credentials",
@@ -135,7 +161,13 @@ def flower(app: SdqCelery, port: int, credentials: str | None, no_auth: bool) ->
 
 
 @click.command()
-@click.option("--port", type=click.IntRange(1, 65535), default=9808, show_default=True)
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=9808,
+    show_default=True,
+    help="Where /metrics is served.",
+)
 @click.option("--address", default="0.0.0.0", show_default=True, help="Where to listen.")
 @pass_app
 def metrics(app: SdqCelery, port: int, address: str) -> None:

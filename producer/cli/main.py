@@ -5,6 +5,9 @@ own commands (producer/<kind>/cli.py), SQL on the history (sql.py), and setting 
 up (admin.py).
 """
 
+import logging
+import os
+
 import click
 from sqlalchemy.exc import DBAPIError
 
@@ -15,6 +18,17 @@ from sdq.producer.encode import cli as encode
 from sdq.producer.generate import cli as generate
 from sdq.producer.train import cli as train
 from sdq.workers.app import create_app, quiet_libraries
+
+# \b keeps Click from re-wrapping the list.
+SETTINGS_HELP = """\b
+Settings, from the environment (README.md lists them all):
+  SDQ_DATABASE_URL   postgresql://host/db        [default: SQLite in SDQ_HOME]
+  SDQ_BROKER_URL     redis://host:6379/0         [default: none; work is done here]
+  SDQ_STORE_URL      s3://bucket/prefix, a folder [default: SDQ_HOME/store]
+  SDQ_HOME           the embedded home           [default: ./sdq-data]
+  AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...  S3 access, as boto3 reads it
+  SDQ_BATCH_SIZE, SDQ_LEASE_SECONDS, SDQ_MAX_ATTEMPTS, SDQ_*_TASK_TIME_LIMIT, ...
+"""
 
 
 class SdqGroup(click.Group):
@@ -31,17 +45,39 @@ class SdqGroup(click.Group):
             ) from None
 
 
+def show_library_output(verbose: bool) -> None:
+    """sdq's output is sdq's: libraries' Python warnings would print between its progress
+    bars. They are dropped unless --verbose, which also shows what the libraries log."""
+    if verbose:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        os.environ["TRANSFORMERS_VERBOSITY"] = os.environ["DIFFUSERS_VERBOSITY"] = "info"
+        return
+    logging.captureWarnings(True)
+    # Without a handler of its own, Python's last-resort handler would print them anyway.
+    warnings_log = logging.getLogger("py.warnings")
+    warnings_log.addHandler(logging.NullHandler())
+    warnings_log.propagate = False
+
+
 def _no_schema(error: DBAPIError) -> bool:
     # Postgres: undefined_table; SQLite says it in words.
     return getattr(error.orig, "sqlstate", None) == "42P01" or "no such table" in str(error.orig)
 
 
-@click.group(cls=SdqGroup)
+@click.group(cls=SdqGroup, epilog=SETTINGS_HELP)
 @click.version_option(package_name="sdq")
+@click.option("-v", "--verbose", is_flag=True,
+              help="Show what libraries log and warn (hidden otherwise).")  # fmt: skip
 @click.pass_context
-def main(ctx: click.Context) -> None:
-    """sdq: Stable Diffusion jobs on Celery, Redis, Postgres and S3."""
+def main(ctx: click.Context, verbose: bool) -> None:
+    """sdq: Stable Diffusion jobs on Celery, Redis, Postgres and S3.
+
+    With no settings, everything runs here, in this process: SQLite and a store folder
+    under ./sdq-data, no broker or worker (`sdq run`). Set the variables below to share
+    a deployment with workers on other machines (`sdq submit`, `sdq worker`).
+    """
     quiet_libraries()
+    show_library_output(verbose)
     try:
         settings = Settings.from_env()
     except ValueError as error:

@@ -41,9 +41,21 @@ from sdq.workers.app import SdqCelery
 )
 @click.option("--url-col", default="url", show_default=True, help="The column of image URLs.")
 @click.option("--caption-col", default="caption", show_default=True, help="The captions.")
-@click.option("--resolution", default=256, show_default=True, type=click.IntRange(min=8))
 @click.option(
-    "--resize-mode", type=click.Choice(RESIZE_MODES), default="center_crop", show_default=True
+    "--resolution",
+    default=256,
+    show_default=True,
+    type=click.IntRange(min=8),
+    help="Side of the images kept, in pixels.",
+)
+@click.option(
+    "--resize-mode",
+    type=click.Choice(RESIZE_MODES),
+    default="center_crop",
+    show_default=True,
+    help="center_crop: the centre square; border: the whole "
+    "image, padded to a square; keep_ratio: the shorter side at --resolution; "
+    "no: as downloaded.",
 )
 @click.option(
     "--format",
@@ -53,7 +65,13 @@ from sdq.workers.app import SdqCelery
     show_default=True,
     help="How the images are stored in the shards.",
 )
-@click.option("--quality", default=95, show_default=True, type=click.IntRange(1, 100))
+@click.option(
+    "--quality",
+    default=95,
+    show_default=True,
+    type=click.IntRange(1, 100),
+    help="JPEG or WebP quality of the stored images.",
+)
 @click.option(
     "--rows-per-shard",
     default=1000,

@@ -35,7 +35,13 @@ from sdq.workers.app import SdqCelery
     type=click.IntRange(min=VAE_SCALE),
     help="Images are center-cropped to this square; a multiple of 8.",
 )
-@click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--batch-size",
+    default=32,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Images per VAE call.",
+)
 @click.option("--wait", is_flag=True, help="Show progress until every shard is encoded.")
 @json_option
 @pass_app

@@ -66,6 +66,20 @@ def _validated(parse):
     return callback
 
 
+# \b keeps Click from re-wrapping the table.
+PROMPT_FILE_HELP = """\b
+PROMPTS is a CSV file with a header row. Its columns (only prompt is required):
+  prompt           the text to render
+  negative_prompt  what to steer away from
+  seed             the row's first image's seed; its n images take seed, seed+1, ...
+  steps, guidance  denoising steps and classifier-free guidance
+  width, height    multiples of 8
+  n                images of this row (per style)
+  style            this row's style, instead of crossing it with --styles
+A value in a row wins over the flag of the same name.
+"""
+
+
 def generation_options(command):
     options = [
         click.argument("prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path)),
@@ -182,7 +196,7 @@ def prepare(app: SdqCelery, request: Request) -> Submission:
         exit_bad_input(problems)
 
 
-@click.command()
+@click.command(epilog=PROMPT_FILE_HELP)
 @generation_options
 @click.option("--wait", is_flag=True, help="Show progress until the run finishes.")
 @pass_app
@@ -200,7 +214,7 @@ def submit(app: SdqCelery, as_json: bool, wait: bool, **options: Any) -> None:
     _report_run(app, submission.run_id, as_json)
 
 
-@click.command()
+@click.command(epilog=PROMPT_FILE_HELP)
 @generation_options
 @pass_app
 def run(app: SdqCelery, as_json: bool, **options: Any) -> None:
@@ -287,7 +301,8 @@ def gallery(app: SdqCelery, run_id: int, output: Path | None, as_json: bool) -> 
 
 @click.command()
 @click.argument("job")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="The file to write the PNG to.")  # fmt: skip
 @json_option
 @pass_app
 def get(app: SdqCelery, job: str, output: Path, as_json: bool) -> None:
@@ -336,8 +351,12 @@ def export(app: SdqCelery, run_id: int, folder: Path, format_: str, as_json: boo
 @click.option("--style", help="Text the style contains.")
 @click.option("--model", help="Model name, exactly.")
 @click.option("--run", "run_id", type=int, help="Only jobs of this run.")
-@click.option("--status", type=click.Choice([status.value for status in JobStatus]))
-@click.option("--limit", default=50, show_default=True)
+@click.option(
+    "--status",
+    type=click.Choice([status.value for status in JobStatus]),
+    help="Only jobs in this status.",
+)
+@click.option("--limit", default=50, show_default=True, help="At most this many, newest first.")
 @json_option
 @pass_app
 def find(app: SdqCelery, as_json: bool, **filters: Any) -> None:

@@ -46,11 +46,35 @@ def train() -> None:
 @train.command()
 @click.argument("name")
 @click.option("--base", required=True, help="The model to start from: any --model source.")
-@click.option("--resolution", default=256, show_default=True, type=click.IntRange(min=8))
-@click.option("--steps", required=True, type=click.IntRange(min=1))
-@click.option("--batch-size", default=8, show_default=True, type=click.IntRange(min=1))
-@click.option("--lr", default=1e-4, show_default=True, type=click.FloatRange(min=0))
-@click.option("--lr-warmup", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option(
+    "--resolution",
+    default=256,
+    show_default=True,
+    type=click.IntRange(min=8),
+    help="Train on the dataset's latents encoded at this resolution.",
+)
+@click.option("--steps", required=True, type=click.IntRange(min=1), help="Optimizer steps.")
+@click.option(
+    "--batch-size",
+    default=8,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Samples per optimizer step.",
+)
+@click.option(
+    "--lr",
+    default=1e-4,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="AdamW learning rate, after warmup.",
+)
+@click.option(
+    "--lr-warmup",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Steps of linear warmup from 0 to --lr.",
+)
 @click.option(
     "--checkpoint-every",
     default=100,
@@ -60,11 +84,25 @@ def train() -> None:
 )
 @click.option("--ema", default=0.9999, show_default=True, help="EMA decay; 0 keeps none.")
 @click.option("--min-snr", default=5.0, show_default=True, help="Min-SNR gamma; 0 for plain MSE.")
-@click.option("--seed", default=0, show_default=True, type=int)
 @click.option(
-    "--mixed-precision", type=click.Choice(MIXED_PRECISION), default="no", show_default=True
+    "--seed",
+    default=0,
+    show_default=True,
+    type=int,
+    help="Decides the data order and the noise: a rerun makes the same model.",
 )
-@click.option("--gradient-checkpointing", is_flag=True)
+@click.option(
+    "--mixed-precision",
+    type=click.Choice(MIXED_PRECISION),
+    default="no",
+    show_default=True,
+    help="Autocast on the GPU (fp16 with a gradient scaler).",
+)
+@click.option(
+    "--gradient-checkpointing",
+    is_flag=True,
+    help="Recompute activations in the backward pass: less memory, more time.",
+)
 @click.option("--compile", "compile_", is_flag=True, help="torch.compile the U-Net.")
 @click.option(
     "--validation-prompts",

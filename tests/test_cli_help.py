@@ -1,0 +1,60 @@
+"""Help that stands on its own: every command and option says what it does, the prompt file's
+columns and the settings are in the help, and every command that reports has --json."""
+
+from collections.abc import Iterator
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from sdq.producer.cli.main import main
+from sdq.producer.generate.prompts import COLUMNS
+
+# Commands that start a long-running service report nothing to parse.
+SERVICES = {"sdq worker gpu", "sdq worker cpu", "sdq beat", "sdq flower", "sdq metrics"}
+
+
+def commands(
+    command: click.Command = main, path: str = "sdq"
+) -> Iterator[tuple[str, click.Command]]:
+    yield path, command
+    if isinstance(command, click.Group):
+        for name, sub in command.commands.items():
+            yield from commands(sub, f"{path} {name}")
+
+
+def test_every_command_and_option_has_help() -> None:
+    missing = [
+        f"{path} {' '.join(param.opts) if isinstance(param, click.Option) else ''}".strip()
+        for path, command in commands()
+        for param in [None, *command.params]
+        if (param is None and not command.help)
+        or (isinstance(param, click.Option) and not param.help)
+    ]
+    assert missing == []
+
+
+def test_every_command_that_reports_speaks_json() -> None:
+    leaves = {path: command for path, command in commands() if not isinstance(command, click.Group)}
+    without = [
+        path
+        for path, command in leaves.items()
+        if not any("--json" in getattr(param, "opts", ()) for param in command.params)
+    ]
+    assert sorted(without) == sorted(SERVICES)
+
+
+@pytest.mark.parametrize("command", ["run", "submit"])
+def test_the_prompt_file_columns_are_in_the_help(command: str) -> None:
+    shown = CliRunner().invoke(main, [command, "--help"])
+    assert shown.exit_code == 0
+    for column in COLUMNS:
+        assert column in shown.output
+
+
+def test_the_top_level_help_names_the_settings_and_the_embedded_default() -> None:
+    shown = CliRunner().invoke(main, ["--help"])
+    assert shown.exit_code == 0
+    for name in ("SDQ_DATABASE_URL", "SDQ_BROKER_URL", "SDQ_STORE_URL", "SDQ_HOME"):
+        assert name in shown.output
+    assert "./sdq-data" in shown.output and "no broker or worker" in shown.output
