@@ -1,0 +1,202 @@
+"""The deployment files run as written: ops/compose.yaml passes `docker compose config`,
+ops/Dockerfile copies what the package needs, ops/k8s/ passes the Kubernetes schemas (KEDA's
+ScaledObject: the keys its CRD requires), and every command they start is one sdq has."""
+
+import os
+import shlex
+import subprocess
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from sdq.models.jobs.kinds import POOL_QUEUES, Pool
+from sdq.producer.cli.main import main
+from tests.conftest import ROOT
+
+OPS = ROOT / "ops"
+KUBERNETES_VERSION = "1.30"
+SETTINGS_SOURCE = (ROOT / "models/settings.py").read_text()
+
+# The part of KEDA's ScaledObject CRD that sdq relies on (keda.sh/v1alpha1).
+SCALED_OBJECT = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "keda.sh/v1alpha1"},
+        "kind": {"const": "ScaledObject"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {
+            "type": "object",
+            "required": ["scaleTargetRef", "triggers"],
+            "additionalProperties": False,
+            "properties": {
+                "scaleTargetRef": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {"name": {"type": "string"}},
+                },
+                "minReplicaCount": {"type": "integer", "minimum": 0},
+                "maxReplicaCount": {"type": "integer", "minimum": 1},
+                "cooldownPeriod": {"type": "integer", "minimum": 0},
+                "pollingInterval": {"type": "integer", "minimum": 1},
+                "triggers": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "metadata"],
+                        "properties": {
+                            "type": {"const": "redis"},
+                            "metadata": {
+                                "type": "object",
+                                "required": ["listName", "listLength"],
+                                "properties": {
+                                    "address": {"type": "string"},
+                                    "listName": {"type": "string"},
+                                    # KEDA reads trigger metadata as strings.
+                                    "listLength": {"type": "string", "pattern": "^[0-9]+$"},
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def assert_sdq_command(args: list[str]) -> None:
+    """What a container runs is a command sdq has, with options it takes."""
+    shown = CliRunner().invoke(main, [*args, "--help"])
+    assert shown.exit_code == 0, f"sdq {shlex.join(args)}: {shown.output}"
+
+
+def assert_known_settings(names: list[str]) -> None:
+    unknown = [name for name in names if name.startswith("SDQ_") and name not in SETTINGS_SOURCE]
+    assert unknown == []
+
+
+def compose_config(**env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["docker-compose", "-f", str(OPS / "compose.yaml"), "config"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_compose_is_a_whole_deployment_from_one_image() -> None:
+    checked = compose_config(FLOWER_BASIC_AUTH="ops:secret")
+    assert checked.returncode == 0, checked.stderr
+    services = yaml.safe_load(checked.stdout)["services"]
+    assert set(services) >= {"postgres", "redis", "minio", "worker-cpu", "worker-gpu", "beat",
+                             "flower", "metrics", "migrate"}  # fmt: skip
+    ours = {
+        name: service for name, service in services.items() if service.get("image") == "sdq:latest"
+    }
+    assert {service["build"]["dockerfile"] for service in ours.values()} == {"ops/Dockerfile"}
+    for service in ours.values():
+        entrypoint = service.get("entrypoint", ["sdq"])
+        assert entrypoint[0] == "sdq"
+        assert_sdq_command([*entrypoint[1:], *service.get("command", [])])
+        assert_known_settings(list(service["environment"]))
+    assert ours["flower"]["environment"]["FLOWER_BASIC_AUTH"] == "ops:secret"
+    [gpus] = services["worker-gpu"]["deploy"]["resources"]["reservations"]["devices"]
+    assert gpus["driver"] == "nvidia" and "gpu" in gpus["capabilities"]
+    # Everything of sdq's waits for the schema; the schema waits for Postgres.
+    assert all("migrate" in service["depends_on"] for name, service in ours.items()
+               if name != "migrate")  # fmt: skip
+    assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+
+
+def test_compose_refuses_to_start_flower_without_credentials() -> None:
+    env = {key: value for key, value in os.environ.items() if key != "FLOWER_BASIC_AUTH"}
+    checked = subprocess.run(
+        ["docker-compose", "-f", str(OPS / "compose.yaml"), "config"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert checked.returncode != 0 and "FLOWER_BASIC_AUTH" in checked.stderr
+
+
+def test_the_image_holds_every_package_folder() -> None:
+    lines = (OPS / "Dockerfile").read_text().splitlines()
+    copied = {line.split()[1] for line in lines if line.startswith("COPY ")}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    folders = set(project["tool"]["setuptools"]["package-dir"].values())
+    assert folders <= copied and {"pyproject.toml"} <= copied
+    assert all((ROOT / path).exists() for path in copied)
+    allowed = (OPS / "Dockerfile.dockerignore").read_text().split()
+    assert all(f"!{path}" in allowed for path in copied)
+    assert 'ENTRYPOINT ["sdq"]' in lines
+
+
+def manifests() -> list[tuple[Path, dict[str, Any]]]:
+    return [
+        (path, document)
+        for path in sorted((OPS / "k8s").glob("*.yaml"))
+        for document in yaml.safe_load_all(path.read_text())
+        if document
+    ]
+
+
+@pytest.mark.parametrize(
+    "path, document", manifests(), ids=lambda value: getattr(value, "name", "")
+)
+def test_kubernetes_manifests_pass_their_schemas(path: Path, document: dict[str, Any]) -> None:
+    if document["kind"] == "ScaledObject":
+        jsonschema.validate(document, SCALED_OBJECT)
+    else:
+        kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_kubernetes_deployment_hangs_together() -> None:
+    documents = [document for _, document in manifests()]
+    by_kind: dict[str, dict[str, dict[str, Any]]] = {}
+    for document in documents:
+        by_kind.setdefault(document["kind"], {})[document["metadata"]["name"]] = document
+    deployments = by_kind["Deployment"]
+    assert set(deployments) == {"sdq-worker-gpu", "sdq-worker-cpu", "sdq-beat", "sdq-flower",
+                                "sdq-metrics"}  # fmt: skip
+    assert deployments["sdq-beat"]["spec"]["replicas"] == 1
+    gpu = deployments["sdq-worker-gpu"]["spec"]["template"]["spec"]["containers"][0]
+    assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 1
+    settings = by_kind["ConfigMap"]["sdq-settings"]["data"]
+    assert_known_settings(list(settings) + list(by_kind["Secret"]["sdq-secrets"]["stringData"]))
+    for workload in [*deployments.values(), *by_kind["Job"].values()]:
+        for container in workload["spec"]["template"]["spec"]["containers"]:
+            assert_sdq_command(container["args"])
+            sources = {next(iter(ref.values()))["name"] for ref in container["envFrom"]}
+            assert sources == {"sdq-settings", "sdq-secrets"}
+    # Each pool scales on exactly the queues it consumes.
+    scaled = {
+        document["spec"]["scaleTargetRef"]["name"]: {
+            trigger["metadata"]["listName"] for trigger in document["spec"]["triggers"]
+        }
+        for document in by_kind["ScaledObject"].values()
+    }
+    assert scaled == {
+        "sdq-worker-gpu": set(POOL_QUEUES[Pool.gpu]),
+        "sdq-worker-cpu": set(POOL_QUEUES[Pool.cpu]) - {"maintenance"},
+    }
+    # The CPU pool also serves beat's maintenance queue: never scaled to nothing.
+    cpu = next(d for d in by_kind["ScaledObject"].values()
+               if d["spec"]["scaleTargetRef"]["name"] == "sdq-worker-cpu")  # fmt: skip
+    assert cpu["spec"]["minReplicaCount"] >= 1
+
+
+def test_systemd_units_run_sdq_commands_beat_included() -> None:
+    units = sorted((OPS / "systemd").glob("*.service"))
+    assert {unit.stem for unit in units} >= {"sdq-worker-gpu", "sdq-worker-cpu", "sdq-beat"}
+    for unit in units:
+        [start] = [line for line in unit.read_text().splitlines() if line.startswith("ExecStart=")]
+        program, *args = shlex.split(start.removeprefix("ExecStart="))
+        assert program.endswith("/sdq")
+        assert_sdq_command(args)
