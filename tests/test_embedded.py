@@ -13,6 +13,7 @@ from pathlib import Path
 
 from PIL import Image
 
+from tests.browser import chromium, open_page, texts
 from tests.conftest import ROOT, sdq_json
 from tests.services import clean_env, wait_for
 
@@ -89,6 +90,19 @@ def test_run_does_the_whole_job_in_one_process(tmp_path: Path) -> None:
     assert sorted(map(int, re.findall(r"<figcaption>seed (\d+)</figcaption>", page))) == sorted(
         job["seed"] for job in status["jobs"]
     )
+    # As a person sees it: every image shown, rows and columns labelled.
+    style_names = [
+        line
+        for line in (tmp_path / "examples/styles.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    with chromium() as browser:
+        assert open_page(browser, gallery, tmp_path / "gallery.png") == [True] * status["total"]
+        assert texts(browser, "thead th") == ["prompt", *style_names]
+        assert [label.splitlines()[0] for label in texts(browser, "th.row")] == [
+            html.unescape(text) for text, _ in rows
+        ]
+    assert Image.open(tmp_path / "gallery.png").size[0] > 0
 
     again = sdq_run(
         tmp_path, "examples/subjects.csv", "--styles", "examples/styles.txt", "--steps", "4"
@@ -116,6 +130,9 @@ def test_run_does_the_whole_job_in_one_process(tmp_path: Path) -> None:
     assert sorted((tmp_path / "copy" / source).read_bytes() for source in sources) == sorted(
         image.read_bytes() for image in images
     )
+    with chromium() as browser:
+        shown = open_page(browser, tmp_path / "copy/gallery.html", tmp_path / "copy.png")
+    assert shown == [True] * status["total"]
 
 
 def test_commands_that_send_refuse_without_a_broker(tmp_path: Path) -> None:

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from selenium.webdriver.common.by import By
 
+from tests.browser import chromium, open_page, texts
 from tests.conftest import ROOT, WorkerProcess, sdq_json
 from tests.hostile_server import HostileServer
 from tests.netns_download import DOWNLOAD_ENV
@@ -79,6 +81,11 @@ def test_the_whole_chain_on_one_machine(tmp_path: Path) -> None:
     assert len(images) == len(set(images)) == 4  # 2 checkpoints x 2 prompts, all distinct
     assert all((store / image).is_file() for image in images)
     assert "a blue circle (seed 3)" in page  # no seed given: its line
+    with chromium() as browser:
+        training = store / f"runs/{trained['run_id']}/training.html"
+        assert open_page(browser, training, tmp_path / "training.png") == [True] * 4
+        assert [row.split()[0] for row in texts(browser, "tbody th")] == ["30", "60"]
+        assert browser.find_element(By.TAG_NAME, "polyline").is_displayed()
 
     prompts = tmp_path / "prompts.csv"
     prompts.write_text("prompt,seed\na picture,1\n")
