@@ -1,6 +1,6 @@
 """Prometheus metrics Flower does not have, read from the broker and the database at each
-scrape: queue depths, jobs by kind and status, outputs per second, what each worker holds,
-lease expiries, retries and dead jobs."""
+scrape: queue depths, jobs by kind and status, outputs and images or samples per second,
+what each worker holds (jobs, memory, GPU memory), lease expiries, retries and dead jobs."""
 
 from collections.abc import Iterator
 from datetime import timedelta
@@ -12,9 +12,12 @@ from sdq.models.jobs.lifecycle import utcnow
 from sdq.models.jobs.maintenance import EXPIRED
 from sdq.models.tables import Job, JobEvent, JobStatus
 from sdq.workers.app import SdqCelery
+from sdq.workers.memory import DEVICE_MEMORY_COMMAND
 
 # Outputs per second are counted over this window.
 RATE_WINDOW = timedelta(minutes=5)
+# How long a scrape waits for workers to say what memory they hold.
+REPLY_SECONDS = 1.0
 
 
 class SdqCollector:
@@ -30,8 +33,42 @@ class SdqCollector:
         for queue, messages in self.app.queue_depths().items():
             depth.add_metric([queue], messages)
         yield depth
+        yield from self._memory()
         with self.app.sessions() as session:
             yield from self._jobs(session)
+
+    def _memory(self) -> Iterator[Metric]:
+        """Each live worker's memory, as it answers the device_memory control command."""
+        resident = GaugeMetricFamily(
+            "sdq_worker_memory_bytes",
+            "Resident memory of a worker's processes (main and pool)",
+            labels=["worker"],
+        )
+        gpu = GaugeMetricFamily(
+            "sdq_worker_gpu_memory_bytes",
+            "GPU memory a worker's processes hold, per GPU it serves",
+            labels=["worker", "gpu", "name"],
+        )
+        device = GaugeMetricFamily(
+            "sdq_gpu_memory_used_bytes",
+            "GPU memory in use on the device, by anyone, per GPU a worker serves",
+            labels=["worker", "gpu", "name"],
+        )
+        total = GaugeMetricFamily(
+            "sdq_gpu_memory_total_bytes", "GPU memory in all", labels=["worker", "gpu", "name"]
+        )
+        replies = self.app.control.broadcast(
+            DEVICE_MEMORY_COMMAND, reply=True, timeout=REPLY_SECONDS
+        )
+        for reply in replies:
+            for worker, answer in reply.items():
+                resident.add_metric([worker], answer["rss_bytes"])
+                for card in answer["gpus"]:
+                    labels = [worker, card["gpu"], card["name"]]
+                    gpu.add_metric(labels, card["used_by_worker_bytes"])
+                    device.add_metric(labels, card["used_bytes"])
+                    total.add_metric(labels, card["total_bytes"])
+        yield from (resident, gpu, device, total)
 
     def _jobs(self, session) -> Iterator[Metric]:
         jobs = GaugeMetricFamily("sdq_jobs", "Jobs by kind and status", labels=["kind", "status"])
@@ -54,6 +91,20 @@ class SdqCollector:
         ):
             rate.add_metric([kind], count / RATE_WINDOW.total_seconds())
         yield rate
+
+        made = GaugeMetricFamily(
+            "sdq_units_per_second",
+            f"Images (generate) or samples (download, encode, train) made per second over "
+            f"{RATE_WINDOW}",
+            labels=["kind"],
+        )
+        for kind, units in session.execute(
+            select(Job.kind, func.sum(Job.units))
+            .where(Job.status == JobStatus.succeeded, ~Job.cached, Job.finished_at >= since)
+            .group_by(Job.kind)
+        ):
+            made.add_metric([kind], (units or 0) / RATE_WINDOW.total_seconds())
+        yield made
 
         held = GaugeMetricFamily(
             "sdq_worker_running_jobs", "Jobs each worker holds now", labels=["worker", "device"]

@@ -87,6 +87,29 @@ def test_every_readme_question_is_answered(rendered_run: dict, service_env: dict
     assert {"prompt": "sql lighthouse", "images": 5} in most
 
 
+def test_the_dashboard_queries_read_the_rollups(
+    rendered_run: dict, service_env: dict[str, str]
+) -> None:
+    """The Grafana dashboard's Postgres panels, run as Grafana would, once beat has rolled
+    the run up (here: the rollup step itself, as beat's task calls it)."""
+    from sdq.models.db import make_engine, session_factory
+    from sdq.models.rollups import roll_up
+
+    roll_up(session_factory(make_engine(service_env["SDQ_DATABASE_URL"])))
+    dashboard = json.loads((ROOT / "ops/grafana/sdq.json").read_text())
+    queries = [target["rawSql"] for panel in dashboard["panels"]
+               for target in panel["targets"] if "rawSql" in target]  # fmt: skip
+    assert queries
+    for query in queries:
+        result = sql(service_env, query, "--json")
+        assert result.returncode == 0, f"{query}\n{result.stderr}"
+        rows = json.loads(result.stdout)
+        assert (
+            sum(row["made"] for row in rows if row.get("kind", row.get("metric")) == "generate")
+            >= 6
+        )
+
+
 def test_embedded_history_is_sql_too(tmp_path: Path) -> None:
     env = {**clean_env(), "SDQ_HOME": str(tmp_path / "home")}
     prompts = write(tmp_path / "p.csv", "prompt,seed\nembedded sql,1\n")

@@ -3,6 +3,7 @@ its credentials, the workers and their queues listed, Prometheus metrics served.
 
 import base64
 import json
+import re
 import subprocess
 import sys
 import urllib.error
@@ -117,3 +118,24 @@ def test_sdq_metrics_serves_what_flower_does_not(
     succeeded = (("kind", "generate"), ("status", "succeeded"))
     assert samples[("sdq_jobs", succeeded)] >= 1
     assert samples[("sdq_outputs_per_second", (("kind", "generate"),))] > 0
+    assert samples[("sdq_units_per_second", (("kind", "generate"),))] > 0
+    # The worker said what its processes hold (a machine without a GPU: no GPU figures).
+    memory = {dict(labels)["worker"]: value for (name, labels), value in samples.items()
+              if name == "sdq_worker_memory_bytes"}  # fmt: skip
+    assert any(worker.startswith("cpu-render@") for worker in memory), memory  # no GPU here
+    assert all(value > 50 * 2**20 for value in memory.values())
+    assert not [name for name, _ in samples if name == "sdq_worker_gpu_memory_bytes"]
+
+    # Every metric the Grafana dashboard plots is one sdq serves.
+    dashboard = json.loads((ROOT / "ops/grafana/sdq.json").read_text())
+    plotted = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel.get("targets", [])
+        for name in re.findall(r"\b(sdq_[a-z_]+)", target.get("expr", ""))
+    }
+    # A counter's samples are named <family>_total (and none is listed while it is empty).
+    served = {family.name for family in families} | {
+        f"{family.name}_total" for family in families if family.type == "counter"
+    }
+    assert plotted and plotted <= served, plotted - served
