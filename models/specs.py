@@ -11,6 +11,19 @@ AUTO_DTYPE = "auto"
 DTYPES = ("float16", "bfloat16", "float32", AUTO_DTYPE)
 SPEC_VERSION = 1
 
+# The sampler names common Stable Diffusion tools print in their `parameters` text.
+SAMPLER_NAMES = {
+    "EulerDiscreteScheduler": "Euler",
+    "EulerAncestralDiscreteScheduler": "Euler a",
+    "DPMSolverMultistepScheduler": "DPM++ 2M",
+    "DDIMScheduler": "DDIM",
+    "PNDMScheduler": "PLMS",
+    "LMSDiscreteScheduler": "LMS",
+    "HeunDiscreteScheduler": "Heun",
+    "UniPCMultistepScheduler": "UniPC",
+    "DDPMScheduler": "DDPM",
+}
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelIdentity:

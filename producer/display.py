@@ -1,7 +1,6 @@
 """What people see: progress bars while work runs, tables when it is done."""
 
 import json
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -10,6 +9,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+
+from sdq.models.periodic import every
 
 console = Console(stderr=True)
 stdout = Console()
@@ -43,23 +44,16 @@ def following(
     """While the body runs, a thread polls `finished()` and draws it against `total` (if
     `show`): the bar moves as work is recorded, whoever does it, with a time left estimated
     from the first progress on."""
-    stop = threading.Event()
     with progress() as bar:
         bar.disable = not show
         task = bar.add_task(title, total=total)
 
         def poll() -> None:
-            while not stop.wait(poll_seconds):
-                bar.update(task, completed=finished())
+            bar.update(task, completed=finished())
 
-        thread = threading.Thread(target=poll, name="sdq-progress", daemon=True)
-        thread.start()
-        try:
+        with every(poll_seconds, poll, name="sdq-progress"):
             yield
-        finally:
-            stop.set()
-            thread.join()
-        bar.update(task, completed=finished())
+        poll()
 
 
 def watch(

@@ -13,8 +13,9 @@ import psycopg
 import pytest
 import redis
 
+from sdq.models.galleries import gallery_key
 from sdq.models.jobs.maintenance import EXPIRED
-from tests.conftest import BeatProcess, WorkerProcess, sdq_json, wait_for_run, write
+from tests.conftest import BUCKET, BeatProcess, WorkerProcess, sdq_json, wait_for_run, write
 from tests.services import free_port, listening, wait_for
 
 pytestmark = pytest.mark.timeout(400)
@@ -52,8 +53,17 @@ def stop(processes: list[WorkerProcess]) -> None:
         process.stop()
 
 
+def gallery_page(s3_client, run_id: int) -> str:
+    """The run's gallery as the deployment's store (s3://BUCKET/deployment) holds it."""
+    try:
+        page = s3_client.get_object(Bucket=BUCKET, Key=f"deployment/{gallery_key(run_id)}")
+    except s3_client.exceptions.NoSuchKey:
+        return ""
+    return page["Body"].read().decode()
+
+
 def test_jobs_the_broker_lost_are_sent_again_by_two_beats_and_done_once(
-    heal_env: dict[str, str], tmp_path: Path
+    heal_env: dict[str, str], s3_client, tmp_path: Path
 ) -> None:
     database_url = heal_env["SDQ_DATABASE_URL"]
     run_id = sdq_json(heal_env, "submit", str(prompts(tmp_path, 200, "lost")), "--steps", "1")[
@@ -69,6 +79,9 @@ def test_jobs_the_broker_lost_are_sent_again_by_two_beats_and_done_once(
     )
     try:
         assert wait_for_run(database_url, run_id) == {"succeeded": 200}
+        # The run finisher writes the finished run's gallery: nobody asked for it.
+        wait_for(lambda: "lost 199" in gallery_page(s3_client, run_id),
+                 what="the run's gallery", timeout=60)  # fmt: skip
     finally:
         stop(processes)
     history = events(database_url, run_id)

@@ -6,8 +6,9 @@ from typing import Any
 
 from celery import shared_task
 
-from sdq.models import rollups
+from sdq.models import galleries, rollups
 from sdq.models.jobs import maintenance
+from sdq.models.jobs.lifecycle import utcnow
 from sdq.workers.app import MAINTENANCE_TASKS, SdqCelery
 
 SWEEP_LEASES, RELAY, FINISH_RUNS, ROLL_UP = MAINTENANCE_TASKS
@@ -34,7 +35,16 @@ def relay(self) -> dict[str, Any]:
 
 @shared_task(bind=True, name=FINISH_RUNS)
 def finish_runs(self) -> dict[str, Any]:
-    return ticked(self, {"closed": maintenance.finish_runs(self.app.sessions)})
+    """Closes finished runs, then writes the gallery of every generation run that finished
+    since this task last ran (or in the last hour, the first time): a run submitted without
+    --wait has its page without anyone asking. A tick that fails is covered by the next."""
+    app = self.app
+    last = maintenance.last_tick(app.sessions, self.name)
+    # Back a little from the last tick: a run closed while that tick was writing is not missed.
+    since = last - timedelta(minutes=1) if last else utcnow() - timedelta(hours=1)
+    closed = maintenance.finish_runs(app.sessions)
+    written = galleries.write_finished(app.sessions, app.store, since)
+    return ticked(self, {"closed": closed, "galleries": written})
 
 
 @shared_task(bind=True, name=ROLL_UP)

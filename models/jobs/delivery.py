@@ -9,7 +9,6 @@
 A kind supplies only its `Work`; the Celery task that calls `deliver` is a few lines.
 """
 
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -29,6 +28,7 @@ from sdq.models.jobs.lifecycle import (
     stored_outputs,
     succeed,
 )
+from sdq.models.periodic import every
 from sdq.models.settings import JobSettings
 from sdq.models.store import StoreUnavailable
 from sdq.models.tables import Job
@@ -177,17 +177,10 @@ def keep_leases(
     settings: JobSettings,
 ) -> Iterator[None]:
     """Renews the leases while the work runs, so only a dead worker's jobs ever expire."""
-    stop = threading.Event()
 
-    def heartbeat() -> None:
-        while not stop.wait(settings.lease_seconds / 3):
-            with sessions.begin() as session:
-                extend_leases(session, job_ids, worker=worker, lease_seconds=settings.lease_seconds)
+    def renew() -> None:
+        with sessions.begin() as session:
+            extend_leases(session, job_ids, worker=worker, lease_seconds=settings.lease_seconds)
 
-    thread = threading.Thread(target=heartbeat, name="sdq-lease", daemon=True)
-    thread.start()
-    try:
+    with every(settings.lease_seconds / 3, renew, name="sdq-lease"):
         yield
-    finally:
-        stop.set()
-        thread.join()

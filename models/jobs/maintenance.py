@@ -11,7 +11,7 @@ for, and a job sent twice is claimed once.
 from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from enum import IntEnum
 from typing import Any
 
@@ -22,6 +22,7 @@ from sdq.models.db import chunked, upsert
 from sdq.models.jobs.kinds import KINDS, kind_named
 from sdq.models.jobs.lifecycle import (
     abandoned_at,
+    as_utc,
     bury_exhausted,
     close_runs,
     mark_resent,
@@ -65,6 +66,13 @@ def record_tick(sessions: sessionmaker[Session], task: str, result: dict[str, An
                 index_elements=["task"], set_={"at": now, "result": result}
             )
         )
+
+
+def last_tick(sessions: sessionmaker[Session], task: str) -> datetime | None:
+    """When the periodic task last ran to its end, or None if it never has."""
+    with sessions() as session:
+        at = session.scalar(select(MaintenanceTick.at).where(MaintenanceTick.task == task))
+    return as_utc(at) if at else None
 
 
 def holds_lock(session: Session, lock: Lock) -> bool:

@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from sdq.models import galleries
 from sdq.models.registry import ModelNotFound, resolve_model
 from sdq.models.specs import DTYPES
 from sdq.models.store import StoreError
@@ -28,13 +29,7 @@ from sdq.producer.cli.common import (
 )
 from sdq.producer.generate import lookups as generate_lookups
 from sdq.producer.generate.export import FORMATS, export_run
-from sdq.producer.generate.gallery import (
-    LINK_SECONDS,
-    copy_gallery,
-    gallery_html,
-    gallery_key,
-    store_image_link,
-)
+from sdq.producer.generate.gallery import copy_gallery
 from sdq.producer.generate.plan import DEFAULT_TEMPLATE, Defaults, plan_jobs
 from sdq.producer.generate.prompts import (
     InvalidInput,
@@ -259,14 +254,9 @@ def _report_run(app: SdqCelery, run_id: int, as_json: bool) -> None:
 
 
 def write_gallery(app: SdqCelery, run_id: int) -> dict[str, str]:
-    """Writes the page next to the run's images in the store; returns where it lies and the
-    link a browser opens it by."""
     with app.sessions() as session, found():
-        jobs = generate_lookups.gallery_jobs(session, run_id)
-    key = gallery_key(run_id)
-    page = gallery_html(run_id, jobs, store_image_link(app.store)).encode()
-    uri = app.store.put_bytes(key, page, content_type="text/html; charset=utf-8")
-    return {"gallery": uri, "gallery_link": app.store.link(key, expires_seconds=LINK_SECONDS)}
+        lookups.get_run(session, run_id)
+    return galleries.write_gallery(app.sessions, app.store, run_id)
 
 
 @click.command()
@@ -286,7 +276,8 @@ def gallery(app: SdqCelery, run_id: int, output: Path | None, as_json: bool) -> 
     try:
         if output:
             with app.sessions() as session, found():
-                jobs = generate_lookups.gallery_jobs(session, run_id)
+                lookups.get_run(session, run_id)
+                jobs = galleries.gallery_jobs(session, run_id)
             page = copy_gallery(app.store, run_id, jobs, output)
             written = {"gallery": str(page), "gallery_link": page.resolve().as_uri()}
         else:

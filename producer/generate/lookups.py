@@ -69,27 +69,6 @@ def job_image_key(session: Session, job_id: int) -> str:
     return image_key(job.spec_hash)
 
 
-def gallery_jobs(session: Session, run_id: int) -> list[dict[str, Any]]:
-    if session.get(Run, run_id) is None:
-        raise NotFound(f"no run {run_id}")
-    query = (
-        select(
-            Generation.source_line,
-            Generation.subject,
-            Generation.style,
-            Generation.prompt,
-            Generation.seed,
-            Job.status,
-            Job.spec_hash,
-            Job.spec,
-        )
-        .join(Generation, Generation.job_id == Job.id)
-        .where(Job.run_id == run_id)
-        .order_by(Job.id)
-    )
-    return _with_status_text(session.execute(query).mappings())
-
-
 def export_rows(session: Session, run_id: int) -> list[dict[str, Any]]:
     """What `sdq export` writes beside each image of a generation run: one row per
     succeeded job, in the run's order."""

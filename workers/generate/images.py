@@ -7,20 +7,7 @@ import json
 from PIL.Image import Image
 from PIL.PngImagePlugin import PngInfo
 
-from sdq.models.specs import GenerationSpec
-
-# The sampler names common Stable Diffusion tools print in their `parameters` text.
-SAMPLER_NAMES = {
-    "EulerDiscreteScheduler": "Euler",
-    "EulerAncestralDiscreteScheduler": "Euler a",
-    "DPMSolverMultistepScheduler": "DPM++ 2M",
-    "DDIMScheduler": "DDIM",
-    "PNDMScheduler": "PLMS",
-    "LMSDiscreteScheduler": "LMS",
-    "HeunDiscreteScheduler": "Heun",
-    "UniPCMultistepScheduler": "UniPC",
-    "DDPMScheduler": "DDPM",
-}
+from sdq.models.specs import SAMPLER_NAMES, GenerationSpec
 
 
 def parameters_text(spec: GenerationSpec) -> str:
