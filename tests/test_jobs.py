@@ -4,6 +4,8 @@ No torch and no broker: the work writes a spec's text to a local store, and the 
 sends into a list. What is checked is what every kind relies on.
 """
 
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -56,6 +58,7 @@ class EchoWork(Work):
                 raise LookupError(f"no such thing as {job.spec['text']!r}")
             if failure == "passing":
                 raise TimeoutError("the work took too long this time")
+            time.sleep(job.spec.get("seconds", 0))
             self.ran.append(job.id)
             data = job.spec["text"].encode()
             uri = self.store.put_bytes(f"echo/{job.spec_hash}", data, content_type="text/plain")
@@ -158,6 +161,32 @@ def test_what_was_stored_before_a_failure_stays_done(sessions, work: EchoWork) -
     outcome = deliver(job_ids, work, sessions=sessions, worker=WORKER, settings=SETTINGS)
     assert (outcome.done, outcome.retry) == ([job_ids[0]], [job_ids[1]])
     assert statuses(sessions, job_ids) == [(JobStatus.succeeded, 1), (JobStatus.failed, 1)]
+
+
+def test_outputs_are_recorded_while_their_message_is_still_at_work(
+    sessions, work: EchoWork
+) -> None:
+    """What progress bars and `sdq status` move by: outputs recorded as they come (a
+    second at most apart), not all at the end of the message."""
+    job_ids = new_run(
+        sessions, *({"text": f"slow {n}", "seconds": 0.5} for n in range(5)), jobs_per_message=5
+    )
+    seen: list[int] = []
+    delivered = threading.Event()
+
+    def watch() -> None:
+        while not delivered.wait(0.1):
+            seen.append([status for status, _ in statuses(sessions, job_ids)].count("succeeded"))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        deliver(job_ids, work, sessions=sessions, worker=WORKER, settings=SETTINGS)
+    finally:
+        delivered.set()
+        watcher.join()
+    assert any(0 < done < 5 for done in seen), seen
+    assert statuses(sessions, job_ids) == [(JobStatus.succeeded, 1)] * 5
 
 
 def test_a_job_another_worker_holds_is_left_to_it_until_its_lease_ends(
