@@ -19,12 +19,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.jobs.kinds import GENERATE
 from sdq.models.specs import SAMPLER_NAMES, image_key
-from sdq.models.store import ObjectStore, S3Store
+from sdq.models.store import LINK_SECONDS, ObjectStore, S3Store
 from sdq.models.tables import Job, Run
 from sdq.models.tables.generate import Generation
-
-# The longest a presigned S3 link can live (SigV4): a gallery stays openable for a week.
-LINK_SECONDS = 7 * 24 * 3600
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>sdq run {run_id}</title>

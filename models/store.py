@@ -16,6 +16,9 @@ from typing import BinaryIO, Protocol
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
+# The longest a presigned S3 link can live (SigV4): pages sdq writes stay openable a week.
+LINK_SECONDS = 7 * 24 * 3600
+
 
 class StoreError(Exception):
     """The store refused for a reason retrying will not fix (no bucket, bad credentials)."""

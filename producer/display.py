@@ -131,6 +131,8 @@ def show_dataset(summary: dict[str, Any]) -> None:
         stdout.print(f"{summary['images_per_second']:.1f} images/s")
     if shards:
         stdout.print(f"shards: {shards[0]['uri'] or '(not yet written)'} ...", soft_wrap=True)
+    if summary.get("page"):
+        stdout.print(f"page: {summary['page']}", soft_wrap=True)
     if summary["latents"]:
         columns = ["model", "resolution", "shards", "samples", "samples_per_second", "prefix"]
         stdout.print(rows_table(summary["latents"], columns, title="latents"))

@@ -52,6 +52,15 @@ def test_the_whole_chain_on_one_machine(tmp_path: Path) -> None:
             env, "download", str(listing), "--dataset", "toy", "--resolution", "64",
             "--rows-per-shard", "8", cwd=tmp_path,
         )  # fmt: skip
+    # The dataset's page: its counts, and its samples embedded, shown by a browser as they are.
+    shown = sdq_json(env, "dataset", "show", "toy", cwd=tmp_path)
+    assert shown["page"].startswith("file://") and shown["by_status"] == {"success": 20}
+    with chromium() as browser:
+        page = Path(shown["page"].removeprefix("file://"))
+        assert open_page(browser, page, tmp_path / "dataset.png") == [True] * 20
+        assert texts(browser, "table.status td") == ["success", "20"]
+        captions = texts(browser, "figcaption")
+    assert len(captions) == 20 and all(": " in caption for caption in captions)
     missing = subprocess.run(
         [sys.executable, "-m", "sdq.producer.cli", "train", "toy", *TRAIN, "--steps", "4"],
         env=env, cwd=tmp_path, capture_output=True, text=True,

@@ -4,8 +4,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import click
+from sqlalchemy.orm import Session
 
 from sdq.models.datasets import IMAGE_FORMATS, RESIZE_MODES, ImageOptions, ListColumns, check_name
+from sdq.models.store import LINK_SECONDS, StoreError
 from sdq.producer import display
 from sdq.producer.cli.common import (
     carry_out,
@@ -19,6 +21,7 @@ from sdq.producer.cli.common import (
 )
 from sdq.producer.download import lookups as dataset_lookups
 from sdq.producer.download.lists import ListError, plan_list
+from sdq.producer.download.page import dataset_html, first_samples, page_key
 from sdq.producer.download.submit import (
     DatasetMismatch,
     DatasetOptions,
@@ -245,9 +248,21 @@ def list_command(app: SdqCelery, as_json: bool) -> None:
 @json_option
 @pass_app
 def show(app: SdqCelery, name: str, as_json: bool) -> None:
-    """Samples by status, failure reasons with counts, shards, bytes, images/s."""
-    with found():
-        report_dataset(app, name, as_json)
+    """Samples by status, failure reasons with counts, shards, bytes, images/s; and the
+    dataset's page, written into the store (datasets/NAME/index.html), with its first
+    samples and their captions."""
+
+    def summary_and_page(session: Session) -> dict[str, Any]:
+        summary = dataset_lookups.dataset_summary(session, name)
+        try:
+            page = dataset_html(summary, first_samples(app.store, summary)).encode()
+            key = page_key(name)
+            app.store.put_bytes(key, page, content_type="text/html; charset=utf-8")
+        except StoreError as error:
+            raise click.ClickException(str(error)) from None
+        return {**summary, "page": app.store.link(key, expires_seconds=LINK_SECONDS)}
+
+    lookup(app, summary_and_page, as_json=as_json, show=display.show_dataset)
 
 
 COMMANDS = (download, dataset)
