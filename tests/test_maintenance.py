@@ -161,3 +161,28 @@ def test_jobs_submitted_while_the_broker_is_down_are_sent_when_it_is_back(
     finally:
         stop(processes)
         redis.Redis(port=port).shutdown(nosave=True)
+
+
+def test_a_task_past_its_time_limit_fails_its_job_and_never_leaves_it_running(
+    own_deployment: dict[str, str], tmp_path: Path
+) -> None:
+    """A render longer than the generate queue's limit (4 s: soft 3 s) is stopped, its job
+    failed with the reason, tried again, and dead once its attempts are used up."""
+    env = {**own_deployment, "SDQ_GENERATE_TASK_TIME_LIMIT": "4", "SDQ_MAX_ATTEMPTS": "2",
+           "SDQ_RETRY_BACKOFF_SECONDS": "1"}  # fmt: skip
+    database_url = env["SDQ_DATABASE_URL"]
+    worker = WorkerProcess(env, tmp_path / "gpu.log").start()
+    try:
+        listing = prompts(tmp_path, 1, "too slow")
+        run_id = sdq_json(env, "submit", str(listing), "--steps", "1000")["run_id"]
+        assert wait_for_run(database_url, run_id) == {"dead": 1}
+    finally:
+        worker.stop()
+    history = [(status, detail) for _, status, detail in events(database_url, run_id)]
+    assert [status for status, _ in history].count("running") == 2  # both attempts ran
+    assert history[-1][0] == "dead"
+    with psycopg.connect(database_url) as connection:
+        attempts, error = connection.execute(
+            "SELECT attempts, error FROM jobs WHERE run_id = %s", (run_id,)
+        ).fetchone()
+    assert attempts == 2 and "SoftTimeLimitExceeded" in error

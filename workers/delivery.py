@@ -1,6 +1,7 @@
 """The Celery side of delivery, written once for every kind: run the work through the
 generic skeleton, then turn its outcome into an acknowledgement or a retry."""
 
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -36,19 +37,24 @@ def backoff(task: Task) -> float:
     )
 
 
-def deliver_task(task: Task, kind: Kind, job_ids: list[int], work: Work) -> dict[str, Any]:
+def deliver_task(
+    task: Task, kind: Kind, job_ids: list[int], make_work: Callable[[], Work]
+) -> dict[str, Any]:
+    """Runs the kind's work on the message's jobs. The work is made here, inside the guard:
+    a failure to set it up (an import cut short by a time limit) is retried like any other."""
     app = task.app
     try:
         outcome = deliver(
             job_ids,
-            work,
+            make_work(),
             sessions=app.sessions,
             worker=worker_identity(kind.pool),
             settings=app.settings.jobs,
         )
     except Exception as error:
-        # The database failed outside the work's own bookkeeping. Send the message again
-        # later: jobs this delivery claimed are taken over once their lease runs out.
+        # The work could not be set up, or the database failed outside the work's own
+        # bookkeeping. Send the message again later: jobs this delivery claimed are taken
+        # over once their lease runs out.
         if task.request.is_eager:
             raise
         raise task.retry(exc=error, countdown=backoff(task)) from error

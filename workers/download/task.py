@@ -15,12 +15,15 @@ from sdq.workers.download.work import DownloadWork
 @shared_task(bind=True, base=JobTask, name=DOWNLOAD.task_name)
 def download(self, job_ids: list[int]) -> dict[str, Any]:
     app = self.app
-    work = DownloadWork(
-        store=app.store,
-        sessions=app.sessions,
-        fetcher=fetcher(app),
-        settings=app.settings.download,
-    )
+
+    def work() -> DownloadWork:
+        return DownloadWork(
+            store=app.store,
+            sessions=app.sessions,
+            fetcher=fetcher(app),
+            settings=app.settings.download,
+        )
+
     return deliver_task(self, DOWNLOAD, job_ids, work)
 
 

@@ -15,9 +15,12 @@ from sdq.workers.weights import ModelFiles
 @shared_task(bind=True, base=JobTask, name=ENCODE.task_name)
 def encode(self, job_ids: list[int], batch_size: int) -> dict[str, Any]:
     app = self.app
-    work = EncodeWork(
-        store=app.store, sessions=app.sessions, encoders=encoders(app), batch_size=batch_size
-    )
+
+    def work() -> EncodeWork:
+        return EncodeWork(
+            store=app.store, sessions=app.sessions, encoders=encoders(app), batch_size=batch_size
+        )
+
     return deliver_task(self, ENCODE, job_ids, work)
 
 

@@ -15,11 +15,14 @@ from sdq.workers.weights import ModelFiles
 @shared_task(bind=True, base=JobTask, name=GENERATE.task_name)
 def generate(self, job_ids: list[int], batch_size: int | None = None) -> dict[str, Any]:
     app = self.app
-    work = GenerateWork(
-        store=app.store,
-        pipelines=pipelines(app),
-        batch_size=batch_size or app.settings.generate.batch_size,
-    )
+
+    def work() -> GenerateWork:
+        return GenerateWork(
+            store=app.store,
+            pipelines=pipelines(app),
+            batch_size=batch_size or app.settings.generate.batch_size,
+        )
+
     return deliver_task(self, GENERATE, job_ids, work)
 
 

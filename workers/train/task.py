@@ -16,14 +16,17 @@ from sdq.workers.weights import ModelFiles
 @shared_task(bind=True, base=JobTask, name=TRAIN.task_name)
 def train(self, job_ids: list[int]) -> dict[str, Any]:
     app = self.app
-    work = TrainWork(
-        store=app.store,
-        sessions=app.sessions,
-        files=ModelFiles(app.store, app.settings.model_cache_dir),
-        live=live_states(),
-        # In-process runs (`sdq train` embedded) go on to the next job by themselves.
-        send_next=(lambda _run: None) if self.request.is_eager else send_next(app),
-    )
+
+    def work() -> TrainWork:
+        return TrainWork(
+            store=app.store,
+            sessions=app.sessions,
+            files=ModelFiles(app.store, app.settings.model_cache_dir),
+            live=live_states(),
+            # In-process runs (`sdq train` embedded) go on to the next job by themselves.
+            send_next=(lambda _run: None) if self.request.is_eager else send_next(app),
+        )
+
     return deliver_task(self, TRAIN, job_ids, work)
 
 
