@@ -77,7 +77,7 @@ def gallery_html(run_id: int, jobs: list[dict[str, Any]], image_link: ImageLink)
 
 
 def describe_settings(specs: list[dict[str, Any]]) -> str:
-    """Model, steps, size, sampler and guidance, each value the run used, in order."""
+    """Model, steps, size, sampler, guidance and dtype: each value the run used, in order."""
 
     def values(describe: Callable[[dict[str, Any]], str]) -> str:
         return " / ".join(dict.fromkeys(describe(spec) for spec in specs))

@@ -109,7 +109,8 @@ def _rollup(
 def _hour(session: Session, moment: Any) -> Any:
     """The hour a timestamp falls in, in the backend's words."""
     if session.get_bind().dialect.name == "postgresql":
-        return func.date_trunc("hour", moment)
+        # In UTC, not the session's time zone, whose hours may start at half past.
+        return func.date_trunc("hour", func.timezone("UTC", moment))
     return func.strftime("%Y-%m-%d %H:00:00", moment)
 
 
