@@ -62,6 +62,8 @@ class SdqCollector:
         )
         for reply in replies:
             for worker, answer in reply.items():
+                if "rss_bytes" not in answer:  # a worker that does not know the command
+                    continue
                 resident.add_metric([worker], answer["rss_bytes"])
                 for card in answer["gpus"]:
                     labels = [worker, card["gpu"], card["name"]]
