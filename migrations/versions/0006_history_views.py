@@ -1,4 +1,5 @@
-"""history views: job_history (a row per job) and run_summary (a row per run)
+"""history views: job_history (a row per job) and run_summary (a row per run); a job's
+setup time and units, a generation's subject
 
 Revision ID: 0006
 Revises: 0005
@@ -7,6 +8,7 @@ Create Date: 2026-11-22 22:50:00
 
 from collections.abc import Sequence
 
+import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0006"
@@ -28,9 +30,9 @@ SELECT j.id AS job_id, j.run_id, j.kind, j.status, j.attempts, j.cached,
        j.worker_host AS worker, j.device,
        j.created_at, j.enqueued_at, j.started_at, j.finished_at,
        {queued_seconds} AS queued_seconds,
-       j.work_seconds,
+       j.setup_seconds, j.work_seconds,
        {total_seconds} AS total_seconds,
-       j.output_uri, j.output_sha256, j.error
+       j.units, j.output_uri, j.output_sha256, j.error
 FROM jobs j
 """
 
@@ -56,6 +58,11 @@ GROUP BY r.id, r.kind, r.source, r.job_count, r.created_at, r.finished_at
 
 
 def upgrade() -> None:
+    # What the history answers "where did the time go" and "what was made" with.
+    op.add_column("jobs", sa.Column("setup_seconds", sa.Double(), nullable=True))
+    op.add_column("jobs", sa.Column("units", sa.Integer(), nullable=True))
+    op.create_index("ix_jobs_finished_at", "jobs", ["finished_at"])
+    op.add_column("generations", sa.Column("subject", sa.Text(), nullable=True))
     seconds = SECONDS[op.get_bind().dialect.name]
     op.execute(
         JOB_HISTORY.format(
@@ -75,3 +82,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.execute("DROP VIEW run_summary")
     op.execute("DROP VIEW job_history")
+    op.drop_column("generations", "subject")
+    op.drop_index("ix_jobs_finished_at", table_name="jobs")
+    op.drop_column("jobs", "units")
+    op.drop_column("jobs", "setup_seconds")
