@@ -32,6 +32,14 @@ def downgrade(engine: Engine, revision: str) -> None:
     run_command(engine, command.downgrade, revision)
 
 
+def ready(engine: Engine) -> bool:
+    """Whether the schema is current, after making it if the database is embedded SQLite
+    (made and migrated on first use; a shared database is migrated on purpose)."""
+    if engine.dialect.name == "sqlite":
+        upgrade(engine)
+    return is_current(engine)
+
+
 def is_current(engine: Engine) -> bool:
     """Whether the database is at the newest migration."""
     from alembic.runtime.migration import MigrationContext

@@ -10,7 +10,7 @@ from typing import Any
 
 from sqlalchemy import func, select
 
-from sdq.migrations import is_current, upgrade
+from sdq.migrations import ready
 from sdq.models.jobs.kinds import QUEUES
 from sdq.models.jobs.lifecycle import as_utc, utcnow
 from sdq.models.tables import MaintenanceTick
@@ -55,9 +55,7 @@ def _run(name: str, probe: Callable[[], str]) -> Check:
 
 
 def _database(app: SdqCelery) -> str:
-    if app.engine.dialect.name == "sqlite":
-        upgrade(app.engine)  # embedded: made and migrated on first use, as by every command
-    if not is_current(app.engine):
+    if not ready(app.engine):
         raise RuntimeError("the schema is not current: run `sdq db upgrade`")
     return f"{app.engine.url.render_as_string()} (schema current)"
 

@@ -85,28 +85,22 @@ class SdqCollector:
             f"Outputs made (not served from cache) per second over {RATE_WINDOW}",
             labels=["kind"],
         )
-        since = utcnow() - RATE_WINDOW
-        for kind, count in session.execute(
-            select(Job.kind, func.count())
-            .where(Job.status == JobStatus.succeeded, ~Job.cached, Job.finished_at >= since)
-            .group_by(Job.kind)
-        ):
-            rate.add_metric([kind], count / RATE_WINDOW.total_seconds())
-        yield rate
-
         made = GaugeMetricFamily(
             "sdq_units_per_second",
             f"Images (generate) or samples (download, encode, train) made per second over "
             f"{RATE_WINDOW}",
             labels=["kind"],
         )
-        for kind, units in session.execute(
-            select(Job.kind, func.sum(Job.units))
+        since = utcnow() - RATE_WINDOW
+        window = RATE_WINDOW.total_seconds()
+        for kind, count, units in session.execute(
+            select(Job.kind, func.count(), func.sum(Job.units))
             .where(Job.status == JobStatus.succeeded, ~Job.cached, Job.finished_at >= since)
             .group_by(Job.kind)
         ):
-            made.add_metric([kind], (units or 0) / RATE_WINDOW.total_seconds())
-        yield made
+            rate.add_metric([kind], count / window)
+            made.add_metric([kind], (units or 0) / window)
+        yield from (rate, made)
 
         held = GaugeMetricFamily(
             "sdq_worker_running_jobs", "Jobs each worker holds now", labels=["worker", "device"]

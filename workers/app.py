@@ -19,16 +19,17 @@ from sdq.models.db import make_engine, session_factory
 from sdq.models.jobs.kinds import KINDS, MAINTENANCE_QUEUE, QUEUES, Kind, Pool
 from sdq.models.jobs.lifecycle import Worker
 from sdq.models.jobs.outbox import Send
-from sdq.models.settings import MaintenanceSettings, Settings
+from sdq.models.settings import Settings
 from sdq.models.store import ObjectStore, open_store
 
-# Beat's periodic tasks (workers/maintenance.py), all on the maintenance queue.
-MAINTENANCE_TASKS = (
-    "sdq.maintenance.sweep_leases",
-    "sdq.maintenance.relay",
-    "sdq.maintenance.finish_runs",
-    "sdq.maintenance.roll_up",
-)
+# Beat's periodic tasks (workers/maintenance.py), all on the maintenance queue, each with
+# the setting (of MaintenanceSettings) that says how often: healing often, rollups less.
+MAINTENANCE_TASKS = {
+    "sdq.maintenance.sweep_leases": "interval_seconds",
+    "sdq.maintenance.relay": "interval_seconds",
+    "sdq.maintenance.finish_runs": "interval_seconds",
+    "sdq.maintenance.roll_up": "rollup_interval_seconds",
+}
 
 
 class SdqCelery(Celery):
@@ -139,20 +140,11 @@ def create_app(settings: Settings) -> SdqCelery:
         beat_schedule={
             name: {
                 "task": name,
-                "schedule": seconds,
+                "schedule": getattr(settings.maintenance, interval),
                 # A tick nobody ran in time is dropped, not piled up behind a stopped pool.
-                "options": {"expires": seconds},
+                "options": {"expires": getattr(settings.maintenance, interval)},
             }
-            for name, seconds in _schedule(settings.maintenance).items()
+            for name, interval in MAINTENANCE_TASKS.items()
         },
     )
     return app
-
-
-def _schedule(settings: MaintenanceSettings) -> dict[str, int]:
-    """Each periodic task and its interval: the healing steps often, the rollups less."""
-    *healing, rollup = MAINTENANCE_TASKS
-    return {
-        **{name: settings.interval_seconds for name in healing},
-        rollup: settings.rollup_interval_seconds,
-    }

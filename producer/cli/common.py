@@ -56,11 +56,9 @@ def table(columns: list[str]) -> Callable[[list[dict[str, Any]]], None]:
 
 def ensure_schema(app: SdqCelery) -> None:
     """Embedded SQLite is created on first use; a shared database is migrated on purpose."""
-    from sdq.migrations import is_current, upgrade
+    from sdq.migrations import ready
 
-    if app.engine.dialect.name == "sqlite":
-        upgrade(app.engine)
-    elif not is_current(app.engine):
+    if not ready(app.engine):
         raise click.ClickException("the database schema is not current: run `sdq db upgrade`")
 
 
