@@ -36,6 +36,7 @@ from sdq.models.settings import JobSettings
 from sdq.models.specs import canonical_sha256
 from sdq.models.store import LocalStore
 from sdq.models.tables import HourlyRollup, Job, JobEvent, JobStatus, Run
+from sdq.producer.lookups import run_status
 
 WORKER = Worker("echo-host:1", "cpu")
 SETTINGS = JobSettings(lease_seconds=60, max_attempts=2)
@@ -167,16 +168,20 @@ def test_outputs_are_recorded_while_their_message_is_still_at_work(
     sessions, work: EchoWork
 ) -> None:
     """What progress bars and `sdq status` move by: outputs recorded as they come (a
-    second at most apart), not all at the end of the message."""
+    second at most apart), not all at the end of the message; with the first ones, the
+    status has a time left."""
     job_ids = new_run(
         sessions, *({"text": f"slow {n}", "seconds": 0.5} for n in range(5)), jobs_per_message=5
     )
-    seen: list[int] = []
+    run_id = run_of(sessions, job_ids[0]).id
+    seen: list[tuple[int, float | None]] = []
     delivered = threading.Event()
 
     def watch() -> None:
         while not delivered.wait(0.1):
-            seen.append([status for status, _ in statuses(sessions, job_ids)].count("succeeded"))
+            with sessions() as session:
+                status = run_status(session, run_id, with_jobs=False)
+            seen.append((status["succeeded"], status["eta_seconds"]))
 
     watcher = threading.Thread(target=watch)
     watcher.start()
@@ -185,7 +190,8 @@ def test_outputs_are_recorded_while_their_message_is_still_at_work(
     finally:
         delivered.set()
         watcher.join()
-    assert any(0 < done < 5 for done in seen), seen
+    midway = [eta for done, eta in seen if 0 < done < 5]
+    assert midway and all(eta and eta > 0 for eta in midway), seen
     assert statuses(sessions, job_ids) == [(JobStatus.succeeded, 1)] * 5
 
 
