@@ -6,8 +6,20 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, TypeVar
 
+import orjson
 from psycopg.types.json import Jsonb
-from sqlalchemy import JSON, Engine, Table, create_engine, event, insert, text
+from sqlalchemy import (
+    JSON,
+    ColumnElement,
+    Engine,
+    Table,
+    any_,
+    create_engine,
+    event,
+    func,
+    insert,
+    text,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
@@ -55,6 +67,17 @@ def chunked(values: Iterable[T], size: int = IN_LIST_LIMIT) -> Iterator[list[T]]
         yield chunk
 
 
+def among_digests(
+    session: Session, column: ColumnElement[Any], digests: list[str]
+) -> ColumnElement[bool]:
+    """`column IN digests`, for up to IN_LIST_LIMIT hex digests. On Postgres they go as one
+    comma-joined text that the server splits (a digest holds no comma): binding 10,000
+    parameters, or an array of 10,000, cost a 100k-job submit half a second and more."""
+    if session.get_bind().dialect.name == "postgresql":
+        return column == any_(func.string_to_array(",".join(digests), ","))
+    return column.in_(digests)
+
+
 def insert_rows(session: Session, table: Table, rows: list[dict[str, Any]]) -> list[int]:
     """Inserts rows and returns their new ids, in order.
 
@@ -98,5 +121,6 @@ def copy_rows(session: Session, table: Table, rows: list[dict[str, Any]]) -> Non
 
 def _copy_value(value: Any, is_json: bool) -> Any:
     if is_json:
-        return Jsonb(value)
+        # orjson: a submit's 100,000 specs in a tenth of the time the json module takes.
+        return Jsonb(value, dumps=orjson.dumps)
     return value.value if isinstance(value, Enum) else value

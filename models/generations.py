@@ -3,6 +3,7 @@ validation renders. Each job is a jobs row (the outbox) and a generations row.""
 
 from dataclasses import dataclass
 from datetime import datetime
+from operator import itemgetter
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -10,8 +11,8 @@ from sqlalchemy.orm import Session
 from sdq.models.db import copy_rows, insert_rows
 from sdq.models.jobs.kinds import GENERATE
 from sdq.models.jobs.lifecycle import stored_outputs
-from sdq.models.jobs.outbox import job_row
-from sdq.models.specs import GenerationSpec
+from sdq.models.jobs.outbox import job_row, record_first_events
+from sdq.models.specs import CanonicalTemplate, GenerationSpec
 from sdq.models.tables import Job
 from sdq.models.tables.generate import Generation
 
@@ -24,12 +25,18 @@ class PlannedJob:
     subject: str  # the row's prompt, before the style was crossed in
 
 
-class BatchKeys(dict[tuple[Any, ...], str]):
-    """Batch keys computed once per distinct setting: most rows of a run share one. The
-    model's revision and scheduler name decide its scheduler config, the key's one
-    unhashable part, so this tuple decides the key."""
+class SharedSettings:
+    """What a run's specs share, worked out once per distinct setting (most rows of a run
+    have one): the batch key, and the spec hash's text around the values that vary from
+    image to image. The model's revision and scheduler name decide its scheduler config,
+    the settings' one unhashable part, so this tuple decides both."""
 
-    def of(self, spec: GenerationSpec) -> str:
+    PER_IMAGE = ("prompt", "negative_prompt", "seed")
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[Any, ...], tuple[str, CanonicalTemplate]] = {}
+
+    def _of(self, spec: GenerationSpec) -> tuple[str, CanonicalTemplate]:
         settings = (
             spec.model_revision,
             spec.model_source,
@@ -40,31 +47,67 @@ class BatchKeys(dict[tuple[Any, ...], str]):
             spec.height,
             spec.dtype,
         )
-        if settings not in self:
-            self[settings] = spec.batch_key()
-        return self[settings]
+        if settings not in self._known:
+            template = CanonicalTemplate(spec.identity(), self.PER_IMAGE)
+            self._known[settings] = (spec.batch_key(), template)
+        return self._known[settings]
+
+    def batch_key(self, spec: GenerationSpec) -> str:
+        return self._of(spec)[0]
+
+    def spec_hash(self, spec: GenerationSpec) -> str:
+        """spec.hash(), without encoding the settings again."""
+        per_image = {"prompt": spec.prompt, "negative_prompt": spec.negative_prompt}
+        return self._of(spec)[1].sha256({**per_image, "seed": spec.seed})
 
 
-def insert_generation_jobs(
-    session: Session, run_id: int, planned: list[PlannedJob], batch_keys: BatchKeys, now: datetime
-) -> int:
-    """Inserts one chunk; returns how many of its jobs were served from the cache."""
+@dataclass(frozen=True)
+class Chunk:
+    """Jobs ready to write, in batch-key order, with their batch keys, spec hashes and
+    specs as stored. Worked out without the database, so a writer can do it while the
+    database takes in the chunk before."""
+
+    jobs: list[PlannedJob]
+    batch_keys: list[str]
+    hashes: list[str]
+    specs: list[dict[str, Any]]
+
+
+def prepare_chunk(planned: list[PlannedJob], settings: SharedSettings) -> Chunk:
     # Messages take jobs in id order: ids in batch-key order make each message's jobs
     # share pipeline calls.
-    keyed = sorted(((batch_keys.of(job.spec), job) for job in planned), key=lambda pair: pair[0])
-    hashes = [job.spec.hash() for _, job in keyed]
-    known = stored_outputs(session, hashes)
+    keyed = sorted(((settings.batch_key(job.spec), job) for job in planned), key=itemgetter(0))
+    jobs = [job for _, job in keyed]
+    return Chunk(
+        jobs=jobs,
+        batch_keys=[key for key, _ in keyed],
+        hashes=[settings.spec_hash(job.spec) for job in jobs],
+        specs=[job.spec.to_dict() for job in jobs],
+    )
+
+
+def insert_generation_jobs(session: Session, run_id: int, chunk: Chunk, now: datetime) -> int:
+    """Inserts one chunk with its first history rows; returns how many of its jobs were
+    served from the cache."""
+    if not chunk.jobs:
+        return 0
+    known = stored_outputs(session, chunk.hashes)
     rows = [
-        job_row(run_id, GENERATE, job.spec.to_dict(), spec_hash, known.get(spec_hash), now)
-        for (_, job), spec_hash in zip(keyed, hashes, strict=True)
+        job_row(run_id, GENERATE, spec, spec_hash, known.get(spec_hash), now)
+        for spec, spec_hash in zip(chunk.specs, chunk.hashes, strict=True)
     ]
     ids = insert_rows(session, Job.__table__, rows)
     copy_rows(
         session,
         Generation.__table__,
-        [_generation_row(job_id, job, key) for job_id, (key, job) in zip(ids, keyed, strict=True)],
+        [
+            _generation_row(job_id, job, key)
+            for job_id, job, key in zip(ids, chunk.jobs, chunk.batch_keys, strict=True)
+        ],
     )
-    return sum(row["cached"] for row in rows)
+    cached = sum(row["cached"] for row in rows)
+    record_first_events(session, run_id, ids, cached=cached, now=now)
+    return cached
 
 
 def _generation_row(job_id: int, job: PlannedJob, batch_key: str) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -65,13 +66,17 @@ class GenerationSpec:
     def from_dict(cls, data: dict[str, Any]) -> "GenerationSpec":
         return cls(**data)
 
-    def hash(self) -> str:
-        # The name and source say where a model was found, not what it is: two names for
-        # one revision render identical images, so only the revision enters the hash.
+    def identity(self) -> dict[str, Any]:
+        """What the hash is taken of. The name and source say where a model was found, not
+        what it is: two names for one revision render identical images, so only the
+        revision is part of it."""
         identity = self.to_dict()
         del identity["model_name"], identity["model_source"]
         identity["version"] = SPEC_VERSION
-        return canonical_sha256(identity)
+        return identity
+
+    def hash(self) -> str:
+        return canonical_sha256(self.identity())
 
     def batch_key(self) -> str:
         """Specs with equal keys can share one pipeline call."""
@@ -104,7 +109,43 @@ def image_key(spec_hash: str) -> str:
     return f"images/{spec_hash}.png"
 
 
+# Canonical JSON: sorted keys, no spaces, UTF-8 text as it is.
+canonical_json = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode
+
+
 def canonical_sha256(value: Any) -> str:
-    """sha256 of a value's canonical JSON: sorted keys, no spaces, UTF-8."""
-    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    """sha256 of a value's canonical JSON."""
+    return _sha256(canonical_json(value))
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class CanonicalTemplate:
+    """canonical_sha256 of many dicts that differ only in a few keys' values, for a submit's
+    100,000 specs that share all but their prompt and seed: the rest is encoded once, and
+    each hash joins that text around the encodings of the values that vary.
+
+    The bytes are canonical_json's: a dict's canonical JSON is its `"key":value` pieces in
+    key order, so a template made from any dict with the same keys, rendered with that
+    dict's varying values, is that dict's canonical JSON (tests/test_plan.py checks it).
+    """
+
+    def __init__(self, example: dict[str, Any], varying: Iterable[str]) -> None:
+        self.varying = sorted(varying)
+        # Literal text before, between and after the varying values.
+        self.texts = ["{"]
+        for position, key in enumerate(sorted(example)):
+            self.texts[-1] += ("," if position else "") + canonical_json(key) + ":"
+            if key in self.varying:
+                self.texts.append("")
+            else:
+                self.texts[-1] += canonical_json(example[key])
+        self.texts[-1] += "}"
+
+    def sha256(self, values: dict[str, Any]) -> str:
+        parts = [self.texts[0]]
+        for key, text in zip(self.varying, self.texts[1:], strict=True):
+            parts += (canonical_json(values[key]), text)
+        return _sha256("".join(parts))

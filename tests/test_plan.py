@@ -2,6 +2,7 @@
 
 from dataclasses import replace
 
+from sdq.models.generations import SharedSettings
 from sdq.models.registry import tiny_identity
 from sdq.models.specs import batches, image_key
 from sdq.producer.generate.plan import Defaults, plan_jobs
@@ -71,6 +72,38 @@ def test_spec_hash_follows_the_revision_not_the_name() -> None:
     ]
     assert len({other.hash() for other in changed} | {spec.hash()}) == len(changed) + 1
     assert image_key(spec.hash()) == f"images/{spec.hash()}.png"
+
+
+def test_shared_settings_hash_each_spec_as_the_spec_itself_does() -> None:
+    # The per-image values that canonical JSON escapes or spells in its own way.
+    prompts = [
+        "plain",
+        'a "quoted" \\ back\nslash',
+        "caf\u00e9 \u732b \U0001f98a",
+        "\x00\x1f\u2028",
+        "",
+    ]
+    negatives = ["", 'blurry, "low" quality', "\t"]
+    seeds = [0, 1, 2**32 - 1]
+    base = list_plan([PromptRow(line=2, prompt="x", seed=1)], model=MODEL, defaults=Defaults())[
+        0
+    ].spec
+    settings_variants = [
+        base,
+        replace(base, steps=9, guidance=0.0, width=128, height=96, dtype="float16"),
+        replace(base, model_revision="f" * 64, scheduler="DDIMScheduler"),
+    ]
+    specs = [
+        replace(variant, prompt=prompt, negative_prompt=negative, seed=seed)
+        for variant in settings_variants
+        for prompt in prompts
+        for negative in negatives
+        for seed in seeds
+    ]
+    settings = SharedSettings()
+    assert [settings.spec_hash(spec) for spec in specs] == [spec.hash() for spec in specs]
+    assert len({spec.hash() for spec in specs}) == len(specs)
+    assert [settings.batch_key(spec) for spec in specs] == [spec.batch_key() for spec in specs]
 
 
 def test_batches_share_one_pipeline_call_setting() -> None:

@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import ColumnElement, Select, and_, func, insert, literal, or_, select, update
 from sqlalchemy.orm import Session, aliased
 
-from sdq.models.db import chunked, insert_rows
+from sdq.models.db import among_digests, chunked, insert_rows
 from sdq.models.settings import JobSettings
 from sdq.models.store import existing
 from sdq.models.tables import CLAIMABLE, FINISHED, Job, JobEvent, JobStatus, Run
@@ -412,7 +412,7 @@ def stored_outputs(session: Session, spec_hashes: Iterable[str]) -> dict[str, tu
     for chunk in chunked(sorted(set(spec_hashes))):
         rows = session.execute(
             select(Job.spec_hash, Job.output_uri, Job.output_sha256).where(
-                Job.spec_hash.in_(chunk), Job.status == JobStatus.succeeded
+                among_digests(session, Job.spec_hash, chunk), Job.status == JobStatus.succeeded
             )
         )
         for spec_hash, uri, digest in rows:

@@ -81,13 +81,21 @@ def job_row(
     }
 
 
-def record_submitted(session: Session, run_id: int, *, cached: int, now: datetime) -> None:
-    """The history's first rows, written by the database for the whole run at once; a run
-    served wholly from the cache is finished as it is written."""
-    of_run = Job.run_id == run_id
-    record_events_of(session, of_run & ~Job.cached, JobStatus.queued, at=now)
+def record_first_events(
+    session: Session, run_id: int, job_ids: list[int], *, cached: int, now: datetime
+) -> None:
+    """The history's first rows for jobs just written, by the database itself: queued, or
+    succeeded from the cache. Written per chunk, so the database works on them while the
+    next chunk is planned."""
+    written = (Job.run_id == run_id) & Job.id.between(min(job_ids), max(job_ids))
+    record_events_of(session, written & ~Job.cached, JobStatus.queued, at=now)
     if cached:
-        record_events_of(session, of_run & Job.cached, JobStatus.succeeded, detail=CACHED, at=now)
+        record_events_of(session, written & Job.cached, JobStatus.succeeded, detail=CACHED, at=now)
+
+
+def record_submitted(session: Session, run_id: int, *, cached: int) -> None:
+    """A run served wholly from the cache is finished as it is written."""
+    if cached:
         close_runs(session, [run_id])
 
 
@@ -102,7 +110,7 @@ def add_jobs(session: Session, run: Run, kind: Kind, specs: Sequence[Spec]) -> i
     now = utcnow()
     hashes = [spec.hash() for spec in specs]
     known = stored_outputs(session, hashes)
-    insert_rows(
+    job_ids = insert_rows(
         session,
         Job.__table__,
         [
@@ -112,9 +120,11 @@ def add_jobs(session: Session, run: Run, kind: Kind, specs: Sequence[Spec]) -> i
     )
     run.job_count = len(specs)
     cached = sum(spec_hash in known for spec_hash in hashes)
-    record_submitted(session, run.id, cached=cached, now=now)
     if not specs:
         close_runs(session, [run.id])  # nothing to do (a retry with nothing failed): done
+        return 0
+    record_first_events(session, run.id, job_ids, cached=cached, now=now)
+    record_submitted(session, run.id, cached=cached)
     return cached
 
 

@@ -6,14 +6,21 @@ whatever the size of the prompt file; a problem anywhere rolls the whole run bac
 bad file writes nothing. The messages are sent after the commit (the outbox).
 """
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.db import chunked
-from sdq.models.generations import BatchKeys, PlannedJob, insert_generation_jobs
+from sdq.models.generations import (
+    Chunk,
+    PlannedJob,
+    SharedSettings,
+    insert_generation_jobs,
+    prepare_chunk,
+)
 from sdq.models.jobs.kinds import GENERATE
 from sdq.models.jobs.lifecycle import utcnow
 from sdq.models.jobs.outbox import record_submitted
@@ -41,6 +48,17 @@ class Submission:
     cached: int
 
 
+def read_ahead(chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+    """The chunks, each next one read, planned and hashed in a thread while the database
+    takes in this one: the two overlap instead of taking turns. An error in the file is
+    raised here, in the writer's transaction, which it rolls back."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sdq-plan") as planner:
+        ahead = planner.submit(next, chunks, None)
+        while chunk := ahead.result():
+            ahead = planner.submit(next, chunks, None)
+            yield chunk
+
+
 def record_run(
     sessions: sessionmaker[Session],
     planned: Iterable[PlannedJob],
@@ -65,10 +83,11 @@ def record_run(
         session.add(run)
         session.flush()
         jobs = cached = 0
-        batch_keys = BatchKeys()
-        for chunk in chunked(planned, CHUNK):
-            jobs += len(chunk)
-            cached += insert_generation_jobs(session, run.id, chunk, batch_keys, now)
+        settings = SharedSettings()
+        chunks = (prepare_chunk(chunk, settings) for chunk in chunked(planned, CHUNK))
+        for chunk in read_ahead(chunks):
+            jobs += len(chunk.jobs)
+            cached += insert_generation_jobs(session, run.id, chunk, now)
         run.job_count = jobs
-        record_submitted(session, run.id, cached=cached, now=now)
+        record_submitted(session, run.id, cached=cached)
     return Submission(run.id, jobs, cached)

@@ -9,7 +9,12 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from sdq.models.db import insert_rows, upsert
-from sdq.models.generations import BatchKeys, PlannedJob, insert_generation_jobs
+from sdq.models.generations import (
+    PlannedJob,
+    SharedSettings,
+    insert_generation_jobs,
+    prepare_chunk,
+)
 from sdq.models.jobs.kinds import GENERATE, TRAIN
 from sdq.models.jobs.lifecycle import record_events, utcnow
 from sdq.models.jobs.outbox import job_row, record_submitted
@@ -128,6 +133,6 @@ def _validation_run(
     session.add(run)
     session.flush()
     now = utcnow()
-    cached = insert_generation_jobs(session, run.id, planned, BatchKeys(), now)
-    record_submitted(session, run.id, cached=cached, now=now)
+    cached = insert_generation_jobs(session, run.id, prepare_chunk(planned, SharedSettings()), now)
+    record_submitted(session, run.id, cached=cached)
     return run.id
