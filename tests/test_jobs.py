@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.migrations import upgrade
 from sdq.models.db import make_engine, session_factory
+from sdq.models.jobs import outbox
 from sdq.models.jobs.delivery import Work, deliver
 from sdq.models.jobs.kinds import GENERATE, Kind
 from sdq.models.jobs.lifecycle import (
@@ -207,30 +208,35 @@ def test_a_job_another_worker_holds_is_left_to_it_until_its_lease_ends(
     assert outcome.held_until is not None
 
 
-def test_the_outbox_sends_after_commit_and_resends_what_the_broker_never_took(sessions) -> None:
+def test_the_outbox_sends_after_commit_and_resends_what_the_broker_never_took(
+    sessions, monkeypatch
+) -> None:
     # As a submit writes them: committed for delivery, messages to follow.
     job_ids = new_run(
         sessions, *({"text": str(n)} for n in range(5)), jobs_per_message=2,
         status=JobStatus.queued,
     )  # fmt: skip
     run_id = run_of(sessions, job_ids[0]).id
+    monkeypatch.setattr(outbox, "PAGE", 4)  # two messages per page
     sent: list[tuple[str, list[int]]] = []
 
-    def broker_down_after_one(kind: Kind, ids: list[int], options: dict[str, Any]) -> None:
+    def broker_down_after_one_page(
+        kind: Kind, messages: list[list[int]], options: dict[str, Any]
+    ) -> None:
         if sent:
             raise ConnectionError("broker went away")
-        sent.append((kind.task_name, ids))
+        sent.extend((kind.task_name, ids) for ids in messages)
 
-    with pytest.raises(EnqueueFailed, match="took 1 messages"):
-        enqueue(sessions, broker_down_after_one, run_id)
-    assert sent == [("sdq.generate", job_ids[:2])]
-    # What the broker did not take goes back to waiting for a send.
-    assert [status for status, _ in statuses(sessions, job_ids)] == [JobStatus.queued] * 2 + [
+    with pytest.raises(EnqueueFailed, match="took 2 messages"):
+        enqueue(sessions, broker_down_after_one_page, run_id)
+    assert sent == [("sdq.generate", job_ids[:2]), ("sdq.generate", job_ids[2:4])]
+    # What the broker may not have taken goes back to waiting for a send.
+    assert [status for status, _ in statuses(sessions, job_ids)] == [JobStatus.queued] * 4 + [
         JobStatus.pending
-    ] * 3
+    ]
 
-    def broker(kind: Kind, ids: list[int], options: dict[str, Any]) -> None:
-        sent.append((kind.task_name, ids))
+    def broker(kind: Kind, messages: list[list[int]], options: dict[str, Any]) -> None:
+        sent.extend((kind.task_name, ids) for ids in messages)
 
     # Sending again sends every job no worker holds, queued ones included: the broker may
     # have lost them, and a job sent twice is claimed once.
@@ -279,8 +285,8 @@ def test_maintenance_expires_dead_leases_and_sends_again_only_what_is_lost(sessi
     assert statuses(sessions, [dropped, exhausted]) == [(JobStatus.pending, 1), (JobStatus.dead, 2)]
     sent: list[int] = []
 
-    def broker(kind: Kind, ids: list[int], options: dict[str, Any]) -> None:
-        sent.extend(job_id for job_id in ids if job_id in mine)
+    def broker(kind: Kind, messages: list[list[int]], options: dict[str, Any]) -> None:
+        sent.extend(job_id for ids in messages for job_id in ids if job_id in mine)
 
     # The queue still holds messages: only the job that no message carries is sent.
     relay(sessions, broker, relay_after=timedelta(minutes=1), idle_queues=())

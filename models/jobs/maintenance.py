@@ -123,9 +123,9 @@ def relay(
         for run_id, job_ids in by_run.items():
             run = session.get_one(Run, run_id)
             kind = kind_named(run.kind)
-            for chunk in chunked(job_ids, run.jobs_per_message):
-                send(kind, chunk, run.task_options)
-                messages += 1
+            page = list(chunked(job_ids, run.jobs_per_message))
+            send(kind, page, run.task_options)
+            messages += len(page)
         # Marked after the sends, in the lock's transaction: a send that fails leaves the
         # jobs as they were for the next tick.
         mark_resent(session, [job_id for ids in by_run.values() for job_id in ids])

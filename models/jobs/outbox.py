@@ -32,8 +32,10 @@ from sdq.models.tables import FINISHED, Job, JobStatus, Run
 # the size of the run.
 PAGE = 10_000
 
-# Sends one task message: the kind, the job ids it carries, and its keyword arguments.
-Send = Callable[[Kind, list[int], dict[str, Any]], None]
+# Sends task messages of one kind: the job ids each carries, and their keyword arguments.
+# It returns once the broker has taken them all; if it raises, any of them may or may not
+# have been taken (a job sent twice is claimed once, so they are sent again).
+Send = Callable[[Kind, list[list[int]], dict[str, Any]], None]
 
 
 class EnqueueFailed(Exception):
@@ -157,27 +159,22 @@ def messages(sessions: sessionmaker[Session], run: Run) -> Iterator[list[int]]:
 
 
 def enqueue(sessions: sessionmaker[Session], send: Send, run_id: int) -> Sent:
-    """Sends every sendable job of the run, then marks what the broker took as queued."""
+    """Sends every sendable job of the run, a page of messages at a time, marking each page
+    the broker took as queued."""
     with sessions() as session:
         run = session.get_one(Run, run_id)
     kind = kind_named(run.kind)
     jobs = count = 0
     per_page = max(1, PAGE // run.jobs_per_message)
     for page in chunked(messages(sessions, run), per_page):
-        sent: list[list[int]] = []
         try:
-            for job_ids in page:
-                send(kind, job_ids, run.task_options)
-                sent.append(job_ids)
+            send(kind, page, run.task_options)
         except Exception as error:  # kombu raises several kinds for a broker it cannot reach
             with sessions.begin() as session:
-                last_sent = sent[-1][-1] if sent else page[0][0] - 1
-                mark_unsent(session, run_id, last_sent, reason=f"not sent: {error}")
-            raise EnqueueFailed(run_id, count + len(sent), error) from error
-        finally:
-            if sent:
-                with sessions.begin() as session:
-                    mark_queued(session, run_id, sent[0][0], sent[-1][-1])
-        jobs += sum(map(len, sent))
-        count += len(sent)
+                mark_unsent(session, run_id, page[0][0] - 1, reason=f"not sent: {error}")
+            raise EnqueueFailed(run_id, count, error) from error
+        with sessions.begin() as session:
+            mark_queued(session, run_id, page[0][0], page[-1][-1])
+        jobs += sum(map(len, page))
+        count += len(page)
     return Sent(jobs=jobs, messages=count)
