@@ -4,7 +4,9 @@ For each size, a prompt file of N distinct prompts (tiny model, so nothing is se
 cache) goes through `sdq submit --json` as a user runs it, in a process of its own; its
 wall time and peak resident memory (from wait4) are measured. Beside it, the plain way of
 putting the same task messages on the broker (Celery's send_task in a loop, no database)
-shows how much of the time is the record of truth. Prints one JSON object.
+shows how much of the time is the record of truth, and the database's own share: the rows
+sdq wrote (jobs, generations, their first history rows) loaded with COPY straight into an
+empty copy of the schema, with no Python in the way. Prints one JSON object.
 
     python benchmarks/submit.py [--sizes 10000,100000,500000]
 """
@@ -18,7 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import psycopg
 import redis
+from psycopg.types.json import Jsonb
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -56,8 +60,10 @@ def submit(env: dict[str, str], prompts: Path) -> dict[str, float]:
     seconds = time.perf_counter() - started
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"sdq submit failed: {output.decode()}")
-    jobs = json.loads(output)["jobs"]
+    submitted = json.loads(output)
+    jobs = submitted["jobs"]
     return {
+        "run_id": submitted["run_id"],
         "jobs": jobs,
         "seconds": round(seconds, 2),
         "jobs_per_second": round(jobs / seconds),
@@ -76,6 +82,40 @@ def plain_send(size: int) -> float:
                 GENERATE.task_name, args=[ids[start : start + JOBS_PER_MESSAGE]], producer=producer
             )
     return round(time.perf_counter() - started, 2)
+
+
+RUN_TABLES = {  # what a generation submit writes, and how to find one run's rows in it
+    "jobs": "run_id = %(run)s",
+    "generations": "job_id IN (SELECT id FROM jobs WHERE run_id = %(run)s)",
+    "job_events": "job_id IN (SELECT id FROM jobs WHERE run_id = %(run)s)",
+}
+
+
+def database_floor(source_url: str, run_id: int, folder: Path) -> float:
+    """Seconds the database alone takes to load the run's rows, in one transaction, into
+    an empty database at the same schema: the floor under any way of submitting them."""
+    dumps = {table: folder / f"{table}.copy" for table in RUN_TABLES}
+    with psycopg.connect(source_url) as source:
+        for table, rows in RUN_TABLES.items():
+            query = f"COPY (SELECT * FROM {table} WHERE {rows}) TO STDOUT"
+            with source.cursor().copy(query, {"run": run_id}) as copy:
+                dumps[table].write_bytes(b"".join(copy))
+        run_row = source.execute("SELECT * FROM runs WHERE id = %s", [run_id]).fetchone()
+    with scratch_database("sdq_bench_floor") as target_url:
+        upgrade(make_engine(target_url))
+        with psycopg.connect(target_url) as target:
+            placeholders = ", ".join(["%s"] * len(run_row))
+            target.execute(
+                f"INSERT INTO runs VALUES ({placeholders})",
+                [Jsonb(value) if isinstance(value, dict) else value for value in run_row],
+            )
+            target.commit()
+            started = time.perf_counter()
+            for table, dump in dumps.items():
+                with target.cursor().copy(f"COPY {table} FROM STDIN") as copy:
+                    copy.write(dump.read_bytes())
+            target.commit()
+            return round(time.perf_counter() - started, 2)
 
 
 def main() -> None:
@@ -98,6 +138,9 @@ def main() -> None:
                 prompts = prompt_file(Path(folder), size)
                 broker.flushdb()
                 measured = submit(env, prompts)
+                measured["database_floor_seconds"] = database_floor(
+                    database_url, measured.pop("run_id"), Path(folder)
+                )
                 broker.flushdb()
                 measured["plain_send_seconds"] = plain_send(size)
                 results[str(size)] = measured
