@@ -57,8 +57,8 @@ class SharedSettings:
 
     def spec_hash(self, spec: GenerationSpec) -> str:
         """spec.hash(), without encoding the settings again."""
-        per_image = {"prompt": spec.prompt, "negative_prompt": spec.negative_prompt}
-        return self._of(spec)[1].sha256({**per_image, "seed": spec.seed})
+        per_image = {name: getattr(spec, name) for name in self.PER_IMAGE}
+        return self._of(spec)[1].sha256(per_image)
 
 
 @dataclass(frozen=True)
