@@ -92,6 +92,16 @@ def test_submit_works_without_torch(service_env: dict[str, str], tmp_path: Path)
     assert '"jobs": 1' in done.stdout
 
 
+def test_the_command_line_starts_without_pyarrow() -> None:
+    # Every `sdq` command starts by loading the whole command tree; pyarrow and numpy, a
+    # tenth of a second of it, load only with the commands that read or write parquet.
+    probe = (
+        "import sys; import sdq.producer.cli.main; "
+        "assert not {'pyarrow', 'numpy'} & set(sys.modules), sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", probe], cwd=ROOT, check=True, timeout=60)
+
+
 def test_the_celery_app_and_every_task_load_without_torch() -> None:
     probe = (
         "import sys; from sdq.workers.main import app; app.loader.import_default_modules(); "

@@ -1,7 +1,7 @@
 """The download commands: turn URL lists into a dataset, and look at datasets."""
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import click
 from sqlalchemy.orm import Session
@@ -20,16 +20,15 @@ from sdq.producer.cli.common import (
     table,
 )
 from sdq.producer.download import lookups as dataset_lookups
-from sdq.producer.download.lists import ListError, plan_list
 from sdq.producer.download.page import dataset_html, first_samples, page_key
-from sdq.producer.download.submit import (
-    DatasetMismatch,
-    DatasetOptions,
-    DownloadSubmission,
-    record_download,
-    record_retry,
-)
 from sdq.workers.app import SdqCelery
+
+if TYPE_CHECKING:
+    from sdq.producer.download.submit import DatasetOptions, DownloadSubmission
+
+# The list reading and its planning (producer/download/lists.py) stand on pyarrow, whose
+# import, numpy's with it, is a tenth of a second of every `sdq` command's start: they are
+# imported by the commands that use them.
 
 
 @click.command()
@@ -116,6 +115,8 @@ def download(
     if retry_name:
         if lists or name:
             raise click.UsageError("--retry-failed NAME takes no LIST and no --dataset")
+        from sdq.producer.download.submit import record_retry
+
         with found():
             submission = record_retry(app.sessions, retry_name)
     else:
@@ -136,7 +137,9 @@ def download(
     )
 
 
-def _options(name: str, image: dict[str, Any], rows_per_shard: int) -> DatasetOptions:
+def _options(name: str, image: dict[str, Any], rows_per_shard: int) -> "DatasetOptions":
+    from sdq.producer.download.submit import DatasetOptions
+
     try:
         check_name(name)
         return DatasetOptions(
@@ -151,8 +154,11 @@ def _submit(
     name: str,
     lists: tuple[str, ...],
     columns: ListColumns,
-    options: DatasetOptions,
-) -> DownloadSubmission:
+    options: "DatasetOptions",
+) -> "DownloadSubmission":
+    from sdq.producer.download.lists import ListError, plan_list
+    from sdq.producer.download.submit import DatasetMismatch, record_download
+
     try:
         planned = [
             plan_list(
@@ -169,7 +175,7 @@ def _submit(
         raise click.UsageError(str(error)) from None
 
 
-def _report_submission(submission: DownloadSubmission, tasks: int, as_json: bool) -> None:
+def _report_submission(submission: "DownloadSubmission", tasks: int, as_json: bool) -> None:
     report_submission(
         {
             "run_id": submission.run_id,

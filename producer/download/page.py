@@ -8,8 +8,6 @@ import html
 import io
 from typing import Any
 
-import pyarrow.parquet as pq
-
 from sdq.models.datasets import SampleStatus, shard_key
 from sdq.models.store import ObjectStore
 
@@ -49,6 +47,8 @@ def page_key(name: str) -> str:
 
 def first_samples(store: ObjectStore, summary: dict[str, Any]) -> list[dict[str, Any]]:
     """Up to SAMPLES_SHOWN kept samples, from the first shards written, in key order."""
+    import pyarrow.parquet as pq  # only here: see producer/download/cli.py
+
     image_format = summary["options"]["format"]
     samples: list[dict[str, Any]] = []
     for shard in summary["shards"]:

@@ -10,9 +10,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from sdq.models.specs import image_key
 from sdq.models.store import ObjectStore, atomic_file
 
@@ -53,6 +50,10 @@ def _folder(images: Images, folder: Path, run_id: int) -> list[Path]:
 
 
 def _parquet(images: Images, folder: Path, run_id: int) -> list[Path]:
+    # pyarrow (with numpy) is a tenth of a second of every command's start: loaded here only.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     rows = [{**row, "png": data} for row, data in images]
     path = folder / f"run-{run_id}.parquet"
     with atomic_file(path) as handle:
