@@ -7,7 +7,14 @@ from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from sdq.models.periodic import every
@@ -30,6 +37,24 @@ def progress() -> Progress:
         console=console,
         transient=False,
     )
+
+
+def showing_progress(as_json: bool) -> bool:
+    """Live bars are for a person at a terminal: not for a script reading JSON or a log."""
+    return console.is_terminal and not as_json
+
+
+@contextmanager
+def counting(
+    title: str, *, total: int | None = None, show: bool = True
+) -> Iterator[Callable[[int], None]]:
+    """A bar, or with no total a running count, that the body advances by calling what it
+    is given: for work this process does itself, such as writing a million-job run."""
+    count = MofNCompleteColumn() if total else TextColumn("{task.completed:,}")
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), count, TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True, disable=not show) as bar:
+        task = bar.add_task(title, total=total)
+        yield lambda done: bar.advance(task, done)
 
 
 @contextmanager

@@ -17,10 +17,14 @@ from sqlalchemy import func, select
 
 from sdq.models.db import make_engine, session_factory
 from sdq.models.jobs.kinds import GENERATE
+from sdq.models.registry import tiny_identity
 from sdq.models.settings import Settings
 from sdq.models.specs import GenerationSpec
 from sdq.models.tables import Job, JobEvent, JobStatus
 from sdq.models.tables.generate import Generation
+from sdq.producer.generate.plan import Defaults, plan_jobs
+from sdq.producer.generate.prompts import read_prompts
+from sdq.producer.generate.submit import CHUNK, Batching, record_run
 from sdq.workers.app import create_app
 from tests.conftest import BUCKET, write
 from tests.services import wait_for
@@ -277,6 +281,41 @@ def test_bad_input_is_named_by_line_and_writes_nothing(
     assert "nothing was submitted" in result.output
     with sessions() as session:
         assert session.scalar(select(func.count()).select_from(Job)) == before
+
+
+def test_a_long_run_is_written_in_chunks_and_a_late_bad_row_undoes_them(
+    sdq, sessions, tmp_path
+) -> None:
+    rows = "".join(f"chunked prompt {n},{n}\n" for n in range(2 * CHUNK + 1))
+    with sessions() as session:
+        before = session.scalar(select(func.count()).select_from(Job))
+    # Three chunks are planned (in a thread) and two written before the bad row is read.
+    bad = write(tmp_path / "late.csv", f"prompt,seed\n{rows}last one,not a seed\n")
+    result = sdq("submit", str(bad))
+    assert result.exit_code == 2
+    assert f"{bad}:{2 * CHUNK + 3}: seed" in result.output
+    with sessions() as session:
+        assert session.scalar(select(func.count()).select_from(Job)) == before
+    # The same rows without it: every chunk is written, each job with its first history
+    # row, and the counter a progress bar follows sees them all.
+    good = write(tmp_path / "long.csv", f"prompt,seed\n{rows}")
+    written: list[int] = []
+    submission = record_run(
+        sessions,
+        plan_jobs(read_prompts(good), model=tiny_identity(), defaults=Defaults()),
+        model=tiny_identity(),
+        source=str(good),
+        options={},
+        batching=Batching(8, 4),
+        on_written=written.append,
+    )
+    assert written == [CHUNK, CHUNK, 1] and submission.jobs == 2 * CHUNK + 1
+    with sessions() as session:
+        of_run = Job.run_id == submission.run_id
+        queued = select(func.count()).select_from(JobEvent).join(Job).where(of_run)
+        assert session.scalar(queued.where(JobEvent.status == JobStatus.queued)) == 2 * CHUNK + 1
+        lines = session.scalars(select(Generation.source_line).join(Job).where(of_run)).all()
+        assert sorted(lines) == list(range(2, 2 * CHUNK + 3))
 
 
 def test_a_killed_worker_loses_no_work(worker, sdq, sessions, tmp_path) -> None:

@@ -241,7 +241,9 @@ def test_the_outbox_sends_after_commit_and_resends_what_the_broker_never_took(
     # Sending again sends every job no worker holds, queued ones included: the broker may
     # have lost them, and a job sent twice is claimed once.
     sent.clear()
-    assert enqueue(sessions, broker, run_id).jobs == 5
+    pages: list[int] = []
+    assert enqueue(sessions, broker, run_id, on_sent=pages.append).jobs == 5
+    assert pages == [4, 1]  # what a progress bar is told, page by page
     assert [ids for _, ids in sent] == [job_ids[:2], job_ids[2:4], job_ids[4:]]
     assert {status for status, _ in statuses(sessions, job_ids)} == {JobStatus.queued}
     # The history says what happened: jobs the broker took at once need no row; the

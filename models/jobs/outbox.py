@@ -158,9 +158,14 @@ def messages(sessions: sessionmaker[Session], run: Run) -> Iterator[list[int]]:
     yield from chunked(sendable_ids(sessions, run.id), run.jobs_per_message)
 
 
-def enqueue(sessions: sessionmaker[Session], send: Send, run_id: int) -> Sent:
+def enqueue(
+    sessions: sessionmaker[Session],
+    send: Send,
+    run_id: int,
+    on_sent: Callable[[int], None] = lambda jobs: None,
+) -> Sent:
     """Sends every sendable job of the run, a page of messages at a time, marking each page
-    the broker took as queued."""
+    the broker took as queued and telling `on_sent` how many jobs it held."""
     with sessions() as session:
         run = session.get_one(Run, run_id)
     kind = kind_named(run.kind)
@@ -177,4 +182,5 @@ def enqueue(sessions: sessionmaker[Session], send: Send, run_id: int) -> Sent:
             mark_queued(session, run_id, page[0][0], page[-1][-1])
         jobs += sum(map(len, page))
         count += len(page)
+        on_sent(sum(map(len, page)))
     return Sent(jobs=jobs, messages=count)

@@ -69,11 +69,12 @@ def require_broker(app: SdqCelery, what: str) -> None:
         )
 
 
-def send_run(app: SdqCelery, run_id: int) -> Sent:
-    """Sends the run's unfinished jobs that no live worker holds (the outbox's send)."""
+def send_run(app: SdqCelery, run_id: int, *, total: int | None = None, show: bool = False) -> Sent:
+    """Sends the run's unfinished jobs that no live worker holds (the outbox's send), with a
+    bar against `total` (or a count) when `show`."""
     try:
-        with app.sender() as send:
-            return enqueue(app.sessions, send, run_id)
+        with app.sender() as send, display.counting("sending", total=total, show=show) as sent:
+            return enqueue(app.sessions, send, run_id, on_sent=sent)
     except EnqueueFailed as error:
         raise click.ClickException(str(error)) from None
 

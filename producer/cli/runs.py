@@ -66,7 +66,7 @@ def requeue(app: SdqCelery, run_id: int, as_json: bool) -> None:
     require_broker(app, "requeue")
     with app.sessions() as session, found():
         lookups.get_run(session, run_id)
-    sent = send_run(app, run_id)
+    sent = send_run(app, run_id, show=display.showing_progress(as_json))
     if as_json:
         display.print_json({"run_id": run_id, "jobs": sent.jobs, "tasks": sent.messages})
     else:

@@ -148,9 +148,10 @@ class Request:
         }
 
 
-def prepare(app: SdqCelery, request: Request) -> Submission:
-    """Checks the options and the deployment, then streams the prompt file into a run.
-    Any problem in the file rolls the run back: bad input writes nothing."""
+def prepare(app: SdqCelery, request: Request, *, show: bool) -> Submission:
+    """Checks the options and the deployment, then streams the prompt file into a run,
+    counting the jobs written when `show`. Any problem in the file rolls the run back: bad
+    input writes nothing."""
     try:
         styles = read_styles(request.styles) if request.styles else None
         check_template(request.template, with_styles=bool(styles))
@@ -179,14 +180,16 @@ def prepare(app: SdqCelery, request: Request) -> Submission:
     settings = app.settings.generate
     batching = Batching(request.batch_size or settings.batch_size, settings.calls_per_task)
     try:
-        return record_run(
-            app.sessions,
-            planned,
-            model=model,
-            source=str(request.prompts),
-            options=request.options(),
-            batching=batching,
-        )
+        with display.counting("writing jobs", show=show) as written:
+            return record_run(
+                app.sessions,
+                planned,
+                model=model,
+                source=str(request.prompts),
+                options=request.options(),
+                batching=batching,
+                on_written=written,
+            )
     except InvalidInput as problems:
         exit_bad_input(problems)
 
@@ -198,8 +201,9 @@ def prepare(app: SdqCelery, request: Request) -> Submission:
 def submit(app: SdqCelery, as_json: bool, wait: bool, **options: Any) -> None:
     """Turn a prompt file into generation jobs for the workers."""
     require_broker(app, "submit (`sdq run` works without one)")
-    submission = prepare(app, Request.from_options(options))
-    sent = send_run(app, submission.run_id)
+    show = display.showing_progress(as_json)
+    submission = prepare(app, Request.from_options(options), show=show)
+    sent = send_run(app, submission.run_id, total=submission.jobs - submission.cached, show=show)
     if not wait:
         _report_submission(submission, sent.messages, as_json)
         return
@@ -219,7 +223,7 @@ def run(app: SdqCelery, as_json: bool, **options: Any) -> None:
         # Rendered here, on the CPU: half precision crawls there, or fails. An explicit
         # --dtype is kept, and every dtype is recorded in the spec.
         request = replace(request, defaults=replace(request.defaults, dtype="float32"))
-    submission = prepare(app, request)
+    submission = prepare(app, request, show=display.showing_progress(as_json))
     work_here(app, submission.run_id, jobs=submission.jobs)
     _report_run(app, submission.run_id, as_json)
 

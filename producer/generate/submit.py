@@ -6,7 +6,7 @@ whatever the size of the prompt file; a problem anywhere rolls the whole run bac
 bad file writes nothing. The messages are sent after the commit (the outbox).
 """
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -67,8 +67,10 @@ def record_run(
     source: str,
     options: dict[str, Any],
     batching: Batching,
+    on_written: Callable[[int], None] = lambda jobs: None,
 ) -> Submission:
-    """Writes the run and its jobs; specs rendered before are recorded as cached, not sent."""
+    """Writes the run and its jobs, telling `on_written` how many each chunk held; specs
+    rendered before are recorded as cached, not sent."""
     now = utcnow()
     with sessions.begin() as session:
         record_model(session, model)
@@ -88,6 +90,7 @@ def record_run(
         for chunk in read_ahead(chunks):
             jobs += len(chunk.jobs)
             cached += insert_generation_jobs(session, run.id, chunk, now)
+            on_written(len(chunk.jobs))
         run.job_count = jobs
         record_submitted(session, run.id, cached=cached)
     return Submission(run.id, jobs, cached)
