@@ -23,12 +23,11 @@ from sdq.producer.download import lookups as dataset_lookups
 from sdq.producer.download.page import dataset_html, first_samples, page_key
 from sdq.workers.app import SdqCelery
 
-if TYPE_CHECKING:
-    from sdq.producer.download.submit import DatasetOptions, DownloadSubmission
-
 # The list reading and its planning (producer/download/lists.py) stand on pyarrow, whose
 # import, numpy's with it, is a tenth of a second of every `sdq` command's start: they are
 # imported by the commands that use them.
+if TYPE_CHECKING:
+    from sdq.producer.download.submit import DatasetOptions, DownloadSubmission
 
 
 @click.command()
