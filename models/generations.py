@@ -36,7 +36,8 @@ class SharedSettings:
     def __init__(self) -> None:
         self._known: dict[tuple[Any, ...], tuple[str, CanonicalTemplate]] = {}
 
-    def _of(self, spec: GenerationSpec) -> tuple[str, CanonicalTemplate]:
+    def key_and_hash(self, spec: GenerationSpec) -> tuple[str, str]:
+        """spec.batch_key() and spec.hash(), without encoding the settings again."""
         settings = (
             spec.model_revision,
             spec.model_source,
@@ -50,15 +51,8 @@ class SharedSettings:
         if settings not in self._known:
             template = CanonicalTemplate(spec.identity(), self.PER_IMAGE)
             self._known[settings] = (spec.batch_key(), template)
-        return self._known[settings]
-
-    def batch_key(self, spec: GenerationSpec) -> str:
-        return self._of(spec)[0]
-
-    def spec_hash(self, spec: GenerationSpec) -> str:
-        """spec.hash(), without encoding the settings again."""
-        per_image = {name: getattr(spec, name) for name in self.PER_IMAGE}
-        return self._of(spec)[1].sha256(per_image)
+        batch_key, template = self._known[settings]
+        return batch_key, template.sha256({name: getattr(spec, name) for name in self.PER_IMAGE})
 
 
 @dataclass(frozen=True)
@@ -76,12 +70,12 @@ class Chunk:
 def prepare_chunk(planned: list[PlannedJob], settings: SharedSettings) -> Chunk:
     # Messages take jobs in id order: ids in batch-key order make each message's jobs
     # share pipeline calls.
-    keyed = sorted(((settings.batch_key(job.spec), job) for job in planned), key=itemgetter(0))
-    jobs = [job for _, job in keyed]
+    keyed = sorted(((*settings.key_and_hash(job.spec), job) for job in planned), key=itemgetter(0))
+    jobs = [job for _, _, job in keyed]
     return Chunk(
         jobs=jobs,
-        batch_keys=[key for key, _ in keyed],
-        hashes=[settings.spec_hash(job.spec) for job in jobs],
+        batch_keys=[batch_key for batch_key, _, _ in keyed],
+        hashes=[spec_hash for _, spec_hash, _ in keyed],
         specs=[job.spec.to_dict() for job in jobs],
     )
 

@@ -180,7 +180,8 @@ def enqueue(
             raise EnqueueFailed(run_id, count, error) from error
         with sessions.begin() as session:
             mark_queued(session, run_id, page[0][0], page[-1][-1])
-        jobs += sum(map(len, page))
+        page_jobs = sum(map(len, page))
+        jobs += page_jobs
         count += len(page)
-        on_sent(sum(map(len, page)))
+        on_sent(page_jobs)
     return Sent(jobs=jobs, messages=count)
