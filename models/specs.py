@@ -56,9 +56,9 @@ class GenerationSpec:
     dtype: str
 
     def to_dict(self) -> dict[str, Any]:
-        # Not dataclasses.asdict, nor fields(): a 100k-job submit spent over a second in
-        # their per-call work. The instance's __dict__ holds exactly its fields, in order;
-        # only scheduler_config is mutable, so only it is copied.
+        # Not dataclasses.asdict (a recursive deep copy), nor fields() (a quarter of a
+        # second per 100k specs): the instance's __dict__ holds exactly its fields, in
+        # order. Only scheduler_config is mutable, so only it is copied.
         data = dict(vars(self))
         data["scheduler_config"] = dict(self.scheduler_config)
         return data
