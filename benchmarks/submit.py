@@ -6,18 +6,24 @@ wall time and peak resident memory (its VmHWM, polled) are measured. Beside it, 
 putting the same task messages on the broker (Celery's send_task in a loop, no database)
 shows how much of the time is the record of truth, and the database's own share: the rows
 sdq wrote (jobs, generations, their first history rows) loaded with COPY straight into an
-empty copy of the schema, with no Python in the way. Prints one JSON object.
+empty copy of the schema, with no Python in the way. The CPU time the submit used, and
+that the whole machine used meanwhile (the submit, Postgres and Redis together), say how
+far overlapping the work could take it: no way of doing that work finishes in less than
+the machine's busy core-seconds over its cores. Prints one JSON object.
 
     python benchmarks/submit.py [--sizes 10000,100000,500000]
 """
 
 import argparse
 import json
+import os
+import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from resource import RUSAGE_CHILDREN
 
 import psycopg
 import redis
@@ -48,6 +54,7 @@ def prompt_file(folder: Path, size: int) -> Path:
 
 def submit(env: dict[str, str], prompts: Path, folder: Path) -> dict[str, float]:
     output = folder / "submit.json"
+    busy_before, children_before = busy_core_seconds(), cpu_seconds(RUSAGE_CHILDREN)
     started = time.perf_counter()
     with output.open("wb") as stdout:
         process = subprocess.Popen(
@@ -61,6 +68,7 @@ def submit(env: dict[str, str], prompts: Path, folder: Path) -> dict[str, float]
             peak_kb = max(peak_kb, own_peak_kb(process.pid))
             time.sleep(0.02)  # the wall time is this precise
     seconds = time.perf_counter() - started
+    busy = busy_core_seconds() - busy_before
     if process.returncode != 0:
         raise SystemExit(f"sdq submit failed: {output.read_text()}")
     submitted = json.loads(output.read_text())
@@ -71,7 +79,22 @@ def submit(env: dict[str, str], prompts: Path, folder: Path) -> dict[str, float]
         "seconds": round(seconds, 2),
         "jobs_per_second": round(jobs / seconds),
         "peak_mb": round(peak_kb / 1024),
+        "cpu_seconds": round(cpu_seconds(RUSAGE_CHILDREN) - children_before, 2),
+        "machine_busy_core_seconds": round(busy, 2),
     }
+
+
+def cpu_seconds(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+def busy_core_seconds() -> float:
+    """CPU time every process on the machine has used since boot, all cores together."""
+    # The first line: cpu user nice system idle iowait irq softirq steal ..., in ticks.
+    ticks = [int(field) for field in Path("/proc/stat").read_text().split()[1:9]]
+    waiting = ticks[3] + ticks[4]  # idle, and idle with I/O outstanding
+    return (sum(ticks) - waiting) / os.sysconf("SC_CLK_TCK")
 
 
 def own_peak_kb(pid: int) -> int:
@@ -170,7 +193,7 @@ def main() -> None:
                 results[str(size)] = measured
         finally:
             broker.flushdb()
-    print(json.dumps({"submit": results}, indent=2))
+    print(json.dumps({"cores": os.cpu_count(), "submit": results}, indent=2))
 
 
 if __name__ == "__main__":
