@@ -23,7 +23,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from resource import RUSAGE_CHILDREN
 
 import psycopg
 import redis
@@ -54,7 +53,7 @@ def prompt_file(folder: Path, size: int) -> Path:
 
 def submit(env: dict[str, str], prompts: Path, folder: Path) -> dict[str, float]:
     output = folder / "submit.json"
-    busy_before, children_before = busy_core_seconds(), cpu_seconds(RUSAGE_CHILDREN)
+    busy_before, children_before = busy_core_seconds(), children_cpu_seconds()
     started = time.perf_counter()
     with output.open("wb") as stdout:
         process = subprocess.Popen(
@@ -79,13 +78,14 @@ def submit(env: dict[str, str], prompts: Path, folder: Path) -> dict[str, float]
         "seconds": round(seconds, 2),
         "jobs_per_second": round(jobs / seconds),
         "peak_mb": round(peak_kb / 1024),
-        "cpu_seconds": round(cpu_seconds(RUSAGE_CHILDREN) - children_before, 2),
+        "cpu_seconds": round(children_cpu_seconds() - children_before, 2),
         "machine_busy_core_seconds": round(busy, 2),
     }
 
 
-def cpu_seconds(who: int) -> float:
-    usage = resource.getrusage(who)
+def children_cpu_seconds() -> float:
+    """CPU time of this process's children that have ended (the submit, once reaped)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
 
 
