@@ -5,7 +5,7 @@ from datetime import datetime
 from pathlib import PurePosixPath
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
 from sdq.models.jobs.lifecycle import as_utc
@@ -135,9 +135,7 @@ def job_named(session: Session, ref: str) -> int:
             f"{ref!r} names no job: give a job id, a spec hash (or {MIN_HASH_PREFIX}+ of its "
             "first characters), or an image's path"
         )
-    hashes = session.scalars(
-        select(Job.spec_hash).where(Job.spec_hash.startswith(prefix)).distinct().limit(2)
-    ).all()
+    hashes = session.scalars(spec_hashes_starting(prefix, limit=2)).all()
     if not hashes:
         raise NotFound(f"no job with a spec hash starting {prefix}")
     if len(hashes) > 1:
@@ -148,6 +146,11 @@ def job_named(session: Session, ref: str) -> int:
         .order_by((Job.status == JobStatus.succeeded).desc(), Job.cached, Job.id)
         .limit(1)
     ).one()
+
+
+def spec_hashes_starting(prefix: str, *, limit: int) -> Select[tuple[str]]:
+    """Distinct spec hashes that start with `prefix`: on Postgres, a range of their index."""
+    return select(Job.spec_hash).where(Job.spec_hash.startswith(prefix)).distinct().limit(limit)
 
 
 def job_details(session: Session, job_id: int) -> dict[str, Any]:

@@ -5,9 +5,11 @@ from pathlib import Path
 import pytest
 from alembic import command
 from sqlalchemy import inspect, text
+from sqlalchemy.dialects import postgresql
 
 from sdq.migrations import downgrade, is_current, run_command, upgrade
 from sdq.models.db import make_engine
+from sdq.producer.lookups import spec_hashes_starting
 
 
 @pytest.fixture(params=["postgres", "sqlite"])
@@ -42,6 +44,18 @@ def test_prompt_search_uses_the_trigram_index(migrated_postgres: str) -> None:
             text("EXPLAIN SELECT job_id FROM generations WHERE prompt ILIKE '%castle%'")
         ).scalars()
         assert "ix_generations_prompt_trgm" in "\n".join(plan)
+
+
+def test_a_spec_hash_prefix_is_a_range_of_its_index(migrated_postgres: str) -> None:
+    # `sdq job 3fa9c1`: under a language's collation, Postgres read the whole index instead.
+    statement = spec_hashes_starting("3fa9c1", limit=2).compile(
+        dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}
+    )
+    with make_engine(migrated_postgres).begin() as connection:
+        connection.execute(text("SET LOCAL enable_seqscan = off"))
+        plan = "\n".join(connection.execute(text(f"EXPLAIN {statement}")).scalars())
+    assert "ix_jobs_spec_hash_status" in plan
+    assert "Index Cond: ((spec_hash >= '3fa9c1'::text) AND (spec_hash < '3fa9c2'::text))" in plan
 
 
 FIRST_SCHEMA_ROWS = [
