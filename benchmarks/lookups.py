@@ -61,7 +61,7 @@ LOOKUPS = {
         "SELECT output_uri FROM jobs WHERE spec_hash = md5('777777') || md5('777778') "
         "AND status = 'succeeded'"
     ),
-    "job by spec-hash prefix (sdq job 3fa9c1)": (
+    "job by spec-hash prefix (sdq show 3fa9c1)": (
         "SELECT DISTINCT spec_hash FROM jobs WHERE spec_hash LIKE left(md5('777777'), 8) || '%%' "
         "LIMIT 2"
     ),

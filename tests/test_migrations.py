@@ -47,7 +47,7 @@ def test_prompt_search_uses_the_trigram_index(migrated_postgres: str) -> None:
 
 
 def test_a_spec_hash_prefix_is_a_range_of_its_index(migrated_postgres: str) -> None:
-    # `sdq job 3fa9c1`: under a language's collation, Postgres read the whole index instead.
+    # `sdq show 3fa9c1`: under a language's collation, Postgres read the whole index instead.
     statement = spec_hashes_starting("3fa9c1", limit=2).compile(
         dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}
     )

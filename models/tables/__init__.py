@@ -37,7 +37,7 @@ NAMING_CONVENTION = {
 JsonDocument = JSON().with_variant(JSONB(), "postgresql")
 # SQLite only auto-increments INTEGER PRIMARY KEY; Postgres gets 64-bit ids for the long run.
 Id = BigInteger().with_variant(Integer(), "sqlite")
-# A hex digest compares byte by byte ("C"): then a prefix (`sdq job 3fa9c1`) is a range of
+# A hex digest compares byte by byte ("C"): then a prefix (`sdq show 3fa9c1`) is a range of
 # its index, where a language's collation made Postgres read every entry of it.
 Digest = String(64).with_variant(String(64, collation="C"), "postgresql")
 
