@@ -1,15 +1,20 @@
 """The schema comes from migrations, matches the models, and goes down and up again."""
 
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from alembic import command
-from sqlalchemy import inspect, text
+from sqlalchemy import Connection, Select, inspect, text
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.orm import Session
 
 from sdq.migrations import downgrade, is_current, run_command, upgrade
 from sdq.models.db import make_engine
+from sdq.models.rollups import failures_by_hour
 from sdq.producer.lookups import spec_hashes_starting
+from sdq.producer.metrics import SETBACK_COUNTERS, events_by_kind, jobs_by_kind_and_status
 
 
 @pytest.fixture(params=["postgres", "sqlite"])
@@ -48,14 +53,32 @@ def test_prompt_search_uses_the_trigram_index(migrated_postgres: str) -> None:
 
 def test_a_spec_hash_prefix_is_a_range_of_its_index(migrated_postgres: str) -> None:
     # `sdq show 3fa9c1`: under a language's collation, Postgres read the whole index instead.
-    statement = spec_hashes_starting("3fa9c1", limit=2).compile(
-        dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}
-    )
     with make_engine(migrated_postgres).begin() as connection:
         connection.execute(text("SET LOCAL enable_seqscan = off"))
-        plan = "\n".join(connection.execute(text(f"EXPLAIN {statement}")).scalars())
+        plan = explain(connection, spec_hashes_starting("3fa9c1", limit=2))
     assert "ix_jobs_spec_hash_status" in plan
     assert "Index Cond: ((spec_hash >= '3fa9c1'::text) AND (spec_hash < '3fa9c2'::text))" in plan
+
+
+def test_metrics_and_rollups_read_indexes_not_every_job_and_event(migrated_postgres: str) -> None:
+    # At millions of jobs a scrape or a beat tick that reads every row takes seconds.
+    since = datetime(2026, 11, 23, tzinfo=UTC)
+    with make_engine(migrated_postgres).begin() as connection:
+        session = Session(connection)
+        connection.execute(text("SET LOCAL enable_seqscan = off"))
+        for _, which in SETBACK_COUNTERS.values():
+            assert "ix_job_events_setbacks" in explain(connection, events_by_kind(which))
+        assert "ix_job_events_setbacks" in explain(connection, failures_by_hour(session, since))
+        # An index-only scan: the index holds every column the count needs.
+        connection.execute(text("SET LOCAL enable_bitmapscan = off"))
+        assert "Index Only Scan using ix_jobs_run_id_status" in explain(
+            connection, jobs_by_kind_and_status()
+        )
+
+
+def explain(connection: Connection, statement: Select[Any]) -> str:
+    sql = statement.compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True})
+    return "\n".join(connection.execute(text(f"EXPLAIN {sql}")).scalars())
 
 
 FIRST_SCHEMA_ROWS = [
