@@ -43,13 +43,25 @@ def roll_up(sessions: sessionmaker[Session]) -> int:
 
 def _hourly(session: Session, since: datetime | None) -> list[dict[str, Any]]:
     """Per hour, kind, model and worker: the jobs that succeeded in it, and the failures."""
-    model = func.coalesce(Generation.model, "")
-    finished = _hour(session, Job.finished_at)
+    rows: dict[tuple[datetime, str, str, str], dict[str, Any]] = {}
+    done = successes_by_hour(session, since)
+    for hour, kind, model_name, worker, jobs, cached, units, setup, work in session.execute(done):
+        key = (_as_hour(hour), kind, model_name, worker)
+        rows[key] = _rollup(key, jobs=jobs, cached=cached, units=units, setup=setup, work=work)
+    for hour, kind, model_name, worker, count in session.execute(failures_by_hour(session, since)):
+        key = (_as_hour(hour), kind, model_name, worker)
+        rows.setdefault(key, _rollup(key))["failures"] = count
+    return list(rows.values())
+
+
+def successes_by_hour(session: Session, since: datetime | None) -> Select[Any]:
+    """Jobs that succeeded per hour, kind, model and worker since `since`, with what they
+    made and where their time went: on Postgres a range of the finished jobs' index."""
     done = (
         select(
-            finished,
+            _hour(session, Job.finished_at),
             Job.kind,
-            model,
+            func.coalesce(Generation.model, ""),
             func.coalesce(Job.worker_host, ""),
             func.count(),
             func.count().filter(Job.cached.is_(True)),
@@ -61,16 +73,7 @@ def _hourly(session: Session, since: datetime | None) -> list[dict[str, Any]]:
         .where(Job.status == JobStatus.succeeded, Job.finished_at.is_not(None))
         .group_by(BY_KEY)
     )
-    if since is not None:
-        done = done.where(Job.finished_at >= since)
-    rows: dict[tuple[datetime, str, str, str], dict[str, Any]] = {}
-    for hour, kind, model_name, worker, jobs, cached, units, setup, work in session.execute(done):
-        key = (_as_hour(hour), kind, model_name, worker)
-        rows[key] = _rollup(key, jobs=jobs, cached=cached, units=units, setup=setup, work=work)
-    for hour, kind, model_name, worker, count in session.execute(failures_by_hour(session, since)):
-        key = (_as_hour(hour), kind, model_name, worker)
-        rows.setdefault(key, _rollup(key))["failures"] = count
-    return list(rows.values())
+    return done if since is None else done.where(Job.finished_at >= since)
 
 
 def failures_by_hour(session: Session, since: datetime | None) -> Select[Any]:

@@ -3,7 +3,7 @@ scrape: queue depths, jobs by kind and status, outputs and images or samples per
 what each worker holds (jobs, memory, GPU memory), lease expiries, retries and dead jobs."""
 
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from sqlalchemy import ColumnElement, Select, func, select
@@ -100,11 +100,7 @@ class SdqCollector:
         )
         since = utcnow() - RATE_WINDOW
         window = RATE_WINDOW.total_seconds()
-        for kind, count, units in session.execute(
-            select(Job.kind, func.count(), func.sum(Job.units))
-            .where(Job.status == JobStatus.succeeded, ~Job.cached, Job.finished_at >= since)
-            .group_by(Job.kind)
-        ):
+        for kind, count, units in session.execute(made_since(since)):
             rate.add_metric([kind], count / window)
             made.add_metric([kind], (units or 0) / window)
         yield from (rate, made)
@@ -134,6 +130,16 @@ def jobs_by_kind_and_status() -> Select[tuple[str, JobStatus, int]]:
     """On Postgres, read from ix_jobs_run_id_status alone, which carries the kind: a scrape
     does not read every job."""
     return select(Job.kind, Job.status, func.count()).group_by(Job.kind, Job.status)
+
+
+def made_since(since: datetime) -> Select[tuple[str, int, int | None]]:
+    """Outputs made (not served from the cache) since `since` by kind, and their units:
+    from the finished jobs' index."""
+    return (
+        select(Job.kind, func.count(), func.sum(Job.units))
+        .where(Job.status == JobStatus.succeeded, ~Job.cached, Job.finished_at >= since)
+        .group_by(Job.kind)
+    )
 
 
 def events_by_kind(which: ColumnElement[bool]) -> Select[tuple[str, int]]:

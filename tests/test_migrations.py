@@ -1,6 +1,6 @@
 """The schema comes from migrations, matches the models, and goes down and up again."""
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +12,14 @@ from sqlalchemy.orm import Session
 
 from sdq.migrations import downgrade, is_current, run_command, upgrade
 from sdq.models.db import make_engine
-from sdq.models.rollups import failures_by_hour
+from sdq.models.rollups import failures_by_hour, successes_by_hour
 from sdq.producer.lookups import spec_hashes_starting
-from sdq.producer.metrics import SETBACK_COUNTERS, events_by_kind, jobs_by_kind_and_status
+from sdq.producer.metrics import (
+    SETBACK_COUNTERS,
+    events_by_kind,
+    jobs_by_kind_and_status,
+    made_since,
+)
 
 
 @pytest.fixture(params=["postgres", "sqlite"])
@@ -74,6 +79,31 @@ def test_metrics_and_rollups_read_indexes_not_every_job_and_event(migrated_postg
         assert "Index Only Scan using ix_jobs_run_id_status" in explain(
             connection, jobs_by_kind_and_status()
         )
+
+
+def test_the_finished_jobs_index_serves_the_recent_hours(migrated_postgres: str) -> None:
+    # It holds finished jobs only (a submit's jobs go in as they finish); a month of them
+    # is in the table, rolled back after, and an hour's worth is read from the index.
+    with make_engine(migrated_postgres).connect() as connection, connection.begin() as work:
+        connection.execute(text(FINISHED_JOBS))
+        connection.execute(text("ANALYZE jobs"))
+        connection.execute(text("SET LOCAL enable_seqscan = off"))
+        since = datetime.now(UTC) - timedelta(hours=1)
+        for statement in successes_by_hour(Session(connection), since), made_since(since):
+            assert "ix_jobs_finished_at" in explain(connection, statement)
+        work.rollback()
+
+
+FINISHED_JOBS = """
+WITH run AS (
+    INSERT INTO runs (kind, options, job_count) VALUES ('generate', '{}', 3000) RETURNING id
+)
+INSERT INTO jobs (run_id, kind, spec, spec_hash, status, attempts, cached, finished_at, units)
+SELECT run.id, 'generate', '{}', md5(n::text) || md5(n::text),
+       CASE WHEN n % 100 = 0 THEN 'queued' ELSE 'succeeded' END, 1, false,
+       CASE WHEN n % 100 <> 0 THEN now() - n * interval '15 minutes' END, 1
+FROM run, generate_series(1, 3000) AS n
+"""
 
 
 def explain(connection: Connection, statement: Select[Any]) -> str:

@@ -127,8 +127,9 @@ class Job(Base):
         # scrape does, reads this index alone instead of the whole table.
         Index("ix_jobs_run_id_status", "run_id", "status", postgresql_include=["kind"]),
         Index("ix_jobs_spec_hash_status", "spec_hash", "status"),
-        # The hourly rollups read one hour of finished jobs at a time.
-        Index("ix_jobs_finished_at", "finished_at"),
+        # The hourly rollups and the metrics read recent finished jobs. Only finished jobs
+        # are in it (Postgres): a submit's jobs go in as they finish, not all at once.
+        Index("ix_jobs_finished_at", "finished_at", postgresql_where="finished_at IS NOT NULL"),
         # Unfinished jobs are few among millions; the relay and lease sweeps scan only them.
         Index(
             "ix_jobs_unfinished",
