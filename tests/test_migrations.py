@@ -1,4 +1,5 @@
-"""The schema comes from migrations, matches the models, and goes down and up again."""
+"""The schema comes from migrations, matches the models, goes down and up again, and its
+indexes serve the lookups, scrapes and rollups that would otherwise read every row."""
 
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
