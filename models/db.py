@@ -118,9 +118,9 @@ def copy_rows(session: Session, table: Table, rows: list[dict[str, Any]]) -> Non
     # Only JSON and enum columns need converting: looked up once, not per value (a 100k-job
     # submit copies over a million values).
     converted = [
-        (position, _copy_converter(table.c[name].type))
+        (position, convert)
         for position, name in enumerate(columns)
-        if isinstance(table.c[name].type, JSON | SqlEnum)
+        if (convert := _copy_converter(table.c[name].type))
     ]
     cursor = session.connection().connection.dbapi_connection.cursor()
     with cursor.copy(f"COPY {table.name} ({', '.join(columns)}) FROM STDIN") as copy:
@@ -131,8 +131,11 @@ def copy_rows(session: Session, table: Table, rows: list[dict[str, Any]]) -> Non
             copy.write_row(values)
 
 
-def _copy_converter(column_type: TypeEngine[Any]) -> Callable[[Any], Any]:
+def _copy_converter(column_type: TypeEngine[Any]) -> Callable[[Any], Any] | None:
+    """How COPY needs a column's values given, or None where it takes them as they are."""
     if isinstance(column_type, JSON):
         # orjson: a submit's 100,000 specs in a tenth of the time the json module takes.
         return partial(Jsonb, dumps=orjson.dumps)
-    return lambda value: value.value if isinstance(value, Enum) else value
+    if isinstance(column_type, SqlEnum):
+        return lambda value: value.value if isinstance(value, Enum) else value
+    return None

@@ -37,9 +37,10 @@ NAMING_CONVENTION = {
 JsonDocument = JSON().with_variant(JSONB(), "postgresql")
 # SQLite only auto-increments INTEGER PRIMARY KEY; Postgres gets 64-bit ids for the long run.
 Id = BigInteger().with_variant(Integer(), "sqlite")
-# A hex digest compares byte by byte ("C"): then a prefix (`sdq show 3fa9c1`) is a range of
-# its index, where a language's collation made Postgres read every entry of it.
-Digest = String(64).with_variant(String(64, collation="C"), "postgresql")
+# A hex digest people look up by its first characters (`sdq show 3fa9c1`) compares byte by
+# byte ("C"): then a prefix is a range of its index, where a language's collation made
+# Postgres read every entry of it.
+PrefixSearchedDigest = String(64).with_variant(String(64, collation="C"), "postgresql")
 
 
 class JobStatus(enum.StrEnum):
@@ -98,7 +99,7 @@ class Job(Base):
     kind: Mapped[str] = mapped_column(String(32))
     spec: Mapped[dict[str, Any]] = mapped_column(JsonDocument)
     # The spec decides the output, and its hash names it: equal hashes, equal outputs.
-    spec_hash: Mapped[str] = mapped_column(Digest)
+    spec_hash: Mapped[str] = mapped_column(PrefixSearchedDigest)
     status: Mapped[JobStatus] = mapped_column(_status_type(), default=JobStatus.pending)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     worker_host: Mapped[str | None] = mapped_column(Text)
