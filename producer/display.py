@@ -58,6 +58,15 @@ def counting(
 
 
 @contextmanager
+def _tracking(title: str, total: int, show: bool) -> Iterator[Callable[[int], None]]:
+    """A bar against `total` (drawn if `show`), set to the count it is given."""
+    with progress() as bar:
+        bar.disable = not show
+        task = bar.add_task(title, total=total)
+        yield lambda count: bar.update(task, completed=count)
+
+
+@contextmanager
 def following(
     title: str,
     total: int,
@@ -69,16 +78,10 @@ def following(
     """While the body runs, a thread polls `finished()` and draws it against `total` (if
     `show`): the bar moves as work is recorded, whoever does it, with a time left estimated
     from the first progress on."""
-    with progress() as bar:
-        bar.disable = not show
-        task = bar.add_task(title, total=total)
-
-        def poll() -> None:
-            bar.update(task, completed=finished())
-
-        with every(poll_seconds, poll, name="sdq-progress"):
+    with _tracking(title, total, show) as track:
+        with every(poll_seconds, lambda: track(finished()), name="sdq-progress"):
             yield
-        poll()
+        track(finished())
 
 
 def watch(
@@ -89,10 +92,13 @@ def watch(
     show: bool = True,
     poll_seconds: float = 0.5,
 ) -> None:
-    """Waits until `finished()` reaches `total`, drawing a progress bar if `show`."""
-    with following(title, total, finished, show=show, poll_seconds=poll_seconds):
-        while finished() < total:
+    """Waits until `finished()` reaches `total`, drawing a progress bar if `show`: one
+    query a poll, whether or not a bar is drawn."""
+    with _tracking(title, total, show) as track:
+        while (count := finished()) < total:
+            track(count)
             time.sleep(poll_seconds)
+        track(count)
 
 
 def status_table(status: dict[str, Any]) -> Table:
