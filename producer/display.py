@@ -92,8 +92,8 @@ def watch(
     show: bool = True,
     poll_seconds: float = 0.5,
 ) -> None:
-    """Waits until `finished()` reaches `total`, drawing a progress bar if `show`: one
-    query a poll, whether or not a bar is drawn."""
+    """Waits until `finished()` reaches `total`, drawing a progress bar if `show`; each
+    poll asks `finished()` once, and draws what it said."""
     with _tracking(title, total, show) as track:
         while (count := finished()) < total:
             track(count)
