@@ -20,6 +20,8 @@ from sdq.models.tables.generate import Generation
 # By the first four columns, the key (hour, kind, model, worker): by position, since each
 # rendering of a COALESCE binds its '' anew and Postgres cannot tell two of them equal.
 BY_KEY = text("1, 2, 3, 4")
+# A job's model in the key: generation's, or '' for the kinds without one.
+MODEL = func.coalesce(Generation.model, "")
 
 
 def roll_up(sessions: sessionmaker[Session]) -> int:
@@ -61,7 +63,7 @@ def successes_by_hour(session: Session, since: datetime | None) -> Select[Any]:
         select(
             _hour(session, Job.finished_at),
             Job.kind,
-            func.coalesce(Generation.model, ""),
+            MODEL,
             func.coalesce(Job.worker_host, ""),
             func.count(),
             func.count().filter(Job.cached.is_(True)),
@@ -83,7 +85,7 @@ def failures_by_hour(session: Session, since: datetime | None) -> Select[Any]:
         select(
             _hour(session, JobEvent.at),
             Job.kind,
-            func.coalesce(Generation.model, ""),
+            MODEL,
             func.coalesce(JobEvent.worker_host, ""),
             func.count(),
         )

@@ -127,8 +127,8 @@ class SdqCollector:
 
 
 def jobs_by_kind_and_status() -> Select[tuple[str, JobStatus, int]]:
-    """On Postgres, read from ix_jobs_run_id_status alone, which carries the kind: a scrape
-    does not read every job."""
+    """Jobs counted by kind and status: on Postgres from ix_jobs_run_id_status alone, which
+    carries the kind, so a scrape does not read every job."""
     return select(Job.kind, Job.status, func.count()).group_by(Job.kind, Job.status)
 
 
