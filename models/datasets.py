@@ -146,6 +146,10 @@ class EncodeSpec:
     def latent_key(self) -> str:
         return latent_key(self.dataset, self.model_revision, self.resolution, self.shard)
 
+    @property
+    def empty_prompt_key(self) -> str:
+        return empty_prompt_key(self.dataset, self.model_revision)
+
 
 def latent_key(dataset: str, model_revision: str, resolution: int, shard: int) -> str:
     return f"{latent_prefix(dataset, model_revision, resolution)}/{shard:05d}.parquet"
@@ -153,6 +157,12 @@ def latent_key(dataset: str, model_revision: str, resolution: int, shard: int) -
 
 def latent_prefix(dataset: str, model_revision: str, resolution: int) -> str:
     return f"datasets/{dataset}/latents-{model_revision[:16]}-{resolution}"
+
+
+def empty_prompt_key(dataset: str, model_revision: str) -> str:
+    """The text encoder's output for the empty prompt, stored by the dataset's encode run:
+    what caption dropout trains on in place of a caption."""
+    return f"datasets/{dataset}/empty-prompt-{model_revision[:16]}.npy"
 
 
 def latent_seed(dataset: str, key: str) -> int:

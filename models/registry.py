@@ -175,7 +175,9 @@ def _resolve_s3(uri: str) -> ModelIdentity:
 
 
 def _checkpoint(session: Session, ref: str) -> Checkpoint | None:
-    """`RUN@STEP` or `NAME@STEP` (a run's `--into` name): that step's checkpoint."""
+    """`RUN@STEP` or `NAME@STEP` (a run's `--into` name): that step's checkpoint, when it
+    is a model in the store. A step of a known run with no such model is an error that
+    lists the steps that have one."""
     match = CHECKPOINT_REF.fullmatch(ref)
     if match is None:
         return None
@@ -185,12 +187,23 @@ def _checkpoint(session: Session, ref: str) -> Checkpoint | None:
         runs = runs.where(Run.id == int(owner))
     else:
         runs = runs.where(Run.options["into"].as_string() == owner)
-    return session.scalars(
+    checkpoints = session.scalars(
         select(Checkpoint)
-        .where(Checkpoint.run_id.in_(runs), Checkpoint.step == step)
-        .order_by(Checkpoint.run_id.desc())
-        .limit(1)
-    ).first()
+        .where(Checkpoint.run_id == session.scalar(runs.order_by(Run.id.desc()).limit(1)))
+        .order_by(Checkpoint.step)
+    ).all()
+    if not checkpoints:
+        return None
+    models = [c for c in checkpoints if c.model_prefix is not None and c.deleted_at is None]
+    found = next((c for c in models if c.step == step), None)
+    if found is None:
+        raise ModelNotFound(
+            f"{ref}: no model at step {step} (a checkpoint holds the training state only "
+            f"unless it is the run's last, renders validation prompts or --export-every asks "
+            f"for it; old ones go with --keep-checkpoints); models at steps: "
+            f"{', '.join(str(c.step) for c in models) or 'none yet'}"
+        )
+    return found
 
 
 def _resolve_pushed(record: ModelRecord, store: ObjectStore) -> ModelIdentity:

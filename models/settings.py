@@ -76,6 +76,13 @@ class DownloadSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TrainSettings:
+    # A collective that waits longer than this fails the job, which is sent again and goes
+    # on from its last checkpoint: a dead or stuck rank never hangs the others.
+    collective_timeout_seconds: int = 600
+
+
+@dataclass(frozen=True, kw_only=True)
 class Settings:
     database_url: str
     store_url: str
@@ -86,6 +93,7 @@ class Settings:
     maintenance: MaintenanceSettings = field(default_factory=MaintenanceSettings)
     generate: GenerateSettings = field(default_factory=GenerateSettings)
     download: DownloadSettings = field(default_factory=DownloadSettings)
+    train: TrainSettings = field(default_factory=TrainSettings)
     # Queue name -> its task time limits.
     time_limits: Mapping[str, TimeLimits] = field(
         default_factory=lambda: {queue: TimeLimits() for queue in QUEUES}
@@ -136,6 +144,9 @@ class Settings:
                 max_redirects=_int(env, "SDQ_DOWNLOAD_MAX_REDIRECTS", 5, minimum=0),
                 max_pixels=_int(env, "SDQ_DOWNLOAD_MAX_PIXELS", 90_000_000),
                 allow_networks=_networks(env, "SDQ_DOWNLOAD_ALLOW_NETWORKS"),
+            ),
+            train=TrainSettings(
+                collective_timeout_seconds=_int(env, "SDQ_TRAIN_COLLECTIVE_TIMEOUT", 600),
             ),
             time_limits={queue: _time_limits(env, queue) for queue in QUEUES},
         )

@@ -7,6 +7,8 @@ from typing import Any
 from sdq.models.specs import canonical_sha256
 
 MIXED_PRECISION = ("no", "fp16", "bf16")
+# After warmup: hold the rate, or take it down to 0 by the last step (diffusers' schedules).
+LR_SCHEDULES = ("constant", "cosine", "linear")
 SPEC_VERSION = 1
 
 
@@ -15,9 +17,11 @@ class TrainOptions:
     """What decides a training run's weights, fixed when it is submitted."""
 
     steps: int
+    # Samples per optimizer step, over all ranks and accumulated micro-batches together.
     batch_size: int = 8
     lr: float = 1e-4
     lr_warmup: int = 0
+    lr_schedule: str = "constant"
     checkpoint_every: int = 100
     ema: float | None = 0.9999  # None: no EMA weights
     min_snr: float | None = 5.0  # None: plain MSE
@@ -25,14 +29,60 @@ class TrainOptions:
     mixed_precision: str = "no"
     gradient_checkpointing: bool = False
     compile: bool = False
+    # Data-parallel ranks (processes, one per GPU) each train-shard job runs on.
+    world_size: int = 1
+    # Micro-batches whose gradients add up to one optimizer step, on each rank.
+    grad_accumulation: int = 1
+    max_grad_norm: float | None = None  # None: gradients are not clipped
+    # The share of samples trained on the empty prompt's embedding instead of their
+    # caption's: what classifier-free guidance needs the model to know.
+    caption_dropout: float = 0.0
+    # Offset noise (Guttenberg 2023): a per-channel constant added to the noise, so the
+    # model learns to change an image's mean brightness.
+    noise_offset: float = 0.0
+    # Checkpoints kept in the store; older ones are deleted there, their rows kept.
+    keep_checkpoints: int | None = None  # None: every one
+    # Besides the last checkpoint (and those with validation renders), a whole pipeline
+    # is written every this many steps; other checkpoints hold the training state only.
+    export_every: int | None = None
+    # Start from random weights instead of the base's: of the base's architecture, or of
+    # `unet_config` (a diffusers U-Net config) when given.
+    from_scratch: bool = False
+    unet_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.mixed_precision not in MIXED_PRECISION:
             raise ValueError(f"mixed precision must be one of {', '.join(MIXED_PRECISION)}")
-        if min(self.steps, self.batch_size, self.checkpoint_every) < 1 or self.lr_warmup < 0:
-            raise ValueError("steps, batch size and checkpoint interval must be positive")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}")
+        positive = (
+            *(self.steps, self.batch_size, self.checkpoint_every, self.world_size),
+            *(self.grad_accumulation, self.keep_checkpoints or 1, self.export_every or 1),
+        )
+        if min(positive) < 1 or self.lr_warmup < 0:
+            raise ValueError(
+                "steps, batch size, checkpoint interval, world size, gradient accumulation, "
+                "checkpoints kept and the export interval must be positive"
+            )
+        if self.batch_size % (self.world_size * self.grad_accumulation):
+            raise ValueError(
+                f"--batch-size {self.batch_size} must split into equal micro-batches: "
+                f"a multiple of --world-size {self.world_size} x --grad-accumulation "
+                f"{self.grad_accumulation}"
+            )
         if self.ema is not None and not 0 < self.ema < 1:
             raise ValueError("--ema must be between 0 and 1")
+        if not 0 <= self.caption_dropout < 1:
+            raise ValueError(f"--caption-dropout must be in [0, 1), got {self.caption_dropout}")
+        if self.unet_config is not None and not self.from_scratch:
+            raise ValueError("--unet-config sets the architecture of a U-Net --from-scratch")
+        if self.noise_offset < 0 or (self.max_grad_norm is not None and self.max_grad_norm <= 0):
+            raise ValueError("--noise-offset must not be negative, --max-grad-norm positive")
+
+    @property
+    def micro_batch(self) -> int:
+        """Samples in one forward pass of one rank."""
+        return self.batch_size // (self.world_size * self.grad_accumulation)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,9 +125,27 @@ class TrainShardSpec:
     options: TrainOptions
     inputs: tuple[LatentInput, ...] = field(default=())
     validation: Validation | None = None
+    # The text encoder's output for "", which caption dropout trains on (the encode run
+    # stores it beside the latents).
+    empty_prompt_key: str | None = None
+    # Where the run's first state comes from: a checkpoint prefix of an earlier run whose
+    # weights it goes on from (another resolution's phase, say); None: the base model.
+    start_from: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def exports_model(self) -> bool:
+        """Whether this job's checkpoint is also written as a whole pipeline that generation
+        can use: the run's last, one whose validation prompts are rendered, or one the
+        export interval asks for. The others hold the training state only."""
+        every = self.options.export_every
+        return (
+            self.last_step == self.options.steps
+            or self.validation is not None
+            or (every is not None and self.last_step % every == 0)
+        )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainShardSpec":

@@ -177,13 +177,20 @@ def show_training(status: dict[str, Any]) -> None:
     if status["samples_per_second"]:
         eta = status["eta_seconds"]
         left = f", about {eta // 60} min {eta % 60} s left" if eta else ""
-        stdout.print(f"{status['samples_per_second']:.1f} samples/s{left}")
+        ranks = f" on {status['world_size']} ranks" if status["world_size"] > 1 else ""
+        mfu = f", MFU {status['mfu']:.1%}" if status["mfu"] is not None else ""
+        stdout.print(f"{status['samples_per_second']:.1f} samples/s{ranks}{mfu}{left}")
     if status["losses"]:
         stdout.print(f"loss {loss_curve([loss for _, loss in status['losses']])}")
     checkpoints = status["checkpoints"]
     if checkpoints:
-        stdout.print(rows_table(checkpoints, ["step", "uri"], title="checkpoints"))
-        stdout.print(f"render with: sdq submit PROMPTS --model {status['model']}@STEP")
+        rows = [
+            {**c, "holds": "deleted" if c["deleted"] else "model" if c["model_revision"] else
+             "training state"}
+            for c in checkpoints
+        ]  # fmt: skip
+        stdout.print(rows_table(rows, ["step", "holds", "uri"], title="checkpoints"))
+        stdout.print(f"render with: sdq submit PROMPTS --model {status['model']}@STEP (a model)")
     stdout.print(f"page: {status['page']}", soft_wrap=True)
 
 

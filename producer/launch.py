@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from sdq.models.jobs.kinds import POOL_QUEUES, Pool
+from sdq.models.jobs.kinds import POOL_QUEUES, TRAIN, Pool
 
 CELERY_APP = "sdq.workers.main"
 # A dead worker is started again after 2, 4, 8... seconds, at most this many; one that ran
@@ -56,23 +56,39 @@ def celery_worker(
     ]  # fmt: skip
 
 
-def gpu_workers(gpus: list[str], *, loglevel: str) -> list[WorkerCommand]:
+def gpu_workers(
+    gpus: list[str],
+    *,
+    loglevel: str,
+    queues: tuple[str, ...] = POOL_QUEUES[Pool.gpu],
+    train_ranks: int = 0,
+) -> list[WorkerCommand]:
     """One prefork worker of concurrency 1 per GPU: the pipeline loads in the forked child,
-    and a child killed mid-task gives its message back to the queue."""
+    and a child killed mid-task gives its message back to the queue.
+
+    With `train_ranks` R, the first R GPUs are one train worker instead, whose train-shard
+    jobs run on up to R rank processes (one per GPU); the other GPUs serve the other queues.
+    A GPU that trains never also holds a generation or encode pipeline."""
+    commands = []
+    if train_ranks:
+        group, gpus = gpus[:train_ranks], gpus[train_ranks:]
+        argv = celery_worker(
+            (TRAIN.queue,), name="train", concurrency=1, prefetch=1, loglevel=loglevel
+        )
+        commands.append(
+            WorkerCommand(argv, {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(group)})
+        )
+        queues = tuple(queue for queue in queues if queue != TRAIN.queue)
+        if not queues or (group and not gpus):
+            return commands
     if not gpus:
         argv = celery_worker(
-            POOL_QUEUES[Pool.gpu], name="cpu-render", concurrency=1, prefetch=1, loglevel=loglevel
+            queues, name="cpu-render", concurrency=1, prefetch=1, loglevel=loglevel
         )
-        return [WorkerCommand(argv, {**os.environ, "CUDA_VISIBLE_DEVICES": ""})]
-    return [
+        return [*commands, WorkerCommand(argv, {**os.environ, "CUDA_VISIBLE_DEVICES": ""})]
+    return commands + [
         WorkerCommand(
-            celery_worker(
-                POOL_QUEUES[Pool.gpu],
-                name=f"gpu{gpu}",
-                concurrency=1,
-                prefetch=1,
-                loglevel=loglevel,
-            ),
+            celery_worker(queues, name=f"gpu{gpu}", concurrency=1, prefetch=1, loglevel=loglevel),
             {**os.environ, "CUDA_VISIBLE_DEVICES": gpu},
         )
         for gpu in gpus

@@ -17,6 +17,8 @@ GPU_MODULES = {
     "workers/generate/pipelines.py",
     "workers/encode/encoders.py",
     "workers/train/trainer.py",
+    "workers/train/job.py",
+    "workers/train/rank.py",
 }
 PACKAGES = ("producer", "workers", "models", "migrations")
 

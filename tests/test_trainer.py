@@ -12,7 +12,7 @@ from sdq.models import tiny
 from sdq.models.registry import tiny_identity
 from sdq.models.training import TrainOptions, TrainShardSpec
 from sdq.workers.tiny import build_unet
-from sdq.workers.train.trainer import new_state, train_step
+from sdq.workers.train.trainer import draw, new_state, train_step
 
 BATCH = 2
 
@@ -41,12 +41,10 @@ def test_v_prediction_with_min_snr_is_the_weighted_velocity_error() -> None:
     shard = spec("v_prediction", min_snr=5.0, ema=None)
     state = new_state(shard, build_unet())
     before = copy.deepcopy(state.unet)
-    # The same draws the step makes, from a copy of its generator.
-    draws = torch.Generator().set_state(state.generator.get_state())
     latents, embeddings = batch(1)
-    noise = torch.randn(latents.shape, generator=draws)
-    total = state.noise_scheduler.config.num_train_timesteps
-    steps = torch.randint(0, total, (BATCH,), generator=draws)
+    # The draws of step 1: a function of the seed, the step and the sample alone.
+    draws = draw(state, shard, latents.shape[1:])
+    noise, steps = draws.noise, draws.timesteps
 
     loss = train_step(state, shard, latents, embeddings)
 

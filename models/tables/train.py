@@ -39,15 +39,20 @@ class TrainStep(Base):
     step: Mapped[int] = mapped_column(Integer, primary_key=True)
     loss: Mapped[float] = mapped_column(Float)
     lr: Mapped[float] = mapped_column(Float)
-    samples_per_second: Mapped[float] = mapped_column(Float)
+    samples_per_second: Mapped[float] = mapped_column(Float)  # of the whole global batch
+    world_size: Mapped[int] = mapped_column(Integer, server_default="1")
+    # Model FLOPs utilisation on a GPU whose peak is known; none on a CPU.
+    mfu: Mapped[float | None] = mapped_column(Float)
     at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.current_timestamp()
     )
 
 
 class Checkpoint(Base):
-    """The state after `step`: everything to resume from (under `uri`), and the model it
-    makes (`model_prefix` in the store, registered under `model_revision`)."""
+    """The state after `step`: everything to resume from (under `uri`, its files' hash
+    `state_sha256`), and, for a checkpoint written as a model, the pipeline it makes
+    (`model_prefix` in the store, registered under `model_revision`). A checkpoint past
+    the run's --keep-checkpoints is deleted from the store; its row stays, `deleted_at` set."""
 
     __tablename__ = "checkpoints"
 
@@ -55,11 +60,13 @@ class Checkpoint(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     step: Mapped[int] = mapped_column(Integer)
     uri: Mapped[str] = mapped_column(Text)
-    model_prefix: Mapped[str] = mapped_column(Text)
-    model_revision: Mapped[str] = mapped_column(String(64))
+    state_sha256: Mapped[str | None] = mapped_column(String(64))
+    model_prefix: Mapped[str | None] = mapped_column(Text)
+    model_revision: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.current_timestamp()
     )
+    deleted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (
         UniqueConstraint("run_id", "step", name="uq_checkpoints_run_id_step"),

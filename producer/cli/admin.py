@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from sdq.models.jobs.kinds import POOL_QUEUES, Pool
 from sdq.models.registry import ModelNotFound, push_model
 from sdq.models.store import StoreError
 from sdq.producer import display, lookups
@@ -83,17 +84,51 @@ def worker() -> None:
     """Start worker processes (plain Celery workers underneath)."""
 
 
+def _gpu_queues(_ctx, _param, value: str | None) -> tuple[str, ...]:
+    if value is None:
+        return POOL_QUEUES[Pool.gpu]
+    queues = tuple(queue.strip() for queue in value.split(",") if queue.strip())
+    unknown = [queue for queue in queues if queue not in POOL_QUEUES[Pool.gpu]]
+    if unknown or not queues:
+        raise click.BadParameter(
+            f"{value!r}: the GPU queues are {', '.join(POOL_QUEUES[Pool.gpu])}"
+        )
+    return queues
+
+
 @worker.command()
 @click.option("--gpus", help="Comma-separated GPU indices [default: every GPU nvidia-smi lists]")
+@click.option(
+    "--queues",
+    callback=_gpu_queues,
+    help="Comma-separated queues these GPUs serve, of generate, encode and train: a GPU "
+    "keeps only those kinds' models. [default: all three]",
+)
+@click.option(
+    "--train-ranks",
+    type=click.IntRange(min=1),
+    help="The first N GPUs are one train worker, whose jobs run data-parallel on up to N "
+    "ranks (`sdq train --world-size`); the others serve the other queues. Without GPUs, "
+    "a train worker of its own whose jobs run on CPU ranks.",
+)
 @LOGLEVEL
 @pass_app
-def gpu(app: SdqCelery, gpus: str | None, loglevel: str) -> None:
+def gpu(
+    app: SdqCelery,
+    gpus: str | None,
+    queues: tuple[str, ...],
+    train_ranks: int | None,
+    loglevel: str,
+) -> None:
     """One process per GPU for generate, encode and train; one CPU process if there is no GPU."""
     from sdq.producer.launch import gpu_workers, supervise, visible_gpus
 
     require_broker(app, "a worker")
     indices = [gpu.strip() for gpu in gpus.split(",") if gpu.strip()] if gpus else visible_gpus()
-    sys.exit(supervise(gpu_workers(indices, loglevel=loglevel)))
+    if train_ranks and indices and train_ranks > len(indices):
+        raise click.UsageError(f"--train-ranks {train_ranks}: there are {len(indices)} GPUs")
+    commands = gpu_workers(indices, loglevel=loglevel, queues=queues, train_ranks=train_ranks or 0)
+    sys.exit(supervise(commands))
 
 
 @worker.command()

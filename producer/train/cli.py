@@ -6,9 +6,10 @@ from typing import Any
 import click
 from sqlalchemy.orm import Session
 
+from sdq.models.architectures import UNET_ARCHITECTURES, InvalidArchitecture, unet_architecture
 from sdq.models.registry import ModelNotFound, resolve_model
 from sdq.models.tables import Run
-from sdq.models.training import MIXED_PRECISION, TrainOptions, Validation
+from sdq.models.training import LR_SCHEDULES, MIXED_PRECISION, TrainOptions, Validation
 from sdq.producer import display
 from sdq.producer.cli.common import (
     ensure_schema,
@@ -24,7 +25,12 @@ from sdq.producer.cli.common import (
 from sdq.producer.generate.prompts import InvalidInput, read_prompts
 from sdq.producer.train import lookups as train_lookups
 from sdq.producer.train.page import page_key, training_html
-from sdq.producer.train.submit import MissingLatents, TrainSubmission, record_train
+from sdq.producer.train.submit import (
+    CannotTrain,
+    TrainSubmission,
+    record_train,
+    start_checkpoint,
+)
 from sdq.workers.app import SdqCelery
 
 
@@ -43,9 +49,32 @@ def train() -> None:
     N`. Each checkpoint is a model `sdq submit --model RUN@STEP` renders with."""
 
 
+def _checkpoint_ref(_ctx, _param, value: str | None) -> tuple[int, int | None] | None:
+    """RUN or RUN@STEP."""
+    if value is None:
+        return None
+    run, _, step = value.partition("@")
+    if not run.isdigit() or (step and not step.isdigit()):
+        raise click.BadParameter(f"{value!r} is not RUN or RUN@STEP (numbers)")
+    return int(run), int(step) if step else None
+
+
 @train.command()
 @click.argument("name")
-@click.option("--base", required=True, help="The model to start from: any --model source.")
+@click.option(
+    "--base",
+    help="The model to start from: any --model source. Its VAE and text encoder made the "
+    "latents; its U-Net is the starting point unless --from-scratch. [required unless "
+    "--resume-from]",
+)
+@click.option(
+    "--resume-from",
+    metavar="RUN[@STEP]",
+    callback=_checkpoint_ref,
+    help="Start from the weights of train run RUN's checkpoint (its newest, or at STEP), on "
+    "the same base: the next phase of a pre-training, e.g. at another --resolution. The "
+    "optimizer and the learning-rate schedule start afresh.",
+)
 @click.option(
     "--resolution",
     default=256,
@@ -59,7 +88,7 @@ def train() -> None:
     default=8,
     show_default=True,
     type=click.IntRange(min=1),
-    help="Samples per optimizer step.",
+    help="Samples per optimizer step, over all ranks and micro-batches (the global batch).",
 )
 @click.option(
     "--lr",
@@ -81,6 +110,75 @@ def train() -> None:
     show_default=True,
     type=click.IntRange(min=1),
     help="Steps per train-shard job: each ends with a checkpoint.",
+)
+@click.option(
+    "--lr-schedule",
+    type=click.Choice(LR_SCHEDULES),
+    default="constant",
+    show_default=True,
+    help="After warmup: hold --lr, or bring it down to 0 by the last step.",
+)
+@click.option(
+    "--world-size",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Data-parallel ranks, one GPU each (CPU processes without GPUs), that every "
+    "train-shard job runs on; each trains on its share of every batch. A worker started "
+    "with `sdq worker gpu --train-ranks N` runs runs of world size up to N.",
+)
+@click.option(
+    "--grad-accumulation",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Micro-batches per optimizer step on each rank: a batch larger than fits at once.",
+)
+@click.option(
+    "--max-grad-norm",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Clip the gradients' global norm to this; 0 clips nothing.",
+)
+@click.option(
+    "--caption-dropout",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(min=0, max=1, max_open=True),
+    help="Share of samples trained on the empty prompt instead of their caption, so that "
+    "the model serves classifier-free guidance (0.1 is usual for pre-training).",
+)
+@click.option(
+    "--noise-offset",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Offset noise strength (0.05-0.1 lets the model learn very dark or bright images).",
+)
+@click.option(
+    "--keep-checkpoints",
+    type=click.IntRange(min=1),
+    help="Keep this many newest checkpoints in the store; older ones are deleted (their "
+    "rows stay, marked). [default: every one]",
+)
+@click.option(
+    "--export-every",
+    type=click.IntRange(min=1),
+    help="Also write a whole pipeline (a model `--model RUN@STEP` renders with) every this "
+    "many steps. The last checkpoint and those with validation renders always are; the "
+    "others hold the training state only.",
+)
+@click.option(
+    "--from-scratch",
+    is_flag=True,
+    help="Random weights instead of the base's U-Net, drawn from --seed.",
+)
+@click.option(
+    "--unet-config",
+    metavar="FILE|" + "|".join(UNET_ARCHITECTURES),
+    help="With --from-scratch: the U-Net's architecture, a named one or a diffusers U-Net "
+    "config file. [default: the base's]",
 )
 @click.option("--ema", default=0.9999, show_default=True, help="EMA decay; 0 keeps none.")
 @click.option("--min-snr", default=5.0, show_default=True, help="Min-SNR gamma; 0 for plain MSE.")
@@ -117,15 +215,13 @@ def train() -> None:
 def start(
     app: SdqCelery,
     name: str,
-    base: str,
+    base: str | None,
+    resume_from: tuple[int, int | None] | None,
     resolution: int,
     into: str | None,
     validation_prompts: Path | None,
     wait: bool,
     as_json: bool,
-    ema: float,
-    min_snr: float,
-    compile_: bool,
     **options: Any,
 ) -> None:
     """Train on dataset NAME's latents made with the base model at the resolution.
@@ -133,15 +229,14 @@ def start(
     Without a broker (SDQ_BROKER_URL unset) the work runs here, in this process."""
     if into is not None and ("@" in into or "/" in into):
         raise click.UsageError(f"--into {into!r}: a model name has no '@' or '/'")
-    try:
-        train_options = TrainOptions(
-            ema=ema or None, min_snr=min_snr or None, compile=compile_, **options
-        )
-    except ValueError as error:
-        raise click.UsageError(str(error)) from None
+    if (base is None) == (resume_from is None):
+        raise click.UsageError("give --base, or --resume-from (which trains on its run's base)")
+    train_options = _train_options(**options)
+    if resume_from and train_options.from_scratch:
+        raise click.UsageError("--resume-from starts from trained weights; --from-scratch does not")
     prompts = _validation_prompts(validation_prompts) if validation_prompts else ()
     ensure_schema(app)
-    submission = _submit(app, name, base, resolution, train_options, into, prompts)
+    submission = _submit(app, name, base, resume_from, resolution, train_options, into, prompts)
     if app.settings.embedded:
         work_here(app, submission.run_id, jobs=submission.jobs)
         with app.sessions() as session:
@@ -157,6 +252,30 @@ def start(
     _report_status(app, submission.run_id, as_json)
 
 
+def _train_options(
+    *,
+    ema: float,
+    min_snr: float,
+    compile_: bool,
+    max_grad_norm: float,
+    unet_config: str | None,
+    **options: Any,
+) -> TrainOptions:
+    """The options as the run records them: 0 for "none" becomes None, a named or filed
+    architecture its config."""
+    try:
+        return TrainOptions(
+            ema=ema or None,
+            min_snr=min_snr or None,
+            compile=compile_,
+            max_grad_norm=max_grad_norm or None,
+            unet_config=unet_architecture(unet_config) if unet_config else None,
+            **options,
+        )
+    except (ValueError, InvalidArchitecture) as error:
+        raise click.UsageError(str(error)) from None
+
+
 def _validation_prompts(path: Path) -> tuple[tuple[str, int], ...]:
     try:
         return tuple(
@@ -170,7 +289,8 @@ def _validation_prompts(path: Path) -> tuple[tuple[str, int], ...]:
 def _submit(
     app: SdqCelery,
     name: str,
-    base: str,
+    base: str | None,
+    resume_from: tuple[int, int | None] | None,
     resolution: int,
     options: TrainOptions,
     into: str | None,
@@ -179,7 +299,11 @@ def _submit(
     with found():
         try:
             with app.sessions() as session:
-                identity = resolve_model(base, store=app.store, session=session)
+                start_from = start_checkpoint(session, *resume_from) if resume_from else None
+                if start_from is not None:
+                    identity = train_lookups.run_base(session, start_from.run, store=app.store)
+                else:
+                    identity = resolve_model(base, store=app.store, session=session)
             validation = None
             if prompts:
                 validation = Validation(
@@ -195,9 +319,11 @@ def _submit(
                 resolution=resolution,
                 options=options,
                 into=into,
+                store=app.store,
                 validation=validation,
+                start_from=start_from,
             )
-        except (ModelNotFound, MissingLatents) as error:
+        except (ModelNotFound, CannotTrain, InvalidArchitecture) as error:
             raise click.UsageError(str(error)) from None
 
 

@@ -10,6 +10,9 @@ from sqlalchemy.orm import Session
 
 from sdq.models.db import chunked
 from sdq.models.jobs.kinds import GENERATE, TRAIN
+from sdq.models.registry import ModelNotFound, resolve_model
+from sdq.models.specs import ModelIdentity
+from sdq.models.store import ObjectStore
 from sdq.models.tables import FINISHED, Job, JobStatus, Run
 from sdq.models.tables.generate import Generation
 from sdq.models.tables.train import Checkpoint, TrainStep
@@ -35,7 +38,13 @@ def train_status(session: Session, run_id: int) -> dict[str, Any]:
     if run is None or run.kind != TRAIN.name:
         raise NotFound(f"no train run {run_id}")
     losses = session.execute(
-        select(TrainStep.step, TrainStep.loss, TrainStep.samples_per_second)
+        select(
+            TrainStep.step,
+            TrainStep.loss,
+            TrainStep.samples_per_second,
+            TrainStep.world_size,
+            TrainStep.mfu,
+        )
         .where(TrainStep.run_id == run_id)
         .order_by(TrainStep.step)
     ).all()
@@ -44,7 +53,9 @@ def train_status(session: Session, run_id: int) -> dict[str, Any]:
     ).all()
     steps = run.options["steps"]
     step = checkpoints[-1].step if checkpoints else 0
-    speed = statistics.median(row[2] for row in losses[-RECENT_STEPS:]) if losses else None
+    recent = losses[-RECENT_STEPS:]
+    speed = statistics.median(row[2] for row in recent) if recent else None
+    mfus = [row[4] for row in recent if row[4] is not None]
     left = (steps - step) * run.options["batch_size"]
     return {
         "run_id": run_id,
@@ -54,13 +65,38 @@ def train_status(session: Session, run_id: int) -> dict[str, Any]:
         "model": run.options["into"] or str(run_id),
         "step": step,
         "steps": steps,
+        "world_size": run.options.get("world_size", 1),
         "samples_per_second": round(speed, 2) if speed else None,
+        # Model FLOPs utilisation of the recent steps, on a GPU whose peak is known.
+        "mfu": round(statistics.median(mfus), 4) if mfus else None,
         "eta_seconds": round(left / speed) if speed and left else None,
         "losses": [[row[0], row[1]] for row in losses],
         "checkpoints": [
-            {"step": c.step, "uri": c.uri, "model_revision": c.model_revision} for c in checkpoints
+            {
+                "step": c.step,
+                "uri": c.uri,
+                "state_sha256": c.state_sha256,
+                "model_revision": c.model_revision,
+                "deleted": c.deleted_at is not None,
+            }
+            for c in checkpoints
         ],
     }
+
+
+def run_base(session: Session, run_id: int, *, store: ObjectStore) -> ModelIdentity:
+    """The base model train run RUN trained on, as it was then: a run that goes on from it
+    trains on the same VAE and text encoder's latents."""
+    run = session.get(Run, run_id)
+    if run is None or run.kind != TRAIN.name:
+        raise NotFound(f"no train run {run_id}")
+    identity = resolve_model(run.options["base"], store=store, session=session)
+    if identity.revision != run.options["base_revision"]:
+        raise ModelNotFound(
+            f"train run {run_id} trained on {run.options['base']!r} at revision "
+            f"{run.options['base_revision'][:12]}; that name is now {identity.revision[:12]}"
+        )
+    return identity
 
 
 def latest_step(session: Session, run_id: int) -> int:

@@ -7,20 +7,40 @@ from dataclasses import asdict, dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.datasets import latent_key
+from sdq.models.architectures import check_fits
+from sdq.models.datasets import empty_prompt_key, latent_key
 from sdq.models.jobs.kinds import TRAIN
 from sdq.models.jobs.outbox import add_jobs
 from sdq.models.specs import ModelIdentity
+from sdq.models.store import ObjectStore
 from sdq.models.tables import Run
 from sdq.models.tables.download import Shard
 from sdq.models.tables.encode import LatentShard
-from sdq.models.tables.train import TrainInput
-from sdq.models.training import LatentInput, TrainOptions, TrainShardSpec, Validation
+from sdq.models.tables.train import Checkpoint, TrainInput
+from sdq.models.training import (
+    LatentInput,
+    TrainOptions,
+    TrainShardSpec,
+    Validation,
+    checkpoint_prefix,
+)
 from sdq.producer.download.lookups import dataset_named
 
 
-class MissingLatents(Exception):
+class CannotTrain(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class StartFrom:
+    """The checkpoint whose weights a run goes on from (`--resume-from RUN[@STEP]`)."""
+
+    run: int
+    step: int
+
+    @property
+    def prefix(self) -> str:
+        return checkpoint_prefix(self.run, self.step)
 
 
 @dataclass(frozen=True)
@@ -40,10 +60,20 @@ def record_train(
     resolution: int,
     options: TrainOptions,
     into: str | None,
+    store: ObjectStore,
     validation: Validation | None = None,
+    start_from: StartFrom | None = None,
 ) -> TrainSubmission:
     with sessions.begin() as session:
         shards = _latent_shards(session, name, base, resolution)
+        if options.unet_config is not None:
+            tensors = shards[0][0].tensors
+            check_fits(
+                options.unet_config,
+                latent_channels=tensors["latents"]["shape"][0],
+                text_width=tensors["text_embeddings"]["shape"][-1],
+            )
+        empty_prompt = _empty_prompt(store, name, base) if options.caption_dropout else None
         run = Run(
             kind=TRAIN.name,
             source=name,
@@ -53,6 +83,9 @@ def record_train(
                 "base_revision": base.revision,
                 "resolution": resolution,
                 "into": into,
+                # The run it goes on from: the lineage view follows this back.
+                "start_run": start_from.run if start_from else None,
+                "start_step": start_from.step if start_from else None,
                 **asdict(options),
             },
             job_count=0,
@@ -75,6 +108,8 @@ def record_train(
             options=options,
             inputs=tuple(_input(name, shard, number) for shard, number in shards),
             validation=validation,
+            empty_prompt_key=empty_prompt,
+            start_from=start_from.prefix if start_from else None,
         )
         add_jobs(session, run, TRAIN, [first])
         run.job_count = -(-options.steps // options.checkpoint_every)
@@ -85,6 +120,33 @@ def record_train(
         jobs=run.job_count,
         samples=sum(shard.samples for shard, _ in shards),
     )
+
+
+def _empty_prompt(store: ObjectStore, name: str, base: ModelIdentity) -> str:
+    key = empty_prompt_key(name, base.revision)
+    if not store.exists(key):
+        raise CannotTrain(
+            f"--caption-dropout trains on the empty prompt's embedding, which the encode run "
+            f"of {name!r} with {base.name} did not store (it was encoded by an older sdq): "
+            f"encode it again into a new dataset name"
+        )
+    return key
+
+
+def start_checkpoint(session: Session, run_id: int, step: int | None) -> StartFrom:
+    """The checkpoint `--resume-from RUN[@STEP]` names: the step's, or the run's newest,
+    still in the store."""
+    query = select(Checkpoint.step).where(
+        Checkpoint.run_id == run_id, Checkpoint.deleted_at.is_(None)
+    )
+    steps = session.scalars(query.order_by(Checkpoint.step)).all()
+    if not steps or (step is not None and step not in steps):
+        wanted = f"{run_id}@{step}" if step is not None else str(run_id)
+        raise CannotTrain(
+            f"--resume-from {wanted}: no such checkpoint in the store; train run {run_id} has "
+            f"{'checkpoints at steps ' + ', '.join(map(str, steps)) if steps else 'none'}"
+        )
+    return StartFrom(run_id, steps[-1] if step is None else step)
 
 
 def _latent_shards(
@@ -104,7 +166,7 @@ def _latent_shards(
         .order_by(Shard.number)
     ).all()
     if not shards:
-        raise MissingLatents(
+        raise CannotTrain(
             f"dataset {name!r} has no latents made with {base.name} (revision "
             f"{base.revision[:12]}) at {resolution} px: `sdq encode {name} --model "
             f"{base.name} --resolution {resolution}` makes them"

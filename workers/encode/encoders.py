@@ -133,6 +133,20 @@ def encode_batch(encoders: Encoders, batch: Batch) -> Encoded:
         )
 
 
+def empty_prompt(encoders: Encoders) -> np.ndarray:
+    """The text encoder's output for "" (tokens x hidden size), in the storage dtype."""
+    tokens = encoders.tokenizer(
+        [""],
+        padding="max_length",
+        max_length=encoders.tokenizer.model_max_length,
+        truncation=True,
+        return_tensors="pt",
+    ).input_ids
+    with torch.inference_mode():
+        embedding = encoders.text_encoder(tokens.to(encoders.device))[0][0]
+    return embedding.to(encoders.storage_dtype).cpu().numpy()
+
+
 def join(encoders: Encoders, parts: list[Encoded], resolution: int) -> Encoded:
     """A shard's batches as one; a shard with no kept image still says what it would hold."""
     if parts:

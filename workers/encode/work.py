@@ -7,12 +7,14 @@ this batch is on the device, and the device works in between.
 """
 
 import hashlib
+import io
 import os
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pyarrow as pa
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from sdq.workers.encode.encoders import LoadedEncoders
 
 PARQUET = "application/vnd.apache.parquet"
+NPY = "application/octet-stream"
 # Batches prepared ahead of the device: enough to ride out a slow decode, few enough
 # that pinned host memory stays small.
 BATCHES_AHEAD = 2
@@ -85,7 +88,7 @@ class EncodeWork(Work):
     def _encode(
         self, job_id: int, spec: EncodeSpec, shard: ImageShard, decoders: ThreadPoolExecutor
     ) -> Output:
-        from sdq.workers.encode.encoders import encode_batch, join, prepare_batches
+        from sdq.workers.encode.encoders import empty_prompt, encode_batch, join, prepare_batches
 
         started = perf_counter()
         encoders = self.encoders.get(spec)
@@ -108,6 +111,11 @@ class EncodeWork(Work):
             "scaling_factor": encoders.vae.config.scaling_factor,
         }
         data = latent_shard_bytes(shard, encoded, about)
+        # Every job of the run stores the same bytes here: training needs it before the
+        # first shard, whichever that is.
+        self.store.put_bytes(
+            spec.empty_prompt_key, npy_bytes(empty_prompt(encoders)), content_type=NPY
+        )
         uri = self.store.put_bytes(spec.latent_key, data, content_type=PARQUET)
         output = Output(
             job_id,
@@ -119,6 +127,12 @@ class EncodeWork(Work):
         with self.sessions.begin() as session:
             _record(session, spec, output, samples=len(shard), tensors=describe(encoded))
         return output
+
+
+def npy_bytes(array) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
 
 
 def _record(

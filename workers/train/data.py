@@ -2,7 +2,8 @@
 latent shards in a permuted order and each shard's rows permuted within it. Batch k is
 samples [k * batch_size, (k + 1) * batch_size) of that endless stream, so a job that
 starts at step s starts at sample s * batch_size, on any worker, with nothing saved but
-the step. No torch here."""
+the step. With several ranks, each reads its own equal slice of every batch. No torch
+here."""
 
 import io
 from collections.abc import Callable, Iterator
@@ -58,11 +59,12 @@ class LatentStream:
                 yield int(shard), int(row)
             offset = 0
 
-    def batches(self, first_step: int) -> Iterator[Batch]:
-        """Batch after batch from the one step `first_step` trains on."""
+    def batches(self, first_step: int, part: slice = slice(None)) -> Iterator[Batch]:
+        """Batch after batch from the one step `first_step` trains on: of each, the samples
+        in `part` (a rank's share)."""
         samples = self.samples(first_step)
         while True:
-            yield self._batch(list(islice(samples, self.batch_size)))
+            yield self._batch(list(islice(samples, self.batch_size))[part])
 
     def _batch(self, samples: list[tuple[int, int]]) -> Batch:
         latents, embeddings = [], []

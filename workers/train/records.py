@@ -2,7 +2,8 @@
 the steps' losses, the checkpoint's row, the model's registration, the run's next job and
 the checkpoint's validation renders."""
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
@@ -22,7 +23,21 @@ from sdq.models.registry import STORE_SOURCE, record_stored_model
 from sdq.models.specs import GenerationSpec
 from sdq.models.tables import Job, JobStatus, Run
 from sdq.models.tables.train import Checkpoint, TrainStep
-from sdq.models.training import TrainShardSpec
+from sdq.models.training import TrainShardSpec, checkpoint_prefix
+
+# What a step redone by a later attempt writes again.
+STEP_FIGURES = ("loss", "lr", "samples_per_second", "world_size", "mfu")
+
+
+@dataclass(frozen=True)
+class Written:
+    """A checkpoint in the store: its training state, and the pipeline when it is a model."""
+
+    step: int
+    uri: str
+    state_sha256: str
+    model_prefix: str | None
+    model_revision: str | None
 
 
 def checkpoint_at(session: Session, run: int, step: int) -> Checkpoint | None:
@@ -32,49 +47,66 @@ def checkpoint_at(session: Session, run: int, step: int) -> Checkpoint | None:
 
 
 def record_checkpoint(
-    session: Session,
-    spec: TrainShardSpec,
-    steps: list[dict[str, Any]],
-    *,
-    uri: str,
-    prefix: str,
-    revision: str,
+    session: Session, spec: TrainShardSpec, steps: list[dict[str, Any]], written: Written
 ) -> list[int]:
     """Returns the runs given new jobs: this one (its next job) and a validation run."""
-    step = spec.last_step
     if steps:
         # Steps a killed worker had done are done again, with the same numbers.
         insert = upsert(session, TrainStep).values(steps)
         session.execute(
             insert.on_conflict_do_update(
                 index_elements=["run_id", "step"],
-                set_={name: insert.excluded[name] for name in ("loss", "lr", "samples_per_second")},
+                set_={name: insert.excluded[name] for name in STEP_FIGURES},
             )
         )
-    model_prefix = f"{prefix}/model"
-    written = session.execute(
+    inserted = session.execute(
         upsert(session, Checkpoint)
         .values(
             run_id=spec.run,
-            step=step,
-            uri=uri,
-            model_prefix=model_prefix,
-            model_revision=revision,
+            step=written.step,
+            uri=written.uri,
+            state_sha256=written.state_sha256,
+            model_prefix=written.model_prefix,
+            model_revision=written.model_revision,
         )
         .on_conflict_do_nothing(index_elements=["run_id", "step"])
         .returning(Checkpoint.id)
     ).first()
-    record_stored_model(session, spec.model_name, model_prefix, revision)
-    if written is None:
+    if written.model_prefix is not None:
+        record_stored_model(session, spec.model_name, written.model_prefix, written.model_revision)
+    if inserted is None:
         return [spec.run]  # a second writer of this checkpoint: the rest is written already
     new_work = []
     if spec.validation is not None:
-        model = (f"{spec.model_name}@{step}", f"{STORE_SOURCE}{model_prefix}", revision)
-        new_work.append(_validation_run(session, spec, step, model))
-    if step < spec.options.steps:
+        model = (
+            f"{spec.model_name}@{written.step}",
+            f"{STORE_SOURCE}{written.model_prefix}",
+            written.model_revision,
+        )
+        new_work.append(_validation_run(session, spec, written.step, model))
+    if written.step < spec.options.steps:
         _next_job(session, spec)
         new_work.append(spec.run)
     return new_work
+
+
+def prune_checkpoints(session: Session, spec: TrainShardSpec, *, deleted_at: datetime) -> list[str]:
+    """Marks the run's checkpoints older than its newest --keep-checkpoints deleted;
+    returns their prefixes in the store."""
+    kept = (
+        select(Checkpoint.step)
+        .where(Checkpoint.run_id == spec.run)
+        .order_by(Checkpoint.step.desc())
+        .limit(spec.options.keep_checkpoints)
+    )
+    old = session.scalars(
+        select(Checkpoint)
+        .where(Checkpoint.run_id == spec.run, Checkpoint.deleted_at.is_(None))
+        .where(Checkpoint.step.not_in(kept))
+    ).all()
+    for checkpoint in old:
+        checkpoint.deleted_at = deleted_at
+    return [checkpoint_prefix(spec.run, checkpoint.step) for checkpoint in old]
 
 
 def _next_job(session: Session, spec: TrainShardSpec) -> None:

@@ -7,19 +7,30 @@ On a GPU: bf16/fp16 autocast (fp16 with a gradient scaler), SDPA attention (diff
 default processor), optional gradient checkpointing and torch.compile, channels_last, and
 the next batch copied from pinned memory while the current step runs. On a CPU the same
 code runs in fp32.
+
+Data parallel: with more than one rank the U-Net is wrapped in DistributedDataParallel and
+each rank trains on its own slice of every global batch. A sample's random draws (noise,
+timestep, offset noise, caption dropout) come from a generator seeded by the run's seed,
+the step and the sample's place in the global batch: the same draws whatever the world size
+(N ranks follow one rank's loss curve) and whatever the worker, with no generator state to
+save (a resumed job draws what the first attempt drew).
 """
 
+import hashlib
 import shutil
 import tempfile
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from diffusers import DDPMScheduler, UNet2DConditionModel
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel, compute_snr
+from torch.nn.parallel import DistributedDataParallel
 
 from sdq.models import tiny
 from sdq.models.registry import folder_content_hash
@@ -32,6 +43,36 @@ from sdq.workers.weights import ModelFiles, check_tiny_revision
 
 AUTOCAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
 STATE_FILE = "training.pt"
+# diffusers' schedule names for --lr-schedule, each with --lr-warmup steps first.
+LR_SCHEDULERS = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the job's data-parallel group (torchrun's RANK, WORLD_SIZE
+    and LOCAL_RANK)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes the checkpoint (and keeps the EMA weights it holds)."""
+        return self.rank == 0
+
+    def device(self) -> torch.device:
+        name = device_name()
+        return torch.device(f"{name}:{self.local_rank}" if name == "cuda" else name)
+
+    def part(self, global_batch: int) -> slice:
+        """This rank's samples of a global batch."""
+        share = global_batch // self.world_size
+        return slice(self.rank * share, (self.rank + 1) * share)
 
 
 @dataclass
@@ -39,18 +80,28 @@ class TrainState:
     run: int
     step: int
     unet: UNet2DConditionModel
-    model: torch.nn.Module  # the unet, compiled when asked: what the steps call
+    # The unet, wrapped in DDP across ranks and compiled when asked: what the steps call.
+    model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler
     ema: EMAModel | None
     scaler: torch.amp.GradScaler | None
-    # Draws every step's noise and timesteps: saved, so a resumed run draws the same.
-    generator: torch.Generator
     noise_scheduler: DDPMScheduler
     device: torch.device
+    ranks: Ranks
+    # The text encoder's output for the empty prompt, for caption dropout.
+    empty_prompt: torch.Tensor | None = None
 
 
 def base_unet(spec: TrainShardSpec, files: ModelFiles) -> UNet2DConditionModel:
+    """The U-Net step 1 starts from: the base model's, or a new one of the configured
+    architecture, its weights drawn from the run's seed (the same on every machine)."""
+    options = spec.options
+    if options.from_scratch:
+        config = options.unet_config or _base_unet_config(spec, files)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(options.seed)
+            return UNet2DConditionModel.from_config(config)
     if spec.base_source == tiny.TINY_NAME:
         check_tiny_revision(spec.base_revision)
         return build_unet()
@@ -60,10 +111,19 @@ def base_unet(spec: TrainShardSpec, files: ModelFiles) -> UNet2DConditionModel:
     )
 
 
-def new_state(spec: TrainShardSpec, unet: UNet2DConditionModel) -> TrainState:
+def _base_unet_config(spec: TrainShardSpec, files: ModelFiles) -> dict:
+    if spec.base_source == tiny.TINY_NAME:
+        return tiny.UNET_CONFIG
+    where = files.locate(spec.base_source, spec.base_revision)
+    return UNet2DConditionModel.load_config(where.path, subfolder="unet", revision=where.revision)
+
+
+def new_state(
+    spec: TrainShardSpec, unet: UNet2DConditionModel, ranks: Ranks = Ranks()
+) -> TrainState:
     """The state before step 1, around the base model's U-Net."""
     options = spec.options
-    device = torch.device(device_name())
+    device = ranks.device()
     unet = _without_origin(unet).to(device, torch.float32).train()
     if device.type == "cuda":
         unet = unet.to(memory_format=torch.channels_last)
@@ -71,29 +131,38 @@ def new_state(spec: TrainShardSpec, unet: UNet2DConditionModel) -> TrainState:
         unet.enable_gradient_checkpointing()
     optimizer = torch.optim.AdamW(unet.parameters(), lr=options.lr)
     ema = None
-    if options.ema is not None:
+    if options.ema is not None and ranks.writes:
         ema = EMAModel(
             unet.parameters(),
             decay=options.ema,
             model_cls=UNet2DConditionModel,
             model_config=unet.config,
         )
+    model: torch.nn.Module = unet
+    if ranks.distributed:
+        # Rank 0's weights are broadcast to the others here: all start alike.
+        model = DistributedDataParallel(
+            unet, device_ids=[device.index] if device.type == "cuda" else None
+        )
     return TrainState(
         run=spec.run,
         step=0,
         unet=unet,
-        model=torch.compile(unet) if options.compile else unet,
+        model=torch.compile(model) if options.compile else model,
         optimizer=optimizer,
         lr_scheduler=get_scheduler(
-            "constant_with_warmup", optimizer, num_warmup_steps=options.lr_warmup
+            LR_SCHEDULERS[options.lr_schedule],
+            optimizer,
+            num_warmup_steps=options.lr_warmup,
+            num_training_steps=options.steps,
         ),
         ema=ema,
         scaler=torch.amp.GradScaler(device.type) if options.mixed_precision == "fp16" else None,
-        generator=torch.Generator("cpu").manual_seed(options.seed),
         noise_scheduler=DDPMScheduler.from_config(
             {**spec.scheduler_config, "prediction_type": spec.prediction_type}
         ),
         device=device,
+        ranks=ranks,
     )
 
 
@@ -122,37 +191,111 @@ def on_device(batches: Iterator[Batch], device: torch.device) -> Iterator[tuple]
     return run_ahead((moved(batch) for batch in batches), depth=2)
 
 
+@dataclass(frozen=True)
+class Draws:
+    """A step's random numbers for this rank's samples."""
+
+    noise: torch.Tensor
+    timesteps: torch.Tensor
+    dropped: torch.Tensor | None  # samples trained on the empty prompt
+
+
+def sample_seed(seed: int, step: int, index: int) -> int:
+    """The seed of sample `index` of the global batch of `step` (1-based)."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def draw(state: TrainState, spec: TrainShardSpec, sample_shape: torch.Size) -> Draws:
+    """This rank's samples' draws for the coming step, each from its own CPU generator: the
+    same numbers on any device, world size and worker."""
+    options = spec.options
+    total = state.noise_scheduler.config.num_train_timesteps
+    noises, timesteps, dropped = [], [], []
+    part = state.ranks.part(options.batch_size)
+    for index in range(part.start, part.stop):
+        generator = torch.Generator().manual_seed(sample_seed(options.seed, state.step + 1, index))
+        noise = torch.randn(sample_shape, generator=generator)
+        timesteps.append(torch.randint(0, total, (), generator=generator))
+        if options.noise_offset:
+            offset = torch.randn((sample_shape[0], 1, 1), generator=generator)
+            noise = noise + options.noise_offset * offset
+        noises.append(noise)
+        if options.caption_dropout:
+            dropped.append(torch.rand((), generator=generator) < options.caption_dropout)
+    return Draws(
+        noise=torch.stack(noises).to(state.device),
+        timesteps=torch.stack(timesteps).to(state.device),
+        dropped=torch.stack(dropped).to(state.device) if dropped else None,
+    )
+
+
 def train_step(state: TrainState, spec: TrainShardSpec, latents, embeddings) -> float:
-    """One optimizer step; returns its loss."""
-    options, scheduler = spec.options, state.noise_scheduler
-    size = latents.shape[0]
-    # Drawn on the CPU generator: the same numbers on any device, and saved with the state.
-    noise = torch.randn(latents.shape, generator=state.generator).to(state.device)
-    timesteps = torch.randint(
-        0, scheduler.config.num_train_timesteps, (size,), generator=state.generator
-    ).to(state.device)
+    """One optimizer step on this rank's share of the global batch, in micro-batches whose
+    gradients add up (synchronised across ranks on the last); returns the loss of the
+    whole global batch."""
+    options = spec.options
+    draws = draw(state, spec, latents.shape[1:])
+    # Anything else random in the model (dropout in a custom architecture) is seeded too.
+    torch.manual_seed(sample_seed(options.seed, state.step + 1, -1 - state.ranks.rank))
+    if draws.dropped is not None:
+        embeddings = torch.where(draws.dropped[:, None, None], state.empty_prompt, embeddings)
+    micro = options.micro_batch
+    total = torch.zeros((), device=state.device)
+    state.optimizer.zero_grad(set_to_none=True)
+    for start in range(0, latents.shape[0], micro):
+        part = slice(start, start + micro)
+        last = start + micro >= latents.shape[0]
+        # Gradients are averaged across ranks once per step, on the last micro-batch.
+        syncing = last or not state.ranks.distributed
+        with nullcontext() if syncing else state.model.no_sync():
+            loss = _micro_loss(state, spec, latents[part], embeddings[part], draws, part)
+            loss = loss / options.grad_accumulation
+            _backward(state, loss)
+        total += loss.detach()
+    _optimizer_step(state, options.max_grad_norm)
+    state.step += 1
+    if state.ranks.distributed:
+        dist.all_reduce(total)
+        total /= state.ranks.world_size
+    return total.item()
+
+
+def _micro_loss(state: TrainState, spec: TrainShardSpec, latents, embeddings, draws, part):
+    scheduler = state.noise_scheduler
+    noise, timesteps = draws.noise[part], draws.timesteps[part]
     noisy = scheduler.add_noise(latents, noise, timesteps)
     if spec.prediction_type == "v_prediction":
         target = scheduler.get_velocity(latents, noise, timesteps)
     else:
         target = noise
-    precision = AUTOCAST.get(options.mixed_precision)
+    precision = AUTOCAST.get(spec.options.mixed_precision)
     with torch.autocast(state.device.type, dtype=precision, enabled=precision is not None):
         prediction = state.model(noisy, timesteps, embeddings).sample
-    loss = _loss(prediction.float(), target.float(), timesteps, spec, scheduler)
-    state.optimizer.zero_grad(set_to_none=True)
+    return _loss(prediction.float(), target.float(), timesteps, spec, scheduler)
+
+
+def _backward(state: TrainState, loss: torch.Tensor) -> None:
     if state.scaler is not None:
         state.scaler.scale(loss).backward()
+    else:
+        loss.backward()
+
+
+def _optimizer_step(state: TrainState, max_grad_norm: float | None) -> None:
+    if state.scaler is not None:
+        if max_grad_norm is not None:
+            state.scaler.unscale_(state.optimizer)  # clip the true gradients, not scaled ones
+            torch.nn.utils.clip_grad_norm_(state.unet.parameters(), max_grad_norm)
         state.scaler.step(state.optimizer)
         state.scaler.update()
     else:
-        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(state.unet.parameters(), max_grad_norm)
         state.optimizer.step()
     state.lr_scheduler.step()
     if state.ema is not None:
         state.ema.step(state.unet.parameters())
-    state.step += 1
-    return loss.item()
 
 
 def _loss(prediction, target, timesteps, spec: TrainShardSpec, scheduler) -> torch.Tensor:
@@ -167,7 +310,9 @@ def _loss(prediction, target, timesteps, spec: TrainShardSpec, scheduler) -> tor
 
 
 def save_checkpoint(state: TrainState, folder: Path) -> None:
-    """The U-Net as diffusers saves it, and the rest of the state beside it."""
+    """The U-Net as diffusers saves it, and the rest of the training state beside it. No
+    generator state: every draw is a function of the seed and the step, so the same run
+    writes the same bytes, and any world size can go on from it."""
     state.unet.save_pretrained(folder / "unet")
     torch.save(
         {
@@ -176,17 +321,15 @@ def save_checkpoint(state: TrainState, folder: Path) -> None:
             "lr_scheduler": state.lr_scheduler.state_dict(),
             "ema": state.ema.state_dict() if state.ema is not None else None,
             "scaler": state.scaler.state_dict() if state.scaler is not None else None,
-            "generator": state.generator.get_state(),
-            "torch_rng": torch.get_rng_state(),
         },
         folder / STATE_FILE,
     )
 
 
-def load_checkpoint(spec: TrainShardSpec, folder: Path) -> TrainState:
+def load_checkpoint(spec: TrainShardSpec, folder: Path, ranks: Ranks = Ranks()) -> TrainState:
     """The state a checkpoint folder holds, as it was when written."""
-    state = new_state(spec, UNet2DConditionModel.from_pretrained(folder / "unet"))
     saved = torch.load(folder / STATE_FILE, weights_only=False)
+    state = new_state(spec, UNet2DConditionModel.from_pretrained(folder / "unet"), ranks)
     state.step = saved["step"]
     state.optimizer.load_state_dict(saved["optimizer"])
     state.lr_scheduler.load_state_dict(saved["lr_scheduler"])
@@ -194,8 +337,6 @@ def load_checkpoint(spec: TrainShardSpec, folder: Path) -> TrainState:
         state.ema.load_state_dict(saved["ema"])
     if state.scaler is not None:
         state.scaler.load_state_dict(saved["scaler"])
-    state.generator.set_state(saved["generator"])
-    torch.set_rng_state(saved["torch_rng"])
     return state
 
 
@@ -231,3 +372,38 @@ def base_folder(spec: TrainShardSpec, files: ModelFiles, cache_dir: Path) -> Pat
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(where.path, revision=where.revision))
+
+
+# Dense bf16 tensor-core peak of one GPU, FLOP/s, by what CUDA calls it (the longest name
+# that matches wins): what model FLOPs utilisation is measured against.
+PEAK_FLOPS = {
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "H200": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    known = [key for key in PEAK_FLOPS if key in name]
+    return PEAK_FLOPS[max(known, key=len)] if known else None
+
+
+def training_flops_per_sample(state: TrainState, latents, embeddings) -> float:
+    """The U-Net's FLOPs to train on one sample: its forward pass counted by torch's FLOP
+    counter, times 3 for the backward pass (the usual model-FLOPs convention: recomputed
+    activations do not count)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    timesteps = torch.zeros((1,), dtype=torch.long, device=state.device)
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        state.unet(latents[:1], timesteps, embeddings[:1])
+    return 3.0 * counter.get_total_flops()

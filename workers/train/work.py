@@ -3,26 +3,30 @@ to the one at its last, records every step's loss, and writes the run's next job
 same transaction as the checkpoint, so the database, not the broker, drives the chain.
 Plain code, no Celery; torch loads lazily.
 
-A worker keeps the state it has just checkpointed and goes on from it in memory when the
-next job comes to it; any other worker restores the checkpoint from the store.
+A run of world size 1 trains in this process: it keeps the state it has just checkpointed
+and goes on from it in memory when the next job comes to it; any other worker restores the
+checkpoint from the store. A larger world size trains on that many rank processes
+(ranks.py), which restore the state from the store each job.
 """
 
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import closing
-from pathlib import Path
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.jobs.delivery import Work
-from sdq.models.jobs.lifecycle import Output
+from sdq.models.jobs.lifecycle import Output, utcnow
 from sdq.models.store import ObjectStore
 from sdq.models.tables import Job
-from sdq.models.training import TrainShardSpec, checkpoint_prefix
-from sdq.workers.train.data import LatentStream
-from sdq.workers.train.records import checkpoint_at, record_checkpoint
+from sdq.models.training import TrainShardSpec
+from sdq.workers.train.ranks import run_ranks
+from sdq.workers.train.records import (
+    Written,
+    checkpoint_at,
+    prune_checkpoints,
+    record_checkpoint,
+)
 from sdq.workers.weights import ModelFiles, ModelUnavailable
 
 if TYPE_CHECKING:
@@ -85,96 +89,71 @@ class TrainWork(Work):
             checkpoint = checkpoint_at(session, spec.run, spec.last_step)
         if checkpoint is None:
             return None
-        output = Output(job_id, checkpoint.uri, checkpoint.model_revision, work_seconds=None)
+        # Checkpoints from before state hashes were kept are named by their model.
+        digest = checkpoint.state_sha256 or checkpoint.model_revision
+        output = Output(job_id, checkpoint.uri, digest, work_seconds=None)
         return output, [spec.run]
 
     def _train(self, job_id: int, spec: TrainShardSpec) -> "Done":
-        from sdq.workers.train.trainer import on_device
-
         started = perf_counter()
-        state = self._state(spec)
-        stream = LatentStream(
-            spec.inputs,
-            seed=spec.options.seed,
-            batch_size=spec.options.batch_size,
-            read=self.store.get_bytes,
-        )
-        steps: list[dict[str, Any]] = []
-        with closing(on_device(stream.batches(state.step), state.device)) as batches:
-            self._steps(spec, state, batches, steps)
-        done = self._checkpoint(job_id, spec, state, steps, started)
-        self.live.keep(state)
-        return done
+        if spec.first_step:
+            with self.sessions() as session:
+                if checkpoint_at(session, spec.run, spec.first_step) is None:
+                    raise NotReady(
+                        f"run {spec.run} has no checkpoint at step {spec.first_step} yet"
+                    )
+        if spec.options.world_size == 1:
+            steps, written = self._train_here(spec)
+        else:
+            steps, written = self._train_on_ranks(spec)
+        return self._record(job_id, spec, steps, written, started)
 
-    def _steps(self, spec: TrainShardSpec, state: "TrainState", batches, steps: list) -> None:
-        """Steps until the job's last, each one's loss, learning rate and speed noted."""
-        from sdq.workers.train.trainer import train_step
-
-        for latents, embeddings in batches:
-            step_started = perf_counter()
-            loss = train_step(state, spec, latents, embeddings)
-            seconds = perf_counter() - step_started
-            steps.append(
-                {
-                    "run_id": spec.run,
-                    "step": state.step,
-                    "loss": loss,
-                    "lr": state.lr_scheduler.get_last_lr()[0],
-                    "samples_per_second": spec.options.batch_size / seconds,
-                }
-            )
-            if state.step == spec.last_step:
-                return
-
-    def _state(self, spec: TrainShardSpec) -> "TrainState":
-        from sdq.workers.train.trainer import base_unet, load_checkpoint, new_state
+    def _train_here(self, spec: TrainShardSpec) -> tuple[list[dict], Written]:
+        from sdq.workers.train.job import restore_state, train_steps, write_checkpoint
+        from sdq.workers.train.trainer import Ranks
 
         state = self.live.take(spec.run, spec.first_step)
-        if state is not None:
-            return state
-        if spec.first_step == 0:
-            return new_state(spec, base_unet(spec, self.files))
-        with self.sessions() as session:
-            checkpoint = checkpoint_at(session, spec.run, spec.first_step)
-        if checkpoint is None:
-            raise NotReady(f"run {spec.run} has no checkpoint at step {spec.first_step} yet")
-        prefix = checkpoint_prefix(spec.run, spec.first_step)
-        with tempfile.TemporaryDirectory(prefix="sdq-checkpoint-") as folder:
-            for key in self.store.list_keys(f"{prefix}/state/"):
-                self.store.get_file(key, Path(folder) / key.removeprefix(f"{prefix}/state/"))
-            return load_checkpoint(spec, Path(folder))
+        if state is None:
+            state = restore_state(spec, self.store, self.files, Ranks())
+        steps = train_steps(spec, state, self.store)
+        written = write_checkpoint(spec, state, self.store, self.files)
+        self.live.keep(state)
+        return steps, written
 
-    def _checkpoint(
+    def _train_on_ranks(self, spec: TrainShardSpec) -> tuple[list[dict], Written]:
+        result = run_ranks(spec)
+        return result["steps"], Written(**result["written"])
+
+    def _record(
         self,
         job_id: int,
         spec: TrainShardSpec,
-        state: "TrainState",
         steps: list[dict[str, Any]],
+        written: Written,
         started: float,
     ) -> "Done":
-        """Writes the checkpoint and the model it makes, then, in one transaction, its row,
-        the steps' losses, the model's registration, the run's next job and the checkpoint's
-        validation renders."""
-        from sdq.workers.train.trainer import base_folder, export_model, save_checkpoint
-
-        prefix = checkpoint_prefix(spec.run, state.step)
-        with tempfile.TemporaryDirectory(prefix="sdq-checkpoint-") as folder:
-            save_checkpoint(state, Path(folder) / "state")
-            base = base_folder(spec, self.files, self.files.cache_dir)
-            revision = export_model(state, base, Path(folder) / "model")
-            for path in sorted(Path(folder).rglob("*")):
-                if path.is_file():
-                    self.store.put_file(f"{prefix}/{path.relative_to(folder).as_posix()}", path)
-        uri = self.store.uri(prefix)
+        """In one transaction: the checkpoint's row, the steps' losses, the model's
+        registration, the run's next job and the checkpoint's validation renders. Then the
+        checkpoints past --keep-checkpoints leave the store."""
         with self.sessions.begin() as session:
-            new_work = record_checkpoint(
-                session, spec, steps, uri=uri, prefix=prefix, revision=revision
-            )
+            new_work = record_checkpoint(session, spec, steps, written)
+        if spec.options.keep_checkpoints is not None:
+            self._prune(spec)
         output = Output(
             job_id,
-            uri,
-            revision,
+            written.uri,
+            written.state_sha256,
             work_seconds=perf_counter() - started,
             units=len(steps) * spec.options.batch_size,  # samples trained on
         )
         return output, new_work
+
+    def _prune(self, spec: TrainShardSpec) -> None:
+        """Marks the old checkpoints deleted, then deletes their objects: a row never says a
+        checkpoint is there when it is not, and an object left by a failed delete is only
+        garbage (the run never goes back to an older checkpoint)."""
+        with self.sessions.begin() as session:
+            prefixes = prune_checkpoints(session, spec, deleted_at=utcnow())
+        for prefix in prefixes:
+            for key in list(self.store.list_keys(f"{prefix}/")):
+                self.store.delete(key)

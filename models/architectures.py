@@ -1,0 +1,71 @@
+"""U-Net architectures a run can train from random weights (`sdq train --from-scratch
+--unet-config NAME|FILE`): Stable Diffusion's own, as diffusers configures them, or any
+diffusers U-Net config file."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+_SD_BLOCKS: dict[str, Any] = {
+    "in_channels": 4,
+    "out_channels": 4,
+    "sample_size": 64,
+    "layers_per_block": 2,
+    "block_out_channels": [320, 640, 1280, 1280],
+    "down_block_types": ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+    "up_block_types": ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
+    "norm_num_groups": 32,
+    "norm_eps": 1e-5,
+    "act_fn": "silu",
+    "flip_sin_to_cos": True,
+    "freq_shift": 0,
+    "downsample_padding": 1,
+    "mid_block_scale_factor": 1,
+}
+UNET_ARCHITECTURES: dict[str, dict[str, Any]] = {
+    # runwayml/stable-diffusion-v1-5: CLIP ViT-L/14 text (768 wide), 8 heads everywhere.
+    "sd15": {**_SD_BLOCKS, "cross_attention_dim": 768, "attention_head_dim": 8},
+    # stabilityai/stable-diffusion-2-base: OpenCLIP ViT-H/14 text (1024 wide), 64-wide
+    # heads (diffusers calls their count attention_head_dim), linear projections.
+    "sd2-base": {
+        **_SD_BLOCKS,
+        "cross_attention_dim": 1024,
+        "attention_head_dim": [5, 10, 20, 20],
+        "use_linear_projection": True,
+    },
+}
+
+
+class InvalidArchitecture(Exception):
+    pass
+
+
+def unet_architecture(name_or_file: str) -> dict[str, Any]:
+    """A named architecture, or a diffusers U-Net config file (config.json)."""
+    if name_or_file in UNET_ARCHITECTURES:
+        return dict(UNET_ARCHITECTURES[name_or_file])
+    path = Path(name_or_file)
+    if not path.is_file():
+        raise InvalidArchitecture(
+            f"--unet-config {name_or_file!r}: neither {' nor '.join(UNET_ARCHITECTURES)} "
+            "nor a U-Net config file"
+        )
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise InvalidArchitecture(f"{path}: not a JSON U-Net config ({error})") from None
+    if not isinstance(config, dict) or "block_out_channels" not in config:
+        raise InvalidArchitecture(f"{path}: not a U-Net config (no block_out_channels)")
+    return {key: value for key, value in config.items() if not key.startswith("_")}
+
+
+def check_fits(config: dict[str, Any], *, latent_channels: int, text_width: int) -> None:
+    """The architecture takes the dataset's latents and text embeddings as they are."""
+    channels = config.get("in_channels", 4)
+    width = config.get("cross_attention_dim", 1280)
+    if channels != latent_channels or width != text_width:
+        raise InvalidArchitecture(
+            f"the U-Net takes {channels}-channel latents and {width}-wide text embeddings; "
+            f"the dataset's latents have {latent_channels} channels and its text embeddings "
+            f"are {text_width} wide"
+        )

@@ -1,0 +1,131 @@
+"""One train-shard job's work on one rank, the same in a worker process that trains alone
+and in each process of a data-parallel group: restore the state, take the steps, write
+the checkpoint (rank 0). It reads and writes the object store only; the database is the
+worker's (work.py). GPU-side: imports torch.
+"""
+
+import io
+import tempfile
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import UNet2DConditionModel
+
+from sdq.models.registry import folder_content_hash
+from sdq.models.store import ObjectStore
+from sdq.models.training import TrainShardSpec, checkpoint_prefix
+from sdq.workers.train.data import LatentStream
+from sdq.workers.train.records import Written
+from sdq.workers.train.trainer import (
+    Ranks,
+    TrainState,
+    base_folder,
+    base_unet,
+    export_model,
+    load_checkpoint,
+    new_state,
+    on_device,
+    peak_flops,
+    save_checkpoint,
+    train_step,
+    training_flops_per_sample,
+)
+from sdq.workers.weights import ModelFiles
+
+
+def restore_state(
+    spec: TrainShardSpec, store: ObjectStore, files: ModelFiles, ranks: Ranks
+) -> TrainState:
+    """The state the job starts from: the run's first (the base's U-Net, a new one, or the
+    weights of the checkpoint the run goes on from), or its checkpoint at the first step."""
+    if spec.first_step == 0:
+        state = new_state(spec, _first_unet(spec, store, files), ranks)
+    else:
+        prefix = f"{checkpoint_prefix(spec.run, spec.first_step)}/state/"
+        with downloaded(store, prefix) as folder:
+            state = load_checkpoint(spec, folder, ranks)
+    if spec.options.caption_dropout:
+        state.empty_prompt = empty_prompt(store, spec.empty_prompt_key).to(state.device)
+    return state
+
+
+def _first_unet(spec: TrainShardSpec, store: ObjectStore, files: ModelFiles):
+    if spec.start_from is None:
+        return base_unet(spec, files)
+    with downloaded(store, f"{spec.start_from}/state/unet/") as folder:
+        return UNet2DConditionModel.from_pretrained(folder)
+
+
+@contextmanager
+def downloaded(store: ObjectStore, prefix: str) -> Iterator[Path]:
+    """The objects under a prefix, in a local folder while the block runs."""
+    with tempfile.TemporaryDirectory(prefix="sdq-checkpoint-") as folder:
+        for key in store.list_keys(prefix):
+            store.get_file(key, Path(folder) / key.removeprefix(prefix))
+        yield Path(folder)
+
+
+def empty_prompt(store: ObjectStore, key: str | None) -> torch.Tensor:
+    """The text encoder's output for "" (tokens x hidden size), as the encode run stored it."""
+    if key is None:
+        raise ValueError("caption dropout needs the empty prompt's embedding; the spec has none")
+    return torch.from_numpy(np.load(io.BytesIO(store.get_bytes(key))).astype(np.float32))
+
+
+def train_steps(spec: TrainShardSpec, state: TrainState, store: ObjectStore) -> list[dict]:
+    """Steps until the job's last, each one's loss, learning rate and speed noted (the
+    loss and speed of the whole global batch, the same on every rank)."""
+    options = spec.options
+    stream = LatentStream(
+        spec.inputs, seed=options.seed, batch_size=options.batch_size, read=store.get_bytes
+    )
+    part = state.ranks.part(options.batch_size)
+    peak, flops = peak_flops(state.device), None
+    steps: list[dict[str, Any]] = []
+    with closing(on_device(stream.batches(state.step, part), state.device)) as batches:
+        for latents, embeddings in batches:
+            if peak is not None and flops is None:
+                flops = training_flops_per_sample(state, latents, embeddings)
+            started = perf_counter()
+            loss = train_step(state, spec, latents, embeddings)
+            speed = options.batch_size / (perf_counter() - started)
+            steps.append(
+                {
+                    "run_id": spec.run,
+                    "step": state.step,
+                    "loss": loss,
+                    "lr": state.lr_scheduler.get_last_lr()[0],
+                    "samples_per_second": speed,
+                    "world_size": options.world_size,
+                    "mfu": flops * speed / (peak * options.world_size) if flops else None,
+                }
+            )
+            if state.step == spec.last_step:
+                return steps
+    return steps
+
+
+def write_checkpoint(
+    spec: TrainShardSpec, state: TrainState, store: ObjectStore, files: ModelFiles
+) -> Written:
+    """The training state in the store, and the whole pipeline beside it when this
+    checkpoint is a model."""
+    prefix = checkpoint_prefix(spec.run, state.step)
+    model_prefix, revision = None, None
+    with tempfile.TemporaryDirectory(prefix="sdq-checkpoint-") as temporary:
+        folder = Path(temporary)
+        save_checkpoint(state, folder / "state")
+        state_sha256 = folder_content_hash(folder / "state")
+        if spec.exports_model:
+            base = base_folder(spec, files, files.cache_dir)
+            revision = export_model(state, base, folder / "model")
+            model_prefix = f"{prefix}/model"
+        for path in sorted(folder.rglob("*")):
+            if path.is_file():
+                store.put_file(f"{prefix}/{path.relative_to(folder).as_posix()}", path)
+    return Written(state.step, store.uri(prefix), state_sha256, model_prefix, revision)

@@ -1,0 +1,129 @@
+"""A data-parallel train-shard job's processes. The worker that took the job starts one
+process per rank as torchrun does (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT
+for torch.distributed's env:// rendezvous), waits for them, and stops them all as soon as
+one fails, so the job fails at once instead of hanging; it is sent again and goes on from
+its last checkpoint. Each rank dies with the worker (a parent-death signal): a worker
+killed mid-job leaves no rank holding a GPU. No torch here.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sdq.models.store import StoreUnavailable
+from sdq.models.training import TrainShardSpec
+from sdq.workers.weights import ModelUnavailable
+
+RANK_MODULE = "sdq.workers.train.rank"
+JOB_FILE = "job.json"
+RESULT_FILE = "result.json"
+POLL_SECONDS = 0.1
+STOP_GRACE_SECONDS = 10
+LOG_LINES = 20
+# Errors a rank reports by name that keep their meaning for the job: a model that cannot
+# be had is permanent, an object store that is down is an outage.
+KNOWN_ERRORS: dict[str, type[Exception]] = {
+    error.__name__: error for error in (ModelUnavailable, StoreUnavailable)
+}
+
+
+class RankFailed(Exception):
+    """A rank of the job's group died or failed: the job fails, and goes on from its last
+    checkpoint when it is sent again."""
+
+
+def run_ranks(spec: TrainShardSpec) -> dict[str, Any]:
+    """Runs the job on `world_size` local rank processes; returns what rank 0 wrote."""
+    with tempfile.TemporaryDirectory(prefix="sdq-ranks-") as temporary:
+        folder = Path(temporary)
+        (folder / JOB_FILE).write_text(json.dumps(spec.to_dict()))
+        with started(spec.options.world_size, folder) as processes:
+            wait(processes, folder)
+        return json.loads((folder / RESULT_FILE).read_text())
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def started(world_size: int, folder: Path) -> Iterator[list[subprocess.Popen]]:
+    """The rank processes, each logging to its own file; any still running when the block
+    ends (a failed rank, the task's time limit) is stopped."""
+    port = free_port()
+    processes = []
+    try:
+        for rank in range(world_size):
+            environment = {
+                **os.environ,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "SDQ_RANK_PARENT": str(os.getpid()),
+            }
+            with (folder / f"rank{rank}.log").open("wb") as log:
+                processes.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", RANK_MODULE, str(folder)],
+                        env=environment,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+        yield processes
+    finally:
+        stop(processes)
+
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    running = [process for process in processes if process.poll() is None]
+    for process in running:
+        process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    for process in running:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def wait(processes: list[subprocess.Popen], folder: Path) -> None:
+    """Until every rank has exited 0; the first that fails fails the job."""
+    while True:
+        codes = [process.poll() for process in processes]
+        failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            raise rank_error(folder, *min(failed, key=lambda item: _reported(folder, item[0])))
+        if all(code == 0 for code in codes):
+            return
+        time.sleep(POLL_SECONDS)
+
+
+def _reported(folder: Path, rank: int) -> bool:
+    """False sorts first: a rank that said why it failed is the one to report."""
+    return not (folder / f"error-{rank}.json").is_file()
+
+
+def rank_error(folder: Path, rank: int, code: int) -> Exception:
+    report = folder / f"error-{rank}.json"
+    if report.is_file():
+        error = json.loads(report.read_text())
+        kind = KNOWN_ERRORS.get(error["type"], RankFailed)
+        return kind(f"rank {rank}: {error['type']}: {error['message']}")
+    log = (folder / f"rank{rank}.log").read_text(errors="replace").splitlines()
+    tail = "\n".join(log[-LOG_LINES:])
+    return RankFailed(f"rank {rank} exited with code {code}:\n{tail}")
