@@ -1,18 +1,29 @@
 """The train step's options on the CPU path, checked against the arithmetic they stand for:
-v-prediction with min-SNR weighting, LR warmup, EMA, bf16 autocast, gradient
-checkpointing."""
+v-prediction with min-SNR weighting, LR warmup and schedules, EMA, bf16 autocast, gradient
+checkpointing and accumulation, clipping, caption dropout, offset noise, per-sample draws
+that do not depend on the world size, and U-Nets built from scratch."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from sdq.models import tiny
+from sdq.models.architectures import UNET_ARCHITECTURES, InvalidArchitecture, check_fits
 from sdq.models.registry import tiny_identity
 from sdq.models.training import TrainOptions, TrainShardSpec
 from sdq.workers.tiny import build_unet
-from sdq.workers.train.trainer import draw, new_state, train_step
+from sdq.workers.train.trainer import (
+    Ranks,
+    base_unet,
+    draw,
+    new_state,
+    peak_flops,
+    train_step,
+    training_flops_per_sample,
+)
 
 BATCH = 2
 
@@ -75,3 +86,142 @@ def test_warmup_ema_bf16_and_gradient_checkpointing_train() -> None:
     # The EMA weights trail the trained ones instead of copying them.
     shadow = state.ema.shadow_params
     assert any(not torch.equal(e, m) for e, m in zip(shadow, moved, strict=True))
+
+
+def trained(shard: TrainShardSpec, batches: list, unet) -> list[float]:
+    state = new_state(shard, unet)
+    return [train_step(state, shard, *pair) for pair in batches]
+
+
+def test_accumulated_micro_batches_make_the_same_step_as_one_batch() -> None:
+    latents, embeddings = batch(0)
+    states = {}
+    for accumulation in (1, 2):
+        shard = spec(ema=None, grad_accumulation=accumulation)
+        states[accumulation] = new_state(shard, build_unet())
+        loss = train_step(states[accumulation], shard, latents, embeddings)
+        states[accumulation].loss = loss
+    assert states[2].loss == pytest.approx(states[1].loss, rel=1e-6)
+    # The step's gradients (what the optimizer took) are the whole batch's.
+    for whole, halves in zip(states[1].unet.parameters(), states[2].unet.parameters(), strict=True):
+        torch.testing.assert_close(halves.grad, whole.grad, rtol=1e-3, atol=1e-6)
+
+
+def test_gradients_are_clipped_to_the_max_norm() -> None:
+    shard = spec(ema=None, max_grad_norm=0.01)
+    state = new_state(shard, build_unet())
+    train_step(state, shard, *batch(0))
+    norm = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(p.grad) for p in state.unet.parameters()])
+    )
+    assert norm.item() == pytest.approx(0.01, rel=1e-3)
+    unclipped = new_state(spec(ema=None), build_unet())
+    train_step(unclipped, spec(ema=None), *batch(0))
+    grads = [torch.linalg.vector_norm(p.grad) for p in unclipped.unet.parameters()]
+    assert torch.linalg.vector_norm(torch.stack(grads)).item() > 0.1
+
+
+@pytest.mark.parametrize(
+    ("schedule", "expected"),
+    [
+        # 2 warmup steps, then down to 0 at step 6 (the run's last).
+        ("linear", [0.5, 1.0, 0.75, 0.5, 0.25, 0.0]),
+        ("cosine", [0.5, 1.0, 0.8536, 0.5, 0.1464, 0.0]),
+        ("constant", [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]),
+    ],
+)
+def test_learning_rate_schedules_after_warmup(schedule: str, expected: list[float]) -> None:
+    shard = replace(
+        spec(ema=None, lr=1.0, lr_warmup=2, lr_schedule=schedule),
+        options=TrainOptions(steps=6, batch_size=BATCH, lr=1.0, lr_warmup=2, lr_schedule=schedule),
+    )
+    state = new_state(shard, build_unet())
+    rates = []
+    for _ in range(6):
+        state.optimizer.step()
+        state.lr_scheduler.step()
+        rates.append(state.lr_scheduler.get_last_lr()[0])
+    assert rates == pytest.approx(expected, abs=1e-4)
+
+
+def test_caption_dropout_trains_dropped_samples_on_the_empty_prompt() -> None:
+    shard = spec(ema=None, caption_dropout=0.5)
+    state = new_state(shard, build_unet())
+    state.empty_prompt = torch.randn((7, tiny.UNET_CONFIG["cross_attention_dim"]))
+    latents, embeddings = batch(3)
+    dropped = draw(state, shard, latents.shape[1:]).dropped
+    # Seed 0's draws drop one sample of the two at step 1: both cases are exercised.
+    assert dropped.tolist() == [False, True]
+    replaced = torch.where(dropped[:, None, None], state.empty_prompt, embeddings)
+    plain = new_state(spec(ema=None), build_unet())
+    expected = _loss_of(plain, spec(ema=None), latents, replaced)
+    assert train_step(state, shard, latents, embeddings) == pytest.approx(expected, rel=1e-5)
+
+
+def _loss_of(state, shard, latents, embeddings) -> float:
+    return train_step(state, shard, latents, embeddings)
+
+
+def test_offset_noise_adds_one_constant_per_channel() -> None:
+    latents, _ = batch(0)
+    plain = draw(new_state(spec(), build_unet()), spec(), latents.shape[1:]).noise
+    offset = draw(new_state(spec(noise_offset=0.1), build_unet()), spec(noise_offset=0.1),
+                  latents.shape[1:]).noise  # fmt: skip
+    difference = offset - plain
+    per_channel = difference.mean(dim=(2, 3), keepdim=True)
+    torch.testing.assert_close(difference, per_channel.expand_as(difference))
+    assert 0 < per_channel.abs().max().item() < 0.5
+
+
+def test_draws_are_the_same_for_a_sample_whatever_the_world_size() -> None:
+    latents, _ = batch(0)
+    one = draw(new_state(spec(), build_unet()), spec(), latents.shape[1:])
+    shard = spec()
+    halves = []
+    for rank in range(2):
+        state = new_state(shard, build_unet())
+        state.ranks = Ranks(rank=rank, world_size=2)
+        halves.append(draw(state, shard, latents.shape[1:]))
+    torch.testing.assert_close(torch.cat([half.noise for half in halves]), one.noise)
+    assert torch.cat([half.timesteps for half in halves]).tolist() == one.timesteps.tolist()
+
+
+def test_from_scratch_builds_the_named_architecture_from_the_seed() -> None:
+    # SD 2's architecture at a tenth of its width, as a config file would give it.
+    narrow = {
+        **UNET_ARCHITECTURES["sd2-base"],
+        "block_out_channels": [32, 64, 64, 64],
+        "attention_head_dim": [2, 4, 4, 4],
+        "cross_attention_dim": tiny.UNET_CONFIG["cross_attention_dim"],
+        "sample_size": 8,
+    }
+    shard = spec(from_scratch=True, unet_config=narrow)
+    first, second = base_unet(shard, files=None), base_unet(shard, files=None)
+    assert list(first.config.block_out_channels) == [32, 64, 64, 64]
+    assert first.config.use_linear_projection
+    for a, b in zip(first.parameters(), second.parameters(), strict=True):
+        assert torch.equal(a, b)  # the seed decides the weights
+    other = base_unet(replace(shard, options=replace(shard.options, seed=1)), files=None)
+    assert not torch.equal(next(first.parameters()), next(other.parameters()))
+    # It trains on the tiny model's latents and text embeddings as they are.
+    losses = trained(shard, [batch(0), batch(1)], unet=first)
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_an_unfitting_architecture_is_refused_with_its_reason() -> None:
+    with pytest.raises(InvalidArchitecture, match="1024-wide text embeddings; the dataset"):
+        check_fits(UNET_ARCHITECTURES["sd2-base"], latent_channels=4, text_width=32)
+    with pytest.raises(ValueError, match="--unet-config sets the architecture"):
+        TrainOptions(steps=1, unet_config={"block_out_channels": [32]})
+    with pytest.raises(ValueError, match="multiple of --world-size 3 x --grad-accumulation 2"):
+        TrainOptions(steps=1, batch_size=8, world_size=3, grad_accumulation=2)
+
+
+def test_model_flops_per_sample_scale_with_the_latent_size() -> None:
+    state = new_state(spec(), build_unet())
+    latents, embeddings = batch(0)
+    small = training_flops_per_sample(state, latents, embeddings)
+    large = training_flops_per_sample(state, torch.cat([latents] * 2, dim=3).repeat(1, 1, 2, 1),
+                                      embeddings)  # fmt: skip
+    assert small > 0 and 3.5 < large / small < 4.5  # four times the pixels
+    assert peak_flops(state.device) is None  # no MFU on a CPU
