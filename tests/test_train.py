@@ -3,6 +3,7 @@ generate, and SQL from the image back to its URLs), and on the services with a r
 worker process: a SIGKILL mid-job resumes to bit-for-bit the weights of an uninterrupted
 run, and a train-shard job delivered again finds its step done."""
 
+import json
 import os
 import re
 import signal
@@ -204,3 +205,107 @@ def test_a_killed_train_worker_resumes_to_the_same_weights(
             ).fetchone() == (3, sorted(c["model_revision"] for c in steady["checkpoints"]))
 
     wait_for(rendered, what="the validation renders", timeout=180)
+
+
+def test_phases_checkpoints_and_the_recipe_on_one_machine(tmp_path: Path) -> None:
+    """A pre-training's shape, embedded: phase 1 at 64 px on 2 data-parallel ranks with the
+    recipe's options, phase 2 going on from it at 128 px, a U-Net from scratch; the
+    checkpoints each keeps, and the lineage from an image back through both phases."""
+    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT)}
+    with HostileServer() as server:
+        listing = write_list(tmp_path / "toy.csv", server.base, 12)
+        sdq_json(
+            env, "download", str(listing), "--dataset", "toy", "--resolution", "64",
+            "--rows-per-shard", "6", cwd=tmp_path,
+        )  # fmt: skip
+    for resolution in ("64", "128"):
+        encoded = subprocess.run(
+            [sys.executable, "-m", "sdq.producer.cli", "encode", "toy", "--model", "tiny",
+             "--resolution", resolution],
+            env=env, cwd=tmp_path, capture_output=True, text=True,
+        )  # fmt: skip
+        assert encoded.returncode == 0, encoded.stderr
+    assert "holds 64 px images: encoding them at 128 px upscales them" in encoded.stderr
+
+    phase1 = sdq_json(
+        env, "train", "toy", "--base", "tiny", "--resolution", "64", "--batch-size", "4",
+        "--steps", "6", "--checkpoint-every", "2", "--world-size", "2",
+        "--grad-accumulation", "2", "--max-grad-norm", "1", "--lr-schedule", "cosine",
+        "--lr-warmup", "2", "--caption-dropout", "0.2", "--noise-offset", "0.05",
+        "--keep-checkpoints", "2", "--export-every", "4", "--into", "phase1", cwd=tmp_path,
+    )  # fmt: skip
+    assert (phase1["status"], phase1["world_size"]) == ("succeeded", 2)
+    assert [step for step, _ in phase1["losses"]] == [1, 2, 3, 4, 5, 6]
+    held = [
+        (c["step"], c["deleted"], c["model_revision"] is not None) for c in phase1["checkpoints"]
+    ]
+    # Step 2 held the training state only and is gone; 4 is a model (--export-every), 6 too
+    # (the last).
+    assert held == [(2, True, False), (4, False, True), (6, False, True)]
+    store = tmp_path / "sdq-data/store"
+    checkpoints = store / f"train/{phase1['run_id']}/checkpoints"
+    stored = {
+        path.relative_to(checkpoints).parts[:2] for path in checkpoints.rglob("*") if path.is_file()
+    }
+    assert stored == {
+        (kept, part) for kept in ("00000004", "00000006") for part in ("model", "state")
+    }
+
+    prompts = tmp_path / "prompts.csv"
+    prompts.write_text("prompt,seed\na picture,1\n")
+    render = ["--steps", "2", "--dtype", "float32", "--size", "64x64"]
+    no_model = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", "run", str(prompts), "--model", "phase1@2",
+         *render],
+        env=env, cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    assert no_model.returncode == 2
+    assert "phase1@2: no model at step 2" in no_model.stderr
+    assert "models at steps: 4, 6" in no_model.stderr
+
+    phase2 = sdq_json(
+        env, "train", "toy", "--resume-from", str(phase1["run_id"]), "--resolution", "128",
+        "--batch-size", "4", "--steps", "2", "--checkpoint-every", "2", "--into", "phase2",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert (phase2["status"], phase2["base"]) == ("succeeded", "tiny")
+    image = sdq_json(env, "run", str(prompts), "--model", "phase2", *render, cwd=tmp_path)
+    with sqlite3.connect(tmp_path / "sdq-data/sdq.db") as db:
+        sources = db.execute(
+            "SELECT DISTINCT train_run_id, input_run_id, latent_shard FROM image_sources "
+            "WHERE job_id = ?",
+            (image["jobs"][0]["id"],),
+        ).fetchall()
+    # The image's model is phase 2's; it learned from phase 2's 128 px latents and, through
+    # the weights it started from, from phase 1's 64 px ones.
+    assert {(run, source) for run, source, _ in sources} == {
+        (phase2["run_id"], phase2["run_id"]),
+        (phase2["run_id"], phase1["run_id"]),
+    }
+    assert {shard.split("/")[-2][-3:] for _, _, shard in sources} == {"-64", "128"}
+
+    narrow = tmp_path / "narrow-sd2.json"
+    narrow.write_text(json.dumps({
+        "_class_name": "UNet2DConditionModel", "block_out_channels": [32, 64, 64, 64],
+        "attention_head_dim": [2, 4, 4, 4], "cross_attention_dim": 32,
+        "use_linear_projection": True, "sample_size": 8,
+    }))  # fmt: skip
+    scratch = sdq_json(
+        env, "train", "toy", "--base", "tiny", "--resolution", "64", "--batch-size", "4",
+        "--steps", "2", "--checkpoint-every", "2", "--from-scratch", "--unet-config",
+        str(narrow), cwd=tmp_path,
+    )  # fmt: skip
+    assert scratch["status"] == "succeeded"
+    config = json.loads(
+        (
+            store / f"train/{scratch['run_id']}/checkpoints/00000002/model/unet/config.json"
+        ).read_text()
+    )
+    assert config["block_out_channels"] == [32, 64, 64, 64] and config["use_linear_projection"]
+    unfit = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", "train", "toy", "--base", "tiny",
+         "--resolution", "64", "--steps", "2", "--from-scratch", "--unet-config", "sd2-base"],
+        env=env, cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    assert unfit.returncode == 2
+    assert "1024-wide text embeddings; the dataset's latents have 4 channels" in unfit.stderr

@@ -3,6 +3,7 @@
 import click
 
 from sdq.models.registry import ModelNotFound, resolve_model
+from sdq.producer import display
 from sdq.producer.cli.common import (
     ensure_schema,
     found,
@@ -62,6 +63,12 @@ def encode(
         raise click.UsageError(f"--resolution {resolution} is not a multiple of {VAE_SCALE}")
     ensure_schema(app)
     submission = _submit(app, name, model, resolution, batch_size)
+    if submission.images_at is not None:
+        display.console.print(
+            f"[yellow]dataset {name!r} holds {submission.images_at} px images: encoding them at "
+            f"{resolution} px upscales them, with no more detail than they have. A dataset "
+            f"downloaded with --resolution {resolution} has it.[/yellow]"
+        )
     carry_out_dataset_run(
         app,
         submission,

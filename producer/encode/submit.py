@@ -35,6 +35,8 @@ class EncodeSubmission:
     cached: int
     # Shards planned but not downloaded yet: a later `sdq encode` picks them up.
     waiting: int
+    # The dataset's images' size, when it is under the resolution: they are upscaled.
+    images_at: int | None = None
 
 
 def record_encode(
@@ -83,6 +85,7 @@ def record_encode(
         jobs=len(specs),
         cached=cached,
         waiting=len(shards) - len(downloaded),
+        images_at=images_at if (images_at := dataset.options["resolution"]) < resolution else None,
     )
 
 
