@@ -90,13 +90,15 @@ class WorkerProcess:
     # What the log says once the process is ready.
     READY = "ready."
 
-    def __init__(self, env: dict[str, str], log: Path, pool: str = "gpu") -> None:
-        self.env, self.log, self.pool = env, log, pool
+    def __init__(
+        self, env: dict[str, str], log: Path, pool: str = "gpu", args: tuple[str, ...] = ()
+    ) -> None:
+        self.env, self.log, self.pool, self.args = env, log, pool, args
         self.process: subprocess.Popen | None = None
 
     @property
     def command(self) -> list[str]:
-        return ["worker", self.pool]
+        return ["worker", self.pool, *self.args]
 
     def start(self) -> "WorkerProcess":
         self.process = subprocess.Popen(

@@ -309,3 +309,65 @@ def test_phases_checkpoints_and_the_recipe_on_one_machine(tmp_path: Path) -> Non
     )  # fmt: skip
     assert unfit.returncode == 2
     assert "1024-wide text embeddings; the dataset's latents have 4 channels" in unfit.stderr
+
+
+def rank_processes() -> list[int]:
+    listed = subprocess.run(
+        ["pgrep", "-f", "sdq.workers.train.rank"], capture_output=True, text=True
+    ).stdout
+    return [int(pid) for pid in listed.split()]
+
+
+def test_two_ranks_follow_one_and_resume_exactly_after_a_rank_or_a_worker_dies(
+    download_env: dict[str, str], cpu_worker: WorkerProcess, worker: WorkerProcess, tmp_path
+) -> None:
+    """Two gloo ranks, real processes under a real worker. A rank killed mid-job fails the
+    job at once (no collective waits on it); a killed worker takes its ranks with it. Each
+    time the job goes on from the last checkpoint, and the run ends bit for bit where an
+    uninterrupted 2-rank run does, on the 1-rank run's loss curve."""
+    database_url = download_env["SDQ_DATABASE_URL"]
+    dataset = "train-ranks"
+    encoded_dataset(download_env, dataset, 16, tmp_path)
+    run = ["train", dataset, *TRAIN, "--steps", "30", "--checkpoint-every", "10"]
+    one = sdq_json(download_env, *run, "--wait")
+    steady = sdq_json(download_env, *run, "--world-size", "2", "--wait")
+    assert (steady["status"], steady["world_size"]) == ("succeeded", 2)
+    assert [loss for _, loss in steady["losses"]] == pytest.approx(
+        [loss for _, loss in one["losses"]], rel=1e-4
+    )
+    run_id = sdq_json(download_env, *run, "--world-size", "2")["run_id"]
+
+    def second_job_on_ranks(attempt: int) -> int | None:
+        jobs = _jobs(database_url, run_id)
+        if len(jobs) < 2 or jobs[1][1:3] != ("running", attempt) or len(rank_processes()) < 2:
+            return None
+        return jobs[1][0]
+
+    wait_for(lambda: second_job_on_ranks(1), what="the second job's ranks", timeout=300)
+    time.sleep(1.0)  # into its steps
+    os.kill(rank_processes()[-1], signal.SIGKILL)  # one rank dies
+    wait_for(lambda: second_job_on_ranks(2), what="the job sent again", timeout=120)
+    time.sleep(1.0)
+    job = second_job_on_ranks(2)
+    with psycopg.connect(database_url) as connection:
+        holder = connection.execute(
+            "SELECT worker_host FROM jobs WHERE id = %s", (job,)
+        ).fetchone()[0]
+    os.kill(int(holder.rsplit(":", 1)[1]), signal.SIGKILL)  # the worker dies
+    # Its ranks die with it, whatever they were doing: none is left holding a device.
+    wait_for(lambda: not rank_processes(), what="the dead worker's ranks to go", timeout=10)
+
+    def finished() -> bool:
+        jobs = _jobs(database_url, run_id)
+        return len(jobs) == 3 and all(status == "succeeded" for _, status, *_ in jobs)
+
+    wait_for(finished, what=f"train run {run_id} to finish", timeout=300)
+    assert [attempts for _, _, attempts, _ in _jobs(database_url, run_id)] == [1, 3, 1]
+    resumed = sdq_json(download_env, "train", "status", str(run_id))
+    assert resumed["losses"] == steady["losses"]
+    assert [c["state_sha256"] for c in resumed["checkpoints"]] == [
+        c["state_sha256"] for c in steady["checkpoints"]
+    ]
+    assert (
+        resumed["checkpoints"][-1]["model_revision"] == steady["checkpoints"][-1]["model_revision"]
+    )

@@ -51,6 +51,10 @@ def run_ranks(spec: TrainShardSpec) -> dict[str, Any]:
         return json.loads((folder / RESULT_FILE).read_text())
 
 
+def rank_threads(local_ranks: int) -> int:
+    return max(1, (os.cpu_count() or 1) // local_ranks)
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -73,6 +77,9 @@ def started(world_size: int, folder: Path) -> Iterator[list[subprocess.Popen]]:
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
                 "SDQ_RANK_PARENT": str(os.getpid()),
+                # The machine's cores shared between its ranks, not each taking them all.
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")
+                or str(rank_threads(world_size)),
             }
             with (folder / f"rank{rank}.log").open("wb") as log:
                 processes.append(

@@ -1,0 +1,157 @@
+"""Data-parallel training on sdq against plain DDP under torchrun: the same latent shards,
+the same global batch and steps, at each world size.
+
+The latent shards are made once, untimed: generated JPEGs served over local HTTP, through
+`sdq download` and `sdq encode` with the tiny model. Then, in interleaved rounds, for each
+world size N:
+  - sdq: `sdq train --world-size N --wait` end to end, one train worker (`sdq worker gpu
+    --train-ranks N`) whose job runs on N rank processes (gloo on CPU, NCCL on GPUs),
+    shards read from an S3 server over HTTP, a checkpoint written to it, every step's loss
+    in Postgres;
+  - plain: `torchrun --nproc-per-node N benchmarks/plain_ddp.py`, the same DDP step over
+    the same shards read from local disk (benchmarks/plain_ddp.py), no checkpoint.
+Both are timed from the command's start to its end, process starts included. Prints one
+JSON object: samples/s of each, the scaling efficiency of each (samples/s at N over N
+times samples/s at 1), and `sdq_vs_plain` at each world size.
+
+    python benchmarks/train_scaling.py [--world-sizes 1,2] [--steps 300]
+        [--batch-size 8] [--images 256] [--rounds 3]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import boto3
+import psycopg
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.download import COMMAND_TIMEOUT  # noqa: E402
+from benchmarks.train import DATASET, RESOLUTION, make_latents  # noqa: E402
+from sdq.models.registry import tiny_identity  # noqa: E402
+from sdq.models.training import LatentInput, TrainOptions, TrainShardSpec  # noqa: E402
+from sdq.workers.train.ranks import rank_threads  # noqa: E402
+from tests.conftest import WorkerProcess, sdq_json  # noqa: E402
+from tests.services import BENCH_BUCKET, deployment  # noqa: E402
+
+
+def through_sdq(env: dict[str, str], args, world_size: int) -> float:
+    started = time.perf_counter()
+    status = sdq_json(
+        env, "train", DATASET, "--base", "tiny", "--resolution", str(RESOLUTION),
+        "--steps", str(args.steps), "--checkpoint-every", str(args.steps),
+        "--batch-size", str(args.batch_size), "--world-size", str(world_size), "--wait",
+        timeout=COMMAND_TIMEOUT,
+    )  # fmt: skip
+    seconds = time.perf_counter() - started
+    assert status["status"] == "succeeded", status
+    return args.steps * args.batch_size / seconds
+
+
+class PlainDDP:
+    """torchrun over the shards, copied to local disk before the clock starts."""
+
+    def __init__(self, env: dict[str, str], args, folder: Path) -> None:
+        self.args, self.folder = args, folder
+        with psycopg.connect(env["SDQ_DATABASE_URL"]) as connection:
+            rows = connection.execute("SELECT uri, samples FROM latent_shards ORDER BY id")
+            inputs = tuple(
+                LatentInput(uri=uri, key=uri.split(f"{BENCH_BUCKET}/", 1)[1], samples=n)
+                for uri, n in rows
+            )
+        bucket = boto3.resource("s3").Bucket(BENCH_BUCKET)
+        for item in inputs:
+            (folder / item.key).parent.mkdir(parents=True, exist_ok=True)
+            bucket.download_file(item.key, str(folder / item.key))
+        self.inputs = inputs
+
+    def run(self, world_size: int) -> float:
+        model = tiny_identity()
+        spec = TrainShardSpec(
+            run=0, first_step=0, last_step=self.args.steps, model_name="plain",
+            base_name=model.name, base_source=model.source, base_revision=model.revision,
+            prediction_type="epsilon", scheduler_config=model.scheduler_config,
+            options=TrainOptions(steps=self.args.steps, batch_size=self.args.batch_size,
+                                 world_size=world_size),
+            inputs=self.inputs,
+        )  # fmt: skip
+        spec_file = self.folder / f"spec-{world_size}.json"
+        spec_file.write_text(json.dumps(spec.to_dict()))
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(world_size), str(ROOT / "benchmarks/plain_ddp.py"),
+            str(spec_file), str(self.folder),
+        ]  # fmt: skip
+        # The same threads per rank as sdq's ranks get.
+        env = {**os.environ, "OMP_NUM_THREADS": str(rank_threads(world_size))}
+        started = time.perf_counter()
+        subprocess.run(command, env=env, check=True, capture_output=True, timeout=COMMAND_TIMEOUT)
+        return self.args.steps * self.args.batch_size / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", default="1,2")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--images", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--image-dir", type=Path, default=Path(tempfile.gettempdir()) / "sdq-bench-images"
+    )
+    args = parser.parse_args()
+    args.checkpoint_every = args.steps
+    sizes = [int(size) for size in args.world_sizes.split(",")]
+    rates = {f"{way}_{size}": [] for size in sizes for way in ("sdq", "plain")}
+    with deployment(broker_db=14) as env, tempfile.TemporaryDirectory() as folder:
+        os.environ.update(env)  # boto3 in this process reads AWS_* like the worker does
+        home = Path(env["SDQ_HOME"])
+        worker = WorkerProcess(
+            env, home / "gpu.log", args=("--train-ranks", str(max(sizes)))
+        ).start()
+        try:
+            make_latents(env, args)
+            plain = PlainDDP(env, args, Path(folder))
+            for _ in range(args.rounds):
+                for size in sizes:
+                    rates[f"sdq_{size}"].append(through_sdq(env, args, size))
+                    rates[f"plain_{size}"].append(plain.run(size))
+        finally:
+            worker.stop()
+    median = {name: statistics.median(values) for name, values in rates.items()}
+    first = sizes[0]
+    print(
+        json.dumps(
+            {
+                "steps": args.steps,
+                "global_batch": args.batch_size,
+                "cores": os.cpu_count(),
+                "samples_per_second": {name: round(value, 2) for name, value in median.items()},
+                "rounds": {name: [round(r, 2) for r in values] for name, values in rates.items()},
+                "scaling_efficiency": {
+                    f"{way}_{size}": round(
+                        median[f"{way}_{size}"] / (median[f"{way}_{first}"] * size / first), 3
+                    )
+                    for way in ("sdq", "plain")
+                    for size in sizes
+                },
+                "sdq_vs_plain": {
+                    str(size): round(median[f"sdq_{size}"] / median[f"plain_{size}"], 3)
+                    for size in sizes
+                },
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
