@@ -80,6 +80,12 @@ class TrainSettings:
     # A collective that waits longer than this fails the job, which is sent again and goes
     # on from its last checkpoint: a dead or stuck rank never hangs the others.
     collective_timeout_seconds: int = 600
+    # A job over several nodes waits this long for its gang to gather before it gives up
+    # (for now: an outage, not a spent attempt) and is sent again.
+    gang_timeout_seconds: int = 300
+    # Where this machine's rank 0 is reached by the other nodes of a gang; None: the
+    # address its host name resolves to.
+    node_address: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,6 +153,8 @@ class Settings:
             ),
             train=TrainSettings(
                 collective_timeout_seconds=_int(env, "SDQ_TRAIN_COLLECTIVE_TIMEOUT", 600),
+                gang_timeout_seconds=_int(env, "SDQ_TRAIN_GANG_TIMEOUT", 300),
+                node_address=env.get("SDQ_TRAIN_NODE_ADDRESS") or None,
             ),
             time_limits={queue: _time_limits(env, queue) for queue in QUEUES},
         )

@@ -29,8 +29,10 @@ class TrainOptions:
     mixed_precision: str = "no"
     gradient_checkpointing: bool = False
     compile: bool = False
-    # Data-parallel ranks (processes, one per GPU) each train-shard job runs on.
+    # Data-parallel ranks (processes, one per GPU) each train-shard job runs on, spread
+    # evenly over this many machines (nodes).
     world_size: int = 1
+    nodes: int = 1
     # Micro-batches whose gradients add up to one optimizer step, on each rank.
     grad_accumulation: int = 1
     max_grad_norm: float | None = None  # None: gradients are not clipped
@@ -56,19 +58,23 @@ class TrainOptions:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}")
         positive = (
-            *(self.steps, self.batch_size, self.checkpoint_every, self.world_size),
+            *(self.steps, self.batch_size, self.checkpoint_every, self.world_size, self.nodes),
             *(self.grad_accumulation, self.keep_checkpoints or 1, self.export_every or 1),
         )
         if min(positive) < 1 or self.lr_warmup < 0:
             raise ValueError(
-                "steps, batch size, checkpoint interval, world size, gradient accumulation, "
-                "checkpoints kept and the export interval must be positive"
+                "steps, batch size, checkpoint interval, world size, nodes, gradient "
+                "accumulation, checkpoints kept and the export interval must be positive"
             )
         if self.batch_size % (self.world_size * self.grad_accumulation):
             raise ValueError(
                 f"--batch-size {self.batch_size} must split into equal micro-batches: "
                 f"a multiple of --world-size {self.world_size} x --grad-accumulation "
                 f"{self.grad_accumulation}"
+            )
+        if self.world_size % self.nodes:
+            raise ValueError(
+                f"--world-size {self.world_size} must split evenly over --nodes {self.nodes}"
             )
         if self.ema is not None and not 0 < self.ema < 1:
             raise ValueError("--ema must be between 0 and 1")
@@ -78,6 +84,10 @@ class TrainOptions:
             raise ValueError("--unet-config sets the architecture of a U-Net --from-scratch")
         if self.noise_offset < 0 or (self.max_grad_norm is not None and self.max_grad_norm <= 0):
             raise ValueError("--noise-offset must not be negative, --max-grad-norm positive")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nodes
 
     @property
     def micro_batch(self) -> int:

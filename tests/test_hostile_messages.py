@@ -46,7 +46,7 @@ def test_every_task_of_a_kind_is_checked_and_bounded() -> None:
     tasks = [task for name, task in app.tasks.items() if name.startswith("sdq.") and
              not name.startswith("sdq.maintenance")]  # fmt: skip
     assert {task.name for task in tasks} == {"sdq.generate", "sdq.download", "sdq.encode",
-                                             "sdq.train"}  # fmt: skip
+                                             "sdq.train", "sdq.train.join"}  # fmt: skip
     assert all(isinstance(task, JobTask) and task.max_retries == MAX_RETRIES for task in tasks)
 
 

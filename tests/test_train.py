@@ -318,13 +318,15 @@ def rank_processes() -> list[int]:
     return [int(pid) for pid in listed.split()]
 
 
-def test_two_ranks_follow_one_and_resume_exactly_after_a_rank_or_a_worker_dies(
+def test_two_ranks_on_one_node_or_two_resume_exactly_after_a_rank_a_worker_or_a_node_dies(
     download_env: dict[str, str], cpu_worker: WorkerProcess, worker: WorkerProcess, tmp_path
 ) -> None:
-    """Two gloo ranks, real processes under a real worker. A rank killed mid-job fails the
-    job at once (no collective waits on it); a killed worker takes its ranks with it. Each
-    time the job goes on from the last checkpoint, and the run ends bit for bit where an
-    uninterrupted 2-rank run does, on the 1-rank run's loss curve."""
+    """Two gloo ranks, real processes under real workers. A rank killed mid-job fails the
+    job at once (no collective waits on it); a killed worker takes its ranks with it; over
+    two nodes (a second worker process as the second machine), a node that dies fails the
+    attempt and the job gathers a new gang. Each time the job goes on from the last
+    checkpoint, and the run ends bit for bit where an uninterrupted 2-rank run does, on the
+    1-rank run's loss curve."""
     database_url = download_env["SDQ_DATABASE_URL"]
     dataset = "train-ranks"
     encoded_dataset(download_env, dataset, 16, tmp_path)

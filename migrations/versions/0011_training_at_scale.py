@@ -1,6 +1,6 @@
 """training at scale: checkpoints that hold the training state only (no model), their
-state hash and deletion mark; each step's world size and MFU; lineage through the runs a
-run started from
+state hash and deletion mark; each step's world size and MFU; the gangs of nodes that run
+a job over several machines; lineage through the runs a run started from
 
 Revision ID: 0011
 Revises: 0010
@@ -84,6 +84,24 @@ def upgrade() -> None:
     with op.batch_alter_table("train_steps") as batch:
         batch.add_column(sa.Column("world_size", sa.Integer(), server_default="1", nullable=False))
         batch.add_column(sa.Column("mfu", sa.Float(), nullable=True))
+    op.create_table(
+        "train_gangs",
+        sa.Column("job_id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=False),
+        sa.Column("attempt", sa.Integer(), nullable=False),
+        sa.Column("node", sa.Integer(), nullable=False),
+        sa.Column("worker", sa.Text(), nullable=False),
+        sa.Column("address", sa.Text(), nullable=False),
+        sa.Column(
+            "joined_at",
+            sa.DateTime(timezone=True),
+            server_default=sa.text("CURRENT_TIMESTAMP"),
+            nullable=False,
+        ),
+        sa.ForeignKeyConstraint(
+            ["job_id"], ["jobs.id"], name=op.f("fk_train_gangs_job_id_jobs"), ondelete="CASCADE"
+        ),
+        sa.PrimaryKeyConstraint("job_id", "attempt", "node", name=op.f("pk_train_gangs")),
+    )
     op.execute(TRAIN_LINEAGE.format(start_run=_field("r.options", "start_run")))
     op.execute(IMAGE_SOURCES.format(model_revision=_field("j.spec", "model_revision")))
 
@@ -91,6 +109,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.execute("DROP VIEW image_sources")
     op.execute("DROP VIEW train_lineage")
+    op.drop_table("train_gangs")
     with op.batch_alter_table("train_steps") as batch:
         batch.drop_column("mfu")
         batch.drop_column("world_size")

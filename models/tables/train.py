@@ -73,3 +73,21 @@ class Checkpoint(Base):
         # From a generated image's model revision to the checkpoint that made it.
         Index("ix_checkpoints_model_revision", "model_revision"),
     )
+
+
+class TrainGang(Base):
+    """One node of the gang that runs an attempt of a train-shard job over several machines.
+    The worker that claimed the job writes node 0 with the rendezvous address its rank 0
+    listens on; each worker that answers the job's call to join takes the next node."""
+
+    __tablename__ = "train_gangs"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node: Mapped[int] = mapped_column(Integer, primary_key=True)
+    worker: Mapped[str] = mapped_column(Text)
+    # host:port of torch.distributed's store, on node 0; the node's own address on others.
+    address: Mapped[str] = mapped_column(Text)
+    joined_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.current_timestamp()
+    )

@@ -128,6 +128,14 @@ def _checkpoint_ref(_ctx, _param, value: str | None) -> tuple[int, int | None] |
     "with `sdq worker gpu --train-ranks N` runs runs of world size up to N.",
 )
 @click.option(
+    "--nodes",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Machines the --world-size ranks are spread over, evenly: each job's gang of "
+    "train workers gathers through the database (see the README's multi-node section).",
+)
+@click.option(
     "--grad-accumulation",
     default=1,
     show_default=True,
@@ -232,6 +240,9 @@ def start(
     if (base is None) == (resume_from is None):
         raise click.UsageError("give --base, or --resume-from (which trains on its run's base)")
     train_options = _train_options(**options)
+    if app.settings.embedded and train_options.nodes > 1:
+        raise click.UsageError("--nodes spreads a run over several machines' train workers: "
+                               "it needs a broker (SDQ_BROKER_URL) and workers")  # fmt: skip
     if resume_from and train_options.from_scratch:
         raise click.UsageError("--resume-from starts from trained weights; --from-scratch does not")
     prompts = _validation_prompts(validation_prompts) if validation_prompts else ()

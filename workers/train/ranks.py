@@ -1,9 +1,9 @@
-"""A data-parallel train-shard job's processes. The worker that took the job starts one
-process per rank as torchrun does (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT
-for torch.distributed's env:// rendezvous), waits for them, and stops them all as soon as
-one fails, so the job fails at once instead of hanging; it is sent again and goes on from
-its last checkpoint. Each rank dies with the worker (a parent-death signal): a worker
-killed mid-job leaves no rank holding a GPU. No torch here.
+"""A data-parallel train-shard job's processes on one machine (one node). The worker starts
+one process per local rank as torchrun does (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT for torch.distributed's env:// rendezvous), waits for them, and stops them all
+as soon as one fails, so the job fails at once instead of hanging; it is sent again and
+goes on from its last checkpoint. Each rank dies with the worker (a parent-death signal): a
+worker killed mid-job leaves no rank holding a GPU. No torch here.
 """
 
 import json
@@ -14,19 +14,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sdq.models.store import StoreUnavailable
-from sdq.models.training import TrainShardSpec
+from sdq.models.training import TrainOptions, TrainShardSpec
 from sdq.workers.weights import ModelUnavailable
 
 RANK_MODULE = "sdq.workers.train.rank"
 JOB_FILE = "job.json"
 RESULT_FILE = "result.json"
 POLL_SECONDS = 0.1
+WATCH_SECONDS = 1.0
 STOP_GRACE_SECONDS = 10
 LOG_LINES = 20
 # Errors a rank reports by name that keep their meaning for the job: a model that cannot
@@ -41,47 +43,62 @@ class RankFailed(Exception):
     checkpoint when it is sent again."""
 
 
-def run_ranks(spec: TrainShardSpec) -> dict[str, Any]:
-    """Runs the job on `world_size` local rank processes; returns what rank 0 wrote."""
+@dataclass(frozen=True)
+class Node:
+    """This machine's place in the job's gang, and where rank 0's store listens."""
+
+    index: int = 0
+    master_address: str = "127.0.0.1"
+    master_port: int = field(default_factory=lambda: free_port())
+
+
+def run_ranks(
+    spec: TrainShardSpec, node: Node | None = None, watch: Callable[[], None] = lambda: None
+) -> dict[str, Any] | None:
+    """Runs this node's ranks of the job (all of them on a job of one node); returns what
+    rank 0 wrote, on node 0. `watch` is called about once a second while they run, and
+    stops them by raising."""
+    node = node or Node()
     with tempfile.TemporaryDirectory(prefix="sdq-ranks-") as temporary:
         folder = Path(temporary)
         (folder / JOB_FILE).write_text(json.dumps(spec.to_dict()))
-        with started(spec.options.world_size, folder) as processes:
-            wait(processes, folder)
-        return json.loads((folder / RESULT_FILE).read_text())
+        with started(spec.options, node, folder) as processes:
+            wait(processes, folder, watch)
+        result = folder / RESULT_FILE
+        return json.loads(result.read_text()) if result.is_file() else None
 
 
 def rank_threads(local_ranks: int) -> int:
     return max(1, (os.cpu_count() or 1) // local_ranks)
 
 
-def free_port() -> int:
+def free_port(address: str = "127.0.0.1") -> int:
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind((address, 0))
         return probe.getsockname()[1]
 
 
 @contextmanager
-def started(world_size: int, folder: Path) -> Iterator[list[subprocess.Popen]]:
-    """The rank processes, each logging to its own file; any still running when the block
-    ends (a failed rank, the task's time limit) is stopped."""
-    port = free_port()
+def started(options: TrainOptions, node: Node, folder: Path) -> Iterator[list[subprocess.Popen]]:
+    """This node's rank processes, each logging to its own file; any still running when the
+    block ends (a failed rank, the task's time limit) is stopped."""
+    local_ranks = options.ranks_per_node
     processes = []
     try:
-        for rank in range(world_size):
+        for local in range(local_ranks):
             environment = {
                 **os.environ,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(world_size),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
+                "RANK": str(node.index * local_ranks + local),
+                "LOCAL_RANK": str(local),
+                "WORLD_SIZE": str(options.world_size),
+                "MASTER_ADDR": node.master_address,
+                "MASTER_PORT": str(node.master_port),
                 "SDQ_RANK_PARENT": str(os.getpid()),
                 # The machine's cores shared between its ranks, not each taking them all.
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")
-                or str(rank_threads(world_size)),
+                or str(rank_threads(local_ranks)),
             }
-            with (folder / f"rank{rank}.log").open("wb") as log:
+            with (folder / f"rank{local}.log").open("wb") as log:
                 processes.append(
                     subprocess.Popen(
                         [sys.executable, "-m", RANK_MODULE, str(folder)],
@@ -108,8 +125,9 @@ def stop(processes: list[subprocess.Popen]) -> None:
             process.wait()
 
 
-def wait(processes: list[subprocess.Popen], folder: Path) -> None:
+def wait(processes: list[subprocess.Popen], folder: Path, watch: Callable[[], None]) -> None:
     """Until every rank has exited 0; the first that fails fails the job."""
+    watched = time.monotonic()
     while True:
         codes = [process.poll() for process in processes]
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
@@ -117,6 +135,9 @@ def wait(processes: list[subprocess.Popen], folder: Path) -> None:
             raise rank_error(folder, *min(failed, key=lambda item: _reported(folder, item[0])))
         if all(code == 0 for code in codes):
             return
+        if time.monotonic() - watched >= WATCH_SECONDS:
+            watch()
+            watched = time.monotonic()
         time.sleep(POLL_SECONDS)
 
 

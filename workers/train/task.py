@@ -1,16 +1,20 @@
-"""The train task: a message of one train-shard job id."""
+"""The train tasks: a message of one train-shard job id; and a call to join the gang of a
+job over several nodes, as one of its nodes."""
 
 from functools import cache
 from typing import Any
 
 from celery import shared_task
 
-from sdq.models.jobs.kinds import TRAIN
+from sdq.models.jobs.kinds import TRAIN, Pool
 from sdq.models.jobs.outbox import enqueue
-from sdq.workers.app import SdqCelery
+from sdq.workers.app import SdqCelery, worker_identity
 from sdq.workers.delivery import JobTask, deliver_task
-from sdq.workers.train.work import LiveStates, TrainWork
+from sdq.workers.train import gang
+from sdq.workers.train.work import CallNodes, LiveStates, TrainWork
 from sdq.workers.weights import ModelFiles
+
+JOIN_TASK = f"{TRAIN.task_name}.join"
 
 
 @shared_task(bind=True, base=JobTask, name=TRAIN.task_name)
@@ -25,9 +29,44 @@ def train(self, job_ids: list[int]) -> dict[str, Any]:
             live=live_states(),
             # In-process runs (`sdq train` embedded) go on to the next job by themselves.
             send_next=(lambda _run: None) if self.request.is_eager else send_next(app),
+            settings=app.settings.train,
+            worker=worker_identity(TRAIN.pool).host,
+            call_nodes=None if self.request.is_eager else call_nodes(app),
         )
 
     return deliver_task(self, TRAIN, job_ids, work)
+
+
+@shared_task(bind=True, base=JobTask, name=JOIN_TASK)
+def join(self, job_ids: list[int], attempt: int) -> dict[str, Any]:
+    """This worker as one more node of the job's gang for that attempt (gang.py)."""
+    app = self.app
+    [job_id] = job_ids
+    outcome = gang.take_part(
+        app.sessions,
+        job_id,
+        attempt,
+        worker=worker_identity(Pool.gpu).host,
+        settings=app.settings.train,
+    )
+    return {"outcome": outcome}
+
+
+def call_nodes(app: SdqCelery) -> CallNodes:
+    # A node runs as long as the job it joins: the train queue's limits, not the default's.
+    limits = app.settings.time_limits[TRAIN.queue]
+
+    def call(job_id: int, attempt: int, count: int) -> None:
+        for _ in range(count):
+            app.send_task(
+                JOIN_TASK,
+                args=[[job_id], attempt],
+                queue=TRAIN.queue,
+                time_limit=limits.hard,
+                soft_time_limit=limits.soft,
+            )
+
+    return call
 
 
 @cache

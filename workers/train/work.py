@@ -6,7 +6,8 @@ Plain code, no Celery; torch loads lazily.
 A run of world size 1 trains in this process: it keeps the state it has just checkpointed
 and goes on from it in memory when the next job comes to it; any other worker restores the
 checkpoint from the store. A larger world size trains on that many rank processes
-(ranks.py), which restore the state from the store each job.
+(ranks.py), which restore the state from the store each job; over several nodes, this
+worker leads the gang the other nodes' workers join (gang.py).
 """
 
 from collections.abc import Callable, Iterator, Sequence
@@ -17,9 +18,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.jobs.delivery import Work
 from sdq.models.jobs.lifecycle import Output, utcnow
-from sdq.models.store import ObjectStore
+from sdq.models.settings import TrainSettings
+from sdq.models.store import ObjectStore, StoreUnavailable
 from sdq.models.tables import Job
 from sdq.models.training import TrainShardSpec
+from sdq.workers.train import gang
 from sdq.workers.train.ranks import run_ranks
 from sdq.workers.train.records import (
     Written,
@@ -41,6 +44,14 @@ class NotReady(Exception):
     """The checkpoint this job starts from is not written yet; it will be."""
 
 
+class NoGangHere(Exception):
+    """A job over several nodes needs other workers to join it: not in one process."""
+
+
+# Calls for the other nodes of a job's gang: (job id, attempt, how many).
+CallNodes = Callable[[int, int, int], None]
+
+
 class LiveStates:
     """The training state this process last checkpointed, by run: the next job of that
     run goes on from it without reading the checkpoint back."""
@@ -57,7 +68,8 @@ class LiveStates:
 
 
 class TrainWork(Work):
-    permanent_errors = (ModelUnavailable,)
+    permanent_errors = (ModelUnavailable, NoGangHere)
+    outage_errors = (StoreUnavailable, gang.GangIncomplete)
 
     def __init__(
         self,
@@ -67,17 +79,23 @@ class TrainWork(Work):
         files: ModelFiles,
         live: LiveStates,
         send_next: Callable[[int], None],
+        settings: TrainSettings,
+        worker: str,
+        call_nodes: CallNodes | None,
     ) -> None:
         self.store = store
         self.sessions = sessions
         self.files = files
         self.live = live
         self.send_next = send_next
+        self.settings = settings
+        self.worker = worker
+        self.call_nodes = call_nodes
 
     def run(self, jobs: Sequence[Job]) -> Iterator[Output]:
         for job in jobs:
             spec = TrainShardSpec.from_dict(job.spec)
-            output, new_work = self._done_before(job.id, spec) or self._train(job.id, spec)
+            output, new_work = self._done_before(job.id, spec) or self._train(job, spec)
             yield output
             for run_id in new_work:
                 self.send_next(run_id)
@@ -94,7 +112,7 @@ class TrainWork(Work):
         output = Output(job_id, checkpoint.uri, digest, work_seconds=None)
         return output, [spec.run]
 
-    def _train(self, job_id: int, spec: TrainShardSpec) -> "Done":
+    def _train(self, job: Job, spec: TrainShardSpec) -> "Done":
         started = perf_counter()
         if spec.first_step:
             with self.sessions() as session:
@@ -105,8 +123,8 @@ class TrainWork(Work):
         if spec.options.world_size == 1:
             steps, written = self._train_here(spec)
         else:
-            steps, written = self._train_on_ranks(spec)
-        return self._record(job_id, spec, steps, written, started)
+            steps, written = self._train_on_ranks(job, spec)
+        return self._record(job.id, spec, steps, written, started)
 
     def _train_here(self, spec: TrainShardSpec) -> tuple[list[dict], Written]:
         from sdq.workers.train.job import restore_state, train_steps, write_checkpoint
@@ -120,9 +138,23 @@ class TrainWork(Work):
         self.live.keep(state)
         return steps, written
 
-    def _train_on_ranks(self, spec: TrainShardSpec) -> tuple[list[dict], Written]:
-        result = run_ranks(spec)
+    def _train_on_ranks(self, job: Job, spec: TrainShardSpec) -> tuple[list[dict], Written]:
+        result = run_ranks(spec) if spec.options.nodes == 1 else self._lead(job, spec)
         return result["steps"], Written(**result["written"])
+
+    def _lead(self, job: Job, spec: TrainShardSpec) -> dict[str, Any]:
+        """Node 0 of the job's gang: records it, calls for the others, runs its ranks."""
+        if self.call_nodes is None:
+            raise NoGangHere(f"run {spec.run} spans {spec.options.nodes} nodes: it needs workers")
+        node = gang.lead(self.sessions, job, worker=self.worker, settings=self.settings)
+        self.call_nodes(job.id, job.attempts, spec.options.nodes - 1)
+        gathered = gang.gathered_in_time(
+            self.sessions,
+            job,
+            nodes=spec.options.nodes,
+            timeout_seconds=self.settings.gang_timeout_seconds,
+        )
+        return run_ranks(spec, node, gathered)
 
     def _record(
         self,
