@@ -168,14 +168,25 @@ def test_the_kubernetes_deployment_hangs_together() -> None:
     assert deployments["sdq-beat"]["spec"]["replicas"] == 1
     gpu = deployments["sdq-worker-gpu"]["spec"]["template"]["spec"]["containers"][0]
     assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # Training has machines of its own: each pod's train worker owns all of its GPUs.
+    train = by_kind["StatefulSet"]["sdq-train"]
+    [trainer] = train["spec"]["template"]["spec"]["containers"]
+    ranks = int(trainer["args"][trainer["args"].index("--train-ranks") + 1])
+    assert trainer["resources"]["limits"]["nvidia.com/gpu"] == ranks
+    assert train["spec"]["serviceName"] in by_kind["Service"]
+    assert "SDQ_TRAIN_NODE_ADDRESS" in {env["name"] for env in trainer["env"]}
+    assert_known_settings([env["name"] for env in trainer["env"]])
     settings = by_kind["ConfigMap"]["sdq-settings"]["data"]
     assert_known_settings(list(settings) + list(by_kind["Secret"]["sdq-secrets"]["stringData"]))
-    for workload in [*deployments.values(), *by_kind["Job"].values()]:
+    workloads = [*deployments.values(), train, *by_kind["Job"].values()]
+    for workload in workloads:
         for container in workload["spec"]["template"]["spec"]["containers"]:
             assert_sdq_command(container["args"])
             sources = {next(iter(ref.values()))["name"] for ref in container["envFrom"]}
             assert sources == {"sdq-settings", "sdq-secrets"}
-    # Each pool scales on exactly the queues it consumes.
+    # Each pool scales on exactly the queues it consumes; the GPU pool leaves training to the
+    # train machines.
+    assert gpu["args"][gpu["args"].index("--queues") + 1] == "generate,encode"
     scaled = {
         document["spec"]["scaleTargetRef"]["name"]: {
             trigger["metadata"]["listName"] for trigger in document["spec"]["triggers"]
@@ -183,7 +194,7 @@ def test_the_kubernetes_deployment_hangs_together() -> None:
         for document in by_kind["ScaledObject"].values()
     }
     assert scaled == {
-        "sdq-worker-gpu": set(POOL_QUEUES[Pool.gpu]),
+        "sdq-worker-gpu": set(POOL_QUEUES[Pool.gpu]) - {"train"},
         "sdq-worker-cpu": set(POOL_QUEUES[Pool.cpu]) - {"maintenance"},
     }
     # The CPU pool also serves beat's maintenance queue: never scaled to nothing.
