@@ -206,6 +206,24 @@ def _checkpoint(session: Session, ref: str) -> Checkpoint | None:
     return found
 
 
+def encoders_lineage(session: Session, revision: str) -> list[str]:
+    """The model revision, then the base its train run started from if it is a checkpoint's
+    model, and so on back: a checkpoint's model holds its base's VAE, text encoder and
+    tokenizer files as they were (the export copies them), so latents any of these models
+    made are the ones it would make."""
+    lineage = [revision]
+    while True:
+        base = session.scalar(
+            select(Run.options["base_revision"].as_string())
+            .join(Checkpoint, Checkpoint.run_id == Run.id)
+            .where(Checkpoint.model_revision == lineage[-1])
+            .limit(1)
+        )
+        if base is None or base in lineage:
+            return lineage
+        lineage.append(base)
+
+
 def _resolve_pushed(record: ModelRecord, store: ObjectStore) -> ModelIdentity:
     return _identity(
         name=record.name,

@@ -19,6 +19,7 @@ GPU_MODULES = {
     "workers/train/trainer.py",
     "workers/train/job.py",
     "workers/train/rank.py",
+    "workers/train/statefile.py",
 }
 PACKAGES = ("producer", "workers", "models", "migrations")
 

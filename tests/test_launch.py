@@ -35,6 +35,33 @@ def test_without_gpus_one_cpu_process_renders() -> None:
     assert option(pool.argv, "--concurrency") == "6"
 
 
+def test_training_gpus_serve_training_only_and_queues_narrow_the_others() -> None:
+    commands = gpu_workers(["0", "1", "2", "3", "4"], loglevel="info", train_ranks=4)
+    [train, render] = commands
+    assert train.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert option(train.argv, "--queues") == "train"
+    assert option(train.argv, "--hostname") == "train@%h"
+    assert render.env["CUDA_VISIBLE_DEVICES"] == "4"
+    assert option(render.argv, "--queues") == "generate,encode"
+    # Every GPU trains: no other worker; the others serve only the queues asked for.
+    [only] = gpu_workers(["0", "1"], loglevel="info", train_ranks=2)
+    assert option(only.argv, "--queues") == "train"
+    renderers = gpu_workers(["0", "1"], loglevel="info", queues=("generate",))
+    assert [option(c.argv, "--queues") for c in renderers] == ["generate", "generate"]
+    # Without GPUs: a train worker of its own (CPU ranks) beside the one that renders.
+    train, render = gpu_workers([], loglevel="info", train_ranks=2)
+    assert (option(train.argv, "--queues"), train.env["CUDA_VISIBLE_DEVICES"]) == ("train", "")
+    assert option(render.argv, "--queues") == "generate,encode"
+
+
+def test_the_worker_command_checks_its_queues_and_ranks(sdq) -> None:
+    unknown = sdq("worker", "gpu", "--queues", "generate,download")
+    assert unknown.exit_code == 2
+    assert "the GPU queues are generate, encode, train" in unknown.output
+    too_many = sdq("worker", "gpu", "--gpus", "0,1", "--train-ranks", "3")
+    assert too_many.exit_code == 2 and "--train-ranks 3: there are 2 GPUs" in too_many.output
+
+
 def test_sigterm_to_the_launcher_stops_every_worker(service_env, tmp_path) -> None:
     process = WorkerProcess(service_env, tmp_path / "worker.log").start()
     group = process.process.pid

@@ -263,6 +263,14 @@ def test_phases_checkpoints_and_the_recipe_on_one_machine(tmp_path: Path) -> Non
     assert "phase1@2: no model at step 2" in no_model.stderr
     assert "models at steps: 4, 6" in no_model.stderr
 
+    # A trained model holds its base's VAE and text encoder as they were: the base's latents
+    # serve it without encoding again.
+    again = sdq_json(
+        env, "train", "toy", "--base", "phase1", "--resolution", "64", "--batch-size", "4",
+        "--steps", "2", "--checkpoint-every", "2", cwd=tmp_path,
+    )  # fmt: skip
+    assert again["status"] == "succeeded"
+
     phase2 = sdq_json(
         env, "train", "toy", "--resume-from", str(phase1["run_id"]), "--resolution", "128",
         "--batch-size", "4", "--steps", "2", "--checkpoint-every", "2", "--into", "phase2",

@@ -19,8 +19,10 @@ from sdq.workers.train.trainer import (
     Ranks,
     base_unet,
     draw,
+    load_checkpoint,
     new_state,
     peak_flops,
+    save_checkpoint,
     train_step,
     training_flops_per_sample,
 )
@@ -225,3 +227,23 @@ def test_model_flops_per_sample_scale_with_the_latent_size() -> None:
                                       embeddings)  # fmt: skip
     assert small > 0 and 3.5 < large / small < 4.5  # four times the pixels
     assert peak_flops(state.device) is None  # no MFU on a CPU
+
+
+def test_a_state_resumed_from_its_checkpoint_writes_the_same_bytes(tmp_path) -> None:
+    shard = spec(lr=1e-3, lr_schedule="cosine", lr_warmup=1, grad_accumulation=2)
+    going_on = new_state(shard, build_unet())
+    for seed in (0, 1):
+        train_step(going_on, shard, *batch(seed))
+    save_checkpoint(going_on, tmp_path / "at-2")
+    resumed = load_checkpoint(shard, tmp_path / "at-2")
+    for state, folder in ((going_on, "going-on"), (resumed, "resumed")):
+        for seed in (2, 3):
+            train_step(state, shard, *batch(seed))
+        save_checkpoint(state, tmp_path / folder)
+    written = {
+        folder: {path.relative_to(tmp_path / folder): path.read_bytes()
+                 for path in sorted((tmp_path / folder).rglob("*")) if path.is_file()}
+        for folder in ("going-on", "resumed")
+    }  # fmt: skip
+    assert written["going-on"] == written["resumed"]
+    assert {path.name for path in written["resumed"]} >= {"training.json", "training.safetensors"}

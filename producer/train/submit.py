@@ -11,6 +11,7 @@ from sdq.models.architectures import check_fits
 from sdq.models.datasets import empty_prompt_key, latent_key
 from sdq.models.jobs.kinds import TRAIN
 from sdq.models.jobs.outbox import add_jobs
+from sdq.models.registry import encoders_lineage
 from sdq.models.specs import ModelIdentity
 from sdq.models.store import ObjectStore
 from sdq.models.tables import Run
@@ -73,7 +74,8 @@ def record_train(
                 latent_channels=tensors["latents"]["shape"][0],
                 text_width=tensors["text_embeddings"]["shape"][-1],
             )
-        empty_prompt = _empty_prompt(store, name, base) if options.caption_dropout else None
+        encoded_with = shards[0][0].model_revision
+        empty_prompt = _empty_prompt(store, name, encoded_with) if options.caption_dropout else None
         run = Run(
             kind=TRAIN.name,
             source=name,
@@ -122,13 +124,13 @@ def record_train(
     )
 
 
-def _empty_prompt(store: ObjectStore, name: str, base: ModelIdentity) -> str:
-    key = empty_prompt_key(name, base.revision)
+def _empty_prompt(store: ObjectStore, name: str, encoded_with: str) -> str:
+    key = empty_prompt_key(name, encoded_with)
     if not store.exists(key):
         raise CannotTrain(
             f"--caption-dropout trains on the empty prompt's embedding, which the encode run "
-            f"of {name!r} with {base.name} did not store (it was encoded by an older sdq): "
-            f"encode it again into a new dataset name"
+            f"of {name!r} (model revision {encoded_with[:12]}) did not store (it was encoded "
+            f"by an older sdq): encode it again into a new dataset name"
         )
     return key
 
@@ -152,26 +154,29 @@ def start_checkpoint(session: Session, run_id: int, step: int | None) -> StartFr
 def _latent_shards(
     session: Session, name: str, base: ModelIdentity, resolution: int
 ) -> list[tuple[LatentShard, int]]:
-    """The latent shards to train on, each with its image shard's number."""
+    """The latent shards to train on, each with its image shard's number: made with the
+    base, or else with the model it was trained from (and so on back), whose VAE, text
+    encoder and tokenizer it holds byte for byte, so their latents are the same."""
     dataset = dataset_named(session, name)
-    shards = session.execute(
-        select(LatentShard, Shard.number)
-        .join(Shard, Shard.id == LatentShard.shard_id)
-        .where(
-            LatentShard.dataset_id == dataset.id,
-            LatentShard.model_revision == base.revision,
-            LatentShard.resolution == resolution,
-            LatentShard.samples > 0,
-        )
-        .order_by(Shard.number)
-    ).all()
-    if not shards:
-        raise CannotTrain(
-            f"dataset {name!r} has no latents made with {base.name} (revision "
-            f"{base.revision[:12]}) at {resolution} px: `sdq encode {name} --model "
-            f"{base.name} --resolution {resolution}` makes them"
-        )
-    return [(shard, number) for shard, number in shards]
+    for revision in encoders_lineage(session, base.revision):
+        shards = session.execute(
+            select(LatentShard, Shard.number)
+            .join(Shard, Shard.id == LatentShard.shard_id)
+            .where(
+                LatentShard.dataset_id == dataset.id,
+                LatentShard.model_revision == revision,
+                LatentShard.resolution == resolution,
+                LatentShard.samples > 0,
+            )
+            .order_by(Shard.number)
+        ).all()
+        if shards:
+            return [(shard, number) for shard, number in shards]
+    raise CannotTrain(
+        f"dataset {name!r} has no latents made with {base.name} (revision "
+        f"{base.revision[:12]}) at {resolution} px: `sdq encode {name} --model "
+        f"{base.name} --resolution {resolution}` makes them"
+    )
 
 
 def _input(name: str, shard: LatentShard, number: int) -> LatentInput:

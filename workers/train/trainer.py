@@ -39,10 +39,10 @@ from sdq.workers.ahead import run_ahead
 from sdq.workers.gpu import device_name
 from sdq.workers.tiny import build_pipeline, build_unet
 from sdq.workers.train.data import Batch
+from sdq.workers.train.statefile import load_state, save_state
 from sdq.workers.weights import ModelFiles, check_tiny_revision
 
 AUTOCAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
-STATE_FILE = "training.pt"
 # diffusers' schedule names for --lr-schedule, each with --lr-warmup steps first.
 LR_SCHEDULERS = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}
 
@@ -314,7 +314,7 @@ def save_checkpoint(state: TrainState, folder: Path) -> None:
     generator state: every draw is a function of the seed and the step, so the same run
     writes the same bytes, and any world size can go on from it."""
     state.unet.save_pretrained(folder / "unet")
-    torch.save(
+    save_state(
         {
             "step": state.step,
             "optimizer": state.optimizer.state_dict(),
@@ -322,14 +322,14 @@ def save_checkpoint(state: TrainState, folder: Path) -> None:
             "ema": state.ema.state_dict() if state.ema is not None else None,
             "scaler": state.scaler.state_dict() if state.scaler is not None else None,
         },
-        folder / STATE_FILE,
+        folder,
     )
 
 
 def load_checkpoint(spec: TrainShardSpec, folder: Path, ranks: Ranks = Ranks()) -> TrainState:
     """The state a checkpoint folder holds, as it was when written."""
-    saved = torch.load(folder / STATE_FILE, weights_only=False)
     state = new_state(spec, UNet2DConditionModel.from_pretrained(folder / "unet"), ranks)
+    saved = load_state(folder, state.device)
     state.step = saved["step"]
     state.optimizer.load_state_dict(saved["optimizer"])
     state.lr_scheduler.load_state_dict(saved["lr_scheduler"])
