@@ -76,30 +76,39 @@ def through_sdq(env: dict[str, str], args) -> tuple[float, dict[str, float]]:
     return args.steps * args.batch_size / seconds, shares
 
 
+def latent_inputs(env: dict[str, str]) -> tuple[LatentInput, ...]:
+    """The benchmark dataset's latent shards, as a run reads them."""
+    with psycopg.connect(env["SDQ_DATABASE_URL"]) as connection:
+        rows = connection.execute("SELECT uri, samples FROM latent_shards ORDER BY id")
+        return tuple(
+            LatentInput(uri=uri, key=uri.split(f"{BENCH_BUCKET}/", 1)[1], samples=n)
+            for uri, n in rows
+        )
+
+
+def plain_spec(inputs: tuple[LatentInput, ...], options: TrainOptions) -> TrainShardSpec:
+    """One train-shard job of the tiny model over all the steps: what a plain loop runs."""
+    model = tiny_identity()
+    return TrainShardSpec(
+        run=0, first_step=0, last_step=options.steps, model_name="plain",
+        base_name=model.name, base_source=model.source, base_revision=model.revision,
+        prediction_type="epsilon", scheduler_config=model.scheduler_config,
+        options=options, inputs=inputs,
+    )  # fmt: skip
+
+
 class PlainLoop:
     """The same steps in this process, the shards in memory before the clock starts."""
 
     def __init__(self, env: dict[str, str], args) -> None:
         self.args = args
-        with psycopg.connect(env["SDQ_DATABASE_URL"]) as connection:
-            rows = connection.execute("SELECT uri, samples FROM latent_shards ORDER BY id")
-            inputs = tuple(
-                LatentInput(uri=uri, key=uri.split(f"{BENCH_BUCKET}/", 1)[1], samples=n)
-                for uri, n in rows
-            )
+        inputs = latent_inputs(env)
         bucket = boto3.resource("s3").Bucket(BENCH_BUCKET)
         files = {item.key: bucket.Object(item.key).get()["Body"].read() for item in inputs}
         self.stream = LatentStream(
             inputs, seed=0, batch_size=args.batch_size, read=files.__getitem__
         )
-        model = tiny_identity()
-        self.spec = TrainShardSpec(
-            run=0, first_step=0, last_step=args.steps, model_name="plain",
-            base_name=model.name, base_source=model.source, base_revision=model.revision,
-            prediction_type="epsilon", scheduler_config=model.scheduler_config,
-            options=TrainOptions(steps=args.steps, batch_size=args.batch_size),
-            inputs=inputs,
-        )  # fmt: skip
+        self.spec = plain_spec(inputs, TrainOptions(steps=args.steps, batch_size=args.batch_size))
         self.batches = [
             (torch.from_numpy(b.latents), torch.from_numpy(b.text_embeddings))
             for b, _ in zip(self.stream.batches(0), range(args.steps), strict=False)

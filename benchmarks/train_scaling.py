@@ -29,15 +29,19 @@ import time
 from pathlib import Path
 
 import boto3
-import psycopg
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.download import COMMAND_TIMEOUT  # noqa: E402
-from benchmarks.train import DATASET, RESOLUTION, make_latents  # noqa: E402
-from sdq.models.registry import tiny_identity  # noqa: E402
-from sdq.models.training import LatentInput, TrainOptions, TrainShardSpec  # noqa: E402
+from benchmarks.train import (  # noqa: E402
+    DATASET,
+    RESOLUTION,
+    latent_inputs,
+    make_latents,
+    plain_spec,
+)
+from sdq.models.training import TrainOptions  # noqa: E402
 from sdq.workers.train.ranks import rank_threads  # noqa: E402
 from tests.conftest import WorkerProcess, sdq_json  # noqa: E402
 from tests.services import BENCH_BUCKET, deployment  # noqa: E402
@@ -61,12 +65,7 @@ class PlainDDP:
 
     def __init__(self, env: dict[str, str], args, folder: Path) -> None:
         self.args, self.folder = args, folder
-        with psycopg.connect(env["SDQ_DATABASE_URL"]) as connection:
-            rows = connection.execute("SELECT uri, samples FROM latent_shards ORDER BY id")
-            inputs = tuple(
-                LatentInput(uri=uri, key=uri.split(f"{BENCH_BUCKET}/", 1)[1], samples=n)
-                for uri, n in rows
-            )
+        inputs = latent_inputs(env)
         bucket = boto3.resource("s3").Bucket(BENCH_BUCKET)
         for item in inputs:
             (folder / item.key).parent.mkdir(parents=True, exist_ok=True)
@@ -74,15 +73,10 @@ class PlainDDP:
         self.inputs = inputs
 
     def run(self, world_size: int) -> float:
-        model = tiny_identity()
-        spec = TrainShardSpec(
-            run=0, first_step=0, last_step=self.args.steps, model_name="plain",
-            base_name=model.name, base_source=model.source, base_revision=model.revision,
-            prediction_type="epsilon", scheduler_config=model.scheduler_config,
-            options=TrainOptions(steps=self.args.steps, batch_size=self.args.batch_size,
-                                 world_size=world_size),
-            inputs=self.inputs,
-        )  # fmt: skip
+        options = TrainOptions(
+            steps=self.args.steps, batch_size=self.args.batch_size, world_size=world_size
+        )
+        spec = plain_spec(self.inputs, options)
         spec_file = self.folder / f"spec-{world_size}.json"
         spec_file.write_text(json.dumps(spec.to_dict()))
         command = [
