@@ -243,29 +243,40 @@ class S3Store:
     @contextmanager
     def _errors(self, key: str) -> Iterator[None]:
         """Turns botocore's exceptions into the two sdq acts on, with a readable text."""
+        from boto3.exceptions import S3UploadFailedError
         from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
         where, endpoint = self.uri(key), self._client.meta.endpoint_url
         try:
             yield
         except ClientError as error:
-            code = _code(error)
-            if code == "NoSuchBucket" or (code == "404" and not key):
-                raise StoreError(f"bucket {self.bucket!r} does not exist at {endpoint}") from error
-            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"):
-                raise StoreError(f"{endpoint} rejected the credentials for {where}: {code}") from (
-                    error
-                )
-            if code in ("404", "NoSuchKey"):
-                raise MissingObject(f"no object {where}") from error
-            if code.startswith("5") or code in ("SlowDown", "InternalError", "ServiceUnavailable"):
-                raise StoreUnavailable(f"{endpoint} failed on {where}: {code}") from error
-            raise StoreError(f"{endpoint} refused {where}: {code}") from error
+            raise self._refusal(error, key) from error
+        except S3UploadFailedError as error:
+            # boto3 raises its own error for a file upload's client error, inside the handler
+            # of that error: what the server said is its context.
+            context = error.__context__
+            if isinstance(context, ClientError):
+                raise self._refusal(context, key) from error
+            raise StoreUnavailable(f"{endpoint} failed on {where}: {error}") from error
         except NoCredentialsError as error:
             raise StoreError(f"no AWS credentials configured for {where}") from error
         except BotoCoreError as error:
             # Connection refused, timeouts, DNS: the endpoint may come back.
             raise StoreUnavailable(f"cannot reach {endpoint} for {where}: {error}") from error
+
+    def _refusal(self, error, key: str) -> StoreError:
+        """What an S3 error response means for sdq: a lasting problem, or an outage."""
+        where, endpoint = self.uri(key), self._client.meta.endpoint_url
+        code = _code(error)
+        if code == "NoSuchBucket" or (code == "404" and not key):
+            return StoreError(f"bucket {self.bucket!r} does not exist at {endpoint}")
+        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"):
+            return StoreError(f"{endpoint} rejected the credentials for {where}: {code}")
+        if code in ("404", "NoSuchKey"):
+            return MissingObject(f"no object {where}")
+        if code.startswith("5") or code in ("SlowDown", "InternalError", "ServiceUnavailable"):
+            return StoreUnavailable(f"{endpoint} failed on {where}: {code}")
+        return StoreError(f"{endpoint} refused {where}: {code}")
 
 
 def _code(error) -> str:

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,42 @@ def test_unreachable_endpoint_is_retryable(monkeypatch) -> None:
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     with pytest.raises(StoreUnavailable, match="cannot reach"):
         S3Store(BUCKET).put_bytes("k", b"x", content_type="text/plain")
+
+
+class Unavailable(BaseHTTPRequestHandler):
+    """An S3 endpoint in an outage: every request answered 503 SlowDown."""
+
+    def _refuse(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = b"<Error><Code>ServiceUnavailable</Code><Message>down</Message></Error>"
+        self.send_response(503)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_PUT = do_GET = do_POST = do_HEAD = _refuse
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_an_outage_during_a_file_upload_is_an_outage(tmp_path: Path, monkeypatch) -> None:
+    # boto3 wraps a file upload's error response in an error of its own (S3UploadFailedError):
+    # a checkpoint's upload during an outage must be retried as one, not spend an attempt.
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Unavailable)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for key, value in aws_env(f"http://127.0.0.1:{server.server_port}").items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+        source = tmp_path / "training.safetensors"
+        source.write_bytes(b"state" * 1000)
+        with pytest.raises(StoreUnavailable, match="failed on s3://sdq-test/k: ServiceUnavailable"):
+            S3Store(BUCKET).put_file("k", source)
+        with pytest.raises(StoreUnavailable, match="failed on"):
+            S3Store(BUCKET).put_bytes("k", b"x", content_type="text/plain")
+    finally:
+        server.shutdown()
 
 
 def test_store_urls(tmp_path: Path) -> None:
