@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from sdq.models import tiny
@@ -25,6 +25,8 @@ from sdq.models.tables.train import Checkpoint
 
 SCHEDULER_CONFIG_FILE = "scheduler/scheduler_config.json"
 MODEL_INDEX = "model_index.json"
+# What makes a model's latents and text embeddings: the rest of it does not change them.
+ENCODER_FOLDERS = ("vae/", "text_encoder/", "tokenizer/")
 # A model named like a path is a folder, never a hub id: if it is not there, say so.
 PATH_PREFIXES = ("./", "../", "/", "~", ".\\")
 UNET_CONFIG_FILE = "unet/config.json"
@@ -47,6 +49,7 @@ def tiny_identity() -> ModelIdentity:
         scheduler_config=tiny.SCHEDULER_CONFIG,
         default_dtype="float32",
         default_size=tiny.UNET_CONFIG["sample_size"] * 8,
+        encoders_hash=tiny.encoders_hash(),
     )
 
 
@@ -68,9 +71,16 @@ def pipeline_files(folder: Path) -> list[Path]:
 
 
 def folder_content_hash(folder: Path) -> str:
-    return content_hash(
+    return folder_hashes(folder)[0]
+
+
+def folder_hashes(folder: Path) -> tuple[str, str]:
+    """A pipeline folder's content hash, and that of its encoders' files alone."""
+    entries = [
         (path.relative_to(folder).as_posix(), _file_sha256(path)) for path in pipeline_files(folder)
-    )
+    ]
+    encoders = [entry for entry in entries if entry[0].startswith(ENCODER_FOLDERS)]
+    return content_hash(entries), content_hash(encoders)
 
 
 def _file_sha256(path: Path) -> str:
@@ -119,7 +129,12 @@ def resolve_model(ref: str, *, store: ObjectStore, session: Session) -> ModelIde
 
 
 def _identity(
-    *, name: str, source: str, revision: str, read: Callable[[str], bytes | None]
+    *,
+    name: str,
+    source: str,
+    revision: str,
+    read: Callable[[str], bytes | None],
+    encoders_hash: str | None = None,
 ) -> ModelIdentity:
     """Completes an identity from the pipeline's own config files, read through `read`."""
     raw = read(SCHEDULER_CONFIG_FILE)
@@ -134,6 +149,7 @@ def _identity(
         scheduler_config=scheduler_config,
         default_dtype=AUTO_DTYPE,
         default_size=_native_size(read(UNET_CONFIG_FILE)),
+        encoders_hash=encoders_hash,
     )
 
 
@@ -153,11 +169,13 @@ def _resolve_folder(folder: Path) -> ModelIdentity:
         path = folder / relative
         return path.read_bytes() if path.is_file() else None
 
+    revision, encoders = folder_hashes(folder)
     return _identity(
         name=folder.name,
         source=str(folder.resolve()),
-        revision=folder_content_hash(folder),
+        revision=revision,
         read=read,
+        encoders_hash=encoders,
     )
 
 
@@ -230,6 +248,7 @@ def _resolve_pushed(record: ModelRecord, store: ObjectStore) -> ModelIdentity:
         source=f"{STORE_SOURCE}{record.store_prefix}",
         revision=record.revision,
         read=_store_reader(store, f"{record.store_prefix}/"),
+        encoders_hash=record.encoders_hash,
     )
 
 
@@ -280,7 +299,14 @@ def record_model(
     session: Session, identity: ModelIdentity, store_prefix: str | None = None
 ) -> None:
     """Adds the identity to the registry unless it is there; safe under concurrent submits."""
-    _record(session, identity.name, identity.source, identity.revision, store_prefix)
+    _record(
+        session,
+        identity.name,
+        identity.source,
+        identity.revision,
+        store_prefix,
+        encoders_hash=identity.encoders_hash,
+    )
 
 
 def record_stored_model(session: Session, name: str, prefix: str, revision: str) -> None:
@@ -290,19 +316,41 @@ def record_stored_model(session: Session, name: str, prefix: str, revision: str)
 
 
 def _record(
-    session: Session, name: str, source: str, revision: str, store_prefix: str | None
+    session: Session,
+    name: str,
+    source: str,
+    revision: str,
+    store_prefix: str | None,
+    *,
+    encoders_hash: str | None = None,
 ) -> None:
     statement = upsert(session, ModelRecord).values(
-        name=name, source=source, revision=revision, store_prefix=store_prefix
+        name=name,
+        source=source,
+        revision=revision,
+        store_prefix=store_prefix,
+        encoders_hash=encoders_hash,
     )
     key = [ModelRecord.name, ModelRecord.revision]
+    known = {"encoders_hash": func.coalesce(statement.excluded.encoders_hash,
+                                            ModelRecord.encoders_hash)}  # fmt: skip
     if store_prefix:
-        statement = statement.on_conflict_do_update(
-            index_elements=key, set_={"store_prefix": store_prefix}
+        known["store_prefix"] = store_prefix
+    session.execute(statement.on_conflict_do_update(index_elements=key, set_=known))
+
+
+def same_encoders(session: Session, identity: ModelIdentity) -> list[str]:
+    """Revisions of the registered models whose VAE, text encoder and tokenizer files are
+    the identity's, byte for byte."""
+    if identity.encoders_hash is None:
+        return []
+    return list(
+        session.scalars(
+            select(ModelRecord.revision)
+            .where(ModelRecord.encoders_hash == identity.encoders_hash)
+            .distinct()
         )
-    else:
-        statement = statement.on_conflict_do_nothing(index_elements=key)
-    session.execute(statement)
+    )
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,9 @@ class ModelIdentity:
     scheduler_config: dict[str, Any]
     default_dtype: str
     default_size: int
+    # The hash of its VAE, text encoder and tokenizer files, where known: latents made by
+    # another model with the same encoders are the ones this one would make.
+    encoders_hash: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

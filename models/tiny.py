@@ -101,3 +101,10 @@ def definition() -> dict[str, Any]:
 @cache
 def content_hash() -> str:
     return canonical_sha256(definition())
+
+
+@cache
+def encoders_hash() -> str:
+    """What makes the tiny model's latents: its definition but the U-Net and scheduler."""
+    encoders = {k: v for k, v in definition().items() if k not in ("unet", "scheduler")}
+    return canonical_sha256(encoders)

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import psycopg
 import pytest
+import torch
 from selenium.webdriver.common.by import By
 
+from sdq.workers.tiny import build_pipeline
 from tests.browser import chromium, open_page, texts
 from tests.conftest import ROOT, WorkerProcess, sdq_json
 from tests.hostile_server import HostileServer
@@ -270,6 +272,28 @@ def test_phases_checkpoints_and_the_recipe_on_one_machine(tmp_path: Path) -> Non
         "--steps", "2", "--checkpoint-every", "2", cwd=tmp_path,
     )  # fmt: skip
     assert again["status"] == "succeeded"
+
+    # So do the latents of any model whose VAE, text encoder and tokenizer files are its own:
+    # two folders that differ in their U-Net alone, and one whose VAE differs too.
+    pipeline = build_pipeline()
+    pipeline.save_pretrained(tmp_path / "encoder-a")
+    for part, folder in ((pipeline.unet, "unet-b"), (pipeline.vae, "vae-c")):
+        with torch.no_grad():
+            next(part.parameters()).add_(0.01)
+        pipeline.save_pretrained(tmp_path / folder)
+    sdq_json(env, "encode", "toy", "--model", str(tmp_path / "encoder-a"), "--resolution", "64",
+             cwd=tmp_path)  # fmt: skip
+    twin = sdq_json(
+        env, "train", "toy", "--base", str(tmp_path / "unet-b"), "--resolution", "64",
+        "--batch-size", "4", "--steps", "2", "--checkpoint-every", "2", cwd=tmp_path,
+    )  # fmt: skip
+    assert twin["status"] == "succeeded"
+    other = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", "train", "toy", "--base",
+         str(tmp_path / "vae-c"), "--resolution", "64", "--steps", "2"],
+        env=env, cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    assert other.returncode == 2 and "dataset 'toy' has no latents made with vae-c" in other.stderr
 
     phase2 = sdq_json(
         env, "train", "toy", "--resume-from", str(phase1["run_id"]), "--resolution", "128",

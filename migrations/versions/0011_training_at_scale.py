@@ -1,6 +1,7 @@
 """training at scale: checkpoints that hold the training state only (no model), their
 state hash and deletion mark; each step's world size and MFU; the gangs of nodes that run
-a job over several machines; lineage through the runs a run started from
+a job over several machines; lineage through the runs a run started from; a model's
+encoders' hash
 
 Revision ID: 0011
 Revises: 0010
@@ -102,6 +103,8 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("job_id", "attempt", "node", name=op.f("pk_train_gangs")),
     )
+    with op.batch_alter_table("models") as batch:
+        batch.add_column(sa.Column("encoders_hash", sa.String(length=64), nullable=True))
     op.execute(TRAIN_LINEAGE.format(start_run=_field("r.options", "start_run")))
     op.execute(IMAGE_SOURCES.format(model_revision=_field("j.spec", "model_revision")))
 
@@ -110,6 +113,8 @@ def downgrade() -> None:
     op.execute("DROP VIEW image_sources")
     op.execute("DROP VIEW train_lineage")
     op.drop_table("train_gangs")
+    with op.batch_alter_table("models") as batch:
+        batch.drop_column("encoders_hash")
     with op.batch_alter_table("train_steps") as batch:
         batch.drop_column("mfu")
         batch.drop_column("world_size")

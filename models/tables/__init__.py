@@ -178,6 +178,8 @@ class ModelRecord(Base):
     revision: Mapped[str] = mapped_column(String(64))
     # Where a pushed copy lives in the object store, for `sdq model push`.
     store_prefix: Mapped[str | None] = mapped_column(Text)
+    # Its VAE, text encoder and tokenizer files' hash, where known (registry.py).
+    encoders_hash: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.current_timestamp()
     )

@@ -11,7 +11,7 @@ from sdq.models.architectures import check_fits
 from sdq.models.datasets import empty_prompt_key, latent_key
 from sdq.models.jobs.kinds import TRAIN
 from sdq.models.jobs.outbox import add_jobs
-from sdq.models.registry import encoders_lineage
+from sdq.models.registry import encoders_lineage, same_encoders
 from sdq.models.specs import ModelIdentity
 from sdq.models.store import ObjectStore
 from sdq.models.tables import Run
@@ -155,10 +155,13 @@ def _latent_shards(
     session: Session, name: str, base: ModelIdentity, resolution: int
 ) -> list[tuple[LatentShard, int]]:
     """The latent shards to train on, each with its image shard's number: made with the
-    base, or else with the model it was trained from (and so on back), whose VAE, text
-    encoder and tokenizer it holds byte for byte, so their latents are the same."""
+    base, or else with a model whose VAE, text encoder and tokenizer are the base's byte for
+    byte (so their latents are the same): the one it was trained from, and so on back, or
+    any registered model whose encoders' files hash alike."""
     dataset = dataset_named(session, name)
-    for revision in encoders_lineage(session, base.revision):
+    lineage = encoders_lineage(session, base.revision)
+    twins = [revision for revision in same_encoders(session, base) if revision not in lineage]
+    for revision in lineage + twins:
         shards = session.execute(
             select(LatentShard, Shard.number)
             .join(Shard, Shard.id == LatentShard.shard_id)
