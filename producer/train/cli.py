@@ -46,7 +46,7 @@ class TrainGroup(click.Group):
 @click.group(cls=TrainGroup)
 def train() -> None:
     """Train a base model's U-Net on a dataset's latents: `sdq train NAME --base M --steps
-    N`. Each checkpoint is a model `sdq submit --model RUN@STEP` renders with."""
+    N`. A checkpoint written as a model is one `sdq submit --model RUN@STEP` renders with."""
 
 
 def _checkpoint_ref(_ctx, _param, value: str | None) -> tuple[int, int | None] | None:
@@ -125,7 +125,7 @@ def _checkpoint_ref(_ctx, _param, value: str | None) -> tuple[int, int | None] |
     type=click.IntRange(min=1),
     help="Data-parallel ranks, one GPU each (CPU processes without GPUs), that every "
     "train-shard job runs on; each trains on its share of every batch. A worker started "
-    "with `sdq worker gpu --train-ranks N` runs runs of world size up to N.",
+    "with `sdq worker gpu --train-ranks N` takes runs of world size up to N.",
 )
 @click.option(
     "--nodes",
