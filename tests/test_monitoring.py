@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -93,12 +94,15 @@ def test_sdq_metrics_serves_what_flower_does_not(
     sdq_json(service_env, "submit", str(prompts), "--steps", "2", "--wait")
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "sdq.producer.cli", "metrics", "--port", str(port),
-         "--address", "127.0.0.1"],
+        [sys.executable, "-m", "sdq.producer.cli", "metrics", "--port", str(port)],
         env=service_env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
         wait_for(lambda: listening(port), what="sdq metrics")
+        # Unless told otherwise, it listens on loopback alone.
+        bound = {c.laddr for c in psutil.Process(server.pid).net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN}  # fmt: skip
+        assert bound == {("127.0.0.1", port)}
         status, body = get(f"http://127.0.0.1:{port}/metrics", credentials=None)
     finally:
         server.terminate()

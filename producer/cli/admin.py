@@ -203,10 +203,16 @@ def flower(app: SdqCelery, port: int, credentials: str | None, no_auth: bool) ->
     show_default=True,
     help="Where /metrics is served.",
 )
-@click.option("--address", default="0.0.0.0", show_default=True, help="Where to listen.")
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Where to listen. Loopback unless opened (--host 0.0.0.0 for a Prometheus on "
+    "another machine): the metrics name every worker and what each holds.",
+)
 @pass_app
-def metrics(app: SdqCelery, port: int, address: str) -> None:
-    """Serve Prometheus metrics Flower does not have at http://ADDRESS:PORT/metrics: queue
+def metrics(app: SdqCelery, port: int, host: str) -> None:
+    """Serve Prometheus metrics Flower does not have at http://HOST:PORT/metrics: queue
     depths, jobs by kind and status, outputs per second, jobs each worker holds, lease
     expiries, retries and dead jobs; read from the broker and the database at each scrape."""
     from prometheus_client import REGISTRY, start_http_server
@@ -215,8 +221,8 @@ def metrics(app: SdqCelery, port: int, address: str) -> None:
 
     require_broker(app, "sdq metrics")
     REGISTRY.register(SdqCollector(app))
-    start_http_server(port, addr=address)
-    click.echo(f"sdq metrics at http://{address}:{port}/metrics")
+    start_http_server(port, addr=host)
+    click.echo(f"sdq metrics at http://{host}:{port}/metrics")
     threading.Event().wait()  # serves on its own thread until the process is stopped
 
 
