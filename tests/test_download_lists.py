@@ -92,12 +92,23 @@ def test_an_s3_parquet_list_is_planned_from_metadata_and_read_in_place(
 
 def test_unusable_lists_are_refused_with_the_file_named(tmp_path: Path) -> None:
     store = LocalStore(tmp_path / "store")
-    for name, message in [
-        ("missing.csv", "no such file"),
-        ("list.txt", "expected .parquet, .csv, .tsv or .jsonl"),
+    header_only = pa.table({"url": pa.array([], pa.string()), "caption": pa.array([], pa.string()),
+                            "n": pa.array([], pa.int64())})  # fmt: skip
+    pq.write_table(header_only, tmp_path / "no-rows.parquet")
+    for name, content, message in [
+        ("missing.csv", None, "no such file"),
+        ("list.txt", b"url\n", "expected .parquet, .csv, .tsv or .jsonl"),
+        ("empty.parquet", b"", "not a readable parquet file"),
+        ("garbage.parquet", b"PAR1 not really", "not a readable parquet file"),
+        ("no-rows.parquet", None, "the list has no rows"),
+        ("empty.csv", b"", "Empty CSV file"),
+        ("header-only.csv", b"url,caption,n\n", "the list has no rows"),
+        ("empty.jsonl", b"", "Empty JSON stream"),
     ]:
         path = tmp_path / name
-        if name != "missing.csv":
-            path.write_text("url\n")
-        with pytest.raises(ListError, match=f"{path}: {message}"):
+        if content is not None:
+            path.write_bytes(content)
+        with pytest.raises(ListError, match=f"{path}: ({message})"):
             plan_list(str(path), COLUMNS, store=store, dataset="d", rows_per_shard=3)
+    # Nothing of them was written to the store.
+    assert not list((tmp_path / "store").rglob("*"))

@@ -64,14 +64,28 @@ def plan_list(
     if not path.is_file():
         raise ListError(f"{location}: no such file")
     if suffix == ".parquet":
-        _check_columns(location, pq.read_schema(path).names, columns)
-        return _stored(location, path, pq.ParquetFile(path).metadata.num_rows, store, dataset)
+        metadata = _parquet_metadata(location, path)
+        _check_columns(location, metadata.schema.names, columns)
+        return _stored(location, path, _rows(location, metadata.num_rows), store, dataset)
     if suffix not in DELIMITERS and suffix not in JSON_LINES:
         raise ListError(f"{location}: expected .parquet, .csv, .tsv or .jsonl")
     with tempfile.TemporaryDirectory() as folder:
         converted = Path(folder) / "list.parquet"
-        rows = _text_to_parquet(path, converted, columns, rows_per_shard)
+        rows = _rows(location, _text_to_parquet(path, converted, columns, rows_per_shard))
         return _stored(location, converted, rows, store, dataset)
+
+
+def _parquet_metadata(location: str, path: Path) -> pq.FileMetaData:
+    try:
+        return pq.ParquetFile(path).metadata
+    except (OSError, pa.ArrowException) as error:
+        raise ListError(f"{location}: not a readable parquet file ({error})") from None
+
+
+def _rows(location: str, rows: int) -> int:
+    if rows == 0:
+        raise ListError(f"{location}: the list has no rows")
+    return rows
 
 
 def _s3_parquet(location: str, columns: ListColumns) -> PlannedList:
@@ -85,7 +99,9 @@ def _s3_parquet(location: str, columns: ListColumns) -> PlannedList:
         raise ListError(f"{location}: {error}") from None
     _check_columns(location, metadata.schema.names, columns)
     identity = f"{location}|{info.size}|{info.mtime_ns}"
-    return PlannedList(location, location, _sha256(identity.encode()), metadata.num_rows)
+    return PlannedList(
+        location, location, _sha256(identity.encode()), _rows(location, metadata.num_rows)
+    )
 
 
 def _stored(location: str, path: Path, rows: int, store: ObjectStore, dataset: str) -> PlannedList:
@@ -112,7 +128,7 @@ def _text_to_parquet(source: Path, target: Path, columns: ListColumns, group_row
                 writer.write_table(table.cast(_text_schema(columns.all)), group_rows)
                 rows += batch.num_rows
         return rows
-    except pa.ArrowException as error:
+    except (OSError, UnicodeDecodeError, pa.ArrowException) as error:
         raise ListError(f"{source}: {error}") from None
 
 
