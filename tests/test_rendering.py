@@ -244,9 +244,20 @@ def test_permanent_errors_fail_the_job_at_once(
         identity = resolve_model(str(folder), store=work.store, session=session)
     gone = recorded(sessions, planned("gone", identity), identity)
     shutil.rmtree(folder)
+    # One that is there but no longer a diffusers pipeline.
+    broken_folder = tmp_path / "broken"
+    shutil.copytree(tiny_folder, broken_folder)
+    with sessions() as session:
+        broken_identity = resolve_model(str(broken_folder), store=work.store, session=session)
+    broken = recorded(sessions, planned("broken", broken_identity), broken_identity)
+    (broken_folder / "model_index.json").unlink()
     # A size the pipeline cannot make (the CLI refuses it; a hand-written job may not).
     odd = [replace(job, spec=replace(job.spec, width=100)) for job in planned("odd size")]
-    for job_ids, message in [(gone, "does not exist"), (recorded(sessions, odd), "divisible by 8")]:
+    for job_ids, message in [
+        (gone, "does not exist"),
+        (broken, "is not a diffusers pipeline: no model_index.json"),
+        (recorded(sessions, odd), "divisible by 8"),
+    ]:
         outcome = work.deliver(job_ids)
         assert outcome.retry == [] and message in outcome.error
         with sessions() as session:

@@ -42,6 +42,11 @@ class ModelFiles:
             folder = Path(source)
             if not folder.is_dir():
                 raise ModelUnavailable(f"model folder {source} does not exist on this worker")
+        if not (folder / registry.MODEL_INDEX).is_file():
+            # diffusers would fail on it with an error that another attempt cannot mend.
+            raise ModelUnavailable(
+                f"model folder {source} is not a diffusers pipeline: no {registry.MODEL_INDEX}"
+            )
         return Location(str(folder))
 
     def _pull(self, store: ObjectStore, prefix: str, revision: str) -> Path:
