@@ -41,6 +41,8 @@ class LoadedEncoders:
         self.files = files
         self._key: tuple[str, str, str] | None = None
         self._encoders: Encoders | None = None
+        # Objects this process has stored that only depend on the model (the empty prompt).
+        self.stored: set[str] = set()
 
     def get(self, spec: EncodeSpec) -> Encoders:
         key = (spec.model_source, spec.model_revision, torch_dtype(spec.dtype))

@@ -111,11 +111,13 @@ class EncodeWork(Work):
             "scaling_factor": encoders.vae.config.scaling_factor,
         }
         data = latent_shard_bytes(shard, encoded, about)
-        # Every job of the run stores the same bytes here: training needs it before the
-        # first shard, whichever that is.
-        self.store.put_bytes(
-            spec.empty_prompt_key, npy_bytes(empty_prompt(encoders)), content_type=NPY
-        )
+        # Training needs it whichever shard comes first: each worker process stores it once
+        # per dataset and model (the same bytes whoever writes it).
+        if spec.empty_prompt_key not in self.encoders.stored:
+            self.store.put_bytes(
+                spec.empty_prompt_key, npy_bytes(empty_prompt(encoders)), content_type=NPY
+            )
+            self.encoders.stored.add(spec.empty_prompt_key)
         uri = self.store.put_bytes(spec.latent_key, data, content_type=PARQUET)
         output = Output(
             job_id,

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from sdq.models.settings import Settings
 from sdq.models.store import open_store
 from sdq.models.training import TrainShardSpec
+from sdq.workers.train.job import restore_state, train_steps, write_checkpoint
 from sdq.workers.train.ranks import JOB_FILE, RESULT_FILE
 from sdq.workers.train.trainer import Ranks, TrainState
 from sdq.workers.weights import ModelFiles
@@ -59,8 +60,6 @@ class RankDone:
 
 def train_rank(spec: TrainShardSpec, ranks: Ranks, settings: Settings) -> RankDone:
     """This rank's part of the job."""
-    from sdq.workers.train.job import restore_state, train_steps, write_checkpoint
-
     if torch.cuda.is_available():
         if ranks.local_rank >= torch.cuda.device_count():
             raise NotEnoughDevices(
