@@ -2,6 +2,7 @@
 a worker killed with its whole pool has its jobs finished after the lease, jobs the broker
 refused at submit are sent once it is back, and two beats at once do every job once."""
 
+import json
 import os
 import signal
 import subprocess
@@ -186,3 +187,32 @@ def test_a_task_past_its_time_limit_fails_its_job_and_never_leaves_it_running(
             "SELECT attempts, error FROM jobs WHERE run_id = %s", (run_id,)
         ).fetchone()
     assert attempts == 2 and "SoftTimeLimitExceeded" in error
+
+
+def queued_time_limits(broker_url: str, queue: str) -> list[list[int]]:
+    """The time limits each message waiting on `queue` carries, as kombu stores them."""
+    messages = redis.Redis.from_url(broker_url).lrange(queue, 0, -1)
+    return [json.loads(message)["headers"]["timelimit"] for message in messages]
+
+
+def test_jobs_the_relay_sends_again_carry_the_limits_submit_gives_them(
+    heal_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The relay runs inside a task on the CPU pool; the generate messages it sends carry
+    the generate queue's limits, not its own task's."""
+    env = {**heal_env, "SDQ_GENERATE_TASK_TIME_LIMIT": "777", "SDQ_CALLS_PER_TASK": "1"}
+    broker = redis.Redis.from_url(env["SDQ_BROKER_URL"])
+    sdq_json(env, "submit", str(prompts(tmp_path, 3, "limits")), "--batch-size", "1")
+    submitted = queued_time_limits(env["SDQ_BROKER_URL"], "generate")
+    assert submitted == [[777, 717]] * 3
+    broker.delete("generate")  # lost: only the relay can send them again
+
+    processes = started(
+        WorkerProcess(env, tmp_path / "cpu.log", pool="cpu"),
+        BeatProcess(env, tmp_path / "beat.log"),
+    )
+    try:
+        wait_for(lambda: broker.llen("generate") == 3, what="the relay to send the jobs again")
+    finally:
+        stop(processes)
+    assert queued_time_limits(env["SDQ_BROKER_URL"], "generate") == submitted

@@ -67,6 +67,7 @@ class SdqCelery(Celery):
         with self.producer_or_acquire() as producer:
 
             def send(kind: Kind, messages: list[list[int]], options: dict[str, Any]) -> None:
+                limits = self.settings.time_limits[kind.queue]
                 with producer.batch(max_size=len(messages)):
                     for job_ids in messages:
                         self.send_task(
@@ -74,6 +75,10 @@ class SdqCelery(Celery):
                             args=[job_ids],
                             kwargs=options,
                             producer=producer,
+                            # Named on every message: sent from inside a running task (the
+                            # relay), Celery would otherwise give it that task's limits.
+                            time_limit=limits.hard,
+                            soft_time_limit=limits.soft,
                             # What Flower and the worker's log show of the message. Given
                             # here, it is not Celery's saferepr of every id: a fifth of a big
                             # submit's sending.
