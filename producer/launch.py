@@ -5,23 +5,29 @@ CUDA_VISIBLE_DEVICES and loads its pipeline on first use.
 """
 
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass
+from typing import IO
 
 from sdq.models.jobs.kinds import POOL_QUEUES, TRAIN, Pool
 
 CELERY_APP = "sdq.workers.main"
-# A dead worker is started again after 2, 4, 8... seconds, at most this many; one that ran
-# longer than that before dying starts the count afresh.
+# A dead worker is started again after 2, 4, 8... seconds, at most RESTART_BACKOFF_CAP; one
+# that ran longer than the cap before dying starts the count afresh. The launcher never
+# gives up: a worker that cannot start (its broker down for an hour) comes back on its own
+# once it can, and each death is said with its cause.
+FIRST_RESTART_DELAY = 2.0
 RESTART_BACKOFF_CAP = 60.0
-# Deaths in a row, each soon after the start, before the launcher gives up (its own
-# supervisor, systemd or Kubernetes, takes it from there).
-MAX_QUICK_FAILURES = 5
 POLL_SECONDS = 0.5
+# Lines of a worker's output kept to say why it died.
+LAST_WORDS = 50
 
 
 @dataclass(frozen=True)
@@ -104,43 +110,73 @@ def cpu_workers(concurrency: int, *, loglevel: str) -> list[WorkerCommand]:
 
 class Supervised:
     """One worker process, started again with backoff when it dies on its own: one GPU's
-    crash leaves the others working."""
+    crash leaves the others working. Its output passes through the launcher, which keeps
+    the last lines to say why it died."""
 
-    def __init__(self, command: WorkerCommand) -> None:
+    def __init__(
+        self,
+        command: WorkerCommand,
+        *,
+        first_delay: float = FIRST_RESTART_DELAY,
+        cap: float = RESTART_BACKOFF_CAP,
+    ) -> None:
         self.command = command
-        self.process = self._start()
+        self.first_delay, self.cap = first_delay, cap
         self.quick_failures = 0
         self.restart_at: float | None = None
+        self.process = self._start()
 
     def _start(self) -> subprocess.Popen:
         self.started = time.monotonic()
-        return subprocess.Popen(self.command.argv, env=self.command.env)
+        process = subprocess.Popen(
+            self.command.argv, env=self.command.env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        self.last_lines: deque[str] = deque(maxlen=LAST_WORDS)
+        self.relay = threading.Thread(target=self._pass_on, args=(process.stdout,), daemon=True)
+        self.relay.start()
+        return process
+
+    def _pass_on(self, output: IO[bytes]) -> None:
+        for line in output:
+            sys.stderr.buffer.write(line)
+            sys.stderr.buffer.flush()
+            self.last_lines.append(line.decode(errors="replace").rstrip())
 
     @property
     def name(self) -> str:
         return self.command.argv[self.command.argv.index("--hostname") + 1]
 
-    def check(self) -> int | None:
-        """Restarts the process when it is due; returns its exit code once it has failed
-        too often in a row to go on."""
+    def check(self) -> None:
+        """Starts the process again when it is due; when it has just died, says why and
+        when it comes back."""
         if self.restart_at is not None:
             if time.monotonic() >= self.restart_at:
                 self.restart_at = None
                 self.process = self._start()
-            return None
+            return
         code = self.process.poll()
         if code is None:
-            return None
+            return
         ran = time.monotonic() - self.started
-        self.quick_failures = 0 if ran > RESTART_BACKOFF_CAP else self.quick_failures + 1
-        if self.quick_failures >= MAX_QUICK_FAILURES:
-            _say(f"{self.name}: exited {MAX_QUICK_FAILURES} times in a row soon after it "
-                 f"started (last code {code}); giving up")  # fmt: skip
-            return code or 1
-        delay = min(RESTART_BACKOFF_CAP, 2.0**self.quick_failures)
-        _say(f"{self.name}: exited with code {code}; starting it again in {delay:.0f} s")
+        self.quick_failures = 1 if ran > self.cap else self.quick_failures + 1
+        delay = min(self.cap, self.first_delay * 2 ** (self.quick_failures - 1))
+        _say(f"{self.name}: {self.death(code)}; starting it again in {delay:g} s")
         self.restart_at = time.monotonic() + delay
-        return None
+
+    def death(self, code: int) -> str:
+        """How the process ended, in words: a signal by name (SIGKILL is what the kernel's
+        out-of-memory killer sends), else its exit code and the last line it printed that
+        names an error (Celery's "Unrecoverable error", an exception's last line)."""
+        if code < 0:
+            name = signal.Signals(-code).name
+            return f"killed by {name}" + (", perhaps out of memory" if name == "SIGKILL" else "")
+        self.relay.join(timeout=1)  # its last words may be in the pipe still
+        errors = [line.strip() for line in self.last_lines if ERROR_WORDS.search(line)]
+        return f"exited with code {code}" + (f" ({errors[-1]})" if errors else "")
+
+
+ERROR_WORDS = re.compile(r"Error|Exception|CRITICAL|Unrecoverable")
 
 
 def _say(line: str) -> None:
@@ -165,11 +201,11 @@ def supervise(commands: list[WorkerCommand]) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
         signal.signal(signum, forward)
-    failed = 0
-    while not stopping and not failed:
-        failed = next((code for worker in workers if (code := worker.check())), 0)
+    while not stopping:
+        for worker in workers:
+            worker.check()
         time.sleep(POLL_SECONDS)
-    if failed:
-        forward(signal.SIGTERM, None)
     codes = [worker.process.wait() for worker in workers]
-    return failed or next((code for code in codes if code), 0)
+    for worker in workers:
+        worker.relay.join(timeout=2)  # what they said as they stopped
+    return next((code for code in codes if code), 0)

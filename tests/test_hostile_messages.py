@@ -2,6 +2,7 @@
 worker goes on with the next good message."""
 
 import json
+import re
 import uuid
 
 import pytest
@@ -9,6 +10,7 @@ from kombu import Connection
 
 from sdq.workers.delivery import MAX_RETRIES, JobTask
 from sdq.workers.main import app
+from sdq.workers.messages import CheckedTask
 from tests.conftest import WorkerProcess, sdq_json, write
 from tests.services import wait_for
 
@@ -26,28 +28,58 @@ BAD_BODIES = {
 }
 
 
-def publish(broker_url: str, task: str, body) -> str:
+# Header -> a value Celery's worker cannot use. The first used to stop the worker for good.
+BAD_HEADERS = {
+    "a timelimit of one word": {"timelimit": "x"},
+    "a timelimit of words": {"timelimit": ["abc", 5]},
+    "a negative timelimit": {"timelimit": [-5, -1]},
+    "retries as a word": {"retries": "x"},
+    "an eta that is no date": {"eta": "not a date"},
+    "an expiry that is no date": {"expires": "garbage"},
+    "no id": {"id": None},
+}
+# Bodies for a maintenance task, which takes no arguments; each used to stop the CPU pool.
+BAD_MAINTENANCE_BODIES = [[[1], {}, {}], "hello", [[], {"now": 1}, {}], [[], {}]]
+INVALID = "Received invalid task message"
+
+
+def publish(broker_url: str, queue: str, task: str, body, headers: dict | None = None) -> None:
+    """A message as anyone who reaches the broker can send it, the body sent as it is."""
     task_id = str(uuid.uuid4())
     with Connection(broker_url) as connection:
         connection.Producer().publish(
-            json.dumps(body),
-            routing_key="generate",
+            body if isinstance(body, bytes) else json.dumps(body),
+            routing_key=queue,
             headers={"lang": "py", "task": task, "id": task_id, "root_id": task_id,
-                     "parent_id": None, "retries": 0, "eta": None, "expires": None},
+                     "parent_id": None, "retries": 0, "eta": None, "expires": None,
+                     **(headers or {})},
             content_type="application/json",
             content_encoding="utf-8",
             serializer=None,
         )  # fmt: skip
-    return task_id
 
 
-def test_every_task_of_a_kind_is_checked_and_bounded() -> None:
+def invalid_logged(worker: WorkerProcess) -> int:
+    return worker.log.read_text().count(INVALID)
+
+
+def check_went_on(worker: WorkerProcess, logged_before: int, sent: int) -> None:
+    """Each bad message logged once, by the same worker that never died."""
+    wait_for(lambda: invalid_logged(worker) - logged_before == sent,
+             what="every bad message to be logged once", timeout=30)  # fmt: skip
+    log = worker.log.read_text()
+    assert "Unrecoverable error" not in log and "exited with code" not in log
+    assert worker.process.poll() is None
+
+
+def test_every_task_is_checked_and_every_kind_bounded() -> None:
     app.loader.import_default_modules()
-    tasks = [task for name, task in app.tasks.items() if name.startswith("sdq.") and
-             not name.startswith("sdq.maintenance")]  # fmt: skip
-    assert {task.name for task in tasks} == {"sdq.generate", "sdq.download", "sdq.encode",
+    tasks = {name: task for name, task in app.tasks.items() if name.startswith("sdq.")}
+    assert all(isinstance(task, CheckedTask) for task in tasks.values())
+    kinds = [task for name, task in tasks.items() if not name.startswith("sdq.maintenance")]
+    assert {task.name for task in kinds} == {"sdq.generate", "sdq.download", "sdq.encode",
                                              "sdq.train", "sdq.train.join"}  # fmt: skip
-    assert all(isinstance(task, JobTask) and task.max_retries == MAX_RETRIES for task in tasks)
+    assert all(isinstance(task, JobTask) and task.max_retries == MAX_RETRIES for task in kinds)
 
 
 @pytest.mark.timeout(300)
@@ -55,21 +87,33 @@ def test_bad_messages_are_rejected_and_the_worker_goes_on(
     worker: WorkerProcess, service_env: dict[str, str], tmp_path
 ) -> None:
     broker = service_env["SDQ_BROKER_URL"]
-    logged_before = worker.log.read_text().count("Received invalid task message")
-    for body in BAD_BODIES.values():
-        publish(broker, "sdq.generate", body)
+    logged_before = invalid_logged(worker)
+    for body in [*BAD_BODIES.values(), b"[[1], {}, {"]:
+        publish(broker, "generate", "sdq.generate", body)
+    for headers in BAD_HEADERS.values():
+        publish(broker, "generate", "sdq.generate", [[999_999_999], {}, {}], headers)
 
     # The same worker, still alive, renders the next good job.
     prompts = write(tmp_path / "p.csv", "prompt,seed\nafter the hostile messages,3\n")
     run = sdq_json(service_env, "submit", str(prompts), "--steps", "2", "--wait")
     assert run["counts"] == {"succeeded": 1}
-    assert worker.process.poll() is None
-
-    def all_logged() -> bool:
-        logged = worker.log.read_text().count("Received invalid task message")
-        return logged - logged_before == len(BAD_BODIES)
-
-    wait_for(all_logged, what="every bad message to be logged once", timeout=30)
+    check_went_on(worker, logged_before, len(BAD_BODIES) + 1 + len(BAD_HEADERS))
     with Connection(broker) as connection:
         # Rejected, not requeued: nothing waits on the queue.
         assert connection.default_channel.queue_declare("generate").message_count == 0
+
+
+@pytest.mark.timeout(300)
+def test_bad_messages_on_the_maintenance_queue_leave_the_cpu_pool_working(
+    cpu_worker: WorkerProcess, service_env: dict[str, str]
+) -> None:
+    broker = service_env["SDQ_BROKER_URL"]
+    relay = "sdq.maintenance.relay"
+    for body in BAD_MAINTENANCE_BODIES:
+        publish(broker, "maintenance", relay, body)
+    for headers in BAD_HEADERS.values():
+        publish(broker, "maintenance", relay, [[], {}, {}], headers)
+    publish(broker, "maintenance", relay, [[], {}, {}])  # a good one after them
+    ran = re.compile(rf"Task {re.escape(relay)}\[[-0-9a-f]+\] succeeded")
+    wait_for(lambda: ran.search(cpu_worker.log.read_text()), what="the good tick", timeout=60)
+    check_went_on(cpu_worker, 0, len(BAD_MAINTENANCE_BODIES) + len(BAD_HEADERS))

@@ -2,11 +2,13 @@
 again while the others work on; stopping them cleanly."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 
-from sdq.producer.launch import cpu_workers, gpu_workers
+from sdq.producer.launch import Supervised, WorkerCommand, cpu_workers, gpu_workers
 from tests.conftest import WorkerProcess
 from tests.services import wait_for
 
@@ -91,7 +93,8 @@ def test_a_dead_worker_is_started_again_and_its_siblings_keep_working(
         first, second = workers()
         os.kill(first, signal.SIGKILL)  # one GPU's worker dies
         wait_for(lambda: log.read_text().count("ready.") == 3, what="a restart", timeout=90)
-        assert "exited with code -9; starting it again in 2 s" in log.read_text()
+        said = r"gpu[01]@%h: killed by SIGKILL, perhaps out of memory; starting it again in 2 s"
+        assert re.search(said, log.read_text())
         survivors = workers()
         assert second in survivors and first not in survivors and len(survivors) == 2
     finally:
@@ -99,3 +102,18 @@ def test_a_dead_worker_is_started_again_and_its_siblings_keep_working(
         assert launcher.wait(60) == 0
     leftover = subprocess.run(["pgrep", "-g", str(launcher.pid)], capture_output=True, text=True)
     assert leftover.stdout.split() == []
+
+
+def test_a_worker_that_keeps_dying_is_started_again_for_ever_and_said_why(capsys) -> None:
+    """Past the fifth death in a row too: the delays double up to the cap and stay there."""
+    script = "print('starting'); print('ValueError: no GPU at index 7', flush=True); exit(3)"
+    command = WorkerCommand([sys.executable, "-c", script, "--hostname", "gpu7@%h"], {})
+    worker = Supervised(command, first_delay=0.01, cap=0.08)
+    said = re.compile(r"gpu7@%h: exited with code 3 \(ValueError: no GPU at index 7\); "
+                      r"starting it again in ([0-9.]+) s")  # fmt: skip
+    delays: list[str] = []
+    while len(delays) < 8:
+        worker.check()
+        delays += said.findall(capsys.readouterr().err)
+        time.sleep(0.005)
+    assert delays == ["0.01", "0.02", "0.04", "0.08", "0.08", "0.08", "0.08", "0.08"]

@@ -115,6 +115,7 @@ def create_app(settings: Settings) -> SdqCelery:
         "sdq",
         broker=settings.broker_url or "memory://",
         include=[*(kind.task_module for kind in KINDS.values()), "sdq.workers.maintenance"],
+        task_cls="sdq.workers.messages:CheckedTask",
     )
     app.settings = settings
     general = settings.time_limits[MAINTENANCE_QUEUE]

@@ -11,6 +11,7 @@ from celery.utils.time import get_exponential_backoff_interval
 from sdq.models.jobs.delivery import Work, deliver
 from sdq.models.jobs.kinds import Kind
 from sdq.workers.app import worker_identity
+from sdq.workers.messages import CheckedTask
 
 MAX_BACKOFF_SECONDS = 600
 # Retries of one message: a database outage of hours at the capped backoff, or a job held
@@ -19,11 +20,9 @@ MAX_BACKOFF_SECONDS = 600
 MAX_RETRIES = 50
 
 
-class JobTask(Task):
-    """The base of every kind's task: its messages are checked before a worker takes them
-    in, and its retries are bounded."""
+class JobTask(CheckedTask):
+    """The base of every kind's task: its messages are checked, its retries bounded."""
 
-    Strategy = "sdq.workers.messages:checked_strategy"
     max_retries = MAX_RETRIES
 
 
