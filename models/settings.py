@@ -64,15 +64,27 @@ class DownloadSettings:
     # Fetches at once per worker process: downloading waits on the network, not the CPU.
     threads: int = 32
     connect_timeout: float = 10
-    read_timeout: float = 20  # also the cap on one image's whole transfer
+    read_timeout: float = 20  # also the cap on one fetch: redirects, headers and body
     # Further tries of a fetch that failed for a passing reason (timeout, reset, 429, 5xx).
     retries: int = 2
     max_bytes: int = 32 * 1024 * 1024
     max_redirects: int = 5
     # Images with more pixels are refused before decoding: a few bytes can claim gigapixels.
     max_pixels: int = 90_000_000
+    # Decoded pixels a worker process's threads hold at once: an image waits until its
+    # pixels fit, so a slice of huge images takes its memory in turns, not all at once.
+    # Three bytes (RGB) a pixel, plus a working copy while it is resized.
+    pixel_budget: int = 180_000_000
     # CIDRs that may be fetched although private or local (e.g. 127.0.0.0/8 for tests).
     allow_networks: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.pixel_budget < self.max_pixels:
+            raise ValueError(
+                f"SDQ_DOWNLOAD_PIXEL_BUDGET ({self.pixel_budget}) must be at least "
+                f"SDQ_DOWNLOAD_MAX_PIXELS ({self.max_pixels}): the largest image allowed "
+                "must fit in it"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,6 +161,7 @@ class Settings:
                 max_bytes=_int(env, "SDQ_DOWNLOAD_MAX_BYTES", 32 * 1024 * 1024),
                 max_redirects=_int(env, "SDQ_DOWNLOAD_MAX_REDIRECTS", 5, minimum=0),
                 max_pixels=_int(env, "SDQ_DOWNLOAD_MAX_PIXELS", 90_000_000),
+                pixel_budget=_int(env, "SDQ_DOWNLOAD_PIXEL_BUDGET", 180_000_000),
                 allow_networks=_networks(env, "SDQ_DOWNLOAD_ALLOW_NETWORKS"),
             ),
             train=TrainSettings(

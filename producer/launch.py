@@ -28,6 +28,8 @@ RESTART_BACKOFF_CAP = 60.0
 POLL_SECONDS = 0.5
 # Lines of a worker's output kept to say why it died.
 LAST_WORDS = 50
+# glibc's malloc reads it at start (mallopt's M_MMAP_THRESHOLD); other C libraries ignore it.
+MALLOC_MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"
 
 
 @dataclass(frozen=True)
@@ -102,10 +104,16 @@ def gpu_workers(
 
 
 def cpu_workers(concurrency: int, *, loglevel: str) -> list[WorkerCommand]:
+    """One prefork worker; its processes download with many threads each. Their decoded
+    images (up to SDQ_DOWNLOAD_PIXEL_BUDGET at once) are large buffers: glibc's malloc
+    keeps freed ones in each thread's arena once its adaptive mmap threshold has risen,
+    so a process's memory would grow to its peak once per thread. A fixed threshold
+    (which turns the adaptation off) maps every buffer over 1 MiB on its own and gives it
+    back to the system when it is freed."""
     argv = celery_worker(
         POOL_QUEUES[Pool.cpu], name="cpu", concurrency=concurrency, prefetch=4, loglevel=loglevel
     )
-    return [WorkerCommand(argv, dict(os.environ))]
+    return [WorkerCommand(argv, {MALLOC_MMAP_THRESHOLD: str(1 << 20), **os.environ})]
 
 
 class Supervised:

@@ -1,6 +1,7 @@
 """An HTTP server on loopback that serves what the web serves a downloader: good images of
 many kinds and every hostile answer sdq must survive. Each path names its case."""
 
+import functools
 import io
 import threading
 import time
@@ -60,6 +61,17 @@ def bomb(side: int = 12_000) -> bytes:
     return _saved(Image.new("1", (side, side)), "PNG")
 
 
+@functools.cache
+def many_pixels(megapixels: int = 80) -> bytes:
+    """A PNG of `megapixels` million pixels in a few hundred kB: a smooth picture compresses
+    well, and decodes to three bytes a pixel all the same."""
+    width = 10_000
+    height = megapixels * 1_000_000 // width
+    rows = np.linspace(0, 255, height, dtype=np.uint8)[:, None, None]
+    image = Image.fromarray(np.broadcast_to(rows, (height, width, 3)).copy(), "RGB")
+    return _saved(image, "PNG", compress_level=1)
+
+
 FIXED: dict[str, tuple[str, bytes]] = {}
 
 
@@ -78,6 +90,11 @@ def _fixed() -> dict[str, tuple[str, bytes]]:
                 "/tiny.jpg": ("image/jpeg", jpeg(20, 20)),
                 "/not-an-image.jpg": ("text/html", b"<html>hello</html>"),
                 "/truncated.jpg": ("image/jpeg", jpeg(640, 480, seed=3)[:4000]),
+                # Reading a PNG's EXIF decodes all of it: the cut shows there first.
+                "/truncated.png": (
+                    "image/png",
+                    _saved(Image.open(io.BytesIO(jpeg(640, 480, seed=8))), "PNG")[:20_000],
+                ),
                 "/bomb.png": ("image/png", bomb()),
                 "/huge.jpg": ("image/jpeg", jpeg(640, 480, seed=4) + b"\0" * 600_000),
             }
@@ -100,6 +117,8 @@ class Handler(BaseHTTPRequestHandler):
         elif path.startswith("/img/"):  # /img/<n>.jpg: a distinct picture for each n
             n = int(path.removeprefix("/img/").removesuffix(".jpg"))
             self._send(200, "image/jpeg", jpeg(320 + 8 * n, 240, seed=100 + n))
+        elif path.startswith("/many-pixels/"):  # /many-pixels/<n>.png: one each, alike
+            self._send(200, "image/png", many_pixels())
         elif path == "/huge-unsized.jpg":
             self._send_chunked(_fixed()["/huge.jpg"][1])
         elif path == "/noai.jpg":
@@ -124,6 +143,8 @@ class Handler(BaseHTTPRequestHandler):
                 self._send(200, "image/jpeg", jpeg(300, 300, seed=7))
         elif path == "/slow.jpg":
             self._send_slowly(_fixed()["/photo.jpg"][1])
+        elif path == "/slow-headers.jpg":
+            self._send_headers_slowly(_fixed()["/photo.jpg"][1])
         elif path == "/loop":
             self._redirect("/loop")
         elif path.startswith("/redirect"):
@@ -167,6 +188,21 @@ class Handler(BaseHTTPRequestHandler):
             except OSError:
                 return
             time.sleep(0.2)
+
+    def _send_headers_slowly(self, body: bytes) -> None:
+        """The status line and headers a byte at a time, each within the read timeout, for
+        longer than the whole timeout; then the image at once."""
+        head = (f"HTTP/1.1 200 OK\r\nContent-Type: image/jpeg\r\nX-Padding: {'.' * 40}\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+        pause = SLOW_SECONDS / len(head)
+        try:
+            for byte in head:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(pause)
+            self.wfile.write(body)
+        except OSError:
+            return
 
     def _redirect(self, location: str) -> None:
         self.send_response(302)
@@ -218,10 +254,12 @@ CASES = [
     ("/tiny.jpg", "failed", "image too small"),
     ("/not-an-image.jpg", "failed", "not an image"),
     ("/truncated.jpg", "failed", "truncated image"),
+    ("/truncated.png", "failed", "truncated image"),
     ("/bomb.png", "failed", "decompression bomb"),
     ("/huge.jpg", "failed", "too large"),
     ("/huge-unsized.jpg", "failed", "too large"),
     ("/slow.jpg", "failed", "timeout"),
+    ("/slow-headers.jpg", "failed", "timeout"),
     ("/missing.jpg", "failed", "http 404"),
     ("/busy.jpg", "failed", "http 429"),
     ("/loop", "failed", "too many redirects"),
@@ -229,6 +267,9 @@ CASES = [
     ("/redirect?to=http://127.0.0.2:{port}/photo.jpg", "failed", "blocked address"),
     ("http://[::ffff:127.0.0.2]:{port}/photo.jpg", "failed", "blocked address"),
     ("/redirect?to=file:///etc/passwd", "failed", "not an http(s) url"),
+    ("http://[::1", "failed", "invalid url"),
+    ("/redirect?to=http://[::1", "failed", "invalid url"),
+    ("http://{label}.example/photo.jpg", "failed", "invalid url"),
     ("/photo.jpg?empty-caption", "failed", "empty caption"),
 ]
 # Only inside a network namespace with nothing but loopback: if the refusal were broken,
@@ -243,7 +284,7 @@ OFF_MACHINE_CASES = [
 def case_rows(base: str, port: int, cases: list[tuple[str, str, str | None]]) -> list[dict]:
     rows = []
     for index, (path, status, reason) in enumerate(cases):
-        url = (path if path.startswith("http") else base + path).format(port=port)
+        url = (path if path.startswith("http") else base + path).format(port=port, label="a" * 64)
         caption = "" if path.endswith("?empty-caption") else f"case {index}: {path}"
         rows.append({"url": url, "caption": caption, "status": status, "reason": reason})
     return rows

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import BUCKET, ROOT, WorkerProcess, sdq_json
-from tests.hostile_server import CASES, HostileServer, case_rows
+from tests.hostile_server import CASES, HostileServer, case_rows, many_pixels
 from tests.netns_download import write_list
 
 pytestmark = pytest.mark.timeout(300)
@@ -185,3 +185,46 @@ def test_a_list_without_the_named_column_is_refused_by_name(
     assert f"{listing}: no column 'url' (it has URL, TEXT); did you mean 'URL'?" in result.stderr
     with psycopg.connect(download_env["SDQ_DATABASE_URL"]) as connection:
         assert not connection.execute("SELECT 1 FROM datasets WHERE name = 'x'").fetchone()
+
+
+def peak_rss(worker: WorkerProcess) -> int:
+    """The highest resident memory any of the worker's processes has had, in bytes."""
+    peaks = []
+    for pid in worker.children():
+        status = Path(f"/proc/{pid}/status").read_text()
+        [kilobytes] = [line.split()[1] for line in status.splitlines() if line.startswith("VmHWM")]
+        peaks.append(int(kilobytes) * 1024)
+    return max(peaks)
+
+
+def test_huge_images_take_a_worker_s_memory_in_turns(
+    download_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Eight threads, eight 80-megapixel PNGs of 1 MB each: decoded at once they would
+    hold 1.9 GB of RGB. With a budget of one such image they take their turns, and the
+    worker's peak grows by one image's pixels and a working copy at most."""
+    budget = 80_000_000
+    env = {**download_env, "SDQ_DOWNLOAD_THREADS": "8", "SDQ_DOWNLOAD_MAX_BYTES": "2000000",
+           "SDQ_DOWNLOAD_MAX_PIXELS": str(budget),
+           "SDQ_DOWNLOAD_PIXEL_BUDGET": str(budget)}  # fmt: skip
+    many_pixels()  # made before serving: the first requests must not wait for it
+    worker = WorkerProcess(env, tmp_path / "cpu.log", pool="cpu", args=("--concurrency", "1"))
+    worker.start()
+    try:
+        with HostileServer() as server:
+            # The first slice loads what every slice uses; the peak is measured after it.
+            first = [{"url": f"{server.base}/photo.jpg", "caption": "a"}]
+            write_list(tmp_path / "first.csv", first)
+            sdq_json(env, "download", "--wait", str(tmp_path / "first.csv"), "--dataset", "first")
+            before = peak_rss(worker)
+            rows = [{"url": f"{server.base}/many-pixels/{n}.png", "caption": f"huge {n}"}
+                    for n in range(8)]  # fmt: skip
+            write_list(tmp_path / "huge.csv", rows)
+            summary = sdq_json(env, "download", "--wait", str(tmp_path / "huge.csv"),
+                               "--dataset", "huge")  # fmt: skip
+        grown = peak_rss(worker) - before
+    finally:
+        worker.stop()
+    # Every image was decoded (the seven copies are duplicates of the first's bytes).
+    assert summary["by_status"] == {"success": 1, "duplicate": 7}
+    assert grown < 2 * 3 * budget  # RGB bytes of the budget and a copy; all eight: 1.9 GB

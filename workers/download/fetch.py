@@ -1,19 +1,26 @@
 """Fetching one image from a URL someone else wrote: only http(s), never to a private,
 local or metadata address, within byte, time and redirect caps, and honouring opt-outs.
 
+One deadline covers a whole fetch, redirects, headers and body included: a server that
+trickles its headers a byte at a time, each within the socket's read timeout, is cut off
+when the deadline comes, like one that trickles its body.
+
 The address check runs where the socket connects (urllib3's `_new_conn`), on the very
 addresses the connection then uses, for the first URL and for every redirect target: a
 name that resolves to a public address when checked and a private one when used (DNS
 rebinding) cannot slip between the two.
 """
 
+import contextlib
 import email.utils
 import ipaddress
 import socket
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 import urllib3
@@ -76,8 +83,64 @@ def is_blocked(address: Address, allowed: Iterable[Network]) -> bool:
     return not address.is_global or address.is_multicast
 
 
+class Deadline:
+    """When one fetch must be over. Whichever socket the fetch waits on when the time
+    comes is shut down under it, so the blocked read returns at once."""
+
+    def __init__(self, seconds: float) -> None:
+        self.expired = False
+        self._socket: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> "Deadline":
+        _fetching.deadline = self
+        self._timer.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._timer.cancel()
+        _fetching.deadline = None
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._socket = sock
+            if self.expired:
+                _hang_up(sock)
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            if self._socket is not None:
+                _hang_up(self._socket)
+
+
+# The deadline of the fetch each thread is making, for the connection it uses.
+_fetching = threading.local()
+
+
+def _watch(sock: socket.socket | None) -> None:
+    deadline: Deadline | None = getattr(_fetching, "deadline", None)
+    if deadline is not None and sock is not None:
+        deadline.watch(sock)
+
+
+def _hang_up(sock: socket.socket) -> None:
+    # The plain socket's shutdown, also under TLS: SSLSocket's own drops its TLS state,
+    # which the reading thread is using. A socket closed already needs nothing.
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
 def _guarded(base: type[HTTPConnection], allowed: tuple[Network, ...]) -> type[HTTPConnection]:
     class GuardedConnection(base):  # type: ignore[misc, valid-type]
+        def getresponse(self, *args: Any, **kwargs: Any) -> Any:
+            """The response's headers and body are read on this socket, by its deadline;
+            a connection from the pool is watched anew for each fetch."""
+            _watch(self.sock)
+            return super().getresponse(*args, **kwargs)
+
         def _new_conn(self) -> socket.socket:
             """Resolves the host, keeps only allowed addresses, connects to one of them.
             TLS still verifies the certificate against the host name (self.host)."""
@@ -151,8 +214,20 @@ class Fetcher:
         raise AssertionError("unreachable")
 
     def _follow(self, url: str) -> Fetched:
+        """The image at the end of the redirects, within one deadline for all of it."""
+        with Deadline(self.settings.read_timeout) as deadline:
+            try:
+                fetched = self._redirects(url)
+            except FetchFailed:
+                if not deadline.expired:
+                    raise
+            if deadline.expired:  # cut off: whatever the cut-off read raised or returned
+                raise FetchFailed("timeout")
+            return fetched
+
+    def _redirects(self, url: str) -> Fetched:
         for _ in range(self.settings.max_redirects + 1):
-            _check_scheme(url)
+            _check_url(url)
             response = self._request(url)
             try:
                 if response.status not in REDIRECTS:
@@ -163,7 +238,7 @@ class Fetcher:
                 location = response.headers.get("Location")
                 if not location:
                     raise FetchFailed(f"http {response.status} without a location")
-                url = urljoin(url, location)
+                url = _joined(url, location)
             finally:
                 # Anything left unread (a redirect's body, a refused image) is not worth
                 # reading: the connection goes, not back to the pool.
@@ -195,9 +270,8 @@ class Fetcher:
         return self._read_capped(response)
 
     def _read_capped(self, response: urllib3.BaseHTTPResponse) -> bytes:
-        """Reads at most max_bytes, within read_timeout in all: a server that sends a byte
-        a second would otherwise never trip the per-read timeout."""
-        deadline = time.monotonic() + self.settings.read_timeout
+        """Reads at most max_bytes, counted as they come: a missing or lying
+        Content-Length does not lift the cap."""
         chunks: list[bytes] = []
         size = 0
         try:
@@ -205,18 +279,33 @@ class Fetcher:
                 size += len(chunk)
                 if size > self.settings.max_bytes:
                     raise FetchFailed("too large")
-                if time.monotonic() > deadline:
-                    raise FetchFailed("timeout")
                 chunks.append(chunk)
         except (HTTPError, OSError) as error:
             raise _network_failure(error) from None
         return b"".join(chunks)
 
 
-def _check_scheme(url: str) -> None:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+def _check_url(url: str) -> None:
+    """An http(s) URL whose host can be looked up: a host that is not a valid name (a
+    label over 63 characters, an empty label) makes the resolver raise, not refuse."""
+    try:
+        parts = urlsplit(url)
+        host, _ = parts.hostname, parts.port
+    except ValueError:  # an unclosed [IPv6 literal, a port that is not a number
+        raise FetchFailed("invalid url") from None
+    if parts.scheme not in ("http", "https") or not host:
         raise FetchFailed("not an http(s) url")
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        raise FetchFailed("invalid url") from None
+
+
+def _joined(url: str, location: str) -> str:
+    try:
+        return urljoin(url, location)
+    except ValueError:
+        raise FetchFailed("invalid url") from None
 
 
 def _opted_out(values: list[str]) -> bool:

@@ -2,6 +2,7 @@
 per list row. Plain code, no Celery; runs on CPU workers, never imports torch."""
 
 import hashlib
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from time import perf_counter
@@ -15,12 +16,14 @@ from sdq.models.jobs.lifecycle import Output, utcnow
 from sdq.models.settings import DownloadSettings
 from sdq.models.store import MissingObject, ObjectStore
 from sdq.models.tables import Job
+from sdq.workers.download.budget import PixelBudget
 from sdq.workers.download.fetch import Fetcher, FetchFailed
 from sdq.workers.download.images import ImageRejected, make_image
 from sdq.workers.download.records import claim, dataset_id, image_digest, record_shard, url_digest
 from sdq.workers.download.shards import ShardRow, read_shard_rows, read_slice, shard_bytes
 
 PARQUET = "application/vnd.apache.parquet"
+log = logging.getLogger(__name__)
 
 
 class ListUnreadable(Exception):
@@ -43,6 +46,8 @@ class DownloadWork(Work):
         self.sessions = sessions
         self.fetcher = fetcher
         self.settings = settings
+        # One process runs one slice at a time: its threads share this budget.
+        self.budget = PixelBudget(settings.pixel_budget)
 
     def run(self, jobs: Sequence[Job]) -> Iterator[Output]:
         for job in jobs:
@@ -101,13 +106,21 @@ class DownloadWork(Work):
         return [row if row.key in retry else previous[row.key] for row in rows]
 
     def _fetch(self, spec: SliceSpec, row: ShardRow) -> None:
+        """One row's fetch and image. Whatever goes wrong ends as this row's reason: an
+        error nobody foresaw is logged, once, and the slice's other rows go on."""
         if row.status:
             return
         try:
             fetched = self.fetcher.fetch(row.url)
-            image = make_image(fetched.data, spec.image, max_pixels=self.settings.max_pixels)
+            image = make_image(
+                fetched.data, spec.image, max_pixels=self.settings.max_pixels, budget=self.budget
+            )
         except (FetchFailed, ImageRejected) as failure:
             _fail(row, failure.reason)
+            return
+        except Exception as error:
+            log.exception("%s (%s): unexpected error", row.key, row.url)
+            _fail(row, f"unexpected error: {type(error).__name__}")
             return
         row.status = SampleStatus.success
         row.sha256 = hashlib.sha256(fetched.data).hexdigest()
