@@ -1,11 +1,13 @@
 """Real services for the tests: found running, started when down, never silently skipped."""
 
+import contextlib
 import glob
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 import uuid
@@ -92,6 +94,69 @@ class MotoServer:
         if self.process:
             self.process.terminate()
             self.process.wait(10)
+
+
+class OutageProxy:
+    """A TCP proxy on loopback in front of a service, which the test takes down and brings
+    back: while down, every connection through it is cut and every new one closed as it
+    is accepted, as a load balancer in front of a failed service does."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.down = threading.Event()
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> "OutageProxy":
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.listener.close()
+        self._cut()
+
+    def outage(self) -> None:
+        self.down.set()
+        self._cut()
+
+    def restore(self) -> None:
+        self.down.clear()
+
+    def _cut(self) -> None:
+        with self._lock:
+            for sock in self._open:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            self._open.clear()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            if self.down.is_set():
+                client.close()
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            with self._lock:
+                self._open.update((client, upstream))
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        """One direction; when either side ends, both do (the other pump sees it)."""
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        for sock in (source, sink):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        with self._lock:
+            self._open.discard(source)
+        source.close()
 
 
 def aws_env(endpoint: str) -> dict[str, str]:

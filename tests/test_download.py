@@ -197,6 +197,7 @@ def peak_rss(worker: WorkerProcess) -> int:
     return max(peaks)
 
 
+@pytest.mark.slow
 def test_huge_images_take_a_worker_s_memory_in_turns(
     download_env: dict[str, str], tmp_path: Path
 ) -> None:

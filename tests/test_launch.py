@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from sdq.producer.launch import Supervised, WorkerCommand, cpu_workers, gpu_workers
 from tests.conftest import WorkerProcess
 from tests.services import wait_for
@@ -74,6 +76,7 @@ def test_sigterm_to_the_launcher_stops_every_worker(service_env, tmp_path) -> No
     assert leftover.stdout.split() == []
 
 
+@pytest.mark.slow
 def test_a_dead_worker_is_started_again_and_its_siblings_keep_working(
     service_env, tmp_path
 ) -> None:

@@ -19,7 +19,7 @@ from sdq.models.jobs.maintenance import EXPIRED
 from tests.conftest import BUCKET, BeatProcess, WorkerProcess, sdq_json, wait_for_run, write
 from tests.services import free_port, listening, wait_for
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
 # Beat every second; a queued job unclaimed for 3 s in an empty queue counts as lost.
 HEALING = {"SDQ_MAINTENANCE_INTERVAL_SECONDS": "1", "SDQ_RELAY_AFTER_SECONDS": "3"}

@@ -18,12 +18,13 @@ import pytest
 import torch
 from selenium.webdriver.common.by import By
 
+from sdq.models.jobs.lifecycle import OUTAGE
 from sdq.workers.tiny import build_pipeline
 from tests.browser import chromium, open_page, texts
-from tests.conftest import ROOT, WorkerProcess, sdq_json
+from tests.conftest import BUCKET, ROOT, WorkerProcess, sdq_json
 from tests.hostile_server import HostileServer
 from tests.netns_download import DOWNLOAD_ENV
-from tests.services import clean_env, wait_for
+from tests.services import OutageProxy, clean_env, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 # The services' database is shared by the whole session: a dataset name of this file's own.
@@ -137,6 +138,7 @@ def _train(env: dict[str, str], *args: str) -> dict:
                     *args)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_killed_train_worker_resumes_to_the_same_weights(
     download_env: dict[str, str], cpu_worker: WorkerProcess, worker: WorkerProcess, tmp_path
 ) -> None:
@@ -350,6 +352,7 @@ def rank_processes() -> list[int]:
     return [int(pid) for pid in listed.split()]
 
 
+@pytest.mark.slow
 def test_two_ranks_on_one_node_or_two_resume_exactly_after_a_rank_a_worker_or_a_node_dies(
     download_env: dict[str, str], cpu_worker: WorkerProcess, worker: WorkerProcess, tmp_path
 ) -> None:
@@ -405,3 +408,46 @@ def test_two_ranks_on_one_node_or_two_resume_exactly_after_a_rank_a_worker_or_a_
     assert (
         resumed["checkpoints"][-1]["model_revision"] == steady["checkpoints"][-1]["model_revision"]
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_train_run_survives_an_object_store_outage_without_spending_attempts(
+    own_deployment: dict[str, str], s3: dict[str, str], tmp_path: Path
+) -> None:
+    """The object store goes away for 30 s while the second job trains, through its
+    checkpoint's upload and the next job's start: each job waits the outage out as one,
+    with no attempt spent, and the run ends as it would have."""
+    upstream = int(s3["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    with OutageProxy(upstream) as proxy:
+        env = {**own_deployment, **DOWNLOAD_ENV, "SDQ_STORE_URL": f"s3://{BUCKET}/outage",
+               "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"}  # fmt: skip
+        workers = [WorkerProcess(env, tmp_path / "gpu.log").start(),
+                   WorkerProcess(env, tmp_path / "cpu.log", pool="cpu").start()]  # fmt: skip
+        try:
+            encoded_dataset(env, "outage-birds", 16, tmp_path)
+            run_id = sdq_json(env, "train", "outage-birds", *TRAIN, "--steps", "120",
+                              "--checkpoint-every", "40")["run_id"]  # fmt: skip
+            database_url = env["SDQ_DATABASE_URL"]
+            wait_for(lambda: [status for _, status, *_ in _jobs(database_url, run_id)][1:2]
+                     == ["running"], what="the second train-shard job", timeout=300)  # fmt: skip
+            proxy.outage()
+            time.sleep(30)
+            proxy.restore()
+            wait_for(lambda: len(_jobs(database_url, run_id)) == 3 and all(
+                status == "succeeded" for _, status, *_ in _jobs(database_url, run_id)),
+                what=f"train run {run_id} to finish", timeout=300)  # fmt: skip
+        finally:
+            for worker in workers:
+                worker.stop()
+    assert [attempts for _, _, attempts, _ in _jobs(database_url, run_id)] == [1, 1, 1]
+    with psycopg.connect(database_url) as connection:
+        outages = connection.execute(
+            "SELECT count(*) FROM job_events e JOIN jobs j ON j.id = e.job_id "
+            "WHERE j.run_id = %s AND e.detail LIKE %s",
+            (run_id, f"%({OUTAGE})"),
+        ).fetchone()[0]
+    assert outages >= 1  # the outage was met, and waited out as one
+    status = sdq_json(env, "train", "status", str(run_id))
+    assert [step for step, _ in status["losses"]] == list(range(1, 121))
+    assert status["checkpoints"][-1]["model_revision"]
