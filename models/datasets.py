@@ -19,6 +19,11 @@ SPEC_VERSION = 1
 TRANSIENT_REASON = re.compile(r"timeout|dns timeout|connection failed(: \w+)?|http (429|5\d\d)")
 
 
+# A URL whose host is private, loopback, link-local or reserved (SDQ_DOWNLOAD_ALLOW_NETWORKS
+# opens named networks).
+BLOCKED_ADDRESS = "blocked address"
+
+
 def is_transient(reason: str) -> bool:
     """Whether a failure may pass: what the fetcher retries and `--retry-failed` redoes."""
     return TRANSIENT_REASON.fullmatch(reason) is not None

@@ -23,6 +23,11 @@ console = Console(stderr=True)
 stdout = Console()
 
 
+def hint(text: str) -> None:
+    """What a person should know or do next, on stderr: JSON on stdout stays clean."""
+    console.print(f"[yellow]{text}[/yellow]", highlight=False)
+
+
 def print_json(data: Any) -> None:
     # Plain print: rich would wrap long lines and break the JSON for other programs.
     print(json.dumps(data, indent=2, ensure_ascii=False, default=str))

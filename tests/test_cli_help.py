@@ -58,3 +58,10 @@ def test_the_top_level_help_names_the_settings_and_the_embedded_default() -> Non
     for name in ("SDQ_DATABASE_URL", "SDQ_BROKER_URL", "SDQ_STORE_URL", "SDQ_HOME"):
         assert name in shown.output
     assert "./sdq-data" in shown.output and "no broker or worker" in shown.output
+
+
+def test_the_download_help_says_which_addresses_are_refused_and_how_to_open_them() -> None:
+    shown = CliRunner().invoke(main, ["download", "--help"])
+    text = " ".join(shown.output.split())
+    assert "SDQ_DOWNLOAD_ALLOW_NETWORKS" in text
+    assert '--retry-failed NAME --reason "blocked address"' in text

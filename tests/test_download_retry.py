@@ -1,8 +1,10 @@
 """Failures that may pass: a server's Retry-After is honoured within a fetch, and
 `sdq download --retry-failed NAME` fetches again only the rows that failed for a
-transient reason, keeping every other row as it was."""
+transient reason (or for the reasons named), keeping every other row as it was."""
 
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -91,3 +93,33 @@ def test_retry_failed_fetches_only_transient_failures_again(tmp_path: Path) -> N
         assert db.execute(
             "SELECT status, reason FROM samples WHERE url LIKE '%/recovering.jpg'"
         ).fetchone() == ("success", None)
+
+
+def test_blocked_hosts_are_explained_and_fetched_once_their_network_is_allowed(
+    tmp_path: Path,
+) -> None:
+    """Every host of the list is a loopback address the settings do not open: the command
+    says so and how to open it; once opened, the named reason is fetched again."""
+    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT)}
+    with HostileServer(host="127.0.0.2") as server:
+        rows = [{"url": f"{server.base}/img/{n}.jpg", "caption": f"row {n}"} for n in range(3)]
+        write_list(tmp_path / "mirror.csv", rows)
+        blocked = subprocess.run(
+            [sys.executable, "-m", "sdq.producer.cli", "download", str(tmp_path / "mirror.csv"),
+             "--dataset", "mirror", "--json"],
+            env=env, cwd=tmp_path, capture_output=True, text=True,
+        )  # fmt: skip
+        assert blocked.returncode == 0, blocked.stderr
+        hint = " ".join(blocked.stderr.split())
+        assert "3 of 3 samples were not fetched" in hint
+        assert "SDQ_DOWNLOAD_ALLOW_NETWORKS" in hint
+        assert '`sdq download --retry-failed mirror --reason "blocked address"`' in hint
+
+        # The transient retry leaves them; the named reason, with the network open, does not.
+        untouched = sdq_json(env, "download", "--retry-failed", "mirror", cwd=tmp_path)
+        assert untouched["by_status"] == {"failed": 3}
+        opened = {**env, "SDQ_DOWNLOAD_ALLOW_NETWORKS": "127.0.0.0/8"}
+        again = sdq_json(opened, "download", "--retry-failed", "mirror", "--reason",
+                         "blocked address", cwd=tmp_path)  # fmt: skip
+    assert again["by_status"] == {"success": 3}
+    assert again["reasons"] == {}

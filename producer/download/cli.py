@@ -6,7 +6,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import click
 from sqlalchemy.orm import Session
 
-from sdq.models.datasets import IMAGE_FORMATS, RESIZE_MODES, ImageOptions, ListColumns, check_name
+from sdq.models.datasets import (
+    BLOCKED_ADDRESS,
+    IMAGE_FORMATS,
+    RESIZE_MODES,
+    ImageOptions,
+    ListColumns,
+    check_name,
+)
 from sdq.models.store import LINK_SECONDS, StoreError
 from sdq.producer import display
 from sdq.producer.cli.common import (
@@ -39,6 +46,14 @@ if TYPE_CHECKING:
     metavar="NAME",
     help="Fetch again only the samples of dataset NAME that failed for a reason that may "
     "have passed (timeouts, connection failures, 429, 5xx); no LIST.",
+)
+@click.option(
+    "--reason",
+    "reasons",
+    multiple=True,
+    metavar="REASON",
+    help="With --retry-failed: fetch again the samples that failed for REASON instead, e.g. "
+    '"blocked address" once SDQ_DOWNLOAD_ALLOW_NETWORKS opens their network (repeatable).',
 )
 @click.option("--url-col", default="url", show_default=True, help="The column of image URLs.")
 @click.option("--caption-col", default="caption", show_default=True, help="The captions.")
@@ -98,6 +113,7 @@ def download(
     lists: tuple[str, ...],
     name: str | None,
     retry_name: str | None,
+    reasons: tuple[str, ...],
     url_col: str,
     caption_col: str,
     rows_per_shard: int,
@@ -109,6 +125,11 @@ def download(
     """Download the images of URL + caption lists (parquet, CSV, TSV or JSON lines, local
     or s3://) into a dataset of parquet shards, each sample's fate recorded.
 
+    URLs whose host is a private, loopback, link-local or reserved address are refused
+    ("blocked address"): SDQ_DOWNLOAD_ALLOW_NETWORKS=CIDR,... opens named networks (an
+    internal mirror), and `--retry-failed NAME --reason "blocked address"` fetches those
+    rows again.
+
     Without a broker (SDQ_BROKER_URL unset) the work runs here, in this process."""
     ensure_schema(app)
     if retry_name:
@@ -117,10 +138,12 @@ def download(
         from sdq.producer.download.submit import record_retry
 
         with found():
-            submission = record_retry(app.sessions, retry_name)
+            submission = record_retry(app.sessions, retry_name, reasons)
     else:
         if not (lists and name):
             raise click.UsageError("give LIST... and --dataset NAME, or --retry-failed NAME")
+        if reasons:
+            raise click.UsageError("--reason goes with --retry-failed NAME")
         columns = ListColumns(
             url=url_col,
             caption=caption_col,
@@ -222,12 +245,20 @@ def carry_out_dataset_run(
 
 
 def report_dataset(app: SdqCelery, name: str, as_json: bool) -> None:
-    lookup(
+    summary = lookup(
         app,
         lambda session: dataset_lookups.dataset_summary(session, name),
         as_json=as_json,
         show=display.show_dataset,
     )
+    if blocked := summary["reasons"].get(BLOCKED_ADDRESS):
+        display.hint(
+            f"{blocked} of {summary['samples']} samples were not fetched: their hosts are "
+            "private, loopback, link-local or reserved addresses, which sdq refuses. If they "
+            "are yours to fetch (an internal mirror), set SDQ_DOWNLOAD_ALLOW_NETWORKS to "
+            f"their networks (CIDRs) and run `sdq download --retry-failed {name} --reason "
+            f'"{BLOCKED_ADDRESS}"`.'
+        )
 
 
 @click.group()

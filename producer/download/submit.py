@@ -69,9 +69,13 @@ def record_download(
     return DownloadSubmission(run.id, name, len(specs), cached)
 
 
-def record_retry(sessions: sessionmaker[Session], name: str) -> DownloadSubmission:
+def record_retry(
+    sessions: sessionmaker[Session], name: str, reasons: Sequence[str] = ()
+) -> DownloadSubmission:
     """A run that fetches again, shard by shard, only the samples that failed for a reason
-    that may have passed (timeouts, busy servers); every other row stays as it is."""
+    that may have passed (timeouts, busy servers), or for one of `reasons` when given;
+    every other row stays as it is."""
+    wanted = (lambda reason: reason in reasons) if reasons else is_transient
     with sessions.begin() as session:
         dataset = dataset_named(session, name)
         failed: dict[int, list[str]] = {}
@@ -80,12 +84,12 @@ def record_retry(sessions: sessionmaker[Session], name: str) -> DownloadSubmissi
             .where(Sample.dataset_id == dataset.id, Sample.status == SampleStatus.failed)
             .order_by(Sample.key)
         ):
-            if is_transient(reason):
+            if wanted(reason):
                 failed.setdefault(shard_id, []).append(key)
         run = Run(
             kind=DOWNLOAD.name,
             source=name,
-            options={"dataset": name, "retry_failed": True},
+            options={"dataset": name, "retry_failed": True, "reasons": list(reasons)},
             job_count=0,
             jobs_per_message=1,
             task_options={},

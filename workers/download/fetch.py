@@ -28,7 +28,7 @@ from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 from urllib3.exceptions import HTTPError, ProtocolError, TimeoutError
 
-from sdq.models.datasets import is_transient
+from sdq.models.datasets import BLOCKED_ADDRESS, is_transient
 from sdq.models.settings import DownloadSettings
 
 READ_CHUNK = 64 * 1024
@@ -152,7 +152,7 @@ def _guarded(base: type[HTTPConnection], allowed: tuple[Network, ...]) -> type[H
                 info for info in infos if not is_blocked(ipaddress.ip_address(info[4][0]), allowed)
             ]
             if not usable:
-                raise BlockedAddress("blocked address")
+                raise BlockedAddress(BLOCKED_ADDRESS)
             family, kind, protocol, _, address = usable[0]
             sock = socket.socket(family, kind, protocol)
             try:
