@@ -177,7 +177,7 @@ def test_encode_refuses_what_it_cannot_do_by_name(download_env: dict[str, str]) 
         )  # fmt: skip
 
     unknown = encode("no-such-dataset", "--model", "tiny")
-    assert unknown.returncode == 1
+    assert unknown.returncode == 2
     assert "no dataset named 'no-such-dataset'" in unknown.stderr
     odd = encode("birds", "--model", "tiny", "--resolution", "100")
     assert odd.returncode == 2
@@ -185,3 +185,30 @@ def test_encode_refuses_what_it_cannot_do_by_name(download_env: dict[str, str]) 
     model = encode("birds", "--model", "no-such-model")
     assert model.returncode == 2
     assert "unknown model 'no-such-model'" in model.stderr
+
+
+def test_a_dataset_with_no_usable_samples_is_named_so_by_encode_and_train(
+    tmp_path: Path,
+) -> None:
+    """Every row failed (404): encode and train say the dataset has nothing to use,
+    instead of encoding 0 samples and then advising the same encode again."""
+    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT)}
+    with HostileServer() as server:
+        listing = tmp_path / "gone.csv"
+        listing.write_text("url,caption\n" + "".join(
+            f"{server.base}/missing-{n}.jpg,gone {n}\n" for n in range(3)))  # fmt: skip
+        sdq_json(env, "download", str(listing), "--dataset", "gone", cwd=tmp_path)
+
+    def refused(*args: str) -> str:
+        result = subprocess.run(
+            [sys.executable, "-m", "sdq.producer.cli", *args, "--model" if args[0] == "encode"
+             else "--base", "tiny", "--resolution", str(RESOLUTION)],
+            env=env, cwd=tmp_path, capture_output=True, text=True,
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        return " ".join(result.stderr.split())
+
+    said = "dataset 'gone' has no usable samples: all 3 downloaded so far failed or were duplicates"
+    assert said in refused("encode", "gone")
+    trained = refused("train", "gone", "--steps", "4")
+    assert said in trained and "sdq encode" not in trained

@@ -234,14 +234,14 @@ def test_lookups(worker, sdq, tmp_path) -> None:
     assert by_hash.read_bytes() == out.read_bytes()
     for name, message in [("zz", "names no job"), ("abcdef0123", "no job with a spec hash")]:
         refused = sdq("show", name)
-        assert refused.exit_code == 1 and message in refused.output, name
+        assert refused.exit_code == 2 and message in refused.output, name
 
     runs = json.loads(sdq("runs", "--json").stdout)
     assert any(run["run_id"] == run_id for run in runs)
     text = sdq("status", str(run_id)).output
     assert "succeeded" in text and "1 of 1 images done" in text
     missing = sdq("show", "999999")
-    assert missing.exit_code == 1 and "no job 999999" in missing.output
+    assert missing.exit_code == 2 and "no job 999999" in missing.output
 
 
 def test_a_missing_bucket_is_named_before_anything_is_written(sdq, sessions, tmp_path) -> None:

@@ -63,11 +63,11 @@ def test_the_views_describe_the_run(rendered_run: dict, service_env: dict[str, s
 def test_sdq_sql_only_reads(rendered_run: dict, service_env: dict[str, str]) -> None:
     count = f"SELECT count(*) AS n FROM jobs WHERE run_id = {rendered_run['run_id']}"
     refused = sql(service_env, f"DELETE FROM jobs WHERE run_id = {rendered_run['run_id']}")
-    assert refused.returncode == 1
+    assert refused.returncode == 2
     assert "sdq sql only reads" in refused.stderr
     assert json.loads(sql(service_env, count, "--json").stdout) == [{"n": 6}]
     broken = sql(service_env, "SELEC 1")
-    assert broken.returncode == 1 and "syntax error" in broken.stderr
+    assert broken.returncode == 2 and "syntax error" in broken.stderr
     table = sql(service_env, count)
     assert table.returncode == 0 and re.search(r"\b6\b", table.stdout)
 
@@ -117,4 +117,4 @@ def test_embedded_history_is_sql_too(tmp_path: Path) -> None:
     summary = sql(env, "SELECT run_id, succeeded FROM run_summary", "--json")
     assert json.loads(summary.stdout) == [{"run_id": run["run_id"], "succeeded": 1}]
     refused = sql(env, "DROP TABLE jobs")
-    assert refused.returncode == 1 and "sdq sql only reads" in refused.stderr
+    assert refused.returncode == 2 and "sdq sql only reads" in refused.stderr

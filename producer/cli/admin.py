@@ -12,7 +12,14 @@ from sdq.models.jobs.kinds import POOL_QUEUES, Pool
 from sdq.models.registry import ModelNotFound, push_model
 from sdq.models.store import StoreError
 from sdq.producer import display, lookups
-from sdq.producer.cli.common import ensure_schema, json_option, lookup, pass_app, require_broker
+from sdq.producer.cli.common import (
+    InputError,
+    ensure_schema,
+    json_option,
+    lookup,
+    pass_app,
+    require_broker,
+)
 from sdq.producer.cli.common import table as rows_table
 from sdq.workers.app import SdqCelery
 
@@ -53,7 +60,9 @@ def push(app: SdqCelery, source: Path, name: str, as_json: bool) -> None:
     try:
         with app.sessions.begin() as session:
             pushed = push_model(source, name, store=app.store, session=session)
-    except (ModelNotFound, StoreError) as error:
+    except ModelNotFound as error:
+        raise InputError(str(error)) from None
+    except StoreError as error:
         raise click.ClickException(str(error)) from None
     where = app.store.uri(pushed.prefix)
     if as_json:

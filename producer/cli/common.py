@@ -27,13 +27,20 @@ json_option = click.option(
 )
 
 
+class InputError(click.ClickException):
+    """What was given names nothing, or cannot be used: exit status 2, as for a bad option
+    (click's UsageError), without the usage text."""
+
+    exit_code = BAD_INPUT
+
+
 @contextmanager
 def found() -> Iterator[None]:
     """Turns a lookup's NotFound into a clean command-line error."""
     try:
         yield
     except NotFound as error:
-        raise click.ClickException(str(error)) from None
+        raise InputError(str(error)) from None
 
 
 def lookup(

@@ -9,7 +9,7 @@ from sqlalchemy import Connection, text
 from sqlalchemy.exc import DBAPIError, StatementError
 
 from sdq.producer import display
-from sdq.producer.cli.common import ensure_schema, pass_app
+from sdq.producer.cli.common import InputError, ensure_schema, pass_app
 from sdq.workers.app import SdqCelery
 
 
@@ -28,9 +28,9 @@ def sql(app: SdqCelery, query: str, as_csv: bool, as_json: bool) -> None:
         try:
             result = connection.execute(text(query))
         except (DBAPIError, StatementError) as error:
-            raise click.ClickException(_reason(error)) from None
+            raise InputError(_reason(error)) from None
         if not result.returns_rows:
-            raise click.ClickException("the statement returned no rows")
+            raise InputError("the statement returned no rows")
         columns = list(result.keys())
         rows = [dict(zip(columns, row, strict=True)) for row in result]
         connection.rollback()

@@ -24,6 +24,25 @@ def dataset_named(session: Session, name: str) -> Dataset:
     return dataset
 
 
+def no_usable_samples(session: Session, dataset: Dataset) -> str | None:
+    """Why the dataset cannot be encoded or trained on, when none of its downloaded
+    samples was kept (every one failed or was a duplicate); None when some were."""
+    by_status = dict(
+        session.execute(
+            select(Sample.status, func.count()).where(Sample.dataset_id == dataset.id)
+            .group_by(Sample.status)
+        ).all()
+    )  # fmt: skip
+    if by_status.get(SampleStatus.success):
+        return None
+    samples = sum(by_status.values())
+    return (
+        f"dataset {dataset.name!r} has no usable samples: all {samples} downloaded so far "
+        f"failed or were duplicates. `sdq dataset show {dataset.name}` says why; a list of "
+        "reachable images makes a dataset to train on"
+    )
+
+
 def job_fields(session: Session, job_ids: Sequence[int]) -> dict[int, dict[str, Any]]:
     """Job id -> its dataset, shard and the list rows it covers, from the job's spec."""
     found: dict[int, dict[str, Any]] = {}

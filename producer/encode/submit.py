@@ -14,7 +14,7 @@ from sdq.models.registry import record_model
 from sdq.models.specs import ModelIdentity
 from sdq.models.tables import Run
 from sdq.models.tables.download import Dataset, Shard
-from sdq.producer.download.lookups import dataset_named
+from sdq.producer.download.lookups import dataset_named, no_usable_samples
 
 # The VAE halves the image three times: sides must divide by 8.
 VAE_SCALE = 8
@@ -58,6 +58,8 @@ def record_encode(
                 f"dataset {name!r} has no downloaded shard yet: "
                 f"`sdq dataset show {name}` follows the download"
             )
+        if unusable := no_usable_samples(session, dataset):
+            raise NothingToEncode(unusable)
         record_model(session, model)
         run = Run(
             kind=ENCODE.name,

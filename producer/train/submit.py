@@ -25,7 +25,7 @@ from sdq.models.training import (
     Validation,
     checkpoint_prefix,
 )
-from sdq.producer.download.lookups import dataset_named
+from sdq.producer.download.lookups import dataset_named, no_usable_samples
 
 
 class CannotTrain(Exception):
@@ -175,6 +175,8 @@ def _latent_shards(
         ).all()
         if shards:
             return [(shard, number) for shard, number in shards]
+    if unusable := no_usable_samples(session, dataset):
+        raise CannotTrain(unusable)
     raise CannotTrain(
         f"dataset {name!r} has no latents made with {base.name} (revision "
         f"{base.revision[:12]}) at {resolution} px: `sdq encode {name} --model "
