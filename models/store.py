@@ -32,6 +32,10 @@ class StoreUnavailable(StoreError):
     """The store could not be reached; the same call may succeed later."""
 
 
+class MissingBucket(StoreError):
+    """The S3 bucket is not there: `sdq db upgrade` makes it where the credentials may."""
+
+
 class ObjectStore(Protocol):
     def put_bytes(self, key: str, data: bytes, *, content_type: str) -> str: ...
     def put_file(self, key: str, source: Path) -> str: ...
@@ -43,6 +47,7 @@ class ObjectStore(Protocol):
     def uri(self, key: str) -> str: ...
     def link(self, key: str, *, expires_seconds: int) -> str: ...
     def check(self) -> None: ...
+    def ensure(self) -> bool: ...
 
 
 CHUNK = 8 * 1024 * 1024
@@ -134,6 +139,12 @@ class LocalStore:
 
     def check(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
+
+    def ensure(self) -> bool:
+        """Makes the root folder; True when it was not there."""
+        made = not self.root.exists()
+        self.check()
+        return made
 
 
 class S3Store:
@@ -240,6 +251,22 @@ class S3Store:
         with self._errors(""):
             self._client.head_bucket(Bucket=self.bucket)
 
+    def ensure(self) -> bool:
+        """Makes the bucket, in the client's region, when it is missing; True when it did.
+        Credentials that may not make buckets get the store's refusal, bucket named."""
+        try:
+            self.check()
+            return False
+        except MissingBucket:
+            pass
+        region = self._client.meta.region_name
+        placed = {} if region in (None, "us-east-1") else {
+            "CreateBucketConfiguration": {"LocationConstraint": region}
+        }  # fmt: skip
+        with self._errors(""):
+            self._client.create_bucket(Bucket=self.bucket, **placed)
+        return True
+
     @contextmanager
     def _errors(self, key: str) -> Iterator[None]:
         """Turns botocore's exceptions into the two sdq acts on, with a readable text."""
@@ -269,7 +296,10 @@ class S3Store:
         where, endpoint = self.uri(key), self._client.meta.endpoint_url
         code = _code(error)
         if code == "NoSuchBucket" or (code == "404" and not key):
-            return StoreError(f"bucket {self.bucket!r} does not exist at {endpoint}")
+            return MissingBucket(
+                f"bucket {self.bucket!r} does not exist at {endpoint}: `sdq db upgrade` makes "
+                "it (or make it yourself where these credentials may not)"
+            )
         if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"):
             return StoreError(f"{endpoint} rejected the credentials for {where}: {code}")
         if code in ("404", "NoSuchKey"):

@@ -1,8 +1,10 @@
 """The object store on a local folder and on a real S3 API over HTTP."""
 
+import json
 import subprocess
 import sys
 import threading
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from sdq.models.store import (
     StoreUnavailable,
     open_store,
 )
-from tests.conftest import BUCKET
+from tests.conftest import BUCKET, ROOT
 from tests.services import aws_env, free_port
 
 
@@ -107,6 +109,30 @@ def test_missing_bucket_is_named(s3, monkeypatch) -> None:
         S3Store("no-such-bucket").put_bytes("k", b"x", content_type="text/plain")
     with pytest.raises(StoreError, match="does not exist"):
         S3Store("no-such-bucket").check()
+
+
+def test_db_upgrade_makes_a_missing_bucket_and_every_command_names_it(
+    s3, service_env: dict[str, str], s3_client
+) -> None:
+    """A new deployment's first hour: its bucket does not exist yet."""
+    bucket = f"fresh-{uuid.uuid4().hex[:12]}"
+    env = {**service_env, "SDQ_STORE_URL": f"s3://{bucket}/sdq"}
+
+    def sdq(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "sdq.producer.cli", *args], env=env,
+                              cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+
+    prompts = ROOT / "examples" / "subjects.csv"
+    missing = sdq("submit", str(prompts))
+    assert missing.returncode == 1
+    said = " ".join(missing.stderr.split())
+    assert f"bucket '{bucket}' does not exist" in said and "`sdq db upgrade` makes it" in said
+    first = sdq("db", "upgrade", "--json")
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["store_created"] is True
+    assert bucket in [found["Name"] for found in s3_client.list_buckets()["Buckets"]]
+    again = sdq("db", "upgrade", "--json")
+    assert json.loads(again.stdout)["store_created"] is False
 
 
 def test_rejected_credentials_are_named(monkeypatch) -> None:

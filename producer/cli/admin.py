@@ -26,22 +26,32 @@ from sdq.workers.app import SdqCelery
 
 @click.group()
 def db() -> None:
-    """The database schema."""
+    """The database schema, and the object store it records."""
 
 
 @db.command()
 @json_option
 @pass_app
 def upgrade(app: SdqCelery, as_json: bool) -> None:
-    """Apply every migration not applied yet."""
+    """Apply every migration not applied yet, and make the object store's bucket (or
+    folder) if it is not there: what a new deployment runs once, and each release."""
     from sdq.migrations import upgrade as upgrade_schema
 
     upgrade_schema(app.engine)
     database = app.engine.url.render_as_string()  # the password masked
+    store = app.settings.store_url
+    try:
+        made = app.store.ensure()
+    except StoreError as error:
+        raise click.ClickException(
+            f"the schema is current; the store is not ready: {error}"
+        ) from None
     if as_json:
-        display.print_json({"database": database, "current": True})
+        display.print_json({"database": database, "current": True, "store": store,
+                            "store_created": made})  # fmt: skip
     else:
         click.echo(f"database at the newest schema: {database}")
+        click.echo(f"store {'made' if made else 'ready'}: {store}")
 
 
 @click.group()
