@@ -174,7 +174,9 @@ def show_dataset(summary: dict[str, Any]) -> None:
         stdout.print(rows_table(summary["latents"], columns, title="latents"))
 
 
-def show_training(status: dict[str, Any]) -> None:
+def show_training(status: dict[str, Any], *, render_command: str = "sdq submit") -> None:
+    """The run's progress and checkpoints; `render_command` is how this deployment renders
+    (`sdq run` with no broker)."""
     stdout.print(
         f"[bold]train run {status['run_id']}[/bold] ({status['status']}): step "
         f"{status['step']} of {status['steps']}, {status['dataset']} on {status['base']}"
@@ -195,7 +197,9 @@ def show_training(status: dict[str, Any]) -> None:
             for c in checkpoints
         ]  # fmt: skip
         stdout.print(rows_table(rows, ["step", "holds", "uri"], title="checkpoints"))
-        stdout.print(f"render with: sdq submit PROMPTS --model {status['model']}@STEP (a model)")
+        stdout.print(
+            f"render with: {render_command} PROMPTS --model {status['model']}@STEP (a model)"
+        )
     stdout.print(f"page: {status['page']}", soft_wrap=True)
 
 

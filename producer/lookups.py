@@ -18,6 +18,10 @@ def time_text(moment: datetime | None) -> str | None:
     return as_utc(moment).isoformat() if moment else None
 
 
+# Jobs of a run that are counted in its total but not made yet.
+PLANNED = "planned"
+
+
 def get_run(session: Session, run_id: int) -> Run:
     run = session.get(Run, run_id)
     if run is None:
@@ -32,9 +36,19 @@ def status_counts(session: Session, run_id: int) -> Counter[str]:
     return Counter({str(status): count for status, count in rows})
 
 
+def run_counts(session: Session, run: Run) -> Counter[str]:
+    """The run's jobs by status, adding up to its total: a train run makes each job when
+    the one before it ends, and counts the rest as planned."""
+    counts = status_counts(session, run.id)
+    planned = run.job_count - counts.total()
+    if planned > 0:
+        counts[PLANNED] = planned
+    return counts
+
+
 def run_status(session: Session, run_id: int, *, with_jobs: bool = True) -> dict[str, Any]:
     run = get_run(session, run_id)
-    counts = status_counts(session, run_id)
+    counts = run_counts(session, run)
     done = sum(counts[str(status)] for status in FINISHED)
     # One pass over the run's succeeded jobs: throughput counts only work actually done.
     worked = Job.cached.is_(False)
@@ -52,6 +66,8 @@ def run_status(session: Session, run_id: int, *, with_jobs: bool = True) -> dict
     if finished_work and first_start and last_finish and last_finish > first_start:
         throughput = finished_work / (as_utc(last_finish) - as_utc(first_start)).total_seconds()
     remaining = run.job_count - done
+    # Time left only while something works on the run: a stopped run has none.
+    working = counts[JobStatus.running] > 0
     status: dict[str, Any] = {
         "run_id": run.id,
         "kind": run.kind,
@@ -66,7 +82,9 @@ def run_status(session: Session, run_id: int, *, with_jobs: bool = True) -> dict
         "dead": counts[JobStatus.dead],
         "cached": cached,
         "per_second": round(throughput, 3) if throughput else None,
-        "eta_seconds": round(remaining / throughput, 1) if throughput and remaining else None,
+        "eta_seconds": (
+            round(remaining / throughput, 1) if throughput and remaining and working else None
+        ),
         # Summed over the workers: loading what the work needed (models), and the work.
         "setup_seconds": round(setup, 3) if setup else None,
         "work_seconds": round(work, 3) if work else None,
@@ -112,7 +130,7 @@ def recent_runs(session: Session, limit: int = 20) -> list[dict[str, Any]]:
             "created_at": time_text(run.created_at),
             "source": run.source,
             "total": run.job_count,
-            "counts": dict(sorted(status_counts(session, run.id).items())),
+            "counts": dict(sorted(run_counts(session, run).items())),
             "finished_at": time_text(run.finished_at),
         }
         for run in runs

@@ -451,3 +451,58 @@ def test_a_train_run_survives_an_object_store_outage_without_spending_attempts(
     status = sdq_json(env, "train", "status", str(run_id))
     assert [step for step, _ in status["losses"]] == list(range(1, 121))
     assert status["checkpoints"][-1]["model_revision"]
+
+
+def test_on_one_machine_the_bar_counts_steps_and_a_stopped_run_promises_nothing(
+    tmp_path: Path,
+) -> None:
+    """Embedded: the bar counts steps, the hint renders with `sdq run`; Ctrl-C leaves a run
+    that `sdq train status` shows with no time left, and whose job counts add up to its
+    total."""
+    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT)}
+    with HostileServer() as server:
+        listing = write_list(tmp_path / "toy.csv", server.base, 8)
+        sdq_json(env, "download", str(listing), "--dataset", "toy", "--resolution", "64",
+                 cwd=tmp_path)  # fmt: skip
+    sdq_json(env, "encode", "toy", "--model", "tiny", "--resolution", "64", cwd=tmp_path)
+
+    def train(*args: str) -> list[str]:
+        return [sys.executable, "-m", "sdq.producer.cli", "train", "toy", *TRAIN, *args]
+
+    short = subprocess.run(train("--steps", "6", "--checkpoint-every", "3"), env=env,
+                           cwd=tmp_path, capture_output=True, text=True)  # fmt: skip
+    assert short.returncode == 0, short.stderr
+    assert "6/6" in short.stderr and "2/2" not in short.stderr  # steps, not its two jobs
+    short_run = int(re.search(r"train run (\d+)", short.stdout)[1])
+    said = " ".join(short.stdout.split())
+    assert f"render with: sdq run PROMPTS --model {short_run}@STEP" in said
+    run_id = short_run + 1
+
+    database = tmp_path / "sdq-data/sdq.db"
+    running = subprocess.Popen(
+        train("--steps", "600", "--checkpoint-every", "20", "--json"), env=env, cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+    def training() -> bool:
+        """Past its first job (the model loaded), into the second."""
+        with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as db:
+            [running] = db.execute(
+                "SELECT count(*) FROM jobs WHERE run_id = ? AND status = 'running'", (run_id,)
+            ).fetchone()
+            [steps] = db.execute(
+                "SELECT count(*) FROM train_steps WHERE run_id = ?", (run_id,)
+            ).fetchone()
+        return running == 1 and steps >= 20
+
+    wait_for(training, what="the second train-shard job", timeout=240)
+    running.send_signal(signal.SIGINT)
+    _, stderr = running.communicate(timeout=120)
+    assert running.returncode == 130, stderr
+    stopped = sdq_json(env, "train", "status", str(run_id), cwd=tmp_path)
+    # Its job in hand went back to the queue, which only `sdq resume` works on here.
+    assert (stopped["status"], stopped["eta_seconds"]) == ("queued", None)
+    assert stopped["samples_per_second"]  # it has a speed; nothing works at it
+    counted = sdq_json(env, "status", str(run_id), cwd=tmp_path)
+    assert sum(counted["counts"].values()) == counted["total"] == 30
+    assert counted["counts"]["planned"] > 0 and counted["eta_seconds"] is None

@@ -112,16 +112,20 @@ def watch_run(app: SdqCelery, run_id: int, *, jobs: int, show: bool) -> None:
     display.watch(f"run {run_id}", jobs, finished_jobs(app, run_id), show=show)
 
 
-def work_here(app: SdqCelery, run_id: int, *, jobs: int) -> None:
+def work_here(
+    app: SdqCelery, run_id: int, *, jobs: int, progress: tuple[int, Callable[[], int]] | None = None
+) -> None:
     """Does a run's jobs in this process, message by message, as a worker would: the
-    embedded way, with no broker or worker."""
+    embedded way, with no broker or worker. The bar counts the run's finished jobs, or
+    `progress`: a total and what is done of it (a train run's steps)."""
     app.loader.import_default_modules()  # registers the kinds' tasks with the app
     with app.sessions() as session:
         run = session.get_one(Run, run_id)
     kind = kind_named(run.kind)
     task = app.tasks[kind.task_name]
     try:
-        with display.following(f"run {run_id}", jobs, finished_jobs(app, run_id)):
+        total, done = progress or (jobs, finished_jobs(app, run_id))
+        with display.following(f"run {run_id}", total, done):
             for job_ids in messages(app.sessions, run):
                 # A retry inside apply() runs at once, in this process; only a crash is left.
                 result = task.apply(args=[job_ids], kwargs=run.task_options)

@@ -1,5 +1,7 @@
 """The train commands: fit a base model's U-Net on a dataset's latents, and follow a run."""
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -249,7 +251,8 @@ def start(
     ensure_schema(app)
     submission = _submit(app, name, base, resume_from, resolution, train_options, into, prompts)
     if app.settings.embedded:
-        work_here(app, submission.run_id, jobs=submission.jobs)
+        steps = (train_options.steps, steps_done(app, submission.run_id))
+        work_here(app, submission.run_id, jobs=submission.jobs, progress=steps)
         with app.sessions() as session:
             validations = train_lookups.validation_runs(session, submission.run_id)
         for run_id, jobs in validations:
@@ -338,15 +341,26 @@ def _submit(
             raise click.UsageError(str(error)) from None
 
 
+def steps_done(app: SdqCelery, run_id: int) -> Callable[[], int]:
+    """The run's last recorded step, asked anew at each call: what its bar counts."""
+
+    def done() -> int:
+        with app.sessions() as session:
+            return train_lookups.latest_step(session, run_id)
+
+    return done
+
+
 def _watch(app: SdqCelery, run_id: int, steps: int, *, show: bool) -> None:
     """Step by step until the run closes: every job done, or the chain stopped by a dead
     job."""
+    done = steps_done(app, run_id)
 
     def finished() -> int:
         with app.sessions() as session:
             if session.get_one(Run, run_id).finished_at is not None:
                 return steps
-            return train_lookups.latest_step(session, run_id)
+        return done()
 
     display.watch(f"train run {run_id}", steps, finished, show=show)
 
@@ -378,7 +392,9 @@ def _report_status(app: SdqCelery, run_id: int, as_json: bool) -> None:
         )
         return status
 
-    lookup(app, status_and_page, as_json=as_json, show=display.show_training)
+    render_command = "sdq run" if app.settings.embedded else "sdq submit"
+    show = functools.partial(display.show_training, render_command=render_command)
+    lookup(app, status_and_page, as_json=as_json, show=show)
 
 
 @train.command()

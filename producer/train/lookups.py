@@ -57,9 +57,10 @@ def train_status(session: Session, run_id: int) -> dict[str, Any]:
     speed = statistics.median(row[2] for row in recent) if recent else None
     mfus = [row[4] for row in recent if row[4] is not None]
     left = (steps - step) * run.options["batch_size"]
+    status = _status(session, run_id, done=step >= steps)
     return {
         "run_id": run_id,
-        "status": _status(session, run_id, done=step >= steps),
+        "status": status,
         "dataset": run.options["dataset"],
         "base": run.options["base"],
         "model": run.options["into"] or str(run_id),
@@ -69,7 +70,8 @@ def train_status(session: Session, run_id: int) -> dict[str, Any]:
         "samples_per_second": round(speed, 2) if speed else None,
         # Model FLOPs utilisation of the recent steps, on a GPU whose peak is known.
         "mfu": round(statistics.median(mfus), 4) if mfus else None,
-        "eta_seconds": round(left / speed) if speed and left else None,
+        # Only while a job trains: a stopped or queued run has no time left to tell.
+        "eta_seconds": round(left / speed) if speed and left and status == "running" else None,
         "losses": [[row[0], row[1]] for row in losses],
         "checkpoints": [
             {
