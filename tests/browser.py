@@ -29,10 +29,10 @@ def chromium() -> Iterator[webdriver.Chrome]:
         driver.quit()
 
 
-def open_page(driver: webdriver.Chrome, page: Path, screenshot: Path) -> list[bool]:
-    """Opens a page from disk, keeps a screenshot of it, and says of each image whether the
-    browser loaded and decoded it."""
-    driver.get(page.resolve().as_uri())
+def open_page(driver: webdriver.Chrome, page: Path | str, screenshot: Path) -> list[bool]:
+    """Opens a page from disk (or a URL), keeps a screenshot of it, and says of each image
+    whether the browser loaded and decoded it."""
+    driver.get(page if isinstance(page, str) else page.resolve().as_uri())
     driver.find_element(By.TAG_NAME, "table")
     driver.save_screenshot(str(screenshot))
     return driver.execute_script(

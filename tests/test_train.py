@@ -209,6 +209,11 @@ def test_a_killed_train_worker_resumes_to_the_same_weights(
             ).fetchone() == (3, sorted(c["model_revision"] for c in steady["checkpoints"]))
 
     wait_for(rendered, what="the validation renders", timeout=180)
+    # Its page, opened from S3 by its presigned link, shows them: linked presigned too.
+    page = sdq_json(download_env, "train", "status", str(steady["run_id"]))["page"]
+    assert page.startswith("http://") and "Signature=" in page
+    with chromium() as browser:
+        assert open_page(browser, page, tmp_path / "training.png") == [True] * 3
 
 
 def test_phases_checkpoints_and_the_recipe_on_one_machine(tmp_path: Path) -> None:
@@ -477,6 +482,8 @@ def test_on_one_machine_the_bar_counts_steps_and_a_stopped_run_promises_nothing(
     said = " ".join(short.stdout.split())
     assert f"render with: sdq run PROMPTS --model {short_run}@STEP" in said
     run_id = short_run + 1
+    page = (tmp_path / f"sdq-data/store/runs/{short_run}/training.html").read_text()
+    assert "<polyline" in page and "Validation images" not in page  # none asked for
 
     database = tmp_path / "sdq-data/sdq.db"
     running = subprocess.Popen(

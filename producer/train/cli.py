@@ -9,7 +9,9 @@ import click
 from sqlalchemy.orm import Session
 
 from sdq.models.architectures import UNET_ARCHITECTURES, InvalidArchitecture, unet_architecture
+from sdq.models.galleries import store_image_link
 from sdq.models.registry import ModelNotFound, resolve_model
+from sdq.models.store import LINK_SECONDS
 from sdq.models.tables import Run
 from sdq.models.training import LR_SCHEDULES, MIXED_PRECISION, TrainOptions, Validation
 from sdq.producer import display
@@ -386,10 +388,11 @@ def _report_status(app: SdqCelery, run_id: int, as_json: bool) -> None:
 
     def status_and_page(session: Session) -> dict[str, Any]:
         status = train_lookups.train_status(session, run_id)
-        page = training_html(status, train_lookups.validation_images(session, run_id))
-        status["page"] = app.store.put_bytes(
-            page_key(run_id), page.encode(), content_type="text/html; charset=utf-8"
-        )
+        images = train_lookups.validation_images(session, run_id)
+        page = training_html(status, images, store_image_link(app.store))
+        key = page_key(run_id)
+        app.store.put_bytes(key, page.encode(), content_type="text/html; charset=utf-8")
+        status["page"] = app.store.link(key, expires_seconds=LINK_SECONDS)
         return status
 
     render_command = "sdq run" if app.settings.embedded else "sdq submit"

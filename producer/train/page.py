@@ -1,14 +1,15 @@
-"""A train run's page: the loss curve and, per checkpoint, the validation images.
+"""A train run's page: the loss curve and, per checkpoint, the validation images (the
+section is left out when the run renders none).
 
-Written into the store beside the galleries (runs/<run>/training.html) with relative
-links to the images, so it opens from a local store folder as it is.
+Written into the store beside the galleries (runs/<run>/training.html), linking its images
+as they do: relative in a local store folder, presigned in S3.
 """
 
 import html
 from collections import defaultdict
 from typing import Any
 
-from sdq.models.specs import image_key
+from sdq.models.galleries import ImageLink
 
 WIDTH, HEIGHT = 640, 200
 PAGE = """<!doctype html>
@@ -24,10 +25,12 @@ td img {{ width: 128px; image-rendering: pixelated; display: block; }}
 </style></head><body>
 <h1>Train run {run_id}</h1><p>{summary}</p>
 <h2>Loss</h2>{curve}
-<h2>Validation images</h2>
+{validation}</body></html>
+"""
+VALIDATION = """<h2>Validation images</h2>
 <table><thead><tr><th>step</th>{prompt_headers}</tr></thead><tbody>
 {rows}
-</tbody></table></body></html>
+</tbody></table>
 """
 
 
@@ -35,7 +38,22 @@ def page_key(run_id: int) -> str:
     return f"runs/{run_id}/training.html"
 
 
-def training_html(status: dict[str, Any], images: list[dict[str, Any]]) -> str:
+def training_html(
+    status: dict[str, Any], images: list[dict[str, Any]], image_link: ImageLink
+) -> str:
+    return PAGE.format(
+        run_id=status["run_id"],
+        summary=html.escape(
+            f"{status['status']}: step {status['step']} of {status['steps']}, "
+            f"{status['dataset']} on {status['base']}, model {status['model']}"
+        ),
+        curve=_curve([loss for _, loss in status["losses"]]),
+        validation=_validation(images, image_link) if images else "",
+    )
+
+
+def _validation(images: list[dict[str, Any]], image_link: ImageLink) -> str:
+    """One row per checkpoint, one column per validation prompt and seed."""
     prompts = list(dict.fromkeys((image["prompt"], image["seed"]) for image in images))
     cells: dict[tuple[int, str, int], dict[str, Any]] = {}
     by_step: dict[int, list] = defaultdict(list)
@@ -45,17 +63,13 @@ def training_html(status: dict[str, Any], images: list[dict[str, Any]]) -> str:
     rows = "\n".join(
         "<tr><th>{}</th>{}</tr>".format(
             step,
-            "".join(f"<td>{_image(cells.get((step, *prompt)))}</td>" for prompt in prompts),
+            "".join(
+                f"<td>{_image(cells.get((step, *prompt)), image_link)}</td>" for prompt in prompts
+            ),
         )
         for step in sorted(by_step)
     )
-    return PAGE.format(
-        run_id=status["run_id"],
-        summary=html.escape(
-            f"{status['status']}: step {status['step']} of {status['steps']}, "
-            f"{status['dataset']} on {status['base']}, model {status['model']}"
-        ),
-        curve=_curve([loss for _, loss in status["losses"]]),
+    return VALIDATION.format(
         prompt_headers="".join(
             f"<th>{html.escape(prompt)} (seed {seed})</th>" for prompt, seed in prompts
         ),
@@ -81,10 +95,10 @@ def _curve(losses: list[float]) -> str:
     )
 
 
-def _image(image: dict[str, Any] | None) -> str:
+def _image(image: dict[str, Any] | None, image_link: ImageLink) -> str:
     if image is None:
         return '<div class="missing">none</div>'
     if image["status"] != "succeeded":
         return f'<div class="missing">{html.escape(image["status"])}</div>'
     alt = html.escape(f"{image['prompt']} at step {image['step']}")
-    return f'<img src="../../{image_key(image["spec_hash"])}" alt="{alt}">'
+    return f'<img src="{html.escape(image_link(image["spec_hash"]))}" alt="{alt}">'
