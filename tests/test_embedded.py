@@ -184,8 +184,12 @@ def test_ctrl_c_puts_the_jobs_in_hand_back_and_resume_finishes_the_run(tmp_path:
     assert "running" not in statuses and statuses.get("queued", 0) > 0  # nothing left held
     assert put_back > 0
 
+    gallery = tmp_path / "sdq-data/store/runs/1/gallery.html"
+    assert not gallery.exists()
     resumed = sdq_json(env, "resume", "1", cwd=tmp_path)
     assert resumed["counts"] == {"succeeded": 48}
+    assert resumed["gallery_link"] == gallery.as_uri()  # written as `sdq run` writes it
+    assert gallery.read_text().count("<img") == 48
     with sqlite3.connect(database) as db:
         attempts = {n for (n,) in db.execute("SELECT attempts FROM jobs WHERE NOT cached")}
     assert attempts == {1}  # the interrupted ones did not lose an attempt

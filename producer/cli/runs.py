@@ -5,6 +5,7 @@ import socket
 
 import click
 
+from sdq.models.jobs.kinds import GENERATE
 from sdq.models.jobs.lifecycle import cancel_jobs, retry_jobs
 from sdq.models.tables import JobStatus
 from sdq.producer import display, lookups
@@ -18,6 +19,7 @@ from sdq.producer.cli.common import (
     send_run,
     table,
 )
+from sdq.producer.generate.cli import report_run
 from sdq.workers.app import SdqCelery
 
 
@@ -82,14 +84,17 @@ def resume(app: SdqCelery, run_id: int, wait: bool, as_json: bool) -> None:
     """Finish RUN's jobs that are not done (after Ctrl-C, a crash or a lost broker), reusing
     everything already stored: here without a broker, else sent to the workers."""
     with app.sessions() as session, found():
-        jobs = lookups.get_run(session, run_id).job_count
-    sent = carry_out(app, run_id, jobs=jobs, wait=wait, as_json=as_json)
+        run = lookups.get_run(session, run_id)
+    sent = carry_out(app, run_id, jobs=run.job_count, wait=wait, as_json=as_json)
     if sent:
         summary = {"run_id": run_id, "jobs": sent.jobs, "tasks": sent.messages}
         if as_json:
             display.print_json(summary)
         else:
             click.echo(f"run {run_id}: sent {sent.jobs} jobs not done in {sent.messages} tasks")
+        return
+    if run.kind == GENERATE.name:  # as `sdq run` ends: with the run's gallery written
+        report_run(app, run_id, as_json)
         return
     lookup(app, lambda session: lookups.run_status(session, run_id, with_jobs=False),
            as_json=as_json, show=display.show_status)  # fmt: skip

@@ -210,7 +210,7 @@ def submit(app: SdqCelery, as_json: bool, wait: bool, **options: Any) -> None:
     if not as_json:
         display.console.print(f"run {submission.run_id}: {submission.jobs} jobs")
     watch_run(app, submission.run_id, jobs=submission.jobs, show=not as_json)
-    _report_run(app, submission.run_id, as_json)
+    report_run(app, submission.run_id, as_json)
 
 
 @click.command(epilog=PROMPT_FILE_HELP)
@@ -225,7 +225,7 @@ def run(app: SdqCelery, as_json: bool, **options: Any) -> None:
         request = replace(request, defaults=replace(request.defaults, dtype="float32"))
     submission = prepare(app, request, show=display.showing_progress(as_json))
     work_here(app, submission.run_id, jobs=submission.jobs)
-    _report_run(app, submission.run_id, as_json)
+    report_run(app, submission.run_id, as_json)
 
 
 def _report_submission(submission: Submission, messages_sent: int, as_json: bool) -> None:
@@ -242,7 +242,7 @@ def _report_submission(submission: Submission, messages_sent: int, as_json: bool
     )
 
 
-def _report_run(app: SdqCelery, run_id: int, as_json: bool) -> None:
+def report_run(app: SdqCelery, run_id: int, as_json: bool) -> None:
     """Prints where the run ended and writes its gallery; fails the command on dead jobs."""
     with app.sessions() as session:
         status = lookups.run_status(session, run_id)
