@@ -26,6 +26,31 @@ SAMPLER_NAMES = {
 }
 
 
+# `--sampler NAME`: the diffusers scheduler it is, and what it sets in the model's
+# scheduler config (the names A1111 and ComfyUI users know). The class and the config are
+# in the spec, and so in its hash: each sampler makes other images.
+DPMPP_2M = {"algorithm_type": "dpmsolver++", "solver_order": 2}
+SAMPLERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "euler": ("EulerDiscreteScheduler", {}),
+    "euler_a": ("EulerAncestralDiscreteScheduler", {}),
+    "heun": ("HeunDiscreteScheduler", {}),
+    "ddim": ("DDIMScheduler", {}),
+    "ddpm": ("DDPMScheduler", {}),
+    "pndm": ("PNDMScheduler", {"skip_prk_steps": True}),
+    "dpmpp_2m": ("DPMSolverMultistepScheduler", DPMPP_2M),
+    "dpmpp_2m_karras": ("DPMSolverMultistepScheduler", {**DPMPP_2M, "use_karras_sigmas": True}),
+    "unipc": ("UniPCMultistepScheduler", {}),
+}
+
+
+def sampler_scheduler(name: str, model_config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The scheduler class and config of sampler NAME for a model: the model's own noise
+    schedule (betas, prediction type, timestep spacing) with the sampler's settings. Keys
+    of the model's own scheduler that the sampler's class does not take, it ignores."""
+    scheduler, settings = SAMPLERS[name]
+    return scheduler, {**model_config, **settings}
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelIdentity:
     """A model as resolved at submit time: a name for people, a revision for machines."""

@@ -20,6 +20,7 @@ from sdq.models.jobs.delivery import Outcome, deliver, keep_leases
 from sdq.models.jobs.lifecycle import Worker, as_utc, claim, utcnow
 from sdq.models.registry import resolve_model, tiny_identity
 from sdq.models.settings import JobSettings
+from sdq.models.specs import SAMPLERS
 from sdq.models.store import LocalStore, S3Store
 from sdq.models.tables import Job, JobEvent, JobStatus, Run
 from sdq.producer.generate.plan import Defaults, plan_jobs
@@ -378,3 +379,30 @@ def test_a_worker_loads_each_pipeline_once_and_keeps_the_last_few(tmp_path) -> N
     assert other is not first and str(other.unet.dtype) == "torch.bfloat16"
     again, loading = cache.get(spec)
     assert again is not first and loading is not None  # evicted by the size-1 cache
+
+
+def test_every_sampler_renders_and_is_part_of_the_spec(pipelines: PipelineCache) -> None:
+    """`--sampler` picks the diffusers scheduler on the model's own noise schedule: each
+    renders, is named in the spec (so its hash), and makes its own image."""
+    rows = [PromptRow(line=2, prompt="a lighthouse")]
+    by_sampler = {}
+    for sampler in [None, *SAMPLERS]:
+        defaults = Defaults(seed=3, steps=4, sampler=sampler)
+        [job] = plan_jobs(rows, model=tiny_identity(), defaults=defaults)
+        pipeline, _ = pipelines.get(job.spec)
+        by_sampler[sampler] = (job.spec, pixels(render(pipeline, [job.spec])[0]))
+    default_spec, _ = by_sampler[None]
+    for sampler, (spec, image) in by_sampler.items():
+        if sampler is None:
+            continue
+        assert spec.scheduler == SAMPLERS[sampler][0]
+        assert spec.scheduler_config["beta_schedule"] == default_spec.scheduler_config[
+            "beta_schedule"]  # fmt: skip
+        assert image.std() > 10
+    hashes = {spec.hash() for spec, _ in by_sampler.values()}
+    assert len(hashes) == len(SAMPLERS)  # tiny's own is Euler: the same spec, the same hash
+    assert by_sampler[None][0].hash() == by_sampler["euler"][0].hash()
+    # Samplers that step differently draw different pictures from the same noise.
+    assert not np.array_equal(by_sampler["euler"][1], by_sampler["euler_a"][1])
+    assert not np.array_equal(by_sampler["euler"][1], by_sampler["dpmpp_2m"][1])
+    assert np.array_equal(by_sampler[None][1], by_sampler["euler"][1])

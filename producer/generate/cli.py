@@ -9,7 +9,7 @@ import click
 
 from sdq.models import galleries
 from sdq.models.registry import ModelNotFound, resolve_model
-from sdq.models.specs import DTYPES
+from sdq.models.specs import DTYPES, SAMPLERS
 from sdq.models.store import StoreError
 from sdq.models.tables import JobStatus
 from sdq.producer import display, lookups
@@ -98,6 +98,9 @@ def generation_options(command):
         click.option("--dtype", type=click.Choice(DTYPES),
                      help="Precision [default: auto: float16 on a GPU, float32 on the "
                           "CPU; float32 for tiny]"),
+        click.option("--sampler", type=click.Choice(list(SAMPLERS)),
+                     help="The sampler: a diffusers scheduler on the model's noise schedule "
+                          "[default: the model's own scheduler]"),
         click.option("--batch-size", type=click.IntRange(1, 256),
                      help="Images per pipeline call [default: SDQ_BATCH_SIZE or 8]"),
         json_option,
@@ -133,6 +136,7 @@ class Request:
                 n=options["count"],
                 negative_prompt=options["negative_prompt"],
                 dtype=options["dtype"],
+                sampler=options["sampler"],
             ),
             batch_size=options["batch_size"],
         )

@@ -5,7 +5,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from sdq.models.generations import PlannedJob
-from sdq.models.specs import GenerationSpec, ModelIdentity
+from sdq.models.specs import GenerationSpec, ModelIdentity, sampler_scheduler
 from sdq.producer.generate.prompts import MAX_SEED, PromptRow
 
 DEFAULT_TEMPLATE = "{prompt}, {style}"
@@ -23,6 +23,7 @@ class Defaults:
     n: int = 1
     negative_prompt: str = ""
     dtype: str | None = None  # None: the model's preferred precision
+    sampler: str | None = None  # None: the model's own scheduler
 
 
 def plan_jobs(
@@ -56,12 +57,15 @@ def _spec(
 ) -> GenerationSpec:
     # Steps, sizes and n are never 0, so `or` picks the first given; guidance may be 0.
     negative = row.negative_prompt if row.negative_prompt is not None else defaults.negative_prompt
+    scheduler, scheduler_config = model.scheduler, model.scheduler_config
+    if defaults.sampler:
+        scheduler, scheduler_config = sampler_scheduler(defaults.sampler, scheduler_config)
     return GenerationSpec(
         model_name=model.name,
         model_source=model.source,
         model_revision=model.revision,
-        scheduler=model.scheduler,
-        scheduler_config=model.scheduler_config,
+        scheduler=scheduler,
+        scheduler_config=scheduler_config,
         prompt=prompt,
         negative_prompt=negative,
         seed=seed,
