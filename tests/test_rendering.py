@@ -55,8 +55,8 @@ def pixels(image: Image.Image) -> np.ndarray:
 def test_tiny_is_the_same_model_everywhere(pipelines: PipelineCache) -> None:
     assert tiny.content_hash() == TINY_CONTENT_HASH
     weights = hashlib.sha256()
-    pipeline, _ = pipelines.get(specs("x")[0])
-    for module in (pipeline.unet, pipeline.vae, pipeline.text_encoder):
+    loaded, _ = pipelines.get(specs("x")[0])
+    for module in (loaded.pipeline.unet, loaded.pipeline.vae, loaded.pipeline.text_encoder):
         for _, tensor in sorted(module.state_dict().items()):
             weights.update(tensor.cpu().numpy().tobytes())
     assert weights.hexdigest() == "dd91be1dab2d2a8474718c4c0ea44ccaf403b2575b6a2309473928aaf8e58c64"
@@ -376,7 +376,7 @@ def test_a_worker_loads_each_pipeline_once_and_keeps_the_last_few(tmp_path) -> N
     assert cache.get(replace(spec, prompt="y", seed=9)) == (first, None)
     assert cache.get(replace(spec, dtype="auto")) == (first, None)
     other, _ = cache.get(replace(spec, dtype="bfloat16"))
-    assert other is not first and str(other.unet.dtype) == "torch.bfloat16"
+    assert other is not first and str(other.pipeline.unet.dtype) == "torch.bfloat16"
     again, loading = cache.get(spec)
     assert again is not first and loading is not None  # evicted by the size-1 cache
 
@@ -406,3 +406,24 @@ def test_every_sampler_renders_and_is_part_of_the_spec(pipelines: PipelineCache)
     assert not np.array_equal(by_sampler["euler"][1], by_sampler["euler_a"][1])
     assert not np.array_equal(by_sampler["euler"][1], by_sampler["dpmpp_2m"][1])
     assert np.array_equal(by_sampler[None][1], by_sampler["euler"][1])
+
+
+def test_a_call_encodes_only_the_prompts_it_has_not_seen(tmp_path) -> None:
+    """Subjects crossed with styles repeat prompts and negative prompts: each text goes
+    through the text encoder once while its pipeline is loaded, and the images are the
+    ones the pipeline makes from the text itself."""
+    files = ModelFiles(LocalStore(tmp_path / "store"), tmp_path / "cache")
+    kept = PipelineCache(files=files, size=1, prompt_cache_size=3)
+    plain = PipelineCache(files=files, size=1, prompt_cache_size=0)
+    first, second = specs("a cat", "a boat", "a cat"), specs("a boat", "a dog")
+    loaded, _ = kept.get(first[0])
+    images = render(loaded, first) + render(loaded, second)
+    # "a cat", "a boat" and the empty negative prompt; then "a dog" alone.
+    assert loaded.prompts.encoded == 4
+    render(loaded, specs("a cat"))  # evicted by the size-3 cache: encoded again
+    assert loaded.prompts.encoded == 5
+    reference, _ = plain.get(first[0])
+    expected = render(reference, first) + render(reference, second)
+    for image, direct in zip(images, expected, strict=True):
+        difference = np.abs(pixels(image).astype(int) - pixels(direct).astype(int))
+        assert difference.max() <= 1 and (difference > 0).mean() < 0.001

@@ -2,14 +2,17 @@
 
 A worker process serves one device (sdq starts one process per GPU with
 CUDA_VISIBLE_DEVICES set), loads a pipeline the first time a task needs it, after any
-fork, and keeps the last few loaded for the tasks that follow.
+fork, and keeps the last few loaded for the tasks that follow, each with the text
+encoder's outputs for its recent prompts: a run that crosses subjects with styles repeats
+its prompts and negative prompts, and a call encodes only the ones it has not seen.
 """
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from time import perf_counter
 
 import torch
-from diffusers import AutoPipelineForText2Image, DiffusionPipeline
+from diffusers import AutoPipelineForText2Image, DiffusionPipeline, StableDiffusionPipeline
 from diffusers import schedulers as diffusers_schedulers
 from PIL.Image import Image
 
@@ -21,15 +24,48 @@ from sdq.workers.tiny import build_pipeline
 from sdq.workers.weights import ModelFiles, check_tiny_revision
 
 
+class PromptEmbeddings:
+    """The text encoder's output for the last `size` texts (prompts and negative prompts
+    alike) of one loaded pipeline, least recently used evicted first."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.encoded = 0  # texts the text encoder has run on, for the benchmarks and tests
+        self._kept: OrderedDict[str, torch.Tensor] = OrderedDict()
+
+    def __call__(self, pipeline: StableDiffusionPipeline, texts: list[str]) -> torch.Tensor:
+        """The embeddings of `texts`, in order; the ones not kept are encoded in one call."""
+        missing = [text for text in dict.fromkeys(texts) if text not in self._kept]
+        if missing:
+            encoded, _ = pipeline.encode_prompt(missing, pipeline.device, 1, False)
+            self._kept.update(zip(missing, encoded, strict=True))
+            self.encoded += len(missing)
+        for text in texts:
+            self._kept.move_to_end(text)
+        embeddings = torch.stack([self._kept[text] for text in texts])
+        while len(self._kept) > self.size:
+            self._kept.popitem(last=False)
+        return embeddings
+
+
+@dataclass(eq=False)
+class Loaded:
+    """A pipeline as a worker keeps it: loaded once, with its prompts' embeddings."""
+
+    pipeline: DiffusionPipeline
+    prompts: PromptEmbeddings
+
+
 class PipelineCache:
     """The pipelines this process has loaded, least recently used evicted first."""
 
-    def __init__(self, *, files: ModelFiles, size: int) -> None:
+    def __init__(self, *, files: ModelFiles, size: int, prompt_cache_size: int = 1024) -> None:
         self.files = files
         self.size = size
-        self._loaded: OrderedDict[tuple[str, str, torch.dtype], DiffusionPipeline] = OrderedDict()
+        self.prompt_cache_size = prompt_cache_size
+        self._loaded: OrderedDict[tuple[str, str, torch.dtype], Loaded] = OrderedDict()
 
-    def get(self, spec: GenerationSpec) -> tuple[DiffusionPipeline, float | None]:
+    def get(self, spec: GenerationSpec) -> tuple[Loaded, float | None]:
         """The spec's pipeline, and the seconds it took to load it now (None: it was
         loaded already)."""
         key = (spec.model_source, spec.model_revision, torch_dtype(spec.dtype))
@@ -41,9 +77,9 @@ class PipelineCache:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         started = perf_counter()
-        pipeline = self._load(spec)
-        self._loaded[key] = pipeline
-        return pipeline, perf_counter() - started
+        loaded = Loaded(self._load(spec), PromptEmbeddings(self.prompt_cache_size))
+        self._loaded[key] = loaded
+        return loaded, perf_counter() - started
 
     def _load(self, spec: GenerationSpec) -> DiffusionPipeline:
         dtype = torch_dtype(spec.dtype)
@@ -65,20 +101,20 @@ class PipelineCache:
         return pipeline
 
 
-def render(pipeline: DiffusionPipeline, specs: list[GenerationSpec]) -> list[Image]:
+def render(loaded: Loaded, specs: list[GenerationSpec]) -> list[Image]:
     """One pipeline call for specs that share a batch key; each image has its own generator,
     so an image is the same whatever it was batched with."""
     first = specs[0]
     key = first.batch_key()
     if any(spec.batch_key() != key for spec in specs[1:]):
         raise ValueError("render() needs specs with one batch key")
+    pipeline = loaded.pipeline
     pipeline.scheduler = _scheduler(first)
     # CPU generators give the same starting noise on every kind of GPU.
     generators = [torch.Generator("cpu").manual_seed(spec.seed) for spec in specs]
     with torch.inference_mode():
         result = pipeline(
-            prompt=[spec.prompt for spec in specs],
-            negative_prompt=[spec.negative_prompt for spec in specs],
+            **_prompts(loaded, specs),
             num_inference_steps=first.steps,
             guidance_scale=first.guidance,
             width=first.width,
@@ -87,6 +123,20 @@ def render(pipeline: DiffusionPipeline, specs: list[GenerationSpec]) -> list[Ima
             output_type="pil",
         )
     return result.images
+
+
+def _prompts(loaded: Loaded, specs: list[GenerationSpec]) -> dict[str, object]:
+    """The call's prompts: as embeddings from the kept ones where the pipeline is a Stable
+    Diffusion one (one text encoder, whose output is all a prompt becomes), else as text
+    for the pipeline to encode."""
+    prompts = [spec.prompt for spec in specs]
+    negatives = [spec.negative_prompt for spec in specs]
+    if not (isinstance(loaded.pipeline, StableDiffusionPipeline) and loaded.prompts.size):
+        return {"prompt": prompts, "negative_prompt": negatives}
+    return {
+        "prompt_embeds": loaded.prompts(loaded.pipeline, prompts),
+        "negative_prompt_embeds": loaded.prompts(loaded.pipeline, negatives),
+    }
 
 
 def _scheduler(spec: GenerationSpec):

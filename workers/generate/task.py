@@ -34,4 +34,5 @@ def pipelines(app: SdqCelery):
     return PipelineCache(
         files=ModelFiles(app.store, app.settings.model_cache_dir),
         size=app.settings.generate.pipeline_cache_size,
+        prompt_cache_size=app.settings.generate.prompt_cache_size,
     )

@@ -48,9 +48,9 @@ class GenerateWork(Work):
         with ThreadPoolExecutor(UPLOAD_THREADS) as uploads:
             previous: list[Future[Output]] = []
             for call in calls:
-                pipeline, loading = self.pipelines.get(specs[call[0]])
+                loaded, loading = self.pipelines.get(specs[call[0]])
                 started = perf_counter()
-                images = render(pipeline, [specs[i] for i in call])
+                images = render(loaded, [specs[i] for i in call])
                 # Each image's share of the call, and of the model load it waited for.
                 timing = Timing(
                     setup=loading / len(call) if loading is not None else None,
