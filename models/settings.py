@@ -49,6 +49,10 @@ class MaintenanceSettings:
     rollup_interval_seconds: int = 60
 
 
+# torch.compile's modes (no torch import here to list them).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 @dataclass(frozen=True, kw_only=True)
 class GenerateSettings:
     batch_size: int = 8
@@ -60,6 +64,10 @@ class GenerateSettings:
     # Texts (prompts, negative prompts) whose text-encoder output each loaded pipeline
     # keeps: 118 kB each for Stable Diffusion 1.5 in float16; 0 encodes every call anew.
     prompt_cache_size: int = 1024
+    # torch.compile's mode for the U-Net and the VAE decoder, compiled once per process
+    # (with fused QKV projections, channels-last); None: not compiled. The first calls of
+    # each shape pay minutes of compiling; long-running GPU workers earn it back.
+    compile_mode: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,6 +164,7 @@ class Settings:
                 calls_per_task=_int(env, "SDQ_CALLS_PER_TASK", 4),
                 pipeline_cache_size=_int(env, "SDQ_PIPELINE_CACHE_SIZE", 1),
                 prompt_cache_size=_int(env, "SDQ_PROMPT_CACHE_SIZE", 1024, minimum=0),
+                compile_mode=_compile_mode(env),
             ),
             download=DownloadSettings(
                 threads=_int(env, "SDQ_DOWNLOAD_THREADS", 32),
@@ -175,6 +184,17 @@ class Settings:
             ),
             time_limits={queue: _time_limits(env, queue) for queue in QUEUES},
         )
+
+
+def _compile_mode(env: Mapping[str, str]) -> str | None:
+    """SDQ_COMPILE=1 compiles, in SDQ_COMPILE_MODE (torch.compile's modes)."""
+    if env.get("SDQ_COMPILE", "0") not in ("1", "true", "yes"):
+        return None
+    mode = env.get("SDQ_COMPILE_MODE") or "max-autotune-no-cudagraphs"
+    if mode not in COMPILE_MODES:
+        choices = ", ".join(COMPILE_MODES)
+        raise ValueError(f"SDQ_COMPILE_MODE must be one of {choices}, got {mode!r}")
+    return mode
 
 
 def _time_limits(env: Mapping[str, str], queue: str) -> TimeLimits:

@@ -11,6 +11,9 @@ from typing import Any
 AUTO_DTYPE = "auto"
 DTYPES = ("float16", "bfloat16", "float32", AUTO_DTYPE)
 SPEC_VERSION = 1
+# Images of more pixels than this are decoded by the VAE in tiles: a whole 2048x2048
+# decode alone takes more memory than most GPUs have.
+TILED_DECODE_PIXELS = 1536 * 1536
 
 # The sampler names common Stable Diffusion tools print in their `parameters` text.
 SAMPLER_NAMES = {
@@ -82,6 +85,9 @@ class GenerationSpec:
     width: int
     height: int
     dtype: str
+    # The VAE decodes in overlapping tiles, blended: memory bounded whatever the size, and
+    # slightly other pixels than a whole decode, so it is in the spec (TILED_DECODE_PIXELS).
+    vae_tiling: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         # Not dataclasses.asdict (a recursive deep copy), nor fields() (a quarter of a
@@ -101,6 +107,8 @@ class GenerationSpec:
         revision is part of it."""
         identity = self.to_dict()
         del identity["model_name"], identity["model_source"]
+        if not self.vae_tiling:  # as specs were before tiling: their hashes stay theirs
+            del identity["vae_tiling"]
         identity["version"] = SPEC_VERSION
         return identity
 

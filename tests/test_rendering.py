@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from sqlalchemy import select
 from sqlalchemy.orm import sessionmaker
@@ -20,7 +21,7 @@ from sdq.models.jobs.delivery import Outcome, deliver, keep_leases
 from sdq.models.jobs.lifecycle import Worker, as_utc, claim, utcnow
 from sdq.models.registry import resolve_model, tiny_identity
 from sdq.models.settings import JobSettings
-from sdq.models.specs import SAMPLERS
+from sdq.models.specs import SAMPLERS, GenerationSpec
 from sdq.models.store import LocalStore, S3Store
 from sdq.models.tables import Job, JobEvent, JobStatus, Run
 from sdq.producer.generate.plan import Defaults, plan_jobs
@@ -427,3 +428,42 @@ def test_a_call_encodes_only_the_prompts_it_has_not_seen(tmp_path) -> None:
     for image, direct in zip(images, expected, strict=True):
         difference = np.abs(pixels(image).astype(int) - pixels(direct).astype(int))
         assert difference.max() <= 1 and (difference > 0).mean() < 0.001
+
+
+def test_large_images_decode_in_tiles_and_their_spec_says_so(pipelines: PipelineCache) -> None:
+    rows = [PromptRow(line=2, prompt="a field")]
+
+    def planned_at(side: int) -> GenerationSpec:
+        defaults = Defaults(seed=1, steps=2, width=side, height=side)
+        [job] = plan_jobs(rows, model=tiny_identity(), defaults=defaults)
+        return job.spec
+
+    large, small = planned_at(1600), planned_at(512)
+    assert large.vae_tiling and not small.vae_tiling
+    # Only a tiled spec names it: every spec made before tiling keeps its hash.
+    assert "vae_tiling" in large.identity() and "vae_tiling" not in small.identity()
+    # tiny's VAE tiles at 64 px: at 128 px a tiled decode blends four tiles, and the same
+    # latents give other pixels than a whole decode.
+    spec = replace(planned_at(128), vae_tiling=False)
+    loaded, _ = pipelines.get(spec)
+    whole = pixels(render(loaded, [spec])[0])
+    tiled = pixels(render(loaded, [replace(spec, vae_tiling=True)])[0])
+    assert whole.shape == tiled.shape == (128, 128, 3) and not np.array_equal(whole, tiled)
+    assert replace(spec, vae_tiling=True).hash() != spec.hash()
+
+
+def test_a_compiling_worker_compiles_its_pipeline_once_with_fused_attention(tmp_path) -> None:
+    """SDQ_COMPILE: the U-Net and the VAE decoder wrapped by torch.compile (it compiles on
+    the first call of each shape: minutes on a CPU, so not called here), channels-last,
+    Q, K and V fused."""
+    cache = PipelineCache(files=ModelFiles(LocalStore(tmp_path / "store"), tmp_path / "cache"),
+                          size=1, compile_mode="default")  # fmt: skip
+    loaded, _ = cache.get(specs("x")[0])
+    pipeline = loaded.pipeline
+    assert type(pipeline.unet).__name__ == "OptimizedModule"
+    assert hasattr(pipeline.vae.decode, "_torchdynamo_orig_callable")  # a compiled function
+    attention = next(m for m in pipeline.unet.modules() if type(m).__name__ == "Attention")
+    assert attention.fused_projections
+    conv = next(m for m in pipeline.unet.modules() if isinstance(m, torch.nn.Conv2d))
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert cache.get(specs("y")[0]) == (loaded, None)  # once per process

@@ -5,7 +5,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from sdq.models.generations import PlannedJob
-from sdq.models.specs import GenerationSpec, ModelIdentity, sampler_scheduler
+from sdq.models.specs import (
+    TILED_DECODE_PIXELS,
+    GenerationSpec,
+    ModelIdentity,
+    sampler_scheduler,
+)
 from sdq.producer.generate.prompts import MAX_SEED, PromptRow
 
 DEFAULT_TEMPLATE = "{prompt}, {style}"
@@ -60,6 +65,8 @@ def _spec(
     scheduler, scheduler_config = model.scheduler, model.scheduler_config
     if defaults.sampler:
         scheduler, scheduler_config = sampler_scheduler(defaults.sampler, scheduler_config)
+    width = row.width or defaults.width or model.default_size
+    height = row.height or defaults.height or model.default_size
     return GenerationSpec(
         model_name=model.name,
         model_source=model.source,
@@ -71,7 +78,8 @@ def _spec(
         seed=seed,
         steps=row.steps or defaults.steps,
         guidance=float(row.guidance if row.guidance is not None else defaults.guidance),
-        width=row.width or defaults.width or model.default_size,
-        height=row.height or defaults.height or model.default_size,
+        width=width,
+        height=height,
         dtype=defaults.dtype or model.default_dtype,
+        vae_tiling=width * height > TILED_DECODE_PIXELS,
     )

@@ -35,4 +35,5 @@ def pipelines(app: SdqCelery):
         files=ModelFiles(app.store, app.settings.model_cache_dir),
         size=app.settings.generate.pipeline_cache_size,
         prompt_cache_size=app.settings.generate.prompt_cache_size,
+        compile_mode=app.settings.generate.compile_mode,
     )
