@@ -20,34 +20,21 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import CLIPTextConfig, CLIPTextModel
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sdq.models import tiny  # noqa: E402
 from sdq.workers.generate.pipelines import PromptEmbeddings  # noqa: E402
-from sdq.workers.tiny import build_pipeline, fill_weights  # noqa: E402
+from sdq.workers.sd15 import sd15_text_encoder  # noqa: E402
+from sdq.workers.tiny import build_pipeline  # noqa: E402
 
 NEGATIVE = "blurry, low quality, watermark"
-# CLIP ViT-L/14's text tower, as Stable Diffusion 1.5 ships it.
-SD15_TEXT_ENCODER = {
-    "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
-    "num_attention_heads": 12, "max_position_embeddings": 77, "hidden_act": "quick_gelu",
-    "projection_dim": 768,
-}  # fmt: skip
 
 
 def sd15_text_pipeline():
+    """tiny's pipeline with Stable Diffusion 1.5's text encoder (random weights)."""
     pipeline = build_pipeline()
-    vocab = tiny.tokenizer_vocab()
-    end = vocab["<|endoftext|>"]
-    text_encoder = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(vocab), bos_token_id=vocab["<|startoftext|>"], eos_token_id=end,
-        pad_token_id=end, **SD15_TEXT_ENCODER,
-    ))  # fmt: skip
-    fill_weights(text_encoder, seed=0)
-    pipeline.text_encoder = text_encoder.eval()
+    pipeline.text_encoder = sd15_text_encoder().eval()
     return pipeline
 
 

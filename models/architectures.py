@@ -36,6 +36,21 @@ UNET_ARCHITECTURES: dict[str, dict[str, Any]] = {
 }
 
 
+# The rest of Stable Diffusion 1.5's shape, for the benchmarks' random-weight pipelines:
+# CLIP ViT-L/14's text tower and SD's VAE (4 latent channels, 8x down).
+SD15_TEXT_ENCODER: dict[str, Any] = {
+    "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+    "num_attention_heads": 12, "max_position_embeddings": 77, "hidden_act": "quick_gelu",
+    "projection_dim": 768,
+}  # fmt: skip
+SD15_VAE: dict[str, Any] = {
+    "in_channels": 3, "out_channels": 3, "latent_channels": 4, "sample_size": 512,
+    "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2,
+    "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "norm_num_groups": 32, "act_fn": "silu", "scaling_factor": 0.18215,
+}  # fmt: skip
+
+
 class InvalidArchitecture(Exception):
     pass
 

@@ -14,6 +14,7 @@ HEAVY = {"torch", "diffusers", "transformers", "accelerate", "safetensors"}
 GPU_MODULES = {
     "workers/gpu.py",
     "workers/tiny.py",
+    "workers/sd15.py",
     "workers/generate/pipelines.py",
     "workers/encode/encoders.py",
     "workers/train/trainer.py",

@@ -14,6 +14,7 @@ from sdq.models import tiny
 from sdq.models.architectures import UNET_ARCHITECTURES, InvalidArchitecture, check_fits
 from sdq.models.registry import tiny_identity
 from sdq.models.training import TrainOptions, TrainShardSpec
+from sdq.workers.gpu import peak_flops
 from sdq.workers.tiny import build_unet
 from sdq.workers.train.trainer import (
     Ranks,
@@ -21,7 +22,6 @@ from sdq.workers.train.trainer import (
     draw,
     load_checkpoint,
     new_state,
-    peak_flops,
     save_checkpoint,
     train_step,
     training_flops_per_sample,

@@ -30,3 +30,25 @@ def describe_device() -> str:
         return "cpu"
     properties = torch.cuda.get_device_properties(0)
     return f"cuda {properties.name} GPU-{properties.uuid}"
+
+
+# Dense bf16/fp16 tensor-core peak of one GPU, FLOP/s, by what CUDA calls it (the longest name
+# that matches wins): what model FLOPs utilisation is measured against.
+PEAK_FLOPS = {
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "H200": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    known = [key for key in PEAK_FLOPS if key in name]
+    return PEAK_FLOPS[max(known, key=len)] if known else None

@@ -19,6 +19,7 @@ from diffusers import UNet2DConditionModel
 from sdq.models.registry import folder_content_hash
 from sdq.models.store import ObjectStore
 from sdq.models.training import TrainShardSpec, checkpoint_prefix
+from sdq.workers.gpu import peak_flops
 from sdq.workers.train.data import LatentStream
 from sdq.workers.train.records import Written
 from sdq.workers.train.trainer import (
@@ -30,7 +31,6 @@ from sdq.workers.train.trainer import (
     load_checkpoint,
     new_state,
     on_device,
-    peak_flops,
     save_checkpoint,
     train_step,
     training_flops_per_sample,

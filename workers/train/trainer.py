@@ -374,28 +374,6 @@ def base_folder(spec: TrainShardSpec, files: ModelFiles, cache_dir: Path) -> Pat
     return Path(snapshot_download(where.path, revision=where.revision))
 
 
-# Dense bf16 tensor-core peak of one GPU, FLOP/s, by what CUDA calls it (the longest name
-# that matches wins): what model FLOPs utilisation is measured against.
-PEAK_FLOPS = {
-    "H100 PCIe": 756e12,
-    "H100": 989e12,
-    "H200": 989e12,
-    "GH200": 989e12,
-    "B200": 2250e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "L4": 121e12,
-}
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    known = [key for key in PEAK_FLOPS if key in name]
-    return PEAK_FLOPS[max(known, key=len)] if known else None
-
-
 def training_flops_per_sample(state: TrainState, latents, embeddings) -> float:
     """The U-Net's FLOPs to train on one sample: its forward pass counted by torch's FLOP
     counter, times 3 for the backward pass (the usual model-FLOPs convention: recomputed
