@@ -29,6 +29,7 @@ from sdq.producer.generate.prompts import PromptRow
 from sdq.producer.generate.submit import Batching, record_run
 from sdq.workers.generate.pipelines import PipelineCache, render
 from sdq.workers.generate.work import GenerateWork
+from sdq.workers.holding import hold
 from sdq.workers.weights import ModelFiles
 from tests.conftest import BUCKET, write
 from tests.services import aws_env, free_port
@@ -467,3 +468,21 @@ def test_a_compiling_worker_compiles_its_pipeline_once_with_fused_attention(tmp_
     conv = next(m for m in pipeline.unet.modules() if isinstance(m, torch.nn.Conv2d))
     assert conv.weight.is_contiguous(memory_format=torch.channels_last)
     assert cache.get(specs("y")[0]) == (loaded, None)  # once per process
+
+
+def test_a_task_of_another_kind_lets_the_loaded_pipelines_go(tmp_path) -> None:
+    """A GPU process serves generate, encode and train in turn: one kind's models leave
+    before another's load, and stay while tasks of their own kind follow."""
+    cache = PipelineCache(files=ModelFiles(LocalStore(tmp_path / "store"), tmp_path / "cache"),
+                          size=1)  # fmt: skip
+    spec = specs("x")[0]
+    hold("generate", cache.clear)
+    loaded, _ = cache.get(spec)
+    hold("generate", cache.clear)
+    assert cache.get(spec) == (loaded, None)  # kept for the next generate task
+    let_go: list[str] = []
+    hold("encode", lambda: let_go.append("encoders"))
+    again, loading = cache.get(spec)
+    assert again is not loaded and loading is not None  # let go, loaded anew
+    hold("generate", cache.clear)
+    assert let_go == ["encoders"]

@@ -15,6 +15,12 @@ def device_name() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def release_device_memory() -> None:
+    """Hands the memory of tensors just let go back to the GPU, for other models to load."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """A spec's dtype on this process's device; "auto" is float16 on a GPU, float32 on the
     CPU. An explicit dtype is honoured as it is."""

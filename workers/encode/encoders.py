@@ -14,7 +14,7 @@ from transformers import CLIPTextModel, CLIPTokenizer
 from sdq.models import tiny
 from sdq.models.datasets import EncodeSpec, latent_seed
 from sdq.workers.encode.shards import Encoded, ImageShard, pixels
-from sdq.workers.gpu import device_name, torch_dtype
+from sdq.workers.gpu import device_name, release_device_memory, torch_dtype
 from sdq.workers.tiny import build_text_encoder, build_tokenizer, build_vae
 from sdq.workers.weights import ModelFiles, check_tiny_revision
 
@@ -43,6 +43,10 @@ class LoadedEncoders:
         self._encoders: Encoders | None = None
         # Objects this process has stored that only depend on the model (the empty prompt).
         self.stored: set[str] = set()
+
+    def clear(self) -> None:
+        self._key, self._encoders = None, None
+        release_device_memory()
 
     def get(self, spec: EncodeSpec) -> Encoders:
         key = (spec.model_source, spec.model_revision, torch_dtype(spec.dtype))

@@ -9,6 +9,7 @@ from sdq.models.jobs.kinds import ENCODE
 from sdq.workers.app import SdqCelery
 from sdq.workers.delivery import JobTask, deliver_task
 from sdq.workers.encode.work import EncodeWork
+from sdq.workers.holding import hold
 from sdq.workers.weights import ModelFiles
 
 
@@ -17,6 +18,7 @@ def encode(self, job_ids: list[int], batch_size: int) -> dict[str, Any]:
     app = self.app
 
     def work() -> EncodeWork:
+        hold(ENCODE.name, encoders(app).clear)
         return EncodeWork(
             store=app.store, sessions=app.sessions, encoders=encoders(app), batch_size=batch_size
         )

@@ -19,7 +19,7 @@ from PIL.Image import Image
 from sdq.models import tiny
 from sdq.models.specs import TILED_DECODE_PIXELS, GenerationSpec
 from sdq.workers.generate.work import PipelineError
-from sdq.workers.gpu import device_name, torch_dtype
+from sdq.workers.gpu import device_name, release_device_memory, torch_dtype
 from sdq.workers.tiny import build_pipeline
 from sdq.workers.weights import ModelFiles, check_tiny_revision
 
@@ -82,12 +82,15 @@ class PipelineCache:
             return self._loaded[key], None
         while len(self._loaded) >= self.size:
             self._loaded.popitem(last=False)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            release_device_memory()
         started = perf_counter()
         loaded = Loaded(self._load(spec), PromptEmbeddings(self.prompt_cache_size))
         self._loaded[key] = loaded
         return loaded, perf_counter() - started
+
+    def clear(self) -> None:
+        self._loaded.clear()
+        release_device_memory()
 
     def _load(self, spec: GenerationSpec) -> DiffusionPipeline:
         dtype = torch_dtype(spec.dtype)

@@ -9,6 +9,7 @@ from sdq.models.jobs.kinds import GENERATE
 from sdq.workers.app import SdqCelery
 from sdq.workers.delivery import JobTask, deliver_task
 from sdq.workers.generate.work import GenerateWork
+from sdq.workers.holding import hold
 from sdq.workers.weights import ModelFiles
 
 
@@ -17,6 +18,7 @@ def generate(self, job_ids: list[int], batch_size: int | None = None) -> dict[st
     app = self.app
 
     def work() -> GenerateWork:
+        hold(GENERATE.name, pipelines(app).clear)
         return GenerateWork(
             store=app.store,
             pipelines=pipelines(app),

@@ -10,6 +10,7 @@ from sdq.models.jobs.kinds import TRAIN, Pool
 from sdq.models.jobs.outbox import enqueue
 from sdq.workers.app import SdqCelery, worker_identity
 from sdq.workers.delivery import JobTask, deliver_task
+from sdq.workers.holding import hold
 from sdq.workers.train import gang
 from sdq.workers.train.work import CallNodes, LiveStates, TrainWork
 from sdq.workers.weights import ModelFiles
@@ -22,6 +23,7 @@ def train(self, job_ids: list[int]) -> dict[str, Any]:
     app = self.app
 
     def work() -> TrainWork:
+        hold(TRAIN.name, live_states().clear)
         return TrainWork(
             store=app.store,
             sessions=app.sessions,

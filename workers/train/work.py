@@ -66,6 +66,12 @@ class LiveStates:
     def keep(self, state: "TrainState") -> None:
         self._states = {state.run: state}  # one run at a time fits on a GPU
 
+    def clear(self) -> None:
+        from sdq.workers.gpu import release_device_memory
+
+        self._states = {}
+        release_device_memory()
+
 
 class TrainWork(Work):
     permanent_errors = (ModelUnavailable, NoGangHere)
