@@ -20,7 +20,7 @@ from sdq.models.jobs.kinds import POOL_QUEUES, TRAIN, Pool
 
 CELERY_APP = "sdq.workers.main"
 # A dead worker is started again after 2, 4, 8... seconds, at most RESTART_BACKOFF_CAP; one
-# that ran longer than the cap before dying starts the count afresh. The launcher never
+# that ran longer than that before dying starts the count afresh. The launcher never
 # gives up: a worker that cannot start (its broker down for an hour) comes back on its own
 # once it can, and each death is said with its cause.
 FIRST_RESTART_DELAY = 2.0
@@ -127,9 +127,10 @@ class Supervised:
         *,
         first_delay: float = FIRST_RESTART_DELAY,
         cap: float = RESTART_BACKOFF_CAP,
+        healthy_after: float = RESTART_BACKOFF_CAP,
     ) -> None:
         self.command = command
-        self.first_delay, self.cap = first_delay, cap
+        self.first_delay, self.cap, self.healthy_after = first_delay, cap, healthy_after
         self.quick_failures = 0
         self.restart_at: float | None = None
         self.process = self._start()
@@ -167,7 +168,7 @@ class Supervised:
         if code is None:
             return
         ran = time.monotonic() - self.started
-        self.quick_failures = 1 if ran > self.cap else self.quick_failures + 1
+        self.quick_failures = 1 if ran > self.healthy_after else self.quick_failures + 1
         delay = min(self.cap, self.first_delay * 2 ** (self.quick_failures - 1))
         _say(f"{self.name}: {self.death(code)}; starting it again in {delay:g} s")
         self.restart_at = time.monotonic() + delay

@@ -111,7 +111,8 @@ def test_a_worker_that_keeps_dying_is_started_again_for_ever_and_said_why(capsys
     """Past the fifth death in a row too: the delays double up to the cap and stay there."""
     script = "print('starting'); print('ValueError: no GPU at index 7', flush=True); exit(3)"
     command = WorkerCommand([sys.executable, "-c", script, "--hostname", "gpu7@%h"], {})
-    worker = Supervised(command, first_delay=0.01, cap=0.08)
+    # Each process lives a fraction of a second: none counts as having run well.
+    worker = Supervised(command, first_delay=0.01, cap=0.08, healthy_after=600)
     said = re.compile(r"gpu7@%h: exited with code 3 \(ValueError: no GPU at index 7\); "
                       r"starting it again in ([0-9.]+) s")  # fmt: skip
     delays: list[str] = []

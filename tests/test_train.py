@@ -395,9 +395,12 @@ def test_two_ranks_on_one_node_or_two_resume_exactly_after_a_rank_a_worker_or_a_
         holder = connection.execute(
             "SELECT worker_host FROM jobs WHERE id = %s", (job,)
         ).fetchone()[0]
+    ranks = set(rank_processes())
     os.kill(int(holder.rsplit(":", 1)[1]), signal.SIGKILL)  # the worker dies
-    # Its ranks die with it, whatever they were doing: none is left holding a device.
-    wait_for(lambda: not rank_processes(), what="the dead worker's ranks to go", timeout=10)
+    # Its ranks die with it, whatever they were doing: none is left holding a device (the
+    # next attempt's ranks, once its lease runs out, are others).
+    wait_for(lambda: not ranks & set(rank_processes()), what="the dead worker's ranks to go",
+             timeout=30)  # fmt: skip
 
     def finished() -> bool:
         jobs = _jobs(database_url, run_id)
