@@ -7,7 +7,7 @@ import io
 import struct
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,7 +59,7 @@ def make_image(
         raise ImageRejected("image too small")
     stored_size = image.size
     _reduce_while_decoding(image, options)
-    with budget.reserve(image.width * image.height) if budget else _unbudgeted():
+    with budget.reserve(image.width * image.height) if budget else nullcontext():
         with _decoding():
             original = _upright_size(image, stored_size)
             image.load()
@@ -67,11 +67,6 @@ def make_image(
             rgb = to_rgb(image)
         resized = resize(rgb, options)
         return DatasetImage(encode(resized, options), *resized.size, *original)
-
-
-@contextmanager
-def _unbudgeted() -> Iterator[None]:
-    yield
 
 
 @contextmanager
