@@ -44,6 +44,7 @@ def join(self, job_ids: list[int], attempt: int) -> dict[str, Any]:
     """This worker as one more node of the job's gang for that attempt (gang.py)."""
     app = self.app
     [job_id] = job_ids
+    hold(TRAIN.name, live_states().clear)  # the ranks it starts need the device
     outcome = gang.take_part(
         app.sessions,
         job_id,
