@@ -433,9 +433,9 @@ def test_a_train_run_survives_an_object_store_outage_without_spending_attempts(
         workers = [WorkerProcess(env, tmp_path / "gpu.log").start(),
                    WorkerProcess(env, tmp_path / "cpu.log", pool="cpu").start()]  # fmt: skip
         try:
-            encoded_dataset(env, "outage-birds", 16, tmp_path)
-            run_id = sdq_json(env, "train", "outage-birds", *TRAIN, "--steps", "120",
-                              "--checkpoint-every", "40")["run_id"]  # fmt: skip
+            encoded_dataset(env, "outage-birds", 8, tmp_path)
+            run_id = sdq_json(env, "train", "outage-birds", *TRAIN, "--steps", "60",
+                              "--checkpoint-every", "20")["run_id"]  # fmt: skip
             database_url = env["SDQ_DATABASE_URL"]
             wait_for(lambda: [status for _, status, *_ in _jobs(database_url, run_id)][1:2]
                      == ["running"], what="the second train-shard job", timeout=300)  # fmt: skip
@@ -457,7 +457,7 @@ def test_a_train_run_survives_an_object_store_outage_without_spending_attempts(
         ).fetchone()[0]
     assert outages >= 1  # the outage was met, and waited out as one
     status = sdq_json(env, "train", "status", str(run_id))
-    assert [step for step, _ in status["losses"]] == list(range(1, 121))
+    assert [step for step, _ in status["losses"]] == list(range(1, 61))
     assert status["checkpoints"][-1]["model_revision"]
 
 
