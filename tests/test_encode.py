@@ -18,7 +18,7 @@ from PIL import Image
 
 from sdq.models.datasets import latent_seed
 from sdq.models.tiny import content_hash
-from sdq.workers.encode.shards import read_tensor
+from sdq.workers.shards.latents import read_tensor
 from sdq.workers.tiny import build_pipeline, build_text_encoder, build_tokenizer, build_vae
 from tests.conftest import BUCKET, ROOT, WorkerProcess, sdq_json
 from tests.hostile_server import HostileServer

@@ -13,8 +13,9 @@ from transformers import CLIPTextModel, CLIPTokenizer
 
 from sdq.models import tiny
 from sdq.models.datasets import EncodeSpec, latent_seed
-from sdq.workers.encode.shards import Encoded, ImageShard, pixels
+from sdq.workers.encode.shards import ImageShard, pixels
 from sdq.workers.gpu import device_name, release_device_memory, torch_dtype
+from sdq.workers.shards.latents import Encoded
 from sdq.workers.tiny import build_text_encoder, build_tokenizer, build_vae
 from sdq.workers.weights import ModelFiles, check_tiny_revision
 

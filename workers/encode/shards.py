@@ -1,22 +1,16 @@
-"""Parquet in and out for encoding, on the CPU: the kept samples of an image shard, their
-pixels at the encoding resolution, and the latent shard written with what it holds
-described in its schema metadata. No torch here."""
+"""Image shards as encoding reads them, on the CPU: the kept samples of a shard and their
+pixels at the encoding resolution. No torch here."""
 
 import io
-import json
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from PIL import Image
 
 from sdq.models.datasets import ImageOptions, SampleStatus
 from sdq.workers.download.images import resize, to_rgb
-
-METADATA_KEY = b"sdq"
 
 
 @dataclass(frozen=True)
@@ -31,6 +25,15 @@ class ImageShard:
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    def lineage(self) -> dict[str, list[str]]:
+        """The columns a latent shard keeps of each sample, to trace it to its source."""
+        return {
+            "key": self.keys,
+            "url": self.urls,
+            "caption": self.captions,
+            "sha256": self.sha256s,
+        }
 
 
 def read_image_shard(data: bytes, image_column: str) -> ImageShard:
@@ -55,60 +58,3 @@ def pixels(data: bytes, resolution: int) -> np.ndarray:
             image.draft("RGB", (image.width // 2, image.height // 2))
         square = resize(to_rgb(image), ImageOptions(resolution=resolution))
         return np.asarray(square)
-
-
-@dataclass(frozen=True)
-class Encoded:
-    """What the device made of a shard's samples, in the shard's order."""
-
-    seeds: list[int]
-    latents: np.ndarray  # samples x channels x height x width
-    text_embeddings: np.ndarray  # samples x tokens x hidden size
-    token_ids: np.ndarray  # samples x tokens
-
-    def tensors(self) -> dict[str, np.ndarray]:
-        return {
-            "latents": self.latents,
-            "text_embeddings": self.text_embeddings,
-            "token_ids": self.token_ids,
-        }
-
-
-def latent_shard_bytes(shard: ImageShard, encoded: Encoded, about: dict[str, Any]) -> bytes:
-    """One row per sample: its key, url, caption and source image sha256 beside its seed,
-    latents, text embeddings and token ids. The tensors are fixed-size lists, flat; their
-    shapes and dtypes are in the schema metadata under `sdq`, with `about`."""
-    columns: dict[str, pa.Array] = {
-        "key": pa.array(shard.keys, pa.string()),
-        "url": pa.array(shard.urls, pa.string()),
-        "caption": pa.array(shard.captions, pa.string()),
-        "sha256": pa.array(shard.sha256s, pa.string()),
-        "seed": pa.array(encoded.seeds, pa.int64()),
-    }
-    columns.update({name: _fixed_size_list(array) for name, array in encoded.tensors().items()})
-    metadata = {**about, "tensors": describe(encoded)}
-    table = pa.table(columns).replace_schema_metadata({METADATA_KEY: json.dumps(metadata)})
-    buffer = io.BytesIO()
-    pq.write_table(table, buffer, compression="zstd")
-    return buffer.getvalue()
-
-
-def describe(encoded: Encoded) -> dict[str, dict[str, Any]]:
-    """Each tensor's shape per sample and dtype, as a reader needs them to unflatten."""
-    return {
-        name: {"shape": list(array.shape[1:]), "dtype": str(array.dtype)}
-        for name, array in encoded.tensors().items()
-    }
-
-
-def _fixed_size_list(array: np.ndarray) -> pa.FixedSizeListArray:
-    flat = np.ascontiguousarray(array).reshape(-1)
-    return pa.FixedSizeListArray.from_arrays(pa.array(flat), int(np.prod(array.shape[1:])))
-
-
-def read_tensor(table: pa.Table, name: str) -> np.ndarray:
-    """A tensor column of a latent shard back in its shape: samples x the recorded shape."""
-    about = json.loads(table.schema.metadata[METADATA_KEY])["tensors"][name]
-    column = table.column(name).combine_chunks()
-    flat = column.values.to_numpy(zero_copy_only=False)
-    return flat.reshape(len(table), *about["shape"]).astype(about["dtype"], copy=False)

@@ -28,7 +28,8 @@ from sdq.models.tables import Job
 from sdq.models.tables.download import Dataset, Shard
 from sdq.models.tables.encode import LatentShard
 from sdq.workers.ahead import run_ahead
-from sdq.workers.encode.shards import ImageShard, describe, latent_shard_bytes, read_image_shard
+from sdq.workers.encode.shards import ImageShard, read_image_shard
+from sdq.workers.shards.latents import describe, latent_shard_bytes
 from sdq.workers.weights import ModelUnavailable
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ class EncodeWork(Work):
             "resolution": spec.resolution,
             "scaling_factor": encoders.vae.config.scaling_factor,
         }
-        data = latent_shard_bytes(shard, encoded, about)
+        data = latent_shard_bytes(shard.lineage(), encoded, about)
         # Training needs it whichever shard comes first: each worker process stores it once
         # per dataset and model (the same bytes whoever writes it).
         if spec.empty_prompt_key not in self.encoders.stored:

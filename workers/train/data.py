@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from sdq.models.training import LatentInput
-from sdq.workers.encode.shards import read_tensor
+from sdq.workers.shards.latents import read_tensor
 
 
 @dataclass(frozen=True)
