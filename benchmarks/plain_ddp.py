@@ -1,61 +1,119 @@
-"""The plain way to train data-parallel: one torchrun, one DDP loop over latent shards on
-local disk, no queue, no database, no object store, no checkpoints. The same step as sdq's
-(`train_step`: DDP across the ranks, AdamW, DDPM noise, min-SNR MSE, EMA on rank 0), so
-that benchmarks/train_scaling.py measures what sdq's orchestration costs.
+"""The plain way to train a U-Net on precomputed latents, as diffusers' train_text_to_image.py
+does it, under torchrun: the latent shards on local disk loaded into a torch Dataset, a
+DataLoader with a DistributedSampler, DDP, AdamW, DDPM noise, min-SNR weighted MSE, EMA
+weights. No queue, no database, no object store, no checkpoints, and nothing of sdq's: what
+sdq is measured against by benchmarks/train.py and benchmarks/train_scaling.py.
 
-    torchrun --nproc-per-node N benchmarks/plain_ddp.py SPEC.json SHARDS_DIR
+    torchrun --nproc-per-node N benchmarks/plain_ddp.py --shards DIR --unet-config FILE \\
+        --scheduler-config FILE --steps S --batch-size B
 """
 
+import argparse
 import json
 import os
-import sys
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from sdq.models.training import TrainShardSpec  # noqa: E402
-from sdq.workers.train.data import LatentStream  # noqa: E402
-from sdq.workers.train.trainer import (  # noqa: E402
-    Ranks,
-    base_unet,
-    new_state,
-    on_device,
-    train_step,
-)
+import torch.nn.functional as F
+from diffusers import DDPMScheduler, UNet2DConditionModel
+from diffusers.training_utils import EMAModel, compute_snr
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
-def main(spec_file: Path, shards: Path) -> None:
-    spec = TrainShardSpec.from_dict(json.loads(spec_file.read_text()))
-    ranks = Ranks(
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        local_rank=int(os.environ["LOCAL_RANK"]),
+def column(table: pa.Table, name: str) -> np.ndarray:
+    """A tensor column in its shape, from the shapes the file's metadata gives."""
+    about = json.loads(table.schema.metadata[b"sdq"])["tensors"][name]
+    shape, dtype = (len(table), *about["shape"]), np.dtype(about["dtype"])
+    chunk = table.column(name).combine_chunks()
+    if pa.types.is_fixed_size_binary(chunk.type):
+        raw = np.frombuffer(chunk.buffers()[1], np.uint8)
+        start = chunk.offset * chunk.type.byte_width
+        return raw[start : start + len(table) * chunk.type.byte_width].view(dtype).reshape(shape)
+    return chunk.values.to_numpy(zero_copy_only=False).astype(dtype).reshape(shape)
+
+
+def latent_dataset(folder: Path) -> TensorDataset:
+    latents, embeddings = [], []
+    for path in sorted(folder.rglob("*.parquet")):
+        table = pq.read_table(path, columns=["latents", "text_embeddings"])
+        latents.append(column(table, "latents"))
+        embeddings.append(column(table, "text_embeddings"))
+    return TensorDataset(
+        torch.from_numpy(np.concatenate(latents)), torch.from_numpy(np.concatenate(embeddings))
     )
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(ranks.local_rank)
-    dist.init_process_group(backend, timeout=timedelta(minutes=10))
-    state = new_state(spec, base_unet(spec, files=None), ranks)
-    stream = LatentStream(
-        spec.inputs,
-        seed=spec.options.seed,
-        batch_size=spec.options.batch_size,
-        read=lambda key: (shards / key).read_bytes(),
+
+
+def loss_of(unet, scheduler, latents, embeddings, snr_gamma: float) -> torch.Tensor:
+    noise = torch.randn_like(latents)
+    timesteps = torch.randint(
+        0, scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device
     )
-    part = ranks.part(spec.options.batch_size)
-    for latents, embeddings in on_device(stream.batches(0, part), state.device):
-        train_step(state, spec, latents, embeddings)
-        if state.step == spec.options.steps:
-            break
+    noisy = scheduler.add_noise(latents, noise, timesteps)
+    prediction = unet(noisy, timesteps, embeddings).sample
+    snr = compute_snr(scheduler, timesteps)
+    weights = torch.stack([snr, snr_gamma * torch.ones_like(timesteps)], dim=1).min(dim=1)[0] / snr
+    loss = F.mse_loss(prediction.float(), noise.float(), reduction="none")
+    return (loss.mean(dim=list(range(1, loss.ndim))) * weights).mean()
+
+
+def main(args) -> None:
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
+    torch.manual_seed(args.seed)
+    unet = UNet2DConditionModel.from_config(json.loads(args.unet_config.read_text()))
+    unet = unet.to(device).train()
+    scheduler = DDPMScheduler.from_config(json.loads(args.scheduler_config.read_text()))
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=args.lr)
+    ema = EMAModel(unet.parameters(), decay=args.ema)
+    model = DistributedDataParallel(unet, device_ids=[device.index] if cuda else None)
+    dataset = latent_dataset(args.shards)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed, drop_last=True)
+    loader = DataLoader(dataset, batch_size=args.batch_size // world_size, sampler=sampler,
+                        drop_last=True, pin_memory=cuda)  # fmt: skip
+    precision = torch.bfloat16 if cuda else None
+    step, epoch = 0, 0
+    while step < args.steps:
+        sampler.set_epoch(epoch)
+        for latents, embeddings in loader:
+            latents = latents.to(device, non_blocking=True).float()
+            embeddings = embeddings.to(device, non_blocking=True).float()
+            with torch.autocast(device.type, dtype=precision, enabled=precision is not None):
+                loss = loss_of(model, scheduler, latents, embeddings, args.snr_gamma)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            ema.step(unet.parameters())
+            step += 1
+            if step == args.steps:
+                break
+        epoch += 1
     dist.barrier()
-    # As a rank of sdq's does: freeing DDP's reducer at exit can deadlock with gloo.
+    if rank == 0:
+        print(json.dumps({"steps": step, "last_loss": loss.item()}))
+    # Freeing DDP's reducer at exit can deadlock with gloo's worker thread; nothing is left
+    # to clean up.
     os._exit(0)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shards", type=Path, required=True)
+    parser.add_argument("--unet-config", type=Path, required=True)
+    parser.add_argument("--scheduler-config", type=Path, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--ema", type=float, default=0.9999)
+    parser.add_argument("--snr-gamma", type=float, default=5.0)
+    parser.add_argument("--seed", type=int, default=0)
+    main(parser.parse_args())

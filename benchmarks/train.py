@@ -2,8 +2,9 @@
 
 The latent shards are made once, untimed: generated JPEGs served over local HTTP, through
 `sdq download` and `sdq encode` with the tiny model. Then, in interleaved rounds,
-  - plain: one process, the shards read into memory before the clock starts, the same
-    optimizer steps (`train_step`, plain PyTorch: AdamW, DDPM noise, min-SNR MSE, EMA);
+  - plain: benchmarks/plain_ddp.py under torchrun with one process, the loop diffusers'
+    train_text_to_image.py runs (a DataLoader over the shards on local disk, AdamW, DDPM
+    noise, min-SNR MSE, EMA), nothing of sdq's; timed from its start, as sdq is;
   - sdq: `sdq train --wait` end to end, one `sdq worker gpu` process, shards read from an
     S3 server over HTTP, a checkpoint (state and model) written to it every K steps, every
     step's loss in Postgres.
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -25,16 +27,13 @@ from pathlib import Path
 
 import boto3
 import psycopg
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.download import COMMAND_TIMEOUT, download_dataset  # noqa: E402
+from sdq.models import tiny  # noqa: E402
 from sdq.models.registry import tiny_identity  # noqa: E402
-from sdq.models.training import LatentInput, TrainOptions, TrainShardSpec  # noqa: E402
-from sdq.workers.train.data import LatentStream  # noqa: E402
-from sdq.workers.train.trainer import base_unet, new_state, train_step  # noqa: E402
 from tests.conftest import WorkerProcess, sdq_json  # noqa: E402
 from tests.services import BENCH_BUCKET, deployment  # noqa: E402
 
@@ -76,50 +75,38 @@ def through_sdq(env: dict[str, str], args) -> tuple[float, dict[str, float]]:
     return args.steps * args.batch_size / seconds, shares
 
 
-def latent_inputs(env: dict[str, str]) -> tuple[LatentInput, ...]:
-    """The benchmark dataset's latent shards, as a run reads them."""
-    with psycopg.connect(env["SDQ_DATABASE_URL"]) as connection:
-        rows = connection.execute("SELECT uri, samples FROM latent_shards ORDER BY id")
-        return tuple(
-            LatentInput(uri=uri, key=uri.split(f"{BENCH_BUCKET}/", 1)[1], samples=n)
-            for uri, n in rows
-        )
-
-
-def plain_spec(inputs: tuple[LatentInput, ...], options: TrainOptions) -> TrainShardSpec:
-    """One train-shard job of the tiny model over all the steps: what a plain loop runs."""
-    model = tiny_identity()
-    return TrainShardSpec(
-        run=0, first_step=0, last_step=options.steps, model_name="plain",
-        base_name=model.name, base_source=model.source, base_revision=model.revision,
-        prediction_type="epsilon", scheduler_config=model.scheduler_config,
-        options=options, inputs=inputs,
-    )  # fmt: skip
-
-
 class PlainLoop:
-    """The same steps in this process, the shards in memory before the clock starts."""
+    """benchmarks/plain_ddp.py under torchrun: the shards copied to local disk before any
+    clock starts, the tiny model's U-Net and noise schedule given as config files."""
 
-    def __init__(self, env: dict[str, str], args) -> None:
-        self.args = args
-        inputs = latent_inputs(env)
+    def __init__(self, env: dict[str, str], folder: Path) -> None:
+        self.folder = folder
         bucket = boto3.resource("s3").Bucket(BENCH_BUCKET)
-        files = {item.key: bucket.Object(item.key).get()["Body"].read() for item in inputs}
-        self.stream = LatentStream(
-            inputs, seed=0, batch_size=args.batch_size, read=files.__getitem__
-        )
-        self.spec = plain_spec(inputs, TrainOptions(steps=args.steps, batch_size=args.batch_size))
-        self.batches = [
-            (torch.from_numpy(b.latents), torch.from_numpy(b.text_embeddings))
-            for b, _ in zip(self.stream.batches(0), range(args.steps), strict=False)
-        ]
+        with psycopg.connect(env["SDQ_DATABASE_URL"]) as connection:
+            uris = [uri for (uri,) in connection.execute("SELECT uri FROM latent_shards")]
+        for uri in uris:
+            key = uri.split(f"{BENCH_BUCKET}/", 1)[1]
+            (folder / "shards" / key).parent.mkdir(parents=True, exist_ok=True)
+            bucket.download_file(key, str(folder / "shards" / key))
+        (folder / "unet.json").write_text(json.dumps(tiny.UNET_CONFIG))
+        (folder / "scheduler.json").write_text(json.dumps(tiny_identity().scheduler_config))
 
-    def run(self) -> float:
-        state = new_state(self.spec, base_unet(self.spec, files=None))
+    def run(self, args, world_size: int = 1) -> float:
+        """Samples/s from the command's start to its end, process starts included."""
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(world_size), str(ROOT / "benchmarks/plain_ddp.py"),
+            "--shards", str(self.folder / "shards"),
+            "--unet-config", str(self.folder / "unet.json"),
+            "--scheduler-config", str(self.folder / "scheduler.json"),
+            "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+        ]  # fmt: skip
+        # The threads per rank that sdq's rank processes get.
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         started = time.perf_counter()
-        for latents, embeddings in self.batches:
-            train_step(state, self.spec, latents, embeddings)
-        return self.args.steps * self.args.batch_size / (time.perf_counter() - started)
+        subprocess.run(command, env=env, check=True, capture_output=True, timeout=COMMAND_TIMEOUT)
+        return args.steps * args.batch_size / (time.perf_counter() - started)
 
 
 def main() -> None:
@@ -135,18 +122,18 @@ def main() -> None:
     args = parser.parse_args()
     rates: dict[str, list[float]] = {"sdq": [], "plain": []}
     shares: dict[str, list[float]] = {"steps": [], "checkpoints": []}
-    with deployment(broker_db=15) as env:
+    with deployment(broker_db=15) as env, tempfile.TemporaryDirectory() as folder:
         os.environ.update(env)  # boto3 in this process reads AWS_* like the worker does
         worker = WorkerProcess(env, Path(env["SDQ_HOME"]) / "gpu.log").start()
         try:
             make_latents(env, args)
-            plain = PlainLoop(env, args)
+            plain = PlainLoop(env, Path(folder))
             for _ in range(args.rounds):
                 rate, round_shares = through_sdq(env, args)
                 rates["sdq"].append(rate)
                 for name, share in round_shares.items():
                     shares[name].append(share)
-                rates["plain"].append(plain.run())
+                rates["plain"].append(plain.run(args))
         finally:
             worker.stop()
     ratios = [s / p for s, p in zip(rates["sdq"], rates["plain"], strict=True)]

@@ -8,8 +8,10 @@ world size N:
     --train-ranks N`) whose job runs on N rank processes (gloo on CPU, NCCL on GPUs),
     shards read from an S3 server over HTTP, a checkpoint written to it, every step's loss
     in Postgres;
-  - plain: `torchrun --nproc-per-node N benchmarks/plain_ddp.py`, the same DDP step over
-    the same shards read from local disk (benchmarks/plain_ddp.py), no checkpoint.
+  - plain: `torchrun --nproc-per-node N benchmarks/plain_ddp.py`, the loop diffusers'
+    train_text_to_image.py runs (a DataLoader with a DistributedSampler over the same shards
+    on local disk, DDP, AdamW, DDPM noise, min-SNR MSE, EMA), written apart from sdq and
+    importing nothing of it, no checkpoint.
 Both are timed from the command's start to its end, process starts included. Prints one
 JSON object: samples/s of each, the scaling efficiency of each (samples/s at N over N
 times samples/s at 1), and `sdq_vs_plain` at each world size.
@@ -22,29 +24,18 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import boto3
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.download import COMMAND_TIMEOUT  # noqa: E402
-from benchmarks.train import (  # noqa: E402
-    DATASET,
-    RESOLUTION,
-    latent_inputs,
-    make_latents,
-    plain_spec,
-)
-from sdq.models.training import TrainOptions  # noqa: E402
-from sdq.workers.train.ranks import rank_threads  # noqa: E402
+from benchmarks.train import DATASET, RESOLUTION, PlainLoop, make_latents  # noqa: E402
 from tests.conftest import WorkerProcess, sdq_json  # noqa: E402
-from tests.services import BENCH_BUCKET, deployment  # noqa: E402
+from tests.services import deployment  # noqa: E402
 
 
 def through_sdq(env: dict[str, str], args, world_size: int) -> float:
@@ -58,37 +49,6 @@ def through_sdq(env: dict[str, str], args, world_size: int) -> float:
     seconds = time.perf_counter() - started
     assert status["status"] == "succeeded", status
     return args.steps * args.batch_size / seconds
-
-
-class PlainDDP:
-    """torchrun over the shards, copied to local disk before the clock starts."""
-
-    def __init__(self, env: dict[str, str], args, folder: Path) -> None:
-        self.args, self.folder = args, folder
-        inputs = latent_inputs(env)
-        bucket = boto3.resource("s3").Bucket(BENCH_BUCKET)
-        for item in inputs:
-            (folder / item.key).parent.mkdir(parents=True, exist_ok=True)
-            bucket.download_file(item.key, str(folder / item.key))
-        self.inputs = inputs
-
-    def run(self, world_size: int) -> float:
-        options = TrainOptions(
-            steps=self.args.steps, batch_size=self.args.batch_size, world_size=world_size
-        )
-        spec = plain_spec(self.inputs, options)
-        spec_file = self.folder / f"spec-{world_size}.json"
-        spec_file.write_text(json.dumps(spec.to_dict()))
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(world_size), str(ROOT / "benchmarks/plain_ddp.py"),
-            str(spec_file), str(self.folder),
-        ]  # fmt: skip
-        # The same threads per rank as sdq's ranks get.
-        env = {**os.environ, "OMP_NUM_THREADS": str(rank_threads(world_size))}
-        started = time.perf_counter()
-        subprocess.run(command, env=env, check=True, capture_output=True, timeout=COMMAND_TIMEOUT)
-        return self.args.steps * self.args.batch_size / (time.perf_counter() - started)
 
 
 def main() -> None:
@@ -113,11 +73,11 @@ def main() -> None:
         ).start()
         try:
             make_latents(env, args)
-            plain = PlainDDP(env, args, Path(folder))
+            plain = PlainLoop(env, Path(folder))
             for _ in range(args.rounds):
                 for size in sizes:
                     rates[f"sdq_{size}"].append(through_sdq(env, args, size))
-                    rates[f"plain_{size}"].append(plain.run(size))
+                    rates[f"plain_{size}"].append(plain.run(args, size))
         finally:
             worker.stop()
     median = {name: statistics.median(values) for name, values in rates.items()}

@@ -109,6 +109,13 @@ class TrainSettings:
     # Where this machine's rank 0 is reached by the other nodes of a gang; None: the
     # address its host name resolves to.
     node_address: str | None = None
+    # Losses stay on the device and are read this many steps at a time: each read waits
+    # for the device to finish its queued work.
+    loss_every: int = 25
+    # Each lane's next shards fetched while its current one trains, and the threads that
+    # fetch and decode them (each fetch is itself several ranged GETs at once on S3).
+    shards_ahead: int = 1
+    fetch_threads: int = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,6 +188,9 @@ class Settings:
                 collective_timeout_seconds=_int(env, "SDQ_TRAIN_COLLECTIVE_TIMEOUT", 600),
                 gang_timeout_seconds=_int(env, "SDQ_TRAIN_GANG_TIMEOUT", 300),
                 node_address=env.get("SDQ_TRAIN_NODE_ADDRESS") or None,
+                loss_every=_int(env, "SDQ_TRAIN_LOSS_EVERY", TrainSettings.loss_every),
+                shards_ahead=_int(env, "SDQ_TRAIN_SHARDS_AHEAD", TrainSettings.shards_ahead),
+                fetch_threads=_int(env, "SDQ_TRAIN_FETCH_THREADS", TrainSettings.fetch_threads),
             ),
             time_limits={queue: _time_limits(env, queue) for queue in QUEUES},
         )

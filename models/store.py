@@ -4,6 +4,7 @@ Every write is atomic: an object is visible under its final key complete or not 
 S3 gives that for a single PUT; the local store writes a temporary file and renames it.
 """
 
+import io
 import os
 import shutil
 import tempfile
@@ -18,6 +19,10 @@ from urllib.request import url2pathname
 
 # The longest a presigned S3 link can live (SigV4): pages sdq writes stay openable a week.
 LINK_SECONDS = 7 * 24 * 3600
+# A large object (a latent shard, ~170 MB at SD 2's 256 px) is read as ranged GETs of this
+# size, this many at once.
+LARGE_PART = 8 * 1024 * 1024
+LARGE_PARTS_AT_ONCE = 8
 
 
 class StoreError(Exception):
@@ -40,6 +45,7 @@ class ObjectStore(Protocol):
     def put_bytes(self, key: str, data: bytes, *, content_type: str) -> str: ...
     def put_file(self, key: str, source: Path) -> str: ...
     def get_bytes(self, key: str) -> bytes: ...
+    def get_large(self, key: str) -> bytes | memoryview: ...
     def get_file(self, key: str, destination: Path) -> None: ...
     def exists(self, key: str) -> bool: ...
     def delete(self, key: str) -> None: ...
@@ -107,6 +113,9 @@ class LocalStore:
             return self._path(key).read_bytes()
         except FileNotFoundError:
             raise MissingObject(f"no object {self.uri(key)}") from None
+
+    def get_large(self, key: str) -> bytes:
+        return self.get_bytes(key)
 
     def get_file(self, key: str, destination: Path) -> None:
         try:
@@ -192,6 +201,21 @@ class S3Store:
         with self._errors(key):
             return self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
 
+    def get_large(self, key: str) -> memoryview:
+        """A large object in memory, fetched as ranged GETs of LARGE_PART bytes in parallel
+        (boto3's managed download): one connection's speed no longer caps the read."""
+        from boto3.s3.transfer import TransferConfig
+
+        config = TransferConfig(
+            multipart_threshold=LARGE_PART,
+            multipart_chunksize=LARGE_PART,
+            max_concurrency=LARGE_PARTS_AT_ONCE,
+        )
+        buffer = io.BytesIO()
+        with self._errors(key):
+            self._client.download_fileobj(self.bucket, self._key(key), buffer, Config=config)
+        return buffer.getbuffer()
+
     def get_file(self, key: str, destination: Path) -> None:
         destination.parent.mkdir(parents=True, exist_ok=True)
         partial = destination.with_name(f".{destination.name}.part")
@@ -270,8 +294,9 @@ class S3Store:
     @contextmanager
     def _errors(self, key: str) -> Iterator[None]:
         """Turns botocore's exceptions into the two sdq acts on, with a readable text."""
-        from boto3.exceptions import S3UploadFailedError
+        from boto3.exceptions import RetriesExceededError, S3UploadFailedError
         from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+        from s3transfer.exceptions import RetriesExceededError as PartRetriesExceededError
 
         where, endpoint = self.uri(key), self._client.meta.endpoint_url
         try:
@@ -287,8 +312,9 @@ class S3Store:
             raise StoreUnavailable(f"{endpoint} failed on {where}: {error}") from error
         except NoCredentialsError as error:
             raise StoreError(f"no AWS credentials configured for {where}") from error
-        except BotoCoreError as error:
-            # Connection refused, timeouts, DNS: the endpoint may come back.
+        except (BotoCoreError, RetriesExceededError, PartRetriesExceededError) as error:
+            # Connection refused, timeouts, DNS (a managed transfer's after its own retries):
+            # the endpoint may come back.
             raise StoreUnavailable(f"cannot reach {endpoint} for {where}: {error}") from error
 
     def _refusal(self, error, key: str) -> StoreError:

@@ -6,7 +6,11 @@ from typing import Any
 
 from sdq.models.specs import canonical_sha256
 
-MIXED_PRECISION = ("no", "fp16", "bf16")
+# "auto": bf16 on a GPU, none on a CPU (which has no fast half-precision kernels).
+MIXED_PRECISION = ("auto", "no", "fp16", "bf16")
+# With no --data-lanes, a batch is dealt over up to this many lanes (or the world size, when
+# larger): runs of 1, 2, 4 and 8 ranks then read the same samples in the same order.
+DEFAULT_MAX_LANES = 8
 # After warmup: hold the rate, or take it down to 0 by the last step (diffusers' schedules).
 LR_SCHEDULES = ("constant", "cosine", "linear")
 SPEC_VERSION = 1
@@ -26,13 +30,18 @@ class TrainOptions:
     ema: float | None = 0.9999  # None: no EMA weights
     min_snr: float | None = 5.0  # None: plain MSE
     seed: int = 0
-    mixed_precision: str = "no"
+    mixed_precision: str = "auto"
     gradient_checkpointing: bool = False
     compile: bool = False
     # Data-parallel ranks (processes, one per GPU) each train-shard job runs on, spread
     # evenly over this many machines (nodes).
     world_size: int = 1
     nodes: int = 1
+    # The run's samples come in this many lanes of shards, each read by one rank (see
+    # workers/train/data.py): the world size divides it, and it divides the batch size.
+    # Fixed at submit (None: the default, see default_lanes), so that the run trains on the
+    # same samples whatever world size later resumes it.
+    data_lanes: int | None = None
     # Micro-batches whose gradients add up to one optimizer step, on each rank.
     grad_accumulation: int = 1
     max_grad_norm: float | None = None  # None: gradients are not clipped
@@ -53,6 +62,8 @@ class TrainOptions:
     unet_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.data_lanes is None:
+            object.__setattr__(self, "data_lanes", default_lanes(self.batch_size, self.world_size))
         if self.mixed_precision not in MIXED_PRECISION:
             raise ValueError(f"mixed precision must be one of {', '.join(MIXED_PRECISION)}")
         if self.lr_schedule not in LR_SCHEDULES:
@@ -76,6 +87,15 @@ class TrainOptions:
             raise ValueError(
                 f"--world-size {self.world_size} must split evenly over --nodes {self.nodes}"
             )
+        if (
+            self.data_lanes < 1
+            or self.batch_size % self.data_lanes
+            or self.data_lanes % self.world_size
+        ):
+            raise ValueError(
+                f"--data-lanes {self.data_lanes} must divide --batch-size {self.batch_size} "
+                f"and be a multiple of --world-size {self.world_size} (each rank reads whole lanes)"
+            )
         if self.ema is not None and not 0 < self.ema < 1:
             raise ValueError("--ema must be between 0 and 1")
         if not 0 <= self.caption_dropout < 1:
@@ -93,6 +113,14 @@ class TrainOptions:
     def micro_batch(self) -> int:
         """Samples in one forward pass of one rank."""
         return self.batch_size // (self.world_size * self.grad_accumulation)
+
+
+def default_lanes(batch_size: int, world_size: int) -> int:
+    """The most lanes, up to DEFAULT_MAX_LANES or the world size, that split the batch and
+    that the world size divides (the world size itself always does)."""
+    most = max(DEFAULT_MAX_LANES, world_size)
+    fitting = range(world_size, most + 1, world_size)
+    return max(lanes for lanes in fitting if batch_size % lanes == 0 or lanes == world_size)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,7 +194,8 @@ class TrainShardSpec:
         nested = ("options", "inputs", "validation")
         return cls(
             **{key: value for key, value in data.items() if key not in nested},
-            options=TrainOptions(**data["options"]),
+            # Runs from before data lanes read their shards in one lane.
+            options=TrainOptions(**{"data_lanes": 1, **data["options"]}),
             inputs=tuple(LatentInput(**item) for item in data["inputs"]),
             validation=validation,
         )

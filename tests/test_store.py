@@ -1,6 +1,7 @@
 """The object store on a local folder and on a real S3 API over HTTP."""
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from sdq.models.store import (
+    LARGE_PART,
     LocalStore,
     MissingObject,
     S3Store,
@@ -44,6 +46,22 @@ def test_round_trip(store, tmp_path: Path) -> None:
     assert sorted(store.list_keys("models/m/")) == ["models/m/unet/weights.bin"]
     with pytest.raises(MissingObject):
         store.get_bytes("images/missing.png")
+
+
+def test_a_large_object_reads_whole_and_from_s3_in_parallel_ranged_parts(store) -> None:
+    data = os.urandom(LARGE_PART * 2 + 12345)
+    store.put_bytes("latents/big.parquet", data, content_type="application/octet-stream")
+    ranges: list[str] = []
+    if isinstance(store, S3Store):
+        store._client.meta.events.register(
+            "before-call.s3.GetObject",
+            lambda params, **_: ranges.append(params.get("headers", {}).get("Range", "")),
+        )
+    assert bytes(store.get_large("latents/big.parquet")) == data
+    if isinstance(store, S3Store):
+        assert len(ranges) == 3 and all(part.startswith("bytes=") for part in ranges)
+    with pytest.raises(MissingObject):
+        store.get_large("latents/missing.parquet")
 
 
 def test_overwrite_is_never_seen_half_written(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from sdq.models import tiny
 from sdq.models.architectures import UNET_ARCHITECTURES, InvalidArchitecture, check_fits
 from sdq.models.registry import tiny_identity
 from sdq.models.training import TrainOptions, TrainShardSpec
-from sdq.workers.gpu import peak_flops
+from sdq.workers.gpu import peak_flops, peak_flops_of
 from sdq.workers.tiny import build_unet
 from sdq.workers.train.trainer import (
     Ranks,
@@ -23,6 +23,7 @@ from sdq.workers.train.trainer import (
     load_checkpoint,
     new_state,
     save_checkpoint,
+    step_inputs,
     train_step,
     training_flops_per_sample,
 )
@@ -38,6 +39,17 @@ def spec(prediction_type: str = "epsilon", **options) -> TrainShardSpec:
         prediction_type=prediction_type, scheduler_config=model.scheduler_config,
         options=TrainOptions(steps=3, batch_size=BATCH, **options),
     )  # fmt: skip
+
+
+def step(state, shard: TrainShardSpec, latents, embeddings) -> float:
+    """One train step on host tensors, its loss read back."""
+    return train_step(state, shard, step_inputs(state, shard, latents, embeddings)).item()
+
+
+def draws_of(state, shard: TrainShardSpec, sample_shape):
+    """The draws of the state's next step, for its rank's samples."""
+    part = state.ranks.part(shard.options.batch_size)
+    return draw(shard, state.step + 1, part, sample_shape)
 
 
 def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,10 +68,10 @@ def test_v_prediction_with_min_snr_is_the_weighted_velocity_error() -> None:
     before = copy.deepcopy(state.unet)
     latents, embeddings = batch(1)
     # The draws of step 1: a function of the seed, the step and the sample alone.
-    draws = draw(state, shard, latents.shape[1:])
+    draws = draws_of(state, shard, latents.shape[1:])
     noise, steps = draws.noise, draws.timesteps
 
-    loss = train_step(state, shard, latents, embeddings)
+    loss = step(state, shard, latents, embeddings)
 
     alphas = state.noise_scheduler.alphas_cumprod[steps]
     a, s = alphas.sqrt().view(-1, 1, 1, 1), (1 - alphas).sqrt().view(-1, 1, 1, 1)
@@ -79,7 +91,7 @@ def test_warmup_ema_bf16_and_gradient_checkpointing_train() -> None:
     start = [p.detach().clone() for p in state.unet.parameters()]
     rates = []
     for seed in range(3):
-        loss = train_step(state, shard, *batch(seed))
+        loss = step(state, shard, *batch(seed))
         assert torch.isfinite(torch.tensor(loss))
         rates.append(state.optimizer.param_groups[0]["lr"])
     assert rates == pytest.approx([1e-3 / 4, 2e-3 / 4, 3e-3 / 4])  # linear warmup
@@ -92,7 +104,7 @@ def test_warmup_ema_bf16_and_gradient_checkpointing_train() -> None:
 
 def trained(shard: TrainShardSpec, batches: list, unet) -> list[float]:
     state = new_state(shard, unet)
-    return [train_step(state, shard, *pair) for pair in batches]
+    return [step(state, shard, *pair) for pair in batches]
 
 
 def test_accumulated_micro_batches_make_the_same_step_as_one_batch() -> None:
@@ -101,7 +113,7 @@ def test_accumulated_micro_batches_make_the_same_step_as_one_batch() -> None:
     for accumulation in (1, 2):
         shard = spec(ema=None, grad_accumulation=accumulation)
         states[accumulation] = new_state(shard, build_unet())
-        loss = train_step(states[accumulation], shard, latents, embeddings)
+        loss = step(states[accumulation], shard, latents, embeddings)
         states[accumulation].loss = loss
     assert states[2].loss == pytest.approx(states[1].loss, rel=1e-6)
     # The step's gradients (what the optimizer took) are the whole batch's.
@@ -112,13 +124,13 @@ def test_accumulated_micro_batches_make_the_same_step_as_one_batch() -> None:
 def test_gradients_are_clipped_to_the_max_norm() -> None:
     shard = spec(ema=None, max_grad_norm=0.01)
     state = new_state(shard, build_unet())
-    train_step(state, shard, *batch(0))
+    step(state, shard, *batch(0))
     norm = torch.linalg.vector_norm(
         torch.stack([torch.linalg.vector_norm(p.grad) for p in state.unet.parameters()])
     )
     assert norm.item() == pytest.approx(0.01, rel=1e-3)
     unclipped = new_state(spec(ema=None), build_unet())
-    train_step(unclipped, spec(ema=None), *batch(0))
+    step(unclipped, spec(ema=None), *batch(0))
     grads = [torch.linalg.vector_norm(p.grad) for p in unclipped.unet.parameters()]
     assert torch.linalg.vector_norm(torch.stack(grads)).item() > 0.1
 
@@ -151,24 +163,23 @@ def test_caption_dropout_trains_dropped_samples_on_the_empty_prompt() -> None:
     state = new_state(shard, build_unet())
     state.empty_prompt = torch.randn((7, tiny.UNET_CONFIG["cross_attention_dim"]))
     latents, embeddings = batch(3)
-    dropped = draw(state, shard, latents.shape[1:]).dropped
+    dropped = draws_of(state, shard, latents.shape[1:]).dropped
     # Seed 0's draws drop one sample of the two at step 1: both cases are exercised.
     assert dropped.tolist() == [False, True]
     replaced = torch.where(dropped[:, None, None], state.empty_prompt, embeddings)
     plain = new_state(spec(ema=None), build_unet())
     expected = _loss_of(plain, spec(ema=None), latents, replaced)
-    assert train_step(state, shard, latents, embeddings) == pytest.approx(expected, rel=1e-5)
+    assert step(state, shard, latents, embeddings) == pytest.approx(expected, rel=1e-5)
 
 
 def _loss_of(state, shard, latents, embeddings) -> float:
-    return train_step(state, shard, latents, embeddings)
+    return step(state, shard, latents, embeddings)
 
 
 def test_offset_noise_adds_one_constant_per_channel() -> None:
     latents, _ = batch(0)
-    plain = draw(new_state(spec(), build_unet()), spec(), latents.shape[1:]).noise
-    offset = draw(new_state(spec(noise_offset=0.1), build_unet()), spec(noise_offset=0.1),
-                  latents.shape[1:]).noise  # fmt: skip
+    plain = draw(spec(), 1, slice(0, BATCH), latents.shape[1:]).noise
+    offset = draw(spec(noise_offset=0.1), 1, slice(0, BATCH), latents.shape[1:]).noise
     difference = offset - plain
     per_channel = difference.mean(dim=(2, 3), keepdim=True)
     torch.testing.assert_close(difference, per_channel.expand_as(difference))
@@ -177,13 +188,13 @@ def test_offset_noise_adds_one_constant_per_channel() -> None:
 
 def test_draws_are_the_same_for_a_sample_whatever_the_world_size() -> None:
     latents, _ = batch(0)
-    one = draw(new_state(spec(), build_unet()), spec(), latents.shape[1:])
+    one = draw(spec(), 1, slice(0, BATCH), latents.shape[1:])
     shard = spec()
     halves = []
     for rank in range(2):
         state = new_state(shard, build_unet())
         state.ranks = Ranks(rank=rank, world_size=2)
-        halves.append(draw(state, shard, latents.shape[1:]))
+        halves.append(draws_of(state, shard, latents.shape[1:]))
     torch.testing.assert_close(torch.cat([half.noise for half in halves]), one.noise)
     assert torch.cat([half.timesteps for half in halves]).tolist() == one.timesteps.tolist()
 
@@ -229,16 +240,40 @@ def test_model_flops_per_sample_scale_with_the_latent_size() -> None:
     assert peak_flops(state.device) is None  # no MFU on a CPU
 
 
+@pytest.mark.parametrize(
+    ("name", "tflops"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989),
+        ("NVIDIA H100 PCIe", 756),
+        ("NVIDIA H100 NVL", 835),
+        ("NVIDIA H800", 989),
+        ("NVIDIA H200", 989),
+        ("NVIDIA GH200 480GB", 989),
+        ("NVIDIA A100-SXM4-80GB", 312),
+        ("NVIDIA A100 80GB PCIe", 312),
+        ("NVIDIA A800-SXM4-80GB", 312),
+        ("NVIDIA A10G", 125),
+        ("NVIDIA L40", 181),
+        ("NVIDIA L40S", 362),
+        ("NVIDIA L4", 121),
+        ("Tesla V100-SXM2-16GB", 125),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_peak_flops_are_matched_by_the_device_s_whole_name(name: str, tflops) -> None:
+    assert peak_flops_of(name) == (tflops * 1e12 if tflops else None)
+
+
 def test_a_state_resumed_from_its_checkpoint_writes_the_same_bytes(tmp_path) -> None:
     shard = spec(lr=1e-3, lr_schedule="cosine", lr_warmup=1, grad_accumulation=2)
     going_on = new_state(shard, build_unet())
     for seed in (0, 1):
-        train_step(going_on, shard, *batch(seed))
+        step(going_on, shard, *batch(seed))
     save_checkpoint(going_on, tmp_path / "at-2")
     resumed = load_checkpoint(shard, tmp_path / "at-2")
     for state, folder in ((going_on, "going-on"), (resumed, "resumed")):
         for seed in (2, 3):
-            train_step(state, shard, *batch(seed))
+            step(state, shard, *batch(seed))
         save_checkpoint(state, tmp_path / folder)
     written = {
         folder: {path.relative_to(tmp_path / folder): path.read_bytes()

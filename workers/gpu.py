@@ -1,5 +1,7 @@
 """The device a GPU worker process works on. Imports torch: GPU work only."""
 
+import re
+
 import torch
 from diffusers.utils import logging as diffusers_logging
 from transformers.utils import logging as transformers_logging
@@ -38,23 +40,39 @@ def describe_device() -> str:
     return f"cuda {properties.name} GPU-{properties.uuid}"
 
 
-# Dense bf16/fp16 tensor-core peak of one GPU, FLOP/s, by what CUDA calls it (the longest name
-# that matches wins): what model FLOPs utilisation is measured against.
-PEAK_FLOPS = {
-    "H100 PCIe": 756e12,
-    "H100": 989e12,
-    "H200": 989e12,
-    "GH200": 989e12,
-    "B200": 2250e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "L4": 121e12,
-}
+# Dense bf16/fp16 tensor-core peak of one GPU, FLOP/s, by the name CUDA gives it (without
+# "NVIDIA "/"Tesla "): what model FLOPs utilisation is measured against. The first pattern
+# that matches the whole name wins, so a variant is listed before its family and L40 never
+# passes for L4.
+PEAK_FLOPS: tuple[tuple[str, float], ...] = (
+    (r"H100 PCIe.*", 756e12),
+    (r"H100 NVL.*", 835e12),
+    (r"H100\b.*", 989e12),  # SXM: "H100 80GB HBM3"
+    (r"H800 PCIe.*", 756e12),
+    (r"H800\b.*", 989e12),
+    (r"H200 NVL.*", 835e12),
+    (r"GH200\b.*", 989e12),
+    (r"H200\b.*", 989e12),
+    (r"B200\b.*", 2250e12),
+    (r"A100\b.*", 312e12),  # "A100-SXM4-80GB", "A100 80GB PCIe"
+    (r"A800\b.*", 312e12),
+    (r"A10G", 125e12),
+    (r"A10", 125e12),
+    (r"A40", 150e12),
+    (r"L40S", 362e12),
+    (r"L40", 181e12),
+    (r"L4", 121e12),
+    (r"V100\b.*", 125e12),
+)
+
+
+def peak_flops_of(name: str) -> float | None:
+    """A GPU's dense tensor-core peak by its CUDA name; None for one not listed."""
+    model = re.sub(r"^(NVIDIA|Tesla)\s+", "", name.strip())
+    return next((flops for pattern, flops in PEAK_FLOPS if re.fullmatch(pattern, model)), None)
 
 
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    known = [key for key in PEAK_FLOPS if key in name]
-    return PEAK_FLOPS[max(known, key=len)] if known else None
+    return peak_flops_of(torch.cuda.get_device_name(device))

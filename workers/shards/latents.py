@@ -1,6 +1,13 @@
 """The latent shard format, written by encode and read by training: one parquet row per
 sample, its lineage (key, url, caption, source image sha256, seed) beside its tensors, whose
-shapes and dtypes the schema metadata describes. No torch here."""
+shapes and dtypes the schema metadata describes. No torch here.
+
+Each tensor is one fixed-size binary value per sample, its bytes as the device made them
+(fp16 on a GPU), stored uncompressed: reading a column is one copy of its pages, and a row
+is a view of it, where the fixed-size lists of earlier shards cost a decompression and a
+conversion per element (a 1,000-row SD 2 shard: ~0.04 s against ~2.5 s). Those still
+read, through the same functions. zstd gains ~6% on fp16 tensors; the text columns keep it.
+"""
 
 import io
 import json
@@ -13,6 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 METADATA_KEY = b"sdq"
+# What training reads of a shard.
+TRAINING_TENSORS = ("latents", "text_embeddings")
 
 
 @dataclass(frozen=True)
@@ -37,17 +46,26 @@ def latent_shard_bytes(
 ) -> bytes:
     """One row per sample: its lineage columns (key, url, caption and source image sha256)
     beside its seed, latents, text embeddings and token ids. The tensors are fixed-size
-    lists, flat; their shapes and dtypes are in the schema metadata under `sdq`, with
+    binary values; their shapes and dtypes are in the schema metadata under `sdq`, with
     `about`."""
     columns: dict[str, pa.Array] = {
         **{name: pa.array(values, pa.string()) for name, values in lineage.items()},
         "seed": pa.array(encoded.seeds, pa.int64()),
     }
-    columns.update({name: _fixed_size_list(array) for name, array in encoded.tensors().items()})
+    tensors = encoded.tensors()
+    columns.update({name: _fixed_size_binary(array) for name, array in tensors.items()})
     metadata = {**about, "tensors": describe(encoded)}
     table = pa.table(columns).replace_schema_metadata({METADATA_KEY: json.dumps(metadata)})
+    small = [name for name in columns if name not in tensors]
     buffer = io.BytesIO()
-    pq.write_table(table, buffer, compression="zstd")
+    pq.write_table(
+        table,
+        buffer,
+        compression={name: "zstd" if name in small else "none" for name in columns},
+        # A dictionary or min/max statistics of 150 KB values only cost space and time.
+        use_dictionary=small,
+        write_statistics=small,
+    )
     return buffer.getvalue()
 
 
@@ -59,14 +77,32 @@ def describe(encoded: Encoded) -> dict[str, dict[str, Any]]:
     }
 
 
-def _fixed_size_list(array: np.ndarray) -> pa.FixedSizeListArray:
-    flat = np.ascontiguousarray(array).reshape(-1)
-    return pa.FixedSizeListArray.from_arrays(pa.array(flat), int(np.prod(array.shape[1:])))
+def _fixed_size_binary(array: np.ndarray) -> pa.FixedSizeBinaryArray:
+    rows = np.ascontiguousarray(array)
+    width = rows.nbytes // len(rows) if len(rows) else rows.dtype.itemsize
+    return pa.FixedSizeBinaryArray.from_buffers(
+        pa.binary(width), len(rows), [None, pa.py_buffer(rows)]
+    )
 
 
 def read_tensor(table: pa.Table, name: str) -> np.ndarray:
-    """A tensor column of a latent shard back in its shape: samples x the recorded shape."""
+    """A tensor column of a latent shard in its shape and dtype: samples x the recorded
+    shape. A view of the column's memory in the binary layout; a converted copy in the list
+    layout of earlier shards."""
     about = json.loads(table.schema.metadata[METADATA_KEY])["tensors"][name]
+    shape, dtype = (len(table), *about["shape"]), np.dtype(about["dtype"])
     column = table.column(name).combine_chunks()
+    if pa.types.is_fixed_size_binary(column.type):
+        data = column.buffers()[1]
+        offset = column.offset * column.type.byte_width
+        return np.frombuffer(data, dtype, count=int(np.prod(shape)), offset=offset).reshape(shape)
     flat = column.values.to_numpy(zero_copy_only=False)
-    return flat.reshape(len(table), *about["shape"]).astype(about["dtype"], copy=False)
+    return flat.reshape(shape).astype(dtype, copy=False)
+
+
+def read_training_tensors(data: bytes | memoryview) -> tuple[np.ndarray, np.ndarray]:
+    """What training reads of a shard's bytes: its latents and text embeddings, in the
+    dtype they were stored in (views of one copy of their pages, in the binary layout)."""
+    table = pq.read_table(pa.BufferReader(data), columns=list(TRAINING_TENSORS))
+    latents, embeddings = (read_tensor(table, name) for name in TRAINING_TENSORS)
+    return latents, embeddings

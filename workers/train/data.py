@@ -1,27 +1,141 @@
-"""The samples a train run sees, in a seeded shuffled order: one epoch after another, the
-latent shards in a permuted order and each shard's rows permuted within it. Batch k is
-samples [k * batch_size, (k + 1) * batch_size) of that endless stream, so a job that
-starts at step s starts at sample s * batch_size, on any worker, with nothing saved but
-the step. With several ranks, each reads its own equal slice of every batch. No torch
-here."""
+"""The samples a train run sees, in a seeded order that any number of ranks reads apart.
 
-import io
-from collections.abc import Callable, Iterator
+The run's latent shards are dealt to its data lanes (`--data-lanes`): each epoch's seeded
+permutation of the shards, one epoch after another, is dealt round the lanes like cards,
+and each lane reads its shards one after another, each shard's rows in a seeded order.
+Global batch k takes the next batch_size / lanes samples of every lane, lane by lane, so a
+job that starts at step s starts every lane at sample s * batch_size / lanes, on any
+worker, with nothing saved but the step.
+
+A rank trains on whole lanes (the world size divides the lanes), which are its slice of
+every global batch: it fetches only its lanes' shards, about 1/N of the bytes, and N ranks
+train on exactly what one rank would with the same lanes. With one lane this is the order
+of earlier runs: each epoch's shards in their permuted order, each shard's rows permuted.
+
+A rank's next shards are known from the seed: they are fetched and decoded on a pool of
+threads (parallel ranged GETs on S3) while the current ones are trained on. No torch here.
+"""
+
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import lru_cache
-from itertools import islice
+from functools import partial
+from itertools import count
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from sdq.models.training import LatentInput
-from sdq.workers.shards.latents import read_tensor
+from sdq.workers.shards.latents import read_training_tensors
+
+# Fetches one shard's latents and text embeddings, by its place in the run's inputs.
+LoadShard = Callable[[int], tuple[np.ndarray, np.ndarray]]
+# Where a batch's arrays are gathered: (shape, dtype) -> an empty array (pinned memory
+# on a GPU, so the copy to the device runs without the host waiting).
+Allocate = Callable[[tuple[int, ...], np.dtype], np.ndarray]
 
 
 @dataclass(frozen=True)
 class Batch:
-    latents: np.ndarray  # batch x channels x height x width, float32
-    text_embeddings: np.ndarray  # batch x tokens x hidden size, float32
+    step: int  # the step that trains on it, counted from 1
+    latents: np.ndarray  # this rank's samples x channels x height x width, as stored
+    text_embeddings: np.ndarray  # this rank's samples x tokens x hidden size, as stored
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One shard a lane reads, and its rows in the order the lane takes them."""
+
+    shard: int
+    rows: np.ndarray
+
+
+def _share(count: int, *, seed: int, lanes: int, lane: int, epoch: int) -> np.ndarray:
+    """A lane's shards of one epoch: every `lanes`-th of its permutation, starting where the
+    deal of the epochs before left off."""
+    order = np.random.default_rng([seed, epoch]).permutation(count)
+    return order[(lane - epoch * count) % lanes :: lanes]
+
+
+def lane_pieces(
+    inputs: tuple[LatentInput, ...], *, seed: int, lanes: int, lane: int, offset: int
+) -> Iterator[Piece]:
+    """The pieces of a lane from its sample `offset` on. Whole epochs and shards before the
+    offset are skipped by their sizes: nothing is drawn for them."""
+    sizes = np.array([item.samples for item in inputs])
+    deal = partial(_share, len(inputs), seed=seed, lanes=lanes, lane=lane)
+    first = 0
+    while offset >= (epoch_samples := int(sizes[deal(epoch=first)].sum())):
+        offset -= epoch_samples
+        first += 1
+    for epoch in count(first):
+        for shard in map(int, deal(epoch=epoch)):
+            if offset >= sizes[shard]:
+                offset -= int(sizes[shard])
+                continue
+            rows = np.random.default_rng([seed, epoch, shard]).permutation(sizes[shard])
+            yield Piece(shard, rows[offset:])
+            offset = 0
+
+
+class Lane:
+    """A lane's samples as a rank takes them, with its next shards in view."""
+
+    def __init__(self, pieces: Iterator[Piece]) -> None:
+        self._pieces = pieces
+        self._ahead: deque[Piece] = deque()
+
+    def upcoming(self, pieces: int) -> list[int]:
+        """The shards of its current piece and the `pieces - 1` after it."""
+        while len(self._ahead) < pieces:
+            self._ahead.append(next(self._pieces))
+        return [piece.shard for piece in list(self._ahead)[:pieces]]
+
+    def take(self, samples: int) -> list[Piece]:
+        """The next samples, as the pieces (shard and rows) they come from."""
+        taken = []
+        while samples:
+            self.upcoming(1)
+            piece = self._ahead[0]
+            rows, rest = piece.rows[:samples], piece.rows[samples:]
+            taken.append(Piece(piece.shard, rows))
+            samples -= len(rows)
+            if len(rest):
+                self._ahead[0] = Piece(piece.shard, rest)
+            else:
+                self._ahead.popleft()
+        return taken
+
+
+class ShardCache:
+    """Shards fetched and decoded on a pool of threads, each held while a lane wants it."""
+
+    def __init__(self, load: LoadShard, threads: int) -> None:
+        self._load = load
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="sdq-shards")
+        self._held: dict[int, Future] = {}
+
+    def want(self, shards: Iterable[int]) -> None:
+        """Holds these shards (fetching those not held, in this order) and no others."""
+        wanted = dict.fromkeys(shards)
+        for shard in self._held.keys() - wanted.keys():
+            self._held.pop(shard).cancel()
+        for shard in wanted:
+            if shard not in self._held:
+                self._held[shard] = self._pool.submit(self._load, shard)
+
+    def get(self, shard: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._held[shard].result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._held = {}
+
+
+def load_shards(
+    inputs: tuple[LatentInput, ...], read: Callable[[str], bytes | memoryview]
+) -> LoadShard:
+    return lambda index: read_training_tensors(read(inputs[index].key))
 
 
 class LatentStream:
@@ -31,53 +145,65 @@ class LatentStream:
         *,
         seed: int,
         batch_size: int,
-        read: Callable[[str], bytes],
+        lanes: int,
+        load: LoadShard,
+        shards_ahead: int = 2,
+        threads: int = 4,
     ) -> None:
+        if batch_size % lanes:
+            raise ValueError(f"a batch of {batch_size} does not split over {lanes} data lanes")
         self.inputs = inputs
         self.seed = seed
         self.batch_size = batch_size
-        self.total = sum(item.samples for item in inputs)
-        # The shard being read and the next: shards come one at a time in this order.
-        self._shard = lru_cache(maxsize=2)(lambda index: _load(read(inputs[index].key)))
+        self.lanes = lanes
+        self.load = load
+        self.shards_ahead = shards_ahead
+        self.threads = threads
 
-    def samples(self, first_step: int) -> Iterator[tuple[int, int]]:
-        """(shard index, row) of every sample from the first one step `first_step` sees."""
-        epoch, offset = divmod(first_step * self.batch_size, self.total)
-        while True:
-            yield from self._epoch(epoch, offset)
-            epoch, offset = epoch + 1, 0
-
-    def _epoch(self, epoch: int, offset: int) -> Iterator[tuple[int, int]]:
-        # A generator per shard: skipping to an offset draws nothing for the shards before.
-        for shard in np.random.default_rng([self.seed, epoch]).permutation(len(self.inputs)):
-            size = self.inputs[shard].samples
-            if offset >= size:
-                offset -= size
-                continue
-            rows = np.random.default_rng([self.seed, epoch, int(shard)]).permutation(size)
-            for row in rows[offset:]:
-                yield int(shard), int(row)
-            offset = 0
-
-    def batches(self, first_step: int, part: slice = slice(None)) -> Iterator[Batch]:
+    def batches(
+        self, first_step: int, lanes: range | None = None, allocate: Allocate = np.empty
+    ) -> Iterator[Batch]:
         """Batch after batch from the one step `first_step` trains on: of each, the samples
-        in `part` (a rank's share)."""
-        samples = self.samples(first_step)
-        while True:
-            yield self._batch(list(islice(samples, self.batch_size))[part])
+        of `lanes` (a rank's share; all of them by default)."""
+        per_lane = self.batch_size // self.lanes
+        mine = [
+            Lane(
+                lane_pieces(
+                    self.inputs,
+                    seed=self.seed,
+                    lanes=self.lanes,
+                    lane=lane,
+                    offset=first_step * per_lane,
+                )
+            )
+            for lane in lanes or range(self.lanes)
+        ]
+        cache = ShardCache(self.load, self.threads)
+        try:
+            for step in count(first_step + 1):
+                pieces = [piece for lane in mine for piece in lane.take(per_lane)]
+                cache.want(self._wanted(pieces, mine))
+                yield _gather(step, pieces, cache, allocate)
+        finally:
+            cache.close()
 
-    def _batch(self, samples: list[tuple[int, int]]) -> Batch:
-        latents, embeddings = [], []
-        for shard, row in samples:
-            shard_latents, shard_embeddings = self._shard(shard)
-            latents.append(shard_latents[row])
-            embeddings.append(shard_embeddings[row])
-        return Batch(np.stack(latents), np.stack(embeddings))
+    def _wanted(self, pieces: list[Piece], lanes: list[Lane]) -> list[int]:
+        """This batch's shards first, then each lane's next ones, nearest first."""
+        upcoming = [lane.upcoming(1 + self.shards_ahead) for lane in lanes]
+        later = [shards[depth] for depth in range(1 + self.shards_ahead) for shards in upcoming]
+        return [piece.shard for piece in pieces] + later
 
 
-def _load(data: bytes) -> tuple[np.ndarray, np.ndarray]:
-    table = pq.read_table(io.BytesIO(data), columns=["latents", "text_embeddings"])
-    return (
-        read_tensor(table, "latents").astype(np.float32),
-        read_tensor(table, "text_embeddings").astype(np.float32),
-    )
+def _gather(step: int, pieces: list[Piece], cache: ShardCache, allocate: Allocate) -> Batch:
+    first_latents, first_embeddings = cache.get(pieces[0].shard)
+    total = sum(len(piece.rows) for piece in pieces)
+    latents = allocate((total, *first_latents.shape[1:]), first_latents.dtype)
+    embeddings = allocate((total, *first_embeddings.shape[1:]), first_embeddings.dtype)
+    start = 0
+    for piece in pieces:
+        shard_latents, shard_embeddings = cache.get(piece.shard)
+        end = start + len(piece.rows)
+        np.take(shard_latents, piece.rows, axis=0, out=latents[start:end])
+        np.take(shard_embeddings, piece.rows, axis=0, out=embeddings[start:end])
+        start = end
+    return Batch(step, latents, embeddings)

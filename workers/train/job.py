@@ -17,13 +17,15 @@ import torch
 from diffusers import UNet2DConditionModel
 
 from sdq.models.registry import folder_content_hash
+from sdq.models.settings import TrainSettings
 from sdq.models.store import ObjectStore
 from sdq.models.training import TrainShardSpec, checkpoint_prefix
 from sdq.workers.gpu import peak_flops
-from sdq.workers.train.data import LatentStream
+from sdq.workers.train.data import LatentStream, load_shards
 from sdq.workers.train.records import Written
 from sdq.workers.train.trainer import (
     Ranks,
+    StepInputs,
     TrainState,
     base_folder,
     base_unet,
@@ -31,6 +33,7 @@ from sdq.workers.train.trainer import (
     load_checkpoint,
     new_state,
     on_device,
+    pinned_allocator,
     save_checkpoint,
     train_step,
     training_flops_per_sample,
@@ -77,37 +80,84 @@ def empty_prompt(store: ObjectStore, key: str | None) -> torch.Tensor:
     return torch.from_numpy(np.load(io.BytesIO(store.get_bytes(key))).astype(np.float32))
 
 
-def train_steps(spec: TrainShardSpec, state: TrainState, store: ObjectStore) -> list[dict]:
+def train_steps(
+    spec: TrainShardSpec, state: TrainState, store: ObjectStore, settings: TrainSettings
+) -> list[dict]:
     """Steps until the job's last, each one's loss, learning rate and speed noted (the
-    loss and speed of the whole global batch, the same on every rank)."""
+    loss and speed of the whole global batch, the same on every rank). The losses are read
+    from the device every `loss_every` steps, all at once, and a window's speed is its
+    samples over its wall time: data waits count, not only the compute."""
     options = spec.options
     stream = LatentStream(
-        spec.inputs, seed=options.seed, batch_size=options.batch_size, read=store.get_bytes
+        spec.inputs,
+        seed=options.seed,
+        batch_size=options.batch_size,
+        lanes=options.data_lanes,
+        load=load_shards(spec.inputs, store.get_large),
+        shards_ahead=settings.shards_ahead,
+        threads=settings.fetch_threads,
     )
-    part = state.ranks.part(options.batch_size)
-    peak, flops = peak_flops(state.device), None
-    steps: list[dict[str, Any]] = []
-    with closing(on_device(stream.batches(state.step, part), state.device)) as batches:
-        for latents, embeddings in batches:
-            if peak is not None and flops is None:
-                flops = training_flops_per_sample(state, latents, embeddings)
-            started = perf_counter()
-            loss = train_step(state, spec, latents, embeddings)
-            speed = options.batch_size / (perf_counter() - started)
-            steps.append(
+    batches = stream.batches(
+        state.step, state.ranks.lanes(options.data_lanes), pinned_allocator(state.device)
+    )
+    window = StepWindow(spec, state)
+    with closing(batches), closing(on_device(batches, state, spec)) as inputs:
+        for step_inputs in inputs:
+            window.flops_from(step_inputs)
+            window.add(train_step(state, spec, step_inputs))
+            if state.step == spec.last_step:
+                break
+            if len(window) == settings.loss_every:
+                window.read()
+    window.read()
+    return window.steps
+
+
+class StepWindow:
+    """Steps whose losses are still on the device, read together when the window closes."""
+
+    def __init__(self, spec: TrainShardSpec, state: TrainState) -> None:
+        self.spec, self.state = spec, state
+        self.steps: list[dict[str, Any]] = []
+        self._losses: list[tuple[int, float, torch.Tensor]] = []
+        self._opened = perf_counter()
+        self._peak, self._flops = peak_flops(state.device), None
+
+    def __len__(self) -> int:
+        return len(self._losses)
+
+    def flops_from(self, inputs: StepInputs) -> None:
+        """The model's FLOPs per sample, counted once on the first batch (on a GPU)."""
+        if self._peak is not None and self._flops is None:
+            self._flops = training_flops_per_sample(
+                self.state, inputs.latents.float(), inputs.embeddings.float()
+            )
+
+    def add(self, loss: torch.Tensor) -> None:
+        lr = self.state.lr_scheduler.get_last_lr()[0]
+        self._losses.append((self.state.step, lr, loss))
+
+    def read(self) -> None:
+        if not self._losses:
+            return
+        losses = torch.stack([loss for _, _, loss in self._losses]).tolist()
+        closed = perf_counter()
+        options = self.spec.options
+        speed = len(losses) * options.batch_size / (closed - self._opened)
+        peak, flops = self._peak, self._flops
+        for (step, lr, _), loss in zip(self._losses, losses, strict=True):
+            self.steps.append(
                 {
-                    "run_id": spec.run,
-                    "step": state.step,
+                    "run_id": self.spec.run,
+                    "step": step,
                     "loss": loss,
-                    "lr": state.lr_scheduler.get_last_lr()[0],
+                    "lr": lr,
                     "samples_per_second": speed,
                     "world_size": options.world_size,
                     "mfu": flops * speed / (peak * options.world_size) if flops else None,
                 }
             )
-            if state.step == spec.last_step:
-                return steps
-    return steps
+        self._losses, self._opened = [], closed
 
 
 def write_checkpoint(

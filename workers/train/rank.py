@@ -76,7 +76,7 @@ def train_rank(spec: TrainShardSpec, ranks: Ranks, settings: Settings) -> RankDo
         store = open_store(settings.store_url)
         files = ModelFiles(store, settings.model_cache_dir)
         state = restore_state(spec, store, files, ranks)
-        steps = train_steps(spec, state, store)
+        steps = train_steps(spec, state, store, settings.train)
         if not ranks.writes:
             return RankDone(None, state)
         written = write_checkpoint(spec, state, store, files)

@@ -3,10 +3,13 @@ that hold everything needed to go on exactly where they were written. GPU-side: 
 torch. The frozen VAE and text encoder are never loaded: the latent shards hold their
 outputs.
 
-On a GPU: bf16/fp16 autocast (fp16 with a gradient scaler), SDPA attention (diffusers'
-default processor), optional gradient checkpointing and torch.compile, channels_last, and
-the next batch copied from pinned memory while the current step runs. On a CPU the same
-code runs in fp32.
+On a GPU: bf16 autocast unless the run asks for fp16 (with a gradient scaler) or none, TF32
+for what runs in fp32, cuDNN's autotuner, SDPA attention (diffusers' default processor),
+fused AdamW, optional gradient checkpointing and torch.compile, channels_last. The next
+batch and its random draws are made on a thread and copied from pinned memory on a side
+stream while the current step runs, and the loss stays on the device until the job reads a
+window of them at once: the host never waits for the device within a step. On a CPU the
+same code runs in fp32.
 
 Data parallel: with more than one rank the U-Net is wrapped in DistributedDataParallel and
 each rank trains on its own slice of every global batch. A sample's random draws (noise,
@@ -24,6 +27,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -74,6 +78,11 @@ class Ranks:
         share = global_batch // self.world_size
         return slice(self.rank * share, (self.rank + 1) * share)
 
+    def lanes(self, data_lanes: int) -> range:
+        """This rank's data lanes, whose samples are its part of every global batch."""
+        share = data_lanes // self.world_size
+        return range(self.rank * share, (self.rank + 1) * share)
+
 
 @dataclass
 class TrainState:
@@ -118,31 +127,55 @@ def _base_unet_config(spec: TrainShardSpec, files: ModelFiles) -> dict:
     return UNet2DConditionModel.load_config(where.path, subfolder="unet", revision=where.revision)
 
 
+def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
+    """The dtype the forward pass autocasts to; None: fp32 throughout."""
+    if mixed_precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    return AUTOCAST.get(mixed_precision)
+
+
+def use_fast_kernels(device: torch.device) -> None:
+    """TF32 tensor cores for the matmuls and convolutions that still run in fp32, and
+    cuDNN's autotuner: a training job's shapes never change."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+
+
 def new_state(
     spec: TrainShardSpec, unet: UNet2DConditionModel, ranks: Ranks = Ranks()
 ) -> TrainState:
     """The state before step 1, around the base model's U-Net."""
     options = spec.options
     device = ranks.device()
+    use_fast_kernels(device)
     unet = _without_origin(unet).to(device, torch.float32).train()
     if device.type == "cuda":
         unet = unet.to(memory_format=torch.channels_last)
     if options.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
-    optimizer = torch.optim.AdamW(unet.parameters(), lr=options.lr)
+    # Fused: one kernel for every parameter's update, where foreach needs several.
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=options.lr, fused=device.type == "cuda")
     ema = None
     if options.ema is not None and ranks.writes:
         ema = EMAModel(
             unet.parameters(),
             decay=options.ema,
+            foreach=True,
             model_cls=UNet2DConditionModel,
             model_config=unet.config,
         )
     model: torch.nn.Module = unet
     if ranks.distributed:
-        # Rank 0's weights are broadcast to the others here: all start alike.
+        # Rank 0's weights are broadcast to the others here: all start alike. Gradients
+        # live in DDP's buckets (no copy in and out), and the graph is the same every step
+        # (which DDP cannot use beside no_sync: an internal assert fails in its reducer).
         model = DistributedDataParallel(
-            unet, device_ids=[device.index] if device.type == "cuda" else None
+            unet,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+            static_graph=options.grad_accumulation == 1,
         )
     return TrainState(
         run=spec.run,
@@ -177,20 +210,6 @@ def _without_origin(unet: UNet2DConditionModel) -> UNet2DConditionModel:
     return clean
 
 
-def on_device(batches: Iterator[Batch], device: torch.device) -> Iterator[tuple]:
-    """Batches as device tensors; on a GPU each is copied from pinned memory on a thread
-    while the step before runs."""
-    pin = device.type == "cuda"
-
-    def moved(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        tensors = [torch.from_numpy(batch.latents), torch.from_numpy(batch.text_embeddings)]
-        if pin:
-            tensors = [tensor.pin_memory() for tensor in tensors]
-        return tuple(tensor.to(device, non_blocking=pin) for tensor in tensors)
-
-    return run_ahead((moved(batch) for batch in batches), depth=2)
-
-
 @dataclass(frozen=True)
 class Draws:
     """A step's random numbers for this rank's samples."""
@@ -200,21 +219,29 @@ class Draws:
     dropped: torch.Tensor | None  # samples trained on the empty prompt
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """What one step trains on, on the device: this rank's samples and their draws."""
+
+    latents: torch.Tensor  # as the shards store them (fp16 from a GPU's encode)
+    embeddings: torch.Tensor
+    draws: Draws
+
+
 def sample_seed(seed: int, step: int, index: int) -> int:
     """The seed of sample `index` of the global batch of `step` (1-based)."""
     digest = hashlib.blake2b(f"{seed}/{step}/{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
 
-def draw(state: TrainState, spec: TrainShardSpec, sample_shape: torch.Size) -> Draws:
-    """This rank's samples' draws for the coming step, each from its own CPU generator: the
-    same numbers on any device, world size and worker."""
+def draw(spec: TrainShardSpec, step: int, part: slice, sample_shape: torch.Size) -> Draws:
+    """The draws of samples `part` of the global batch of `step`, each from its own CPU
+    generator: the same numbers on any device, world size and worker."""
     options = spec.options
-    total = state.noise_scheduler.config.num_train_timesteps
+    total = spec.scheduler_config.get("num_train_timesteps", 1000)
     noises, timesteps, dropped = [], [], []
-    part = state.ranks.part(options.batch_size)
     for index in range(part.start, part.stop):
-        generator = torch.Generator().manual_seed(sample_seed(options.seed, state.step + 1, index))
+        generator = torch.Generator().manual_seed(sample_seed(options.seed, step, index))
         noise = torch.randn(sample_shape, generator=generator)
         timesteps.append(torch.randint(0, total, (), generator=generator))
         if options.noise_offset:
@@ -224,18 +251,93 @@ def draw(state: TrainState, spec: TrainShardSpec, sample_shape: torch.Size) -> D
         if options.caption_dropout:
             dropped.append(torch.rand((), generator=generator) < options.caption_dropout)
     return Draws(
-        noise=torch.stack(noises).to(state.device),
-        timesteps=torch.stack(timesteps).to(state.device),
-        dropped=torch.stack(dropped).to(state.device) if dropped else None,
+        noise=torch.stack(noises),
+        timesteps=torch.stack(timesteps),
+        dropped=torch.stack(dropped) if dropped else None,
     )
 
 
-def train_step(state: TrainState, spec: TrainShardSpec, latents, embeddings) -> float:
+def step_inputs(state: TrainState, spec: TrainShardSpec, latents, embeddings) -> StepInputs:
+    """The next step's inputs from host tensors, drawn and moved here and now."""
+    part = state.ranks.part(spec.options.batch_size)
+    draws = draw(spec, state.step + 1, part, latents.shape[1:])
+    return _moved(StepInputs(latents, embeddings, draws), state.device)
+
+
+def on_device(
+    batches: Iterator[Batch], state: TrainState, spec: TrainShardSpec
+) -> Iterator[StepInputs]:
+    """Each batch with its draws, made on a thread and copied to the device on a side
+    stream (from pinned memory: the batch is gathered there) while the step before runs."""
+    part = state.ranks.part(spec.options.batch_size)
+    side = torch.cuda.Stream(state.device) if state.device.type == "cuda" else None
+
+    def staged(batch: Batch) -> tuple[StepInputs, object]:
+        latents = torch.from_numpy(batch.latents)
+        draws = draw(spec, batch.step, part, latents.shape[1:])
+        host = StepInputs(latents, torch.from_numpy(batch.text_embeddings), _pinned(draws, side))
+        if side is None:
+            return _moved(host, state.device), None
+        with torch.cuda.stream(side):
+            moved = _moved(host, state.device)
+            return moved, torch.cuda.current_stream(state.device).record_event()
+
+    for inputs, copied in run_ahead((staged(batch) for batch in batches), depth=2):
+        if copied is not None:
+            _used_here(inputs, copied)
+        yield inputs
+
+
+def pinned_allocator(device: torch.device):
+    """Where a batch is gathered on the host: pinned memory when it goes to a GPU."""
+    if device.type != "cuda":
+        return np.empty
+
+    def allocate(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        like = torch.from_numpy(np.empty(0, dtype)).dtype
+        return torch.empty(shape, dtype=like, pin_memory=True).numpy()
+
+    return allocate
+
+
+def _pinned(draws: Draws, side) -> Draws:
+    if side is None:
+        return draws
+    dropped = draws.dropped.pin_memory() if draws.dropped is not None else None
+    return Draws(draws.noise.pin_memory(), draws.timesteps.pin_memory(), dropped)
+
+
+def _moved(inputs: StepInputs, device: torch.device) -> StepInputs:
+    def move(tensor):
+        return None if tensor is None else tensor.to(device, non_blocking=True)
+
+    draws = inputs.draws
+    return StepInputs(
+        move(inputs.latents),
+        move(inputs.embeddings),
+        Draws(move(draws.noise), move(draws.timesteps), move(draws.dropped)),
+    )
+
+
+def _used_here(inputs: StepInputs, copied) -> None:
+    """The step's stream waits for the side stream's copies, and the allocator knows the
+    tensors are used on it (they were made on the side stream)."""
+    here = torch.cuda.current_stream(inputs.latents.device)
+    here.wait_event(copied)
+    draws = inputs.draws
+    for tensor in (inputs.latents, inputs.embeddings, draws.noise, draws.timesteps, draws.dropped):
+        if tensor is not None:
+            tensor.record_stream(here)
+
+
+def train_step(state: TrainState, spec: TrainShardSpec, inputs: StepInputs) -> torch.Tensor:
     """One optimizer step on this rank's share of the global batch, in micro-batches whose
     gradients add up (synchronised across ranks on the last); returns the loss of the
-    whole global batch."""
+    whole global batch, on the device: reading it waits for the step, so callers read a
+    window of steps at once."""
     options = spec.options
-    draws = draw(state, spec, latents.shape[1:])
+    draws = inputs.draws
+    latents, embeddings = inputs.latents.float(), inputs.embeddings.float()
     # Anything else random in the model (dropout in a custom architecture) is seeded too.
     torch.manual_seed(sample_seed(options.seed, state.step + 1, -1 - state.ranks.rank))
     if draws.dropped is not None:
@@ -258,7 +360,7 @@ def train_step(state: TrainState, spec: TrainShardSpec, latents, embeddings) -> 
     if state.ranks.distributed:
         dist.all_reduce(total)
         total /= state.ranks.world_size
-    return total.item()
+    return total
 
 
 def _micro_loss(state: TrainState, spec: TrainShardSpec, latents, embeddings, draws, part):
@@ -269,7 +371,7 @@ def _micro_loss(state: TrainState, spec: TrainShardSpec, latents, embeddings, dr
         target = scheduler.get_velocity(latents, noise, timesteps)
     else:
         target = noise
-    precision = AUTOCAST.get(spec.options.mixed_precision)
+    precision = autocast_dtype(spec.options.mixed_precision, state.device)
     with torch.autocast(state.device.type, dtype=precision, enabled=precision is not None):
         prediction = state.model(noisy, timesteps, embeddings).sample
     return _loss(prediction.float(), target.float(), timesteps, spec, scheduler)
@@ -332,12 +434,29 @@ def load_checkpoint(spec: TrainShardSpec, folder: Path, ranks: Ranks = Ranks()) 
     saved = load_state(folder, state.device)
     state.step = saved["step"]
     state.optimizer.load_state_dict(saved["optimizer"])
+    _state_like_parameters(state.optimizer)
     state.lr_scheduler.load_state_dict(saved["lr_scheduler"])
     if state.ema is not None:
         state.ema.load_state_dict(saved["ema"])
     if state.scaler is not None:
         state.scaler.load_state_dict(saved["scaler"])
     return state
+
+
+def _state_like_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """Each parameter's optimizer state in the parameter's own memory layout: a checkpoint
+    gives it back contiguous, beside channels_last weights, which takes AdamW off its
+    fused and foreach paths (they need matching strides)."""
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            for name, value in optimizer.state.get(parameter, {}).items():
+                if (
+                    torch.is_tensor(value)
+                    and value.shape == parameter.shape
+                    and value.stride() != parameter.stride()
+                ):
+                    like = torch.empty_like(parameter, dtype=value.dtype)
+                    optimizer.state[parameter][name] = like.copy_(value)
 
 
 def export_model(state: TrainState, base: Path, folder: Path) -> str:

@@ -139,7 +139,7 @@ class TrainWork(Work):
         state = self.live.take(spec.run, spec.first_step)
         if state is None:
             state = restore_state(spec, self.store, self.files, Ranks())
-        steps = train_steps(spec, state, self.store)
+        steps = train_steps(spec, state, self.store, self.settings)
         written = write_checkpoint(spec, state, self.store, self.files)
         self.live.keep(state)
         return steps, written
