@@ -203,6 +203,20 @@ def show_training(status: dict[str, Any], *, render_command: str = "sdq submit")
     stdout.print(f"page: {status['page']}", soft_wrap=True)
 
 
+def show_plan(plan: dict[str, Any], refusal: str | None) -> None:
+    """A training configuration's memory per GPU by part, and whether it fits."""
+    gib = 2**30
+    rows = [{"part": name, "GiB": f"{size / gib:.2f}"} for name, size in plan["parts"].items()]
+    rows.append({"part": "per GPU", "GiB": f"{plan['per_gpu_bytes'] / gib:.2f}"})
+    stdout.print(rows_table(rows, ["part", "GiB"], title=f"micro-batch {plan['micro_batch']}"))
+    stdout.print(f"{plan['flops_per_sample'] / 1e9:,.0f} GFLOPs per sample (training)")
+    if refusal is None:
+        usable = plan["usable_bytes"] / gib
+        stdout.print(f"[green]fits[/green] within {usable:.1f} GiB usable of each GPU")
+    else:
+        stdout.print(f"[red]does not fit[/red]: {refusal}")
+
+
 def loss_curve(losses: list[float], width: int = 60) -> str:
     """The loss as a line of block characters, averaged into `width` buckets."""
     size = max(1, -(-len(losses) // width))

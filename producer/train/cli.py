@@ -1,6 +1,7 @@
 """The train commands: fit a base model's U-Net on a dataset's latents, and follow a run."""
 
 import functools
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ from sdq.producer.cli.common import (
 from sdq.producer.generate.prompts import InvalidInput, read_prompts
 from sdq.producer.train import lookups as train_lookups
 from sdq.producer.train.page import page_key, training_html
+from sdq.producer.train.plan import DEFAULT_GPU_MEMORY, CannotPlan, can_plan, memory_size, refusal
+from sdq.producer.train.plan import plan as plan_memory
 from sdq.producer.train.submit import (
     CannotTrain,
     TrainSubmission,
@@ -140,6 +143,14 @@ def _checkpoint_ref(_ctx, _param, value: str | None) -> tuple[int, int | None] |
     "train workers gathers through the database (see the README's multi-node section).",
 )
 @click.option(
+    "--data-lanes",
+    type=click.IntRange(min=1),
+    help="Lanes the run's latent shards are dealt to; each rank reads whole lanes, so the "
+    "world size must divide them, and they the batch size. Runs with the same lanes train "
+    "on the same samples at any world size. [default: the most, up to 8 or the world "
+    "size, that divide the batch]",
+)
+@click.option(
     "--grad-accumulation",
     default=1,
     show_default=True,
@@ -204,9 +215,10 @@ def _checkpoint_ref(_ctx, _param, value: str | None) -> tuple[int, int | None] |
 @click.option(
     "--mixed-precision",
     type=click.Choice(MIXED_PRECISION),
-    default="no",
+    default="auto",
     show_default=True,
-    help="Autocast on the GPU (fp16 with a gradient scaler).",
+    help="Autocast on the GPU (fp16 with a gradient scaler); auto is bf16 on a GPU and "
+    "none on a CPU.",
 )
 @click.option(
     "--gradient-checkpointing",
@@ -221,6 +233,14 @@ def _checkpoint_ref(_ctx, _param, value: str | None) -> tuple[int, int | None] |
     "each checkpoint renders these, with the same seeds, on the generate queue.",
 )
 @click.option("--into", metavar="MODELNAME", help="Register the checkpoints under this name.")
+@click.option(
+    "--gpu-memory",
+    default=DEFAULT_GPU_MEMORY,
+    show_default=True,
+    callback=memory_size,
+    help="With --unet-config: the run is planned on the meta device (see `sdq train plan`) "
+    "and refused when a GPU of this memory cannot hold it.",
+)
 @click.option("--wait", is_flag=True, help="Show progress until the last step.")
 @json_option
 @pass_app
@@ -232,6 +252,7 @@ def start(
     resolution: int,
     into: str | None,
     validation_prompts: Path | None,
+    gpu_memory: int,
     wait: bool,
     as_json: bool,
     **options: Any,
@@ -250,6 +271,8 @@ def start(
     if resume_from and train_options.from_scratch:
         raise click.UsageError("--resume-from starts from trained weights; --from-scratch does not")
     prompts = _validation_prompts(validation_prompts) if validation_prompts else ()
+    if train_options.unet_config is not None and can_plan():
+        _check_fits(train_options, resolution, gpu_memory)
     ensure_schema(app)
     submission = _submit(app, name, base, resume_from, resolution, train_options, into, prompts)
     if app.settings.embedded:
@@ -290,6 +313,29 @@ def _train_options(
         )
     except (ValueError, InvalidArchitecture) as error:
         raise click.UsageError(str(error)) from None
+
+
+def _plan_request(options: TrainOptions, resolution: int, gpu_memory: int) -> dict[str, Any]:
+    return {
+        "unet_config": options.unet_config,
+        "resolution": resolution,
+        "batch_size": options.batch_size,
+        "world_size": options.world_size,
+        "grad_accumulation": options.grad_accumulation,
+        "mixed_precision": options.mixed_precision,
+        "gradient_checkpointing": options.gradient_checkpointing,
+        "ema": options.ema is not None,
+        "gpu_memory": gpu_memory,
+    }
+
+
+def _check_fits(options: TrainOptions, resolution: int, gpu_memory: int) -> None:
+    try:
+        found = plan_memory(_plan_request(options, resolution, gpu_memory))
+    except CannotPlan as error:
+        raise click.UsageError(str(error)) from None
+    if not found["fits"]:
+        raise click.UsageError(f"this run {refusal(found)} (`sdq train plan` shows the parts)")
 
 
 def _validation_prompts(path: Path) -> tuple[tuple[str, int], ...]:
@@ -408,6 +454,58 @@ def status(app: SdqCelery, run_id: int, as_json: bool) -> None:
     """Progress, ETA, the loss curve and the checkpoints of train run RUN."""
     with found():
         _report_status(app, run_id, as_json)
+
+
+@train.command()
+@click.option(
+    "--unet-config",
+    required=True,
+    metavar="FILE|" + "|".join(UNET_ARCHITECTURES),
+    help="The U-Net's architecture: a named one or a diffusers U-Net config file.",
+)
+@click.option("--resolution", required=True, type=click.IntRange(min=8), help="Image pixels.")
+@click.option(
+    "--batch-size",
+    required=True,
+    type=click.IntRange(min=1),
+    help="The global batch, as `sdq train` takes it: each GPU's micro-batch is it over "
+    "--world-size x --grad-accumulation.",
+)
+@click.option("--world-size", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option("--grad-accumulation", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--mixed-precision",
+    type=click.Choice(MIXED_PRECISION),
+    default="auto",
+    show_default=True,
+    help="As on a GPU: auto is bf16.",
+)
+@click.option("--gradient-checkpointing", is_flag=True)
+@click.option("--ema", default=0.9999, show_default=True, help="EMA decay; 0 keeps none.")
+@click.option(
+    "--gpu-memory",
+    default=DEFAULT_GPU_MEMORY,
+    show_default=True,
+    callback=memory_size,
+    help="Each GPU's memory (80GB, 40GiB, ...).",
+)
+@json_option
+def plan(unet_config: str, resolution: int, gpu_memory: int, as_json: bool, **options) -> None:
+    """Memory per GPU (parameters, gradients, optimizer, EMA, activations) and FLOPs per
+    sample of a training configuration, from its U-Net built on the meta device: nothing
+    is loaded or run. Says which option would make a configuration that does not fit."""
+    options["ema"] = options["ema"] or None
+    try:
+        architecture = unet_architecture(unet_config)
+        train_options = TrainOptions(steps=1, **options)
+        found = plan_memory(_plan_request(train_options, resolution, gpu_memory) | {
+            "unet_config": architecture})  # fmt: skip
+    except (ValueError, InvalidArchitecture, CannotPlan) as error:
+        raise click.UsageError(str(error)) from None
+    if as_json:
+        click.echo(json.dumps(found, indent=2))
+    else:
+        display.show_plan(found, refusal(found) if not found["fits"] else None)
 
 
 COMMANDS = (train,)

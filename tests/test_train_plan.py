@@ -1,0 +1,84 @@
+"""Training plans on the meta device: Stable Diffusion 2's U-Net at the sizes the seed's
+pre-training ran per GPU, the parts that change with each option, and a configuration that
+does not fit, refused by `sdq train plan` and by `sdq train` before anything is queued."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from sdq.models.architectures import UNET_ARCHITECTURES
+from tests.services import clean_env
+
+# diffusers' stabilityai/stable-diffusion-2-base U-Net holds this many parameters.
+SD2_UNET_PARAMETERS = 865_910_724
+GIB = 2**30
+
+
+def sdq(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**clean_env(), "SDQ_HOME": str(cwd / "home")}
+    return subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", *args],
+        env=env, cwd=cwd, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+
+
+def planned(tmp_path: Path, *args: str) -> dict:
+    done = sdq("train", "plan", "--unet-config", "sd2-base", *args, "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_sd2_at_the_seed_s_sizes_per_gpu_fits_an_80gb_gpu(tmp_path: Path) -> None:
+    # The seed trained 256 px at 128 and 512 px at 32 per GPU (32 GPUs: global batches of
+    # 4,096 and 1,024).
+    at_256 = planned(tmp_path, "--resolution", "256", "--batch-size", "4096", "--world-size", "32")
+    at_512 = planned(tmp_path, "--resolution", "512", "--batch-size", "1024", "--world-size", "32")
+    for plan in (at_256, at_512):
+        assert set(plan["parts"]) == {"parameters", "gradients", "optimizer", "ema", "activations"}
+        assert plan["parts"]["parameters"] == 4 * SD2_UNET_PARAMETERS
+        assert plan["parts"]["optimizer"] == 8 * SD2_UNET_PARAMETERS  # AdamW's two moments
+        assert plan["per_gpu_bytes"] == sum(plan["parts"].values())
+        assert plan["fits"] and plan["per_gpu_bytes"] < 70 * GIB
+    assert (at_256["micro_batch"], at_512["micro_batch"]) == (128, 32)
+    # Four times the pixels, and attention over four times the tokens: more than 4x.
+    assert 4 < at_512["flops_per_sample"] / at_256["flops_per_sample"] < 5
+    # SD 2's U-Net forward at 256 px is ~180 GFLOPs; training counts it three times.
+    assert 500e9 < at_256["flops_per_sample"] < 600e9
+
+
+def test_each_option_changes_the_part_it_should(tmp_path: Path) -> None:
+    base = ("--resolution", "512", "--batch-size", "16")
+    plain = planned(tmp_path, *base)
+    doubled = planned(tmp_path, "--resolution", "512", "--batch-size", "32")
+    recomputed = planned(tmp_path, *base, "--gradient-checkpointing")
+    full_precision = planned(tmp_path, *base, "--mixed-precision", "no")
+    without_ema = planned(tmp_path, *base, "--ema", "0")
+    activations = plain["parts"]["activations"]
+    # Twice the samples keep twice the activations; autocast's weight copies stay one.
+    assert 1.8 * activations < doubled["parts"]["activations"] < 2 * activations
+    assert recomputed["parts"]["activations"] < activations / 3
+    assert full_precision["parts"]["activations"] > 1.5 * activations
+    assert without_ema["parts"]["ema"] == 0
+    assert {plan["flops_per_sample"] for plan in (plain, recomputed, without_ema)} == {
+        plain["flops_per_sample"]
+    }
+
+
+def test_a_configuration_that_does_not_fit_is_refused_with_what_would_make_it(
+    tmp_path: Path,
+) -> None:
+    too_big = ("--resolution", "512", "--batch-size", "64", "--gpu-memory", "40GB")
+    plan = planned(tmp_path, *too_big)
+    assert not plan["fits"] and plan["would_fit_with"] == "--gradient-checkpointing"
+    shown = sdq("train", "plan", "--unet-config", "sd2-base", *too_big, cwd=tmp_path)
+    assert "does not fit" in shown.stdout and "--gradient-checkpointing" in shown.stdout
+    config = tmp_path / "sd2.json"
+    config.write_text(json.dumps(UNET_ARCHITECTURES["sd2-base"]))
+    refused = sdq(
+        "train", "anything", "--base", "tiny", "--from-scratch", "--unet-config", str(config),
+        "--steps", "10", *too_big, cwd=tmp_path,
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stderr
+    assert "--gradient-checkpointing would make it fit" in refused.stderr
+    assert not (tmp_path / "home").exists()  # nothing written, nothing queued

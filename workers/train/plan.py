@@ -1,0 +1,178 @@
+"""What a training configuration needs of each GPU, before anything runs: the U-Net is built
+on the meta device (shapes, no memory, no weights: the SD 2 U-Net in ~0.1 s) and one
+forward pass at the micro-batch is traced there, its saved-for-backward tensors summed and
+its FLOPs counted. GPU-side: imports torch.
+
+Per GPU, in bytes: parameters (fp32), gradients (fp32, DDP's buckets are the gradients),
+AdamW's two moments (fp32), the EMA weights (fp32, held by rank 0), and the activations
+kept for the backward pass, at the autocast precision, with or without gradient
+checkpointing (plus, under autocast, the half-precision copies of the weights it keeps for
+the backward pass). Attention is counted as a GPU runs it, flash or memory-efficient
+SDPA, which keeps the output and the log-sum-exp, never the attention matrix. What the
+plan leaves out (the CUDA context, kernels' workspaces, the allocator's fragmentation) is
+why a configuration fits only within USABLE of the GPU's memory.
+
+    python -m sdq.workers.train.plan '{"unet_config": {...}, "resolution": 256, ...}'
+prints the plan as JSON: the CLI (`sdq train plan`) runs it so, and never loads torch.
+"""
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from diffusers import UNet2DConditionModel
+from torch.utils.flop_counter import FlopCounterMode
+
+# The share of a GPU's memory a plan may fill.
+USABLE = 0.9
+TEXT_TOKENS = 77
+HALF = {"fp16": torch.float16, "bf16": torch.bfloat16, "auto": torch.bfloat16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    unet_config: dict[str, Any]
+    resolution: int
+    batch_size: int  # the global batch, as `sdq train --batch-size` takes it
+    world_size: int = 1
+    grad_accumulation: int = 1
+    mixed_precision: str = "auto"  # as on a GPU: auto is bf16
+    gradient_checkpointing: bool = False
+    ema: bool = True
+    gpu_memory: int = 80 * 10**9
+
+    @property
+    def micro_batch(self) -> int:
+        return max(1, self.batch_size // (self.world_size * self.grad_accumulation))
+
+
+@dataclass(frozen=True)
+class Plan:
+    per_gpu_bytes: int
+    parts: dict[str, int]
+    flops_per_sample: float
+    fits: bool
+    micro_batch: int
+    gpu_memory: int
+    usable_bytes: int
+    # When it does not fit: the first change of options that would make it, else None.
+    would_fit_with: str | None = None
+
+
+def plan(request: PlanRequest) -> Plan:
+    """The plan of a configuration, and when it does not fit, what would make it."""
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(request.unet_config)
+    found = _plan(unet, request)
+    if found.fits:
+        return found
+    for change, changed in _remedies(request):
+        if _plan(unet, changed).fits:
+            return replace(found, would_fit_with=change)
+    return found
+
+
+def _plan(unet: UNet2DConditionModel, request: PlanRequest) -> Plan:
+    parameters = sum(parameter.numel() for parameter in unet.parameters())
+    activations, flops = _traced(unet, request)
+    half = HALF.get(request.mixed_precision)
+    if half is not None:
+        activations += parameters * half.itemsize  # autocast's copies of the weights
+    parts = {
+        "parameters": 4 * parameters,
+        "gradients": 4 * parameters,
+        "optimizer": 8 * parameters,
+        "ema": 4 * parameters if request.ema else 0,
+        "activations": activations,
+    }
+    total = sum(parts.values())
+    usable = int(request.gpu_memory * USABLE)
+    return Plan(total, parts, flops, total <= usable, request.micro_batch, request.gpu_memory,
+                usable)  # fmt: skip
+
+
+def _remedies(request: PlanRequest) -> Iterator[tuple[str, PlanRequest]]:
+    """Changes that cost the least speed first: recomputing activations, then
+    accumulating smaller micro-batches into the same global batch."""
+    if not request.gradient_checkpointing:
+        yield "--gradient-checkpointing", replace(request, gradient_checkpointing=True)
+    accumulation = request.grad_accumulation * 2
+    while request.batch_size % (request.world_size * accumulation) == 0:
+        changed = replace(request, gradient_checkpointing=True, grad_accumulation=accumulation)
+        yield f"--gradient-checkpointing --grad-accumulation {accumulation}", changed
+        accumulation *= 2
+
+
+def _traced(unet: UNet2DConditionModel, request: PlanRequest) -> tuple[int, float]:
+    """The bytes one forward pass keeps for the backward, and the training FLOPs per
+    sample (3x the forward's: the usual model-FLOPs convention)."""
+    dtype = HALF.get(request.mixed_precision, torch.float32)
+    model = unet.to(dtype).train()
+    if request.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+    else:
+        model.disable_gradient_checkpointing()
+    batch, side = request.micro_batch, request.resolution // 8
+    width = request.unet_config.get("cross_attention_dim", 768)
+    latents = torch.zeros((batch, model.config.in_channels, side, side), device="meta", dtype=dtype)
+    embeddings = torch.zeros((batch, TEXT_TOKENS, width), device="meta", dtype=dtype)
+    timesteps = torch.zeros((batch,), device="meta", dtype=torch.long)
+    kept = _KeptForBackward({id(parameter) for parameter in model.parameters()})
+    counter = FlopCounterMode(display=False)
+    with _attention_as_on_a_gpu(), kept.hooks(), counter:
+        model(latents, timesteps, embeddings)
+    return kept.bytes, 3.0 * counter.get_total_flops() / batch
+
+
+class _KeptForBackward:
+    """Sums the tensors autograd saves, each storage once, parameters apart."""
+
+    def __init__(self, parameters: set[int]) -> None:
+        self.parameters = parameters
+        self._sizes: dict[int, int] = {}
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        base = tensor._base if tensor._base is not None else tensor
+        if id(base) not in self.parameters:
+            self._sizes[id(base)] = base.numel() * base.element_size()
+        return tensor
+
+    @contextmanager
+    def hooks(self) -> Iterator[None]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor):
+            yield
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._sizes.values())
+
+
+@contextmanager
+def _attention_as_on_a_gpu() -> Iterator[None]:
+    """SDPA as a GPU runs it in training (flash attention): on the meta device it would take
+    its math path, whose backward keeps the whole attention matrix."""
+    plain: Callable = F.scaled_dot_product_attention
+
+    def flash(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              **_):  # fmt: skip
+        flash_attention = torch.ops.aten._scaled_dot_product_flash_attention
+        return flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
+
+    F.scaled_dot_product_attention = flash
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = plain
+
+
+def main(argument: str) -> None:
+    print(json.dumps(asdict(plan(PlanRequest(**json.loads(argument))))))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
