@@ -3,19 +3,25 @@ latents, 77x1024 text embeddings, fp16, 1,000-row shards), in the binary layout 
 now against the fixed-size-list layout (zstd) it wrote before, from a local folder and
 from an S3 server over HTTP (moto), on one core.
 
-- samples/s: one rank reads every lane of the run for a whole epoch, one fetch thread,
-  the process pinned to one core, each format from each store. No model: what is timed is
-  what a rank's data path costs before the device sees a batch.
+- samples/s: one rank reads every lane of the run for one epoch (each shard fetched once:
+  no read-ahead, which a single core gains nothing from), the process pinned to one core,
+  from each store: sdq's stream over the binary layout; the same stream over the list
+  layout; and the previous data path, as sdq read shards before (the list layout, each
+  shard converted to float32, batches stacked sample by sample), written out here.
 - bytes: ranks are simulated at world sizes 1, 2, 4 and 8 (each a stream over its own
-  lanes, as a rank process builds it), and the bytes each fetches from the store are
-  counted over the same steps. `bytes_per_rank_over_ideal` is, for each world size, the
-  most any rank fetched over 1/N of what one rank alone fetched.
+  lanes, as a rank process builds it, reading ahead as a rank does), over `--bytes-shards`
+  shards in a local folder (more than the lanes hold at once, as a real dataset is), and
+  the bytes each fetches are counted over two epochs' steps. `bytes_per_rank_over_ideal`
+  is, for each world size, the most any rank fetched over 1/N of what one rank alone did.
 
-Prints one JSON object with `speedup` (the binary layout's samples/s over the list
-layout's, same data, same store: the smaller of the two stores' ratios) and
-`bytes_per_rank_over_ideal`.
+Prints one JSON object with `speedup` (sdq's samples/s per core over the previous data
+path's, same data: the smaller of the two stores' ratios; `speedup_by_store` and
+`layout_speedup_by_store`, the stream's own over the list layout, beside it) and
+`bytes_per_rank_over_ideal`. The S3 server is moto, a Python process that serves
+~100 MB/s: from it, the fetch, not the format, bounds both.
 
-    python benchmarks/train_data.py [--shards 8] [--rows 1000] [--batch-size 64]
+    python benchmarks/train_data.py [--shards 8] [--bytes-shards 32] [--rows 1000]
+        [--batch-size 64]
 """
 
 import argparse
@@ -83,14 +89,17 @@ LAYOUTS: dict[str, Callable[[dict, Encoded], bytes]] = {
 }
 
 
-def write_shards(stores: list[ObjectStore], shards: int, rows: int) -> dict[str, tuple]:
+def write_shards(
+    stores: list[ObjectStore], shards: int, rows: int, layouts=tuple(LAYOUTS), prefix: str = ""
+) -> dict[str, tuple]:
     """Each layout's shards in every store; the inputs of a run over them, by layout."""
     inputs: dict[str, list[LatentInput]] = defaultdict(list)
     for number in range(shards):
         tensors = shard_tensors(rows, number)
         lineage = {"key": [f"{number:05d}{row:04d}" for row in range(rows)]}
-        for layout, write in LAYOUTS.items():
-            key = f"latents/{layout}/{number:05d}.parquet"
+        for layout in layouts:
+            write = LAYOUTS[layout]
+            key = f"latents/{prefix}{layout}/{number:05d}.parquet"
             data = write(lineage, tensors)
             for store in stores:
                 store.put_bytes(key, data, content_type="application/octet-stream")
@@ -98,30 +107,58 @@ def write_shards(stores: list[ObjectStore], shards: int, rows: int) -> dict[str,
     return {layout: tuple(items) for layout, items in inputs.items()}
 
 
-def stream(inputs: tuple, read: Callable, args, threads: int = 1) -> LatentStream:
+def stream(inputs: tuple, read: Callable, args, ahead: int) -> LatentStream:
     return LatentStream(
         inputs,
         seed=0,
         batch_size=args.batch_size,
         lanes=LANES,
         load=load_shards(inputs, read),
-        shards_ahead=1,
-        threads=threads,
+        shards_ahead=ahead,
+        threads=1,
     )
+
+
+def epoch_steps(inputs: tuple, args) -> int:
+    return sum(item.samples for item in inputs) // args.batch_size
 
 
 def samples_per_second(inputs: tuple, store: ObjectStore, args) -> float:
     """One rank reading every lane for one epoch, on this process's one core."""
-    steps = sum(item.samples for item in inputs) // args.batch_size
+    steps = epoch_steps(inputs, args)
     started = time.perf_counter()
-    for _ in islice(stream(inputs, store.get_large, args).batches(0), steps):
+    for _ in islice(stream(inputs, store.get_large, args, ahead=0).batches(0), steps):
         pass
     return steps * args.batch_size / (time.perf_counter() - started)
 
 
+def previous_path_samples_per_second(inputs: tuple, store: ObjectStore, args) -> float:
+    """The data path as sdq had it: shard after shard read whole, its tensors converted to
+    float32, each batch stacked sample by sample (one epoch, rows shuffled per shard)."""
+    started = time.perf_counter()
+    samples = 0
+    for number, item in enumerate(inputs):
+        table = pq.read_table(
+            io.BytesIO(store.get_bytes(item.key)), columns=["latents", "text_embeddings"]
+        )
+        latents, embeddings = (
+            np.asarray(table.column(name).combine_chunks().values.to_numpy(zero_copy_only=False))
+            .reshape(len(table), *shape)
+            .astype(np.float32)
+            for name, shape in (("latents", LATENT_SHAPE), ("text_embeddings", EMBEDDING_SHAPE))
+        )
+        rows = np.random.default_rng([0, number]).permutation(len(table))
+        for start in range(0, len(rows) - args.batch_size + 1, args.batch_size):
+            batch = rows[start : start + args.batch_size]
+            np.stack([latents[row] for row in batch])
+            np.stack([embeddings[row] for row in batch])
+            samples += len(batch)
+    return samples / (time.perf_counter() - started)
+
+
 def bytes_per_rank(inputs: tuple, store: ObjectStore, args, world_size: int) -> list[int]:
-    """The bytes each of `world_size` simulated ranks fetches over one epoch's steps."""
-    steps = sum(item.samples for item in inputs) // args.batch_size
+    """The bytes each of `world_size` simulated ranks fetches over two epochs' steps."""
+    steps = 2 * epoch_steps(inputs, args)
     fetched = []
     for rank in range(world_size):
         count = [0]
@@ -133,7 +170,7 @@ def bytes_per_rank(inputs: tuple, store: ObjectStore, args, world_size: int) -> 
 
         share = LANES // world_size
         lanes = range(rank * share, (rank + 1) * share)
-        for _ in islice(stream(inputs, read, args).batches(0, lanes), steps):
+        for _ in islice(stream(inputs, read, args, ahead=1).batches(0, lanes), steps):
             pass
         fetched.append(count[0])
     return fetched
@@ -142,6 +179,7 @@ def bytes_per_rank(inputs: tuple, store: ObjectStore, args, world_size: int) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=int, default=8)
+    parser.add_argument("--bytes-shards", type=int, default=32)
     parser.add_argument("--rows", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args()
@@ -152,24 +190,32 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="sdq-train-data-") as folder:
             stores = {"local": LocalStore(Path(folder)), "s3": S3Store(BUCKET)}
             inputs = write_shards(list(stores.values()), args.shards, args.rows)
+            many = write_shards([stores["local"]], args.bytes_shards, args.rows, ("binary",),
+                                "many-")  # fmt: skip
             os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core, this rank's
-            speed = {
-                f"{layout}_{where}": samples_per_second(inputs[layout], store, args)
-                for where, store in stores.items()
-                for layout in LAYOUTS
-            }
-            fetched = {n: bytes_per_rank(inputs["binary"], stores["local"], args, n)
+            speed = {}
+            for where, store in stores.items():
+                for layout in LAYOUTS:
+                    speed[f"{layout}_{where}"] = samples_per_second(inputs[layout], store, args)
+                speed[f"previous_{where}"] = previous_path_samples_per_second(
+                    inputs["list"], store, args
+                )
+            fetched = {n: bytes_per_rank(many["binary"], stores["local"], args, n)
                        for n in WORLD_SIZES}  # fmt: skip
     finally:
         server.stop()
     alone = fetched[1][0]
     speedups = {
+        where: round(speed[f"binary_{where}"] / speed[f"previous_{where}"], 2) for where in stores
+    }
+    layout_speedups = {
         where: round(speed[f"binary_{where}"] / speed[f"list_{where}"], 2) for where in stores
     }
     print(
         json.dumps(
             {
                 "shards": args.shards,
+                "bytes_shards": args.bytes_shards,
                 "rows_per_shard": args.rows,
                 "batch_size": args.batch_size,
                 "lanes": LANES,
@@ -177,6 +223,7 @@ def main() -> None:
                 # The smaller of the two stores' ratios; each one beside it.
                 "speedup": min(speedups.values()),
                 "speedup_by_store": speedups,
+                "layout_speedup_by_store": layout_speedups,
                 "bytes_per_rank": fetched,
                 "bytes_per_rank_over_ideal": {
                     n: round(max(per_rank) / (alone / n), 3) for n, per_rank in fetched.items()

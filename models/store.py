@@ -19,6 +19,7 @@ from urllib.request import url2pathname
 
 # The longest a presigned S3 link can live (SigV4): pages sdq writes stay openable a week.
 LINK_SECONDS = 7 * 24 * 3600
+PARQUET = "application/vnd.apache.parquet"
 # A large object (a latent shard, ~170 MB at SD 2's 256 px) is read as ranged GETs of this
 # size, this many at once.
 LARGE_PART = 8 * 1024 * 1024

@@ -1,6 +1,8 @@
 """Training as the producer and the train workers both see it: a run's options, the spec
 of one train-shard job, and where checkpoints live."""
 
+import io
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -161,6 +163,10 @@ class TrainShardSpec:
     prediction_type: str
     scheduler_config: dict[str, Any]
     options: TrainOptions
+    # The run's latent shards, in order: in the store under `inputs_key`, written once at
+    # submit (a run over LAION-2B's ~2M shards would copy ~42 MB into every job's spec).
+    # Runs from before the manifest carry them here.
+    inputs_key: str | None = None
     inputs: tuple[LatentInput, ...] = field(default=())
     validation: Validation | None = None
     # The text encoder's output for "", which caption dropout trains on (the encode run
@@ -207,3 +213,34 @@ class TrainShardSpec:
 
 def checkpoint_prefix(run: int, step: int) -> str:
     return f"train/{run}/checkpoints/{step:08d}"
+
+
+def inputs_key(run: int) -> str:
+    return f"train/{run}/inputs.parquet"
+
+
+def inputs_manifest(inputs: Sequence[LatentInput]) -> bytes:
+    """A run's latent shards in their order, as parquet: one row each."""
+    import pyarrow as pa  # here: every `sdq` command imports this module, few write parquet
+    import pyarrow.parquet as pq
+
+    table = pa.table(
+        {
+            "uri": pa.array([item.uri for item in inputs], pa.string()),
+            "key": pa.array([item.key for item in inputs], pa.string()),
+            "samples": pa.array([item.samples for item in inputs], pa.int64()),
+        }
+    )
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer, compression="zstd")
+    return buffer.getvalue()
+
+
+def read_inputs_manifest(data: bytes) -> tuple[LatentInput, ...]:
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(io.BytesIO(data)).to_pydict()
+    return tuple(
+        LatentInput(uri=uri, key=key, samples=samples)
+        for uri, key, samples in zip(rows["uri"], rows["key"], rows["samples"], strict=True)
+    )

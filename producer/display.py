@@ -187,6 +187,13 @@ def show_training(status: dict[str, Any], *, render_command: str = "sdq submit")
         ranks = f" on {status['world_size']} ranks" if status["world_size"] > 1 else ""
         mfu = f", MFU {status['mfu']:.1%}" if status["mfu"] is not None else ""
         stdout.print(f"{status['samples_per_second']:.1f} samples/s{ranks}{mfu}{left}")
+    if status["time_shares"]:
+        shares = status["time_shares"]
+        stdout.print(
+            f"over its wall time: {status['wall_samples_per_second']:.1f} samples/s; "
+            f"training {shares['training']:.0%}, data waits {shares['data_wait']:.0%}, "
+            f"checkpoints {shares['checkpoint']:.0%}, between jobs {shares['job_gap']:.0%}"
+        )
     if status["losses"]:
         stdout.print(f"loss {loss_curve([loss for _, loss in status['losses']])}")
     checkpoints = status["checkpoints"]

@@ -19,6 +19,7 @@ import torch
 from selenium.webdriver.common.by import By
 
 from sdq.models.jobs.lifecycle import OUTAGE
+from sdq.models.training import read_inputs_manifest
 from sdq.workers.tiny import build_pipeline
 from tests.browser import chromium, open_page, texts
 from tests.conftest import BUCKET, ROOT, WorkerProcess, sdq_json
@@ -86,6 +87,13 @@ def test_the_whole_chain_on_one_machine(tmp_path: Path) -> None:
     assert [step for step, _ in trained["losses"]] == list(range(1, 61))
     assert sum(losses[-10:]) < 0.8 * sum(losses[:10])  # it learns
     assert [c["step"] for c in trained["checkpoints"]] == [30, 60]
+    # Its wall time, split: training, data waits, checkpoint writes, and between jobs.
+    shares = trained["time_shares"]
+    assert set(shares) == {"training", "data_wait", "checkpoint", "job_gap"}
+    assert all(0 <= share <= 1 for share in shares.values()) and shares["checkpoint"] > 0
+    # SQLite stamps times to the second, a few percent of this short run's wall time.
+    assert sum(shares.values()) == pytest.approx(1, abs=0.15)
+    assert 0 < trained["wall_samples_per_second"] < trained["samples_per_second"]
     # The run's page: the loss curve, and each checkpoint's validation images.
     store = tmp_path / "sdq-data/store"
     page = (store / f"runs/{trained['run_id']}/training.html").read_text()
@@ -122,6 +130,22 @@ def test_the_whole_chain_on_one_machine(tmp_path: Path) -> None:
         (60, url, caption) for url, caption in kept
     }
     assert len(kept) == 20
+    with sqlite3.connect(tmp_path / "sdq-data/sdq.db") as db:
+        specs = [
+            json.loads(spec)
+            for (spec,) in db.execute(
+                "SELECT spec FROM jobs WHERE run_id = ?", (trained["run_id"],)
+            )
+        ]
+    # The run's shards are listed once, in its manifest, never in its jobs' specs.
+    assert [(spec["inputs"], spec["inputs_key"]) for spec in specs] == [
+        ([], f"train/{trained['run_id']}/inputs.parquet")
+    ] * 2
+    manifest = read_inputs_manifest((store / specs[0]["inputs_key"]).read_bytes())
+    assert sorted(item.key for item in manifest) == sorted(
+        path.relative_to(store).as_posix()
+        for path in store.glob("datasets/toy/latents-*/*.parquet")
+    )
 
 
 def _jobs(database_url: str, run_id: int) -> list[tuple]:

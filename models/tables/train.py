@@ -43,6 +43,9 @@ class TrainStep(Base):
     world_size: Mapped[int] = mapped_column(Integer, server_default="1")
     # Model FLOPs utilisation on a GPU whose peak is known; none on a CPU.
     mfu: Mapped[float | None] = mapped_column(Float)
+    # The step's share of the time its window of steps waited for data (none recorded
+    # before it was measured).
+    data_wait_seconds: Mapped[float | None] = mapped_column(Float)
     at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.current_timestamp()
     )
@@ -63,6 +66,8 @@ class Checkpoint(Base):
     state_sha256: Mapped[str | None] = mapped_column(String(64))
     model_prefix: Mapped[str | None] = mapped_column(Text)
     model_revision: Mapped[str | None] = mapped_column(String(64))
+    # How long the training waited while it was written.
+    write_seconds: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.current_timestamp()
     )

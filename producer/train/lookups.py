@@ -10,10 +10,11 @@ from sqlalchemy.orm import Session
 
 from sdq.models.db import chunked
 from sdq.models.jobs.kinds import GENERATE, TRAIN
+from sdq.models.jobs.lifecycle import as_utc
 from sdq.models.registry import ModelNotFound, resolve_model
 from sdq.models.specs import ModelIdentity
 from sdq.models.store import ObjectStore
-from sdq.models.tables import FINISHED, Job, JobStatus, Run
+from sdq.models.tables import FINISHED, Job, JobEvent, JobStatus, Run
 from sdq.models.tables.generate import Generation
 from sdq.models.tables.train import Checkpoint, TrainStep
 from sdq.producer.errors import NotFound
@@ -72,6 +73,7 @@ def train_status(session: Session, run_id: int) -> dict[str, Any]:
         "mfu": round(statistics.median(mfus), 4) if mfus else None,
         # Only while a job trains: a stopped or queued run has no time left to tell.
         "eta_seconds": round(left / speed) if speed and left and status == "running" else None,
+        **time_shares(session, run_id, run.options["batch_size"], checkpoints),
         "losses": [[row[0], row[1]] for row in losses],
         "checkpoints": [
             {
@@ -83,6 +85,44 @@ def train_status(session: Session, run_id: int) -> dict[str, Any]:
             }
             for c in checkpoints
         ],
+    }
+
+
+def time_shares(
+    session: Session, run_id: int, batch_size: int, checkpoints: Sequence[Checkpoint]
+) -> dict[str, Any]:
+    """The run's samples/s over its wall time, from its first job's start to its last
+    checkpoint (job gaps and checkpoints included), and the shares of that time spent
+    training, waiting for data, writing checkpoints, and between jobs (starting rank
+    processes, restoring state, queueing, retries)."""
+    started = session.scalar(
+        select(func.min(JobEvent.at))
+        .join(Job, Job.id == JobEvent.job_id)
+        .where(Job.run_id == run_id, JobEvent.status == JobStatus.running)
+    )
+    if started is None or not checkpoints:
+        return {"wall_samples_per_second": None, "time_shares": None}
+    wall = (as_utc(checkpoints[-1].created_at) - as_utc(started)).total_seconds()
+    stepping, waiting, steps = session.execute(
+        select(
+            func.sum(batch_size / TrainStep.samples_per_second),
+            func.sum(TrainStep.data_wait_seconds),
+            func.count(),
+        ).where(TrainStep.run_id == run_id, TrainStep.step <= checkpoints[-1].step)
+    ).one()
+    writing = sum(checkpoint.write_seconds or 0.0 for checkpoint in checkpoints)
+    if wall <= 0 or not steps:
+        return {"wall_samples_per_second": None, "time_shares": None}
+    waiting = waiting or 0.0
+    shares = {
+        "training": stepping - waiting,
+        "data_wait": waiting,
+        "checkpoint": writing,
+        "job_gap": max(0.0, wall - stepping - writing),
+    }
+    return {
+        "wall_samples_per_second": round(steps * batch_size / wall, 2),
+        "time_shares": {name: round(seconds / wall, 4) for name, seconds in shares.items()},
     }
 
 

@@ -13,7 +13,7 @@ from sdq.models.jobs.kinds import TRAIN
 from sdq.models.jobs.outbox import add_jobs
 from sdq.models.registry import encoders_lineage, same_encoders
 from sdq.models.specs import ModelIdentity
-from sdq.models.store import ObjectStore
+from sdq.models.store import PARQUET, ObjectStore
 from sdq.models.tables import Run
 from sdq.models.tables.download import Shard
 from sdq.models.tables.encode import LatentShard
@@ -24,6 +24,8 @@ from sdq.models.training import (
     TrainShardSpec,
     Validation,
     checkpoint_prefix,
+    inputs_key,
+    inputs_manifest,
 )
 from sdq.producer.download.lookups import dataset_named, no_usable_samples
 
@@ -97,6 +99,9 @@ def record_train(
         session.add(run)
         session.flush()
         session.add_all(TrainInput(run_id=run.id, latent_shard_id=shard.id) for shard, _ in shards)
+        # Before the run is committed: a run never names a manifest that is not there.
+        inputs = [_input(name, shard, number) for shard, number in shards]
+        store.put_bytes(inputs_key(run.id), inputs_manifest(inputs), content_type=PARQUET)
         first = TrainShardSpec(
             run=run.id,
             first_step=0,
@@ -108,7 +113,7 @@ def record_train(
             prediction_type=base.scheduler_config.get("prediction_type", "epsilon"),
             scheduler_config=base.scheduler_config,
             options=options,
-            inputs=tuple(_input(name, shard, number) for shard, number in shards),
+            inputs_key=inputs_key(run.id),
             validation=validation,
             empty_prompt_key=empty_prompt,
             start_from=start_from.prefix if start_from else None,

@@ -14,7 +14,7 @@ from sdq.models.datasets import SampleStatus, SliceSpec
 from sdq.models.jobs.delivery import Work
 from sdq.models.jobs.lifecycle import Output, utcnow
 from sdq.models.settings import DownloadSettings
-from sdq.models.store import MissingObject, ObjectStore
+from sdq.models.store import PARQUET, MissingObject, ObjectStore
 from sdq.models.tables import Job
 from sdq.workers.download.budget import PixelBudget
 from sdq.workers.download.fetch import Fetcher, FetchFailed
@@ -22,7 +22,6 @@ from sdq.workers.download.images import ImageRejected, make_image
 from sdq.workers.download.records import claim, dataset_id, image_digest, record_shard, url_digest
 from sdq.workers.download.shards import ShardRow, read_shard_rows, read_slice, shard_bytes
 
-PARQUET = "application/vnd.apache.parquet"
 log = logging.getLogger(__name__)
 
 

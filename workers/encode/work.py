@@ -23,7 +23,7 @@ from sdq.models.datasets import EncodeSpec, shard_key
 from sdq.models.db import upsert
 from sdq.models.jobs.delivery import Work
 from sdq.models.jobs.lifecycle import Output, utcnow
-from sdq.models.store import MissingObject, ObjectStore
+from sdq.models.store import PARQUET, MissingObject, ObjectStore
 from sdq.models.tables import Job
 from sdq.models.tables.download import Dataset, Shard
 from sdq.models.tables.encode import LatentShard
@@ -35,7 +35,6 @@ from sdq.workers.weights import ModelUnavailable
 if TYPE_CHECKING:
     from sdq.workers.encode.encoders import LoadedEncoders
 
-PARQUET = "application/vnd.apache.parquet"
 NPY = "application/octet-stream"
 # Batches prepared ahead of the device: enough to ride out a slow decode, few enough
 # that pinned host memory stays small.

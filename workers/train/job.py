@@ -19,7 +19,12 @@ from diffusers import UNet2DConditionModel
 from sdq.models.registry import folder_content_hash
 from sdq.models.settings import TrainSettings
 from sdq.models.store import ObjectStore
-from sdq.models.training import TrainShardSpec, checkpoint_prefix
+from sdq.models.training import (
+    LatentInput,
+    TrainShardSpec,
+    checkpoint_prefix,
+    read_inputs_manifest,
+)
 from sdq.workers.gpu import peak_flops
 from sdq.workers.train.data import LatentStream, load_shards
 from sdq.workers.train.records import Written
@@ -80,6 +85,19 @@ def empty_prompt(store: ObjectStore, key: str | None) -> torch.Tensor:
     return torch.from_numpy(np.load(io.BytesIO(store.get_bytes(key))).astype(np.float32))
 
 
+def run_inputs(spec: TrainShardSpec, store: ObjectStore) -> tuple[LatentInput, ...]:
+    """The run's latent shards: from its manifest, read once per process and run."""
+    if spec.inputs_key is None:
+        return spec.inputs
+    if spec.inputs_key not in _manifests:
+        _manifests.clear()  # one run at a time
+        _manifests[spec.inputs_key] = read_inputs_manifest(store.get_large(spec.inputs_key))
+    return _manifests[spec.inputs_key]
+
+
+_manifests: dict[str, tuple[LatentInput, ...]] = {}
+
+
 def train_steps(
     spec: TrainShardSpec, state: TrainState, store: ObjectStore, settings: TrainSettings
 ) -> list[dict]:
@@ -88,12 +106,13 @@ def train_steps(
     from the device every `loss_every` steps, all at once, and a window's speed is its
     samples over its wall time: data waits count, not only the compute."""
     options = spec.options
+    inputs = run_inputs(spec, store)
     stream = LatentStream(
-        spec.inputs,
+        inputs,
         seed=options.seed,
         batch_size=options.batch_size,
         lanes=options.data_lanes,
-        load=load_shards(spec.inputs, store.get_large),
+        load=load_shards(inputs, store.get_large),
         shards_ahead=settings.shards_ahead,
         threads=settings.fetch_threads,
     )
@@ -102,7 +121,7 @@ def train_steps(
     )
     window = StepWindow(spec, state)
     with closing(batches), closing(on_device(batches, state, spec)) as inputs:
-        for step_inputs in inputs:
+        for step_inputs in window.waited_for(inputs):
             window.flops_from(step_inputs)
             window.add(train_step(state, spec, step_inputs))
             if state.step == spec.last_step:
@@ -121,10 +140,21 @@ class StepWindow:
         self.steps: list[dict[str, Any]] = []
         self._losses: list[tuple[int, float, torch.Tensor]] = []
         self._opened = perf_counter()
+        self._waited = 0.0
         self._peak, self._flops = peak_flops(state.device), None
 
     def __len__(self) -> int:
         return len(self._losses)
+
+    def waited_for(self, inputs: Iterator[StepInputs]) -> Iterator[StepInputs]:
+        """The inputs, the time spent waiting for each added to the window's."""
+        while True:
+            started = perf_counter()
+            step_inputs = next(inputs, None)
+            self._waited += perf_counter() - started
+            if step_inputs is None:
+                return
+            yield step_inputs
 
     def flops_from(self, inputs: StepInputs) -> None:
         """The model's FLOPs per sample, counted once on the first batch (on a GPU)."""
@@ -145,6 +175,7 @@ class StepWindow:
         options = self.spec.options
         speed = len(losses) * options.batch_size / (closed - self._opened)
         peak, flops = self._peak, self._flops
+        waited = self._waited / len(losses)
         for (step, lr, _), loss in zip(self._losses, losses, strict=True):
             self.steps.append(
                 {
@@ -155,9 +186,10 @@ class StepWindow:
                     "samples_per_second": speed,
                     "world_size": options.world_size,
                     "mfu": flops * speed / (peak * options.world_size) if flops else None,
+                    "data_wait_seconds": waited,
                 }
             )
-        self._losses, self._opened = [], closed
+        self._losses, self._opened, self._waited = [], closed, 0.0
 
 
 def write_checkpoint(
@@ -165,6 +197,7 @@ def write_checkpoint(
 ) -> Written:
     """The training state in the store, and the whole pipeline beside it when this
     checkpoint is a model."""
+    started = perf_counter()
     prefix = checkpoint_prefix(spec.run, state.step)
     model_prefix, revision = None, None
     with tempfile.TemporaryDirectory(prefix="sdq-checkpoint-") as temporary:
@@ -178,4 +211,5 @@ def write_checkpoint(
         for path in sorted(folder.rglob("*")):
             if path.is_file():
                 store.put_file(f"{prefix}/{path.relative_to(folder).as_posix()}", path)
-    return Written(state.step, store.uri(prefix), state_sha256, model_prefix, revision)
+    seconds = perf_counter() - started
+    return Written(state.step, store.uri(prefix), state_sha256, model_prefix, revision, seconds)

@@ -26,7 +26,7 @@ from sdq.models.tables.train import Checkpoint, TrainStep
 from sdq.models.training import TrainShardSpec, checkpoint_prefix
 
 # What a step redone by a later attempt writes again.
-STEP_FIGURES = ("loss", "lr", "samples_per_second", "world_size", "mfu")
+STEP_FIGURES = ("loss", "lr", "samples_per_second", "world_size", "mfu", "data_wait_seconds")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class Written:
     state_sha256: str
     model_prefix: str | None
     model_revision: str | None
+    seconds: float | None = None  # how long the training waited for it
 
 
 def checkpoint_at(session: Session, run: int, step: int) -> Checkpoint | None:
@@ -68,6 +69,7 @@ def record_checkpoint(
             state_sha256=written.state_sha256,
             model_prefix=written.model_prefix,
             model_revision=written.model_revision,
+            write_seconds=written.seconds,
         )
         .on_conflict_do_nothing(index_elements=["run_id", "step"])
         .returning(Checkpoint.id)
