@@ -51,6 +51,23 @@ def visible_gpus() -> list[str]:
     return [line.strip() for line in listing.stdout.splitlines() if line.strip()]
 
 
+def torch_gpu_view(gpus: list[str]) -> tuple[int, str]:
+    """How many of these GPUs torch sees, and its version and CUDA build: asked in a child
+    process, so that this one never loads torch or touches CUDA."""
+    probe = "import torch; print(torch.cuda.device_count(), torch.__version__, torch.version.cuda)"
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        return 0, f"torch does not load: {(done.stderr.strip().splitlines() or ['?'])[-1]}"
+    count, version, cuda = done.stdout.split()
+    return int(count), f"torch {version} (CUDA build: {cuda})"
+
+
 def celery_worker(
     queues: tuple[str, ...], *, name: str, concurrency: int, prefetch: int, loglevel: str
 ) -> list[str]:

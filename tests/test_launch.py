@@ -66,6 +66,18 @@ def test_the_worker_command_checks_its_queues_and_ranks(sdq) -> None:
     assert too_many.exit_code == 2 and "--train-ranks 3: there are 2 GPUs" in too_many.output
 
 
+def test_gpus_that_torch_cannot_see_are_refused_instead_of_run_on_the_cpu(sdq, tmp_path) -> None:
+    named = sdq("worker", "gpu", "--gpus", "0,2")
+    assert named.exit_code == 2
+    assert "--gpus names GPUs 0,2 but torch" in named.output and "sees 0 of them" in named.output
+    # A machine whose driver lists two GPUs, beside this CPU build of torch.
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nprintf '0\\n1\\n'\n")
+    smi.chmod(0o755)
+    listed = sdq("worker", "gpu", env={"PATH": f"{tmp_path}:{os.environ['PATH']}"})
+    assert listed.exit_code == 2 and "nvidia-smi lists GPUs 0,1 but torch" in listed.output
+
+
 def test_sigterm_to_the_launcher_stops_every_worker(service_env, tmp_path) -> None:
     process = WorkerProcess(service_env, tmp_path / "worker.log").start()
     group = process.process.pid

@@ -175,6 +175,11 @@ def test_the_kubernetes_deployment_hangs_together() -> None:
     assert trainer["resources"]["limits"]["nvidia.com/gpu"] == ranks
     assert train["spec"]["serviceName"] in by_kind["Service"]
     assert "SDQ_TRAIN_NODE_ADDRESS" in {env["name"] for env in trainer["env"]}
+    # Checkpoints are restored to a volume on the machine's disk, not the container's.
+    tmpdir = next(env["value"] for env in trainer["env"] if env["name"] == "TMPDIR")
+    mounted = {mount["mountPath"]: mount["name"] for mount in trainer["volumeMounts"]}
+    volumes = {volume["name"]: volume for volume in train["spec"]["template"]["spec"]["volumes"]}
+    assert "ephemeral" in volumes[mounted[tmpdir]]
     assert_known_settings([env["name"] for env in trainer["env"]])
     settings = by_kind["ConfigMap"]["sdq-settings"]["data"]
     assert_known_settings(list(settings) + list(by_kind["Secret"]["sdq-secrets"]["stringData"]))

@@ -140,12 +140,23 @@ def gpu(
     loglevel: str,
 ) -> None:
     """One process per GPU for generate, encode and train; one CPU process if there is no GPU."""
-    from sdq.producer.launch import gpu_workers, supervise, visible_gpus
+    from sdq.producer.launch import gpu_workers, supervise, torch_gpu_view, visible_gpus
 
     require_broker(app, "a worker")
     indices = [gpu.strip() for gpu in gpus.split(",") if gpu.strip()] if gpus else visible_gpus()
     if train_ranks and indices and train_ranks > len(indices):
         raise click.UsageError(f"--train-ranks {train_ranks}: there are {len(indices)} GPUs")
+    if indices:
+        # A CPU build of torch, or one for another CUDA, would have every GPU worker run on
+        # the CPU, hours later noticed as slowness.
+        seen, build = torch_gpu_view(indices)
+        if seen < len(indices):
+            listed = "--gpus names" if gpus else "nvidia-smi lists"
+            raise click.UsageError(
+                f"{listed} GPUs {','.join(indices)} but {build} sees {seen} of them: on a "
+                "machine with these GPUs, install the torch build for its CUDA (ops/Dockerfile "
+                "pins one); on one without, leave --gpus out"
+            )
     commands = gpu_workers(indices, loglevel=loglevel, queues=queues, train_ranks=train_ranks or 0)
     sys.exit(supervise(commands))
 
