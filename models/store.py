@@ -115,8 +115,15 @@ class LocalStore:
         except FileNotFoundError:
             raise MissingObject(f"no object {self.uri(key)}") from None
 
-    def get_large(self, key: str) -> bytes:
-        return self.get_bytes(key)
+    def get_large(self, key: str) -> memoryview:
+        """A large object mapped into memory, not copied: its pages come from the page cache
+        as they are read, and a reader of a few columns touches only theirs."""
+        import pyarrow as pa  # here: every `sdq` command imports this module
+
+        try:
+            return memoryview(pa.memory_map(str(self._path(key))).read_buffer())
+        except FileNotFoundError:
+            raise MissingObject(f"no object {self.uri(key)}") from None
 
     def get_file(self, key: str, destination: Path) -> None:
         try:

@@ -394,27 +394,33 @@ def test_two_ranks_on_one_node_or_two_resume_exactly_after_a_rank_a_worker_or_a_
     database_url = download_env["SDQ_DATABASE_URL"]
     dataset = "train-ranks"
     encoded_dataset(download_env, dataset, 16, tmp_path)
-    run = ["train", dataset, *TRAIN, "--steps", "30", "--checkpoint-every", "10"]
+    # Jobs long enough (30 steps) that a rank killed as its job is seen running dies in it.
+    run = ["train", dataset, *TRAIN, "--steps", "90", "--checkpoint-every", "30"]
     one = sdq_json(download_env, *run, "--wait")
     steady = sdq_json(download_env, *run, "--world-size", "2", "--wait")
     assert (steady["status"], steady["world_size"]) == ("succeeded", 2)
     assert [loss for _, loss in steady["losses"]] == pytest.approx(
         [loss for _, loss in one["losses"]], rel=1e-4
     )
+    steady_ranks = set(rank_processes())  # kept by the worker for that run's next job
     run_id = sdq_json(download_env, *run, "--world-size", "2")["run_id"]
 
-    def second_job_on_ranks(attempt: int) -> int | None:
+    def job_on_ranks(index: int, attempt: int) -> int | None:
         jobs = _jobs(database_url, run_id)
-        if len(jobs) < 2 or jobs[1][1:3] != ("running", attempt) or len(rank_processes()) < 2:
+        if len(jobs) <= index or jobs[index][1:3] != ("running", attempt):
             return None
-        return jobs[1][0]
+        return jobs[index][0] if len(rank_processes()) >= 2 else None
 
-    wait_for(lambda: second_job_on_ranks(1), what="the second job's ranks", timeout=300)
-    time.sleep(1.0)  # into its steps
-    os.kill(rank_processes()[-1], signal.SIGKILL)  # one rank dies
-    wait_for(lambda: second_job_on_ranks(2), what="the job sent again", timeout=120)
+    wait_for(lambda: job_on_ranks(0, 1) and len(set(rank_processes()) - steady_ranks) == 2,
+             what="the first job's ranks", timeout=300)  # fmt: skip
+    first_ranks = set(rank_processes()) - steady_ranks
+    wait_for(lambda: job_on_ranks(1, 1), what="the second job", timeout=300)
+    # The same processes take the run's next job: no restart, no restore.
+    assert set(rank_processes()) == first_ranks
+    os.kill(max(first_ranks), signal.SIGKILL)  # one rank dies, mid-job
+    wait_for(lambda: job_on_ranks(1, 2), what="the job sent again", timeout=120)
     time.sleep(1.0)
-    job = second_job_on_ranks(2)
+    job = job_on_ranks(1, 2)
     with psycopg.connect(database_url) as connection:
         holder = connection.execute(
             "SELECT worker_host FROM jobs WHERE id = %s", (job,)

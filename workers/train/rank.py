@@ -2,7 +2,12 @@
 that took the job (workers/train/ranks.py): `python -m sdq.workers.train.rank FOLDER`,
 the job's spec in FOLDER, torch.distributed's rendezvous in the environment. Rank 0 writes
 the checkpoint and leaves what the worker records (the steps, the checkpoint) in FOLDER.
-GPU-side: imports torch.
+
+With `--serve` the rank takes job after job of one run: each line on its standard input
+says the next job's spec is in FOLDER; it keeps its process group, model and training state
+between them, and goes on in memory when the job starts where the last one stopped (it
+restores the job's checkpoint otherwise). Each job ends with a done file in FOLDER; the end
+of its input ends the process. GPU-side: imports torch.
 """
 
 import ctypes
@@ -23,7 +28,7 @@ from sdq.models.settings import Settings
 from sdq.models.store import open_store
 from sdq.models.training import TrainShardSpec
 from sdq.workers.train.job import restore_state, train_steps, write_checkpoint
-from sdq.workers.train.ranks import JOB_FILE, RESULT_FILE
+from sdq.workers.train.ranks import DONE_FILE, JOB_FILE, RESULT_FILE
 from sdq.workers.train.trainer import Ranks, TrainState
 from sdq.workers.weights import ModelFiles
 
@@ -60,6 +65,18 @@ class RankDone:
 
 def train_rank(spec: TrainShardSpec, ranks: Ranks, settings: Settings) -> RankDone:
     """This rank's part of the job."""
+    join_group(spec, ranks, settings)
+    try:
+        store = open_store(settings.store_url)
+        files = ModelFiles(store, settings.model_cache_dir)
+        state = restore_state(spec, store, files, ranks)
+        return RankDone(train_job(spec, state, store, files, settings), state)
+    finally:
+        dist.destroy_process_group()
+
+
+def join_group(spec: TrainShardSpec, ranks: Ranks, settings: Settings) -> None:
+    """This process's device, and the job's process group."""
     if torch.cuda.is_available():
         if ranks.local_rank >= torch.cuda.device_count():
             raise NotEnoughDevices(
@@ -72,17 +89,40 @@ def train_rank(spec: TrainShardSpec, ranks: Ranks, settings: Settings) -> RankDo
         "nccl" if torch.cuda.is_available() else "gloo",
         timeout=timedelta(seconds=settings.train.collective_timeout_seconds),
     )
-    try:
-        store = open_store(settings.store_url)
-        files = ModelFiles(store, settings.model_cache_dir)
-        state = restore_state(spec, store, files, ranks)
-        steps = train_steps(spec, state, store, settings.train)
-        if not ranks.writes:
-            return RankDone(None, state)
-        written = write_checkpoint(spec, state, store, files)
-        return RankDone({"steps": steps, "written": asdict(written)}, state)
-    finally:
-        dist.destroy_process_group()
+
+
+def train_job(
+    spec: TrainShardSpec, state: TrainState, store, files: ModelFiles, settings: Settings
+) -> dict[str, Any] | None:
+    """The job's steps from `state`; on rank 0, the checkpoint and what the worker records."""
+    steps = train_steps(spec, state, store, settings.train)
+    if not state.ranks.writes:
+        return None
+    written = write_checkpoint(spec, state, store, files)
+    return {"steps": steps, "written": asdict(written)}
+
+
+def serve(folder: Path, ranks: Ranks, settings: Settings) -> NoReturn:
+    """Job after job of one run, each announced by a line on standard input."""
+    spec = _job(folder)
+    join_group(spec, ranks, settings)
+    store = open_store(settings.store_url)
+    files = ModelFiles(store, settings.model_cache_dir)
+    state: TrainState | None = None
+    while sys.stdin.readline():
+        spec = _job(folder)
+        if state is None or state.step != spec.first_step:
+            state = None  # its memory goes before the restored state takes its own
+            state = restore_state(spec, store, files, ranks)
+        result = train_job(spec, state, store, files, settings)
+        if result is not None:
+            (folder / RESULT_FILE).write_text(json.dumps(result))
+        (folder / DONE_FILE.format(rank=ranks.rank)).touch()
+    exit_now(0)  # the worker let the group go
+
+
+def _job(folder: Path) -> TrainShardSpec:
+    return TrainShardSpec.from_dict(json.loads((folder / JOB_FILE).read_text()))
 
 
 def exit_now(code: int) -> NoReturn:
@@ -94,12 +134,13 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def main(folder: Path) -> NoReturn:
+def main(folder: Path, serving: bool) -> NoReturn:
     die_with_parent()
     ranks = ranks_from_env()
-    spec = TrainShardSpec.from_dict(json.loads((folder / JOB_FILE).read_text()))
     try:
-        done = train_rank(spec, ranks, Settings.from_env())
+        if serving:
+            serve(folder, ranks, Settings.from_env())
+        done = train_rank(_job(folder), ranks, Settings.from_env())
     except Exception as error:
         traceback.print_exc()
         report = {"type": type(error).__name__, "message": str(error)}
@@ -111,4 +152,4 @@ def main(folder: Path) -> NoReturn:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), serving="--serve" in sys.argv[2:])

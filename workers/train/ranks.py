@@ -4,10 +4,17 @@ MASTER_PORT for torch.distributed's env:// rendezvous), waits for them, and stop
 as soon as one fails, so the job fails at once instead of hanging; it is sent again and
 goes on from its last checkpoint. Each rank dies with the worker (a parent-death signal): a
 worker killed mid-job leaves no rank holding a GPU. No torch here.
+
+On one machine the ranks outlive the job (RankGroup): they are started for a run, take its
+jobs one after another as lines on their standard input, and keep the process group, the
+model and the training state on the devices in between; the next job of the run on this
+worker goes on from where the last one stopped. A job over several machines starts its
+ranks for that job alone (run_ranks).
 """
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,6 +34,8 @@ from sdq.workers.weights import ModelUnavailable
 RANK_MODULE = "sdq.workers.train.rank"
 JOB_FILE = "job.json"
 RESULT_FILE = "result.json"
+# A rank of a kept group writes this when it has done its part of a job.
+DONE_FILE = "done-{rank}"
 POLL_SECONDS = 0.1
 WATCH_SECONDS = 1.0
 STOP_GRACE_SECONDS = 10
@@ -78,12 +87,64 @@ def free_port(address: str = "127.0.0.1") -> int:
         return probe.getsockname()[1]
 
 
+class RankGroup:
+    """A run's rank processes on this machine, kept from one of its jobs to the next."""
+
+    def __init__(self, spec: TrainShardSpec) -> None:
+        self.run, self.world_size = spec.run, spec.options.world_size
+        self.folder = Path(tempfile.mkdtemp(prefix="sdq-ranks-"))
+        (self.folder / JOB_FILE).write_text(json.dumps(spec.to_dict()))
+        self.processes = start(spec.options, Node(), self.folder, serve=True)
+
+    def serves(self, spec: TrainShardSpec) -> bool:
+        """Whether it can take this job: same run, same world size, every rank alive."""
+        alive = all(process.poll() is None for process in self.processes)
+        return alive and (spec.run, spec.options.world_size) == (self.run, self.world_size)
+
+    def train(self, spec: TrainShardSpec, watch: Callable[[], None] = lambda: None) -> dict:
+        """Has the ranks take one job; returns what rank 0 wrote. Any failure (a rank's
+        error or death, the task's time limit) stops the group: its state is not the
+        checkpoint's any more."""
+        try:
+            for leftover in [RESULT_FILE, *(DONE_FILE.format(rank=r) for r in self._ranks)]:
+                (self.folder / leftover).unlink(missing_ok=True)
+            (self.folder / JOB_FILE).write_text(json.dumps(spec.to_dict()))
+            for process in self.processes:
+                process.stdin.write(b"next\n")
+                process.stdin.flush()
+            wait_for_job(self.processes, self.folder, watch)
+            return json.loads((self.folder / RESULT_FILE).read_text())
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def _ranks(self) -> range:
+        return range(len(self.processes))
+
+    def stop(self) -> None:
+        stop(self.processes)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
 @contextmanager
 def started(options: TrainOptions, node: Node, folder: Path) -> Iterator[list[subprocess.Popen]]:
-    """This node's rank processes, each logging to its own file; any still running when the
-    block ends (a failed rank, the task's time limit) is stopped."""
+    """This node's rank processes for one job, each logging to its own file; any still
+    running when the block ends (a failed rank, the task's time limit) is stopped."""
+    processes: list[subprocess.Popen] = []
+    try:
+        processes += start(options, node, folder, serve=False)
+        yield processes
+    finally:
+        stop(processes)
+
+
+def start(
+    options: TrainOptions, node: Node, folder: Path, *, serve: bool
+) -> list[subprocess.Popen]:
+    """This node's rank processes; serving ones take jobs from their standard input."""
     local_ranks = options.ranks_per_node
-    processes = []
+    processes: list[subprocess.Popen] = []
     try:
         for local in range(local_ranks):
             environment = {
@@ -98,18 +159,21 @@ def started(options: TrainOptions, node: Node, folder: Path) -> Iterator[list[su
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")
                 or str(rank_threads(local_ranks)),
             }
+            command = [sys.executable, "-m", RANK_MODULE, str(folder), *(["--serve"] * serve)]
             with (folder / f"rank{local}.log").open("wb") as log:
                 processes.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", RANK_MODULE, str(folder)],
+                        command,
                         env=environment,
+                        stdin=subprocess.PIPE if serve else None,
                         stdout=log,
                         stderr=subprocess.STDOUT,
                     )
                 )
-        yield processes
-    finally:
+    except BaseException:
         stop(processes)
+        raise
+    return processes
 
 
 def stop(processes: list[subprocess.Popen]) -> None:
@@ -134,6 +198,25 @@ def wait(processes: list[subprocess.Popen], folder: Path, watch: Callable[[], No
         if failed:
             raise rank_error(folder, *min(failed, key=lambda item: _reported(folder, item[0])))
         if all(code == 0 for code in codes):
+            return
+        if time.monotonic() - watched >= WATCH_SECONDS:
+            watch()
+            watched = time.monotonic()
+        time.sleep(POLL_SECONDS)
+
+
+def wait_for_job(
+    processes: list[subprocess.Popen], folder: Path, watch: Callable[[], None]
+) -> None:
+    """Until every rank of a kept group has said it did its part of the job; a rank that
+    exits meanwhile, whatever its code, fails the job."""
+    watched = time.monotonic()
+    while True:
+        codes = [process.poll() for process in processes]
+        ended = [(rank, code) for rank, code in enumerate(codes) if code is not None]
+        if ended:
+            raise rank_error(folder, *min(ended, key=lambda item: _reported(folder, item[0])))
+        if all((folder / DONE_FILE.format(rank=rank)).is_file() for rank in range(len(codes))):
             return
         if time.monotonic() - watched >= WATCH_SECONDS:
             watch()

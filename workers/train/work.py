@@ -6,8 +6,9 @@ Plain code, no Celery; torch loads lazily.
 A run of world size 1 trains in this process: it keeps the state it has just checkpointed
 and goes on from it in memory when the next job comes to it; any other worker restores the
 checkpoint from the store. A larger world size trains on that many rank processes
-(ranks.py), which restore the state from the store each job; over several nodes, this
-worker leads the gang the other nodes' workers join (gang.py).
+(ranks.py), kept from job to job on one machine, so that they too go on in memory; over
+several nodes, this worker leads the gang the other nodes' workers join (gang.py), whose
+ranks start for each job and restore its checkpoint.
 """
 
 from collections.abc import Callable, Iterator, Sequence
@@ -23,7 +24,7 @@ from sdq.models.store import ObjectStore, StoreUnavailable
 from sdq.models.tables import Job
 from sdq.models.training import TrainShardSpec
 from sdq.workers.train import gang
-from sdq.workers.train.ranks import run_ranks
+from sdq.workers.train.ranks import RankGroup, run_ranks
 from sdq.workers.train.records import (
     Written,
     checkpoint_at,
@@ -53,24 +54,43 @@ CallNodes = Callable[[int, int, int], None]
 
 
 class LiveStates:
-    """The training state this process last checkpointed, by run: the next job of that
-    run goes on from it without reading the checkpoint back."""
+    """What this process keeps of the run it last trained, for that run's next job: the
+    training state it checkpointed (a run of one rank, trained here), or the rank processes
+    holding it (a run of several). One at a time: a GPU that rank 0 of a group needs is
+    never also holding a state trained here."""
 
     def __init__(self) -> None:
-        self._states: dict[int, TrainState] = {}
+        self._state: TrainState | None = None
+        self._group: RankGroup | None = None
 
     def take(self, run: int, step: int) -> "TrainState | None":
-        state = self._states.pop(run, None)
-        return state if state is not None and state.step == step else None
+        """The state to go on from in this process, if it is that run's at that step."""
+        self._stop_group()
+        state, self._state = self._state, None
+        return state if state is not None and (state.run, state.step) == (run, step) else None
 
     def keep(self, state: "TrainState") -> None:
-        self._states = {state.run: state}  # one run at a time fits on a GPU
+        self._state = state
+
+    def group(self, spec: TrainShardSpec) -> RankGroup:
+        """The rank processes of the job's run, started unless they serve it already."""
+        if self._group is None or not self._group.serves(spec):
+            self.clear()
+            self._group = RankGroup(spec)
+        return self._group
 
     def clear(self) -> None:
-        from sdq.workers.gpu import release_device_memory
+        self._stop_group()
+        if self._state is not None:
+            from sdq.workers.gpu import release_device_memory
 
-        self._states = {}
-        release_device_memory()
+            self._state = None
+            release_device_memory()
+
+    def _stop_group(self) -> None:
+        if self._group is not None:
+            self._group.stop()
+            self._group = None
 
 
 class TrainWork(Work):
@@ -145,7 +165,11 @@ class TrainWork(Work):
         return steps, written
 
     def _train_on_ranks(self, job: Job, spec: TrainShardSpec) -> tuple[list[dict], Written]:
-        result = run_ranks(spec) if spec.options.nodes == 1 else self._lead(job, spec)
+        if spec.options.nodes == 1:
+            result = self.live.group(spec).train(spec)
+        else:
+            self.live.clear()  # the gang's ranks need this machine's devices
+            result = self._lead(job, spec)
         return result["steps"], Written(**result["written"])
 
     def _lead(self, job: Job, spec: TrainShardSpec) -> dict[str, Any]:
