@@ -40,7 +40,6 @@ from itertools import islice
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,8 +47,9 @@ sys.path.insert(0, str(ROOT))
 
 from sdq.models.store import LocalStore, ObjectStore, S3Store  # noqa: E402
 from sdq.models.training import LatentInput  # noqa: E402
-from sdq.workers.shards.latents import METADATA_KEY, Encoded, latent_shard_bytes  # noqa: E402
+from sdq.workers.shards.latents import Encoded, latent_shard_bytes  # noqa: E402
 from sdq.workers.train.data import LatentStream, load_shards  # noqa: E402
+from tests.old_shards import list_layout_bytes  # noqa: E402
 from tests.services import MotoServer, aws_env, s3_client  # noqa: E402
 
 LATENT_SHAPE, EMBEDDING_SHAPE, TOKENS = (4, 32, 32), (77, 1024), 77
@@ -70,25 +70,9 @@ def shard_tensors(rows: int, seed: int) -> Encoded:
     )
 
 
-def list_layout(lineage: dict[str, list[str]], tensors: Encoded) -> bytes:
-    """A shard as sdq wrote them before: every tensor a fixed-size list column, zstd."""
-    columns = {name: pa.array(values, pa.string()) for name, values in lineage.items()}
-    described = {}
-    for name, array in tensors.tensors().items():
-        flat = pa.array(np.ascontiguousarray(array).reshape(-1))
-        columns[name] = pa.FixedSizeListArray.from_arrays(flat, int(np.prod(array.shape[1:])))
-        described[name] = {"shape": list(array.shape[1:]), "dtype": str(array.dtype)}
-    table = pa.table(columns).replace_schema_metadata(
-        {METADATA_KEY: json.dumps({"tensors": described})}
-    )
-    buffer = io.BytesIO()
-    pq.write_table(table, buffer, compression="zstd")
-    return buffer.getvalue()
-
-
 LAYOUTS: dict[str, Callable[[dict, Encoded], bytes]] = {
     "binary": lambda lineage, tensors: latent_shard_bytes(lineage, tensors, {}),
-    "list": list_layout,
+    "list": lambda lineage, tensors: list_layout_bytes(tensors, lineage),
 }
 
 

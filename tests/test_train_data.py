@@ -4,23 +4,21 @@ earlier runs with one lane, ranks that read only their own lanes' shards and tog
 train on what one rank does, jobs that start mid-run, and every sample once per epoch."""
 
 import io
-import json
 from collections import Counter
 from itertools import islice
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from sdq.models.training import LatentInput, TrainOptions, default_lanes
 from sdq.workers.shards.latents import (
-    METADATA_KEY,
     Encoded,
     latent_shard_bytes,
     read_training_tensors,
 )
 from sdq.workers.train.data import LatentStream
+from tests.old_shards import list_layout_bytes
 
 
 def encoded(samples: int, seed: int = 0) -> Encoded:
@@ -31,21 +29,6 @@ def encoded(samples: int, seed: int = 0) -> Encoded:
         text_embeddings=rng.standard_normal((samples, 7, 32)).astype(np.float16),
         token_ids=rng.integers(0, 1000, (samples, 7)),
     )
-
-
-def list_layout_bytes(tensors: Encoded) -> bytes:
-    """A shard as sdq wrote them before: each tensor a fixed-size list column, zstd."""
-    columns, described = {}, {}
-    for name, array in tensors.tensors().items():
-        flat = pa.array(np.ascontiguousarray(array).reshape(-1))
-        columns[name] = pa.FixedSizeListArray.from_arrays(flat, int(np.prod(array.shape[1:])))
-        described[name] = {"shape": list(array.shape[1:]), "dtype": str(array.dtype)}
-    table = pa.table(columns).replace_schema_metadata(
-        {METADATA_KEY: json.dumps({"tensors": described})}
-    )
-    buffer = io.BytesIO()
-    pq.write_table(table, buffer, compression="zstd")
-    return buffer.getvalue()
 
 
 def test_a_shard_s_tensors_read_back_as_views_in_their_dtype_and_old_shards_still_read() -> None:

@@ -50,6 +50,16 @@ class TrainGroup(click.Group):
         return super().parse_args(ctx, args)
 
 
+MIXED_PRECISION_OPTION = click.option(
+    "--mixed-precision",
+    type=click.Choice(MIXED_PRECISION),
+    default="auto",
+    show_default=True,
+    help="Autocast on the GPU (fp16 with a gradient scaler); auto is bf16 on a GPU and "
+    "none on a CPU.",
+)
+
+
 @click.group(cls=TrainGroup)
 def train() -> None:
     """Train a base model's U-Net on a dataset's latents: `sdq train NAME --base M --steps
@@ -212,14 +222,7 @@ def _checkpoint_ref(_ctx, _param, value: str | None) -> tuple[int, int | None] |
     type=int,
     help="Decides the data order and the noise: a rerun makes the same model.",
 )
-@click.option(
-    "--mixed-precision",
-    type=click.Choice(MIXED_PRECISION),
-    default="auto",
-    show_default=True,
-    help="Autocast on the GPU (fp16 with a gradient scaler); auto is bf16 on a GPU and "
-    "none on a CPU.",
-)
+@MIXED_PRECISION_OPTION
 @click.option(
     "--gradient-checkpointing",
     is_flag=True,
@@ -473,13 +476,7 @@ def status(app: SdqCelery, run_id: int, as_json: bool) -> None:
 )
 @click.option("--world-size", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--grad-accumulation", default=1, show_default=True, type=click.IntRange(min=1))
-@click.option(
-    "--mixed-precision",
-    type=click.Choice(MIXED_PRECISION),
-    default="auto",
-    show_default=True,
-    help="As on a GPU: auto is bf16.",
-)
+@MIXED_PRECISION_OPTION
 @click.option("--gradient-checkpointing", is_flag=True)
 @click.option("--ema", default=0.9999, show_default=True, help="EMA decay; 0 keeps none.")
 @click.option(
