@@ -12,12 +12,14 @@ world size N:
     train_text_to_image.py runs (a DataLoader with a DistributedSampler over the same shards
     on local disk, DDP, AdamW, DDPM noise, min-SNR MSE, EMA), written apart from sdq and
     importing nothing of it, no checkpoint.
-Both are timed from the command's start to its end, process starts included. Prints one
-JSON object: samples/s of each, the scaling efficiency of each (samples/s at N over N
-times samples/s at 1), and `sdq_vs_plain` at each world size.
+Both are timed from the command's start to its end, process starts included; sdq's run
+is a chain of jobs of --checkpoint-every steps, each ending in a checkpoint written to S3.
+Prints one JSON object: samples/s of each, the scaling efficiency of each (samples/s at N
+over N times samples/s at 1), `sdq_time_shares` (of sdq's run's wall time: training, data
+waits, checkpoints, between jobs) and `sdq_vs_plain` at each world size.
 
     python benchmarks/train_scaling.py [--world-sizes 1,2] [--steps 300]
-        [--batch-size 8] [--images 256] [--rounds 3]
+        [--checkpoint-every 100] [--batch-size 8] [--images 256] [--rounds 3]
 """
 
 import argparse
@@ -38,23 +40,26 @@ from tests.conftest import WorkerProcess, sdq_json  # noqa: E402
 from tests.services import deployment  # noqa: E402
 
 
-def through_sdq(env: dict[str, str], args, world_size: int) -> float:
+def through_sdq(env: dict[str, str], args, world_size: int) -> tuple[float, dict[str, float]]:
+    """Samples/s from the command's start to its end, and the shares of the run's wall time
+    (first job's start to last checkpoint) that `sdq train status` reports."""
     started = time.perf_counter()
     status = sdq_json(
         env, "train", DATASET, "--base", "tiny", "--resolution", str(RESOLUTION),
-        "--steps", str(args.steps), "--checkpoint-every", str(args.steps),
+        "--steps", str(args.steps), "--checkpoint-every", str(args.checkpoint_every),
         "--batch-size", str(args.batch_size), "--world-size", str(world_size), "--wait",
         timeout=COMMAND_TIMEOUT,
     )  # fmt: skip
     seconds = time.perf_counter() - started
     assert status["status"] == "succeeded", status
-    return args.steps * args.batch_size / seconds
+    return args.steps * args.batch_size / seconds, status["time_shares"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", default="1,2")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
@@ -62,9 +67,9 @@ def main() -> None:
         "--image-dir", type=Path, default=Path(tempfile.gettempdir()) / "sdq-bench-images"
     )
     args = parser.parse_args()
-    args.checkpoint_every = args.steps
     sizes = [int(size) for size in args.world_sizes.split(",")]
     rates = {f"{way}_{size}": [] for size in sizes for way in ("sdq", "plain")}
+    shares: dict[int, list[dict[str, float]]] = {size: [] for size in sizes}
     with deployment(broker_db=14) as env, tempfile.TemporaryDirectory() as folder:
         os.environ.update(env)  # boto3 in this process reads AWS_* like the worker does
         home = Path(env["SDQ_HOME"])
@@ -76,7 +81,9 @@ def main() -> None:
             plain = PlainLoop(env, Path(folder))
             for _ in range(args.rounds):
                 for size in sizes:
-                    rates[f"sdq_{size}"].append(through_sdq(env, args, size))
+                    rate, round_shares = through_sdq(env, args, size)
+                    rates[f"sdq_{size}"].append(rate)
+                    shares[size].append(round_shares)
                     rates[f"plain_{size}"].append(plain.run(args, size))
         finally:
             worker.stop()
@@ -95,6 +102,15 @@ def main() -> None:
                         median[f"{way}_{size}"] / (median[f"{way}_{first}"] * size / first), 3
                     )
                     for way in ("sdq", "plain")
+                    for size in sizes
+                },
+                # Of sdq's wall time per run: training, data waits, checkpoint writes, and
+                # between jobs (medians over the rounds).
+                "sdq_time_shares": {
+                    str(size): {
+                        name: round(statistics.median(r[name] for r in shares[size]), 4)
+                        for name in shares[size][0]
+                    }
                     for size in sizes
                 },
                 "sdq_vs_plain": {
