@@ -148,6 +148,34 @@ def test_the_whole_chain_on_one_machine(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("world_size", ["1", "2"])
+def test_a_job_too_long_for_its_time_limit_checkpoints_early_and_the_run_ends_the_same(
+    tmp_path: Path, world_size: str
+) -> None:
+    """Embedded, a train queue whose soft time limit is 2 s: each job takes steps for 80%
+    of it, checkpoints where its ranks agree to stop, and leaves the rest to a job more;
+    the run ends on the same weights, bit for bit, as one job of all its steps."""
+    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT), "SDQ_TRAIN_LOSS_EVERY": "5"}
+    encoded_dataset(env, "toy", 16, tmp_path)
+    run = ["train", "toy", *TRAIN, "--steps", "120", "--checkpoint-every", "120",
+           "--world-size", world_size]  # fmt: skip
+    whole = sdq_json(env, *run, cwd=tmp_path)
+    limited = sdq_json({**env, "SDQ_TRAIN_TASK_SOFT_TIME_LIMIT": "2"}, *run, cwd=tmp_path)
+    assert [c["step"] for c in whole["checkpoints"]] == [120]
+    steps = [c["step"] for c in limited["checkpoints"]]
+    assert len(steps) > 1 and steps[-1] == 120 and all(step % 5 == 0 for step in steps)
+    assert limited["checkpoints"][-1]["state_sha256"] == whole["checkpoints"][-1]["state_sha256"]
+    assert limited["losses"] == whole["losses"]
+    with sqlite3.connect(tmp_path / "sdq-data/sdq.db") as db:
+        jobs = db.execute(
+            "SELECT status, attempts FROM jobs WHERE run_id = ?", (limited["run_id"],)
+        ).fetchall()
+        [job_count] = db.execute(
+            "SELECT job_count FROM runs WHERE id = ?", (limited["run_id"],)
+        ).fetchone()
+    assert jobs == [("succeeded", 1)] * len(steps) and job_count == len(steps)
+
+
 def _jobs(database_url: str, run_id: int) -> list[tuple]:
     with psycopg.connect(database_url) as connection:
         return connection.execute(

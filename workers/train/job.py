@@ -8,12 +8,14 @@ import io
 import tempfile
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
+from dataclasses import replace
 from pathlib import Path
-from time import perf_counter
+from time import perf_counter, time
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from diffusers import UNet2DConditionModel
 
 from sdq.models.registry import folder_content_hash
@@ -99,12 +101,18 @@ _manifests: dict[str, tuple[LatentInput, ...]] = {}
 
 
 def train_steps(
-    spec: TrainShardSpec, state: TrainState, store: ObjectStore, settings: TrainSettings
+    spec: TrainShardSpec,
+    state: TrainState,
+    store: ObjectStore,
+    settings: TrainSettings,
+    stop_at: float | None = None,
 ) -> list[dict]:
     """Steps until the job's last, each one's loss, learning rate and speed noted (the
     loss and speed of the whole global batch, the same on every rank). The losses are read
     from the device every `loss_every` steps, all at once, and a window's speed is its
-    samples over its wall time: data waits count, not only the compute."""
+    samples over its wall time: data waits count, not only the compute. Past `stop_at`
+    (a time.time() on rank 0) the job stops at the next window's end, before its last
+    step, so that its checkpoint is written within the task's time limit."""
     options = spec.options
     inputs = run_inputs(spec, store)
     stream = LatentStream(
@@ -128,8 +136,18 @@ def train_steps(
                 break
             if len(window) == settings.loss_every:
                 window.read()
+                if time_is_up(stop_at, state):
+                    break
     window.read()
     return window.steps
+
+
+def time_is_up(stop_at: float | None, state: TrainState) -> bool:
+    """Rank 0's clock decides, for every rank: they all stop after the same step."""
+    up = torch.tensor([stop_at is not None and time() >= stop_at], device=state.device)
+    if state.ranks.distributed:
+        dist.broadcast(up, src=0)
+    return bool(up.item())
 
 
 class StepWindow:
@@ -204,7 +222,8 @@ def write_checkpoint(
         folder = Path(temporary)
         save_checkpoint(state, folder / "state")
         state_sha256 = folder_content_hash(folder / "state")
-        if spec.exports_model:
+        # At the step the job reached, which is its last unless it stopped early.
+        if replace(spec, last_step=state.step).exports_model:
             base = base_folder(spec, files, files.cache_dir)
             revision = export_model(state, base, folder / "model")
             model_prefix = f"{prefix}/model"

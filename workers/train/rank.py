@@ -28,7 +28,7 @@ from sdq.models.settings import Settings
 from sdq.models.store import open_store
 from sdq.models.training import TrainShardSpec
 from sdq.workers.train.job import restore_state, train_steps, write_checkpoint
-from sdq.workers.train.ranks import DONE_FILE, JOB_FILE, RESULT_FILE
+from sdq.workers.train.ranks import DONE_FILE, JOB_FILE, RESULT_FILE, STOP_FILE
 from sdq.workers.train.trainer import Ranks, TrainState
 from sdq.workers.weights import ModelFiles
 
@@ -63,14 +63,14 @@ class RankDone:
     state: TrainState
 
 
-def train_rank(spec: TrainShardSpec, ranks: Ranks, settings: Settings) -> RankDone:
+def train_rank(spec: TrainShardSpec, ranks: Ranks, settings: Settings, folder: Path) -> RankDone:
     """This rank's part of the job."""
     join_group(spec, ranks, settings)
     try:
         store = open_store(settings.store_url)
         files = ModelFiles(store, settings.model_cache_dir)
         state = restore_state(spec, store, files, ranks)
-        return RankDone(train_job(spec, state, store, files, settings), state)
+        return RankDone(train_job(spec, state, store, files, settings, _stop_at(folder)), state)
     finally:
         dist.destroy_process_group()
 
@@ -92,10 +92,15 @@ def join_group(spec: TrainShardSpec, ranks: Ranks, settings: Settings) -> None:
 
 
 def train_job(
-    spec: TrainShardSpec, state: TrainState, store, files: ModelFiles, settings: Settings
+    spec: TrainShardSpec,
+    state: TrainState,
+    store,
+    files: ModelFiles,
+    settings: Settings,
+    stop_at: float | None,
 ) -> dict[str, Any] | None:
     """The job's steps from `state`; on rank 0, the checkpoint and what the worker records."""
-    steps = train_steps(spec, state, store, settings.train)
+    steps = train_steps(spec, state, store, settings.train, stop_at)
     if not state.ranks.writes:
         return None
     written = write_checkpoint(spec, state, store, files)
@@ -114,7 +119,7 @@ def serve(folder: Path, ranks: Ranks, settings: Settings) -> NoReturn:
         if state is None or state.step != spec.first_step:
             state = None  # its memory goes before the restored state takes its own
             state = restore_state(spec, store, files, ranks)
-        result = train_job(spec, state, store, files, settings)
+        result = train_job(spec, state, store, files, settings, _stop_at(folder))
         if result is not None:
             (folder / RESULT_FILE).write_text(json.dumps(result))
         (folder / DONE_FILE.format(rank=ranks.rank)).touch()
@@ -123,6 +128,12 @@ def serve(folder: Path, ranks: Ranks, settings: Settings) -> NoReturn:
 
 def _job(folder: Path) -> TrainShardSpec:
     return TrainShardSpec.from_dict(json.loads((folder / JOB_FILE).read_text()))
+
+
+def _stop_at(folder: Path) -> float | None:
+    """When the job should stop taking steps (rank 0's decision: see ranks.py)."""
+    stop = folder / STOP_FILE
+    return float(stop.read_text()) if stop.is_file() else None
 
 
 def exit_now(code: int) -> NoReturn:
@@ -140,7 +151,7 @@ def main(folder: Path, serving: bool) -> NoReturn:
     try:
         if serving:
             serve(folder, ranks, Settings.from_env())
-        done = train_rank(_job(folder), ranks, Settings.from_env())
+        done = train_rank(_job(folder), ranks, Settings.from_env(), folder)
     except Exception as error:
         traceback.print_exc()
         report = {"type": type(error).__name__, "message": str(error)}

@@ -36,6 +36,8 @@ JOB_FILE = "job.json"
 RESULT_FILE = "result.json"
 # A rank of a kept group writes this when it has done its part of a job.
 DONE_FILE = "done-{rank}"
+# When the job should stop taking steps and write its checkpoint (a time.time()), if ever.
+STOP_FILE = "stop-at"
 POLL_SECONDS = 0.1
 WATCH_SECONDS = 1.0
 STOP_GRACE_SECONDS = 10
@@ -62,7 +64,10 @@ class Node:
 
 
 def run_ranks(
-    spec: TrainShardSpec, node: Node | None = None, watch: Callable[[], None] = lambda: None
+    spec: TrainShardSpec,
+    node: Node | None = None,
+    watch: Callable[[], None] = lambda: None,
+    stop_at: float | None = None,
 ) -> dict[str, Any] | None:
     """Runs this node's ranks of the job (all of them on a job of one node); returns what
     rank 0 wrote, on node 0. `watch` is called about once a second while they run, and
@@ -70,11 +75,19 @@ def run_ranks(
     node = node or Node()
     with tempfile.TemporaryDirectory(prefix="sdq-ranks-") as temporary:
         folder = Path(temporary)
-        (folder / JOB_FILE).write_text(json.dumps(spec.to_dict()))
+        write_job(folder, spec, stop_at)
         with started(spec.options, node, folder) as processes:
             wait(processes, folder, watch)
         result = folder / RESULT_FILE
         return json.loads(result.read_text()) if result.is_file() else None
+
+
+def write_job(folder: Path, spec: TrainShardSpec, stop_at: float | None) -> None:
+    (folder / JOB_FILE).write_text(json.dumps(spec.to_dict()))
+    stop = folder / STOP_FILE
+    stop.unlink(missing_ok=True)
+    if stop_at is not None:
+        stop.write_text(repr(stop_at))
 
 
 def rank_threads(local_ranks: int) -> int:
@@ -93,7 +106,7 @@ class RankGroup:
     def __init__(self, spec: TrainShardSpec) -> None:
         self.run, self.world_size = spec.run, spec.options.world_size
         self.folder = Path(tempfile.mkdtemp(prefix="sdq-ranks-"))
-        (self.folder / JOB_FILE).write_text(json.dumps(spec.to_dict()))
+        write_job(self.folder, spec, None)
         self.processes = start(spec.options, Node(), self.folder, serve=True)
 
     def serves(self, spec: TrainShardSpec) -> bool:
@@ -101,18 +114,18 @@ class RankGroup:
         alive = all(process.poll() is None for process in self.processes)
         return alive and (spec.run, spec.options.world_size) == (self.run, self.world_size)
 
-    def train(self, spec: TrainShardSpec, watch: Callable[[], None] = lambda: None) -> dict:
+    def train(self, spec: TrainShardSpec, stop_at: float | None = None) -> dict:
         """Has the ranks take one job; returns what rank 0 wrote. Any failure (a rank's
         error or death, the task's time limit) stops the group: its state is not the
         checkpoint's any more."""
         try:
             for leftover in [RESULT_FILE, *(DONE_FILE.format(rank=r) for r in self._ranks)]:
                 (self.folder / leftover).unlink(missing_ok=True)
-            (self.folder / JOB_FILE).write_text(json.dumps(spec.to_dict()))
+            write_job(self.folder, spec, stop_at)
             for process in self.processes:
                 process.stdin.write(b"next\n")
                 process.stdin.flush()
-            wait_for_job(self.processes, self.folder, watch)
+            wait_for_job(self.processes, self.folder)
             return json.loads((self.folder / RESULT_FILE).read_text())
         except BaseException:
             self.stop()
@@ -206,7 +219,7 @@ def wait(processes: list[subprocess.Popen], folder: Path, watch: Callable[[], No
 
 
 def wait_for_job(
-    processes: list[subprocess.Popen], folder: Path, watch: Callable[[], None]
+    processes: list[subprocess.Popen], folder: Path, watch: Callable[[], None] = lambda: None
 ) -> None:
     """Until every rank of a kept group has said it did its part of the job; a rank that
     exits meanwhile, whatever its code, fails the job."""

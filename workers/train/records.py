@@ -47,6 +47,16 @@ def checkpoint_at(session: Session, run: int, step: int) -> Checkpoint | None:
     ).one_or_none()
 
 
+def checkpoint_within(session: Session, run: int, after: int, until: int) -> Checkpoint | None:
+    """The run's newest checkpoint past step `after`, up to step `until`."""
+    return session.scalars(
+        select(Checkpoint)
+        .where(Checkpoint.run_id == run, Checkpoint.step > after, Checkpoint.step <= until)
+        .order_by(Checkpoint.step.desc())
+        .limit(1)
+    ).one_or_none()
+
+
 def record_checkpoint(
     session: Session, spec: TrainShardSpec, steps: list[dict[str, Any]], written: Written
 ) -> list[int]:
@@ -87,7 +97,7 @@ def record_checkpoint(
         )
         new_work.append(_validation_run(session, spec, written.step, model))
     if written.step < spec.options.steps:
-        _next_job(session, spec)
+        _next_job(session, spec, written.step)
         new_work.append(spec.run)
     return new_work
 
@@ -111,8 +121,12 @@ def prune_checkpoints(session: Session, spec: TrainShardSpec, *, deleted_at: dat
     return [checkpoint_prefix(spec.run, checkpoint.step) for checkpoint in old]
 
 
-def _next_job(session: Session, spec: TrainShardSpec) -> None:
-    step = spec.last_step
+def _next_job(session: Session, spec: TrainShardSpec, step: int) -> None:
+    """The job after one that ended at `step`: its last planned step, or an earlier one
+    where it stopped for its time limit (the run then has one job more than planned)."""
+    if step < spec.last_step:
+        run = session.get(Run, spec.run)
+        run.job_count += 1
     after = replace(
         spec,
         first_step=step,

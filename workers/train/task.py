@@ -34,9 +34,19 @@ def train(self, job_ids: list[int]) -> dict[str, Any]:
             settings=app.settings.train,
             worker=worker_identity(TRAIN.pool).host,
             call_nodes=None if self.request.is_eager else call_nodes(app),
+            time_limit_seconds=time_limit(self),
         )
 
     return deliver_task(self, TRAIN, job_ids, work)
+
+
+def time_limit(task) -> float | None:
+    """The limit the task runs under: the soft one its message carries (else the hard
+    one); in a process that runs its tasks itself, the train queue's own."""
+    if task.request.is_eager:
+        return task.app.settings.time_limits[TRAIN.queue].soft
+    hard, soft = task.request.timelimit or (None, None)
+    return soft or hard
 
 
 @shared_task(bind=True, base=JobTask, name=JOIN_TASK)

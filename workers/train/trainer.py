@@ -268,23 +268,26 @@ def on_device(
     batches: Iterator[Batch], state: TrainState, spec: TrainShardSpec
 ) -> Iterator[StepInputs]:
     """Each batch with its draws, made on a thread and copied to the device on a side
-    stream (from pinned memory: the batch is gathered there) while the step before runs."""
+    stream (from pinned memory: the batch is gathered there) while the step before runs;
+    each is handed over once its copies are done."""
     part = state.ranks.part(spec.options.batch_size)
     side = torch.cuda.Stream(state.device) if state.device.type == "cuda" else None
 
-    def staged(batch: Batch) -> tuple[StepInputs, object]:
+    def staged(batch: Batch) -> StepInputs:
         latents = torch.from_numpy(batch.latents)
         draws = draw(spec, batch.step, part, latents.shape[1:])
         host = StepInputs(latents, torch.from_numpy(batch.text_embeddings), _pinned(draws, side))
         if side is None:
-            return _moved(host, state.device), None
+            return _moved(host, state.device)
         with torch.cuda.stream(side):
             moved = _moved(host, state.device)
-            return moved, torch.cuda.current_stream(state.device).record_event()
+        # This thread, not the step's, waits for the copies: then the host buffers may go.
+        side.synchronize()
+        return moved
 
-    for inputs, copied in run_ahead((staged(batch) for batch in batches), depth=2):
-        if copied is not None:
-            _used_here(inputs, copied)
+    for inputs in run_ahead((staged(batch) for batch in batches), depth=2):
+        if side is not None:
+            _used_here(inputs)
         yield inputs
 
 
@@ -319,11 +322,10 @@ def _moved(inputs: StepInputs, device: torch.device) -> StepInputs:
     )
 
 
-def _used_here(inputs: StepInputs, copied) -> None:
-    """The step's stream waits for the side stream's copies, and the allocator knows the
-    tensors are used on it (they were made on the side stream)."""
+def _used_here(inputs: StepInputs) -> None:
+    """Tensors made on the side stream, used on the step's: the allocator must not hand
+    their memory to the side stream again before the step's work on them is done."""
     here = torch.cuda.current_stream(inputs.latents.device)
-    here.wait_event(copied)
     draws = inputs.draws
     for tensor in (inputs.latents, inputs.embeddings, draws.noise, draws.timesteps, draws.dropped):
         if tensor is not None:

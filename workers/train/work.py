@@ -12,7 +12,7 @@ ranks start for each job and restore its checkpoint.
 """
 
 from collections.abc import Callable, Iterator, Sequence
-from time import perf_counter
+from time import perf_counter, time
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -28,6 +28,7 @@ from sdq.workers.train.ranks import RankGroup, run_ranks
 from sdq.workers.train.records import (
     Written,
     checkpoint_at,
+    checkpoint_within,
     prune_checkpoints,
     record_checkpoint,
 )
@@ -51,6 +52,11 @@ class NoGangHere(Exception):
 
 # Calls for the other nodes of a job's gang: (job id, attempt, how many).
 CallNodes = Callable[[int, int, int], None]
+# A job takes steps for this share of its task's time limit at most, then writes its
+# checkpoint and leaves the rest of its steps to the next job: a job too long for the
+# limit (a large --checkpoint-every on slow GPUs) ends early instead of being killed on
+# every attempt.
+TRAINING_SHARE_OF_TIME_LIMIT = 0.8
 
 
 class LiveStates:
@@ -108,6 +114,7 @@ class TrainWork(Work):
         settings: TrainSettings,
         worker: str,
         call_nodes: CallNodes | None,
+        time_limit_seconds: float | None,
     ) -> None:
         self.store = store
         self.sessions = sessions
@@ -117,6 +124,7 @@ class TrainWork(Work):
         self.settings = settings
         self.worker = worker
         self.call_nodes = call_nodes
+        self.time_limit_seconds = time_limit_seconds
 
     def run(self, jobs: Sequence[Job]) -> Iterator[Output]:
         for job in jobs:
@@ -128,9 +136,10 @@ class TrainWork(Work):
 
     def _done_before(self, job_id: int, spec: TrainShardSpec) -> "Done | None":
         """A job delivered again after its checkpoint was written finds it, and stops (its
-        run's next job is sent again, in case the first send was lost)."""
+        run's next job is sent again, in case the first send was lost). An attempt that
+        stopped early wrote it before the job's last step."""
         with self.sessions() as session:
-            checkpoint = checkpoint_at(session, spec.run, spec.last_step)
+            checkpoint = checkpoint_within(session, spec.run, spec.first_step, spec.last_step)
         if checkpoint is None:
             return None
         # Checkpoints from before state hashes were kept are named by their model.
@@ -146,33 +155,39 @@ class TrainWork(Work):
                     raise NotReady(
                         f"run {spec.run} has no checkpoint at step {spec.first_step} yet"
                     )
+        limit = self.time_limit_seconds
+        stop_at = time() + TRAINING_SHARE_OF_TIME_LIMIT * limit if limit else None
         if spec.options.world_size == 1:
-            steps, written = self._train_here(spec)
+            steps, written = self._train_here(spec, stop_at)
         else:
-            steps, written = self._train_on_ranks(job, spec)
+            steps, written = self._train_on_ranks(job, spec, stop_at)
         return self._record(job.id, spec, steps, written, started)
 
-    def _train_here(self, spec: TrainShardSpec) -> tuple[list[dict], Written]:
+    def _train_here(
+        self, spec: TrainShardSpec, stop_at: float | None
+    ) -> tuple[list[dict], Written]:
         from sdq.workers.train.job import restore_state, train_steps, write_checkpoint
         from sdq.workers.train.trainer import Ranks
 
         state = self.live.take(spec.run, spec.first_step)
         if state is None:
             state = restore_state(spec, self.store, self.files, Ranks())
-        steps = train_steps(spec, state, self.store, self.settings)
+        steps = train_steps(spec, state, self.store, self.settings, stop_at)
         written = write_checkpoint(spec, state, self.store, self.files)
         self.live.keep(state)
         return steps, written
 
-    def _train_on_ranks(self, job: Job, spec: TrainShardSpec) -> tuple[list[dict], Written]:
+    def _train_on_ranks(
+        self, job: Job, spec: TrainShardSpec, stop_at: float | None
+    ) -> tuple[list[dict], Written]:
         if spec.options.nodes == 1:
-            result = self.live.group(spec).train(spec)
+            result = self.live.group(spec).train(spec, stop_at)
         else:
             self.live.clear()  # the gang's ranks need this machine's devices
-            result = self._lead(job, spec)
+            result = self._lead(job, spec, stop_at)
         return result["steps"], Written(**result["written"])
 
-    def _lead(self, job: Job, spec: TrainShardSpec) -> dict[str, Any]:
+    def _lead(self, job: Job, spec: TrainShardSpec, stop_at: float | None) -> dict[str, Any]:
         """Node 0 of the job's gang: records it, calls for the others, runs its ranks."""
         if self.call_nodes is None:
             raise NoGangHere(f"run {spec.run} spans {spec.options.nodes} nodes: it needs workers")
@@ -184,7 +199,7 @@ class TrainWork(Work):
             nodes=spec.options.nodes,
             timeout_seconds=self.settings.gang_timeout_seconds,
         )
-        return run_ranks(spec, node, gathered)
+        return run_ranks(spec, node, gathered, stop_at)
 
     def _record(
         self,
