@@ -474,10 +474,26 @@ def status(app: SdqCelery, run_id: int, as_json: bool) -> None:
     help="The global batch, as `sdq train` takes it: each GPU's micro-batch is it over "
     "--world-size x --grad-accumulation.",
 )
-@click.option("--world-size", default=1, show_default=True, type=click.IntRange(min=1))
-@click.option("--grad-accumulation", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--world-size",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Data-parallel ranks, one GPU each.",
+)
+@click.option(
+    "--grad-accumulation",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Micro-batches per optimizer step on each rank.",
+)
 @MIXED_PRECISION_OPTION
-@click.option("--gradient-checkpointing", is_flag=True)
+@click.option(
+    "--gradient-checkpointing",
+    is_flag=True,
+    help="Recompute activations in the backward pass: less memory, more time.",
+)
 @click.option("--ema", default=0.9999, show_default=True, help="EMA decay; 0 keeps none.")
 @click.option(
     "--gpu-memory",
