@@ -22,6 +22,7 @@ from sdq.workers.train.trainer import (
     draw,
     load_checkpoint,
     new_state,
+    restore_optimizer,
     save_checkpoint,
     step_inputs,
     train_step,
@@ -262,6 +263,26 @@ def test_model_flops_per_sample_scale_with_the_latent_size() -> None:
 )
 def test_peak_flops_are_matched_by_the_device_s_whole_name(name: str, tflops) -> None:
     assert peak_flops_of(name) == (tflops * 1e12 if tflops else None)
+
+
+def test_restored_optimizer_state_takes_its_parameters_memory_layout() -> None:
+    shard = spec(ema=None)
+    trained_state = new_state(shard, build_unet())
+    step(trained_state, shard, *batch(0))
+    saved = copy.deepcopy(trained_state.optimizer.state_dict())
+    # As on a GPU: the restored U-Net's weights are channels_last, the saved state is not.
+    restored = new_state(shard, build_unet().to(memory_format=torch.channels_last))
+    restore_optimizer(restored.optimizer, saved)
+    moments = [
+        (parameter, moment)
+        for parameter in restored.unet.parameters()
+        for name, moment in restored.optimizer.state[parameter].items()
+        if name in ("exp_avg", "exp_avg_sq")
+    ]
+    four_d = [(p, m) for p, m in moments if p.dim() == 4]
+    assert four_d and not all(p.is_contiguous() for p, _ in four_d)
+    assert all(moment.stride() == parameter.stride() for parameter, moment in moments)
+    step(restored, shard, *batch(1))  # and AdamW steps on them
 
 
 def test_a_state_resumed_from_its_checkpoint_writes_the_same_bytes(tmp_path) -> None:

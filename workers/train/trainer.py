@@ -435,8 +435,7 @@ def load_checkpoint(spec: TrainShardSpec, folder: Path, ranks: Ranks = Ranks()) 
     state = new_state(spec, UNet2DConditionModel.from_pretrained(folder / "unet"), ranks)
     saved = load_state(folder, state.device)
     state.step = saved["step"]
-    state.optimizer.load_state_dict(saved["optimizer"])
-    _state_like_parameters(state.optimizer)
+    restore_optimizer(state.optimizer, saved["optimizer"])
     state.lr_scheduler.load_state_dict(saved["lr_scheduler"])
     if state.ema is not None:
         state.ema.load_state_dict(saved["ema"])
@@ -445,10 +444,11 @@ def load_checkpoint(spec: TrainShardSpec, folder: Path, ranks: Ranks = Ranks()) 
     return state
 
 
-def _state_like_parameters(optimizer: torch.optim.Optimizer) -> None:
-    """Each parameter's optimizer state in the parameter's own memory layout: a checkpoint
-    gives it back contiguous, beside channels_last weights, which takes AdamW off its
-    fused and foreach paths (they need matching strides)."""
+def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """The optimizer's saved state, each parameter's in the parameter's own memory layout:
+    a checkpoint gives it back contiguous, beside channels_last weights, which takes AdamW
+    off its fused and foreach paths (they need matching strides)."""
+    optimizer.load_state_dict(saved)
     for group in optimizer.param_groups:
         for parameter in group["params"]:
             for name, value in optimizer.state.get(parameter, {}).items():
