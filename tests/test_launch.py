@@ -94,8 +94,9 @@ def test_a_dead_worker_is_started_again_and_its_siblings_keep_working(
 ) -> None:
     env = {**service_env, "SDQ_BROKER_URL": "redis://127.0.0.1:6379/7"}
     log = tmp_path / "launcher.log"
+    # Without GPUs, a train worker and a renderer: two workers under one launcher.
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "sdq.producer.cli", "worker", "gpu", "--gpus", "0,1"],
+        [sys.executable, "-m", "sdq.producer.cli", "worker", "gpu", "--train-ranks", "1"],
         env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
 
@@ -106,9 +107,12 @@ def test_a_dead_worker_is_started_again_and_its_siblings_keep_working(
     try:
         wait_for(lambda: log.read_text().count("ready.") == 2, what="two workers", timeout=90)
         first, second = workers()
-        os.kill(first, signal.SIGKILL)  # one GPU's worker dies
+        os.kill(first, signal.SIGKILL)  # one of the workers dies
         wait_for(lambda: log.read_text().count("ready.") == 3, what="a restart", timeout=90)
-        said = r"gpu[01]@%h: killed by SIGKILL, perhaps out of memory; starting it again in 2 s"
+        said = (
+            r"(train|cpu-render)@%h: killed by SIGKILL, perhaps out of memory; "
+            r"starting it again in 2 s"
+        )
         assert re.search(said, log.read_text())
         survivors = workers()
         assert second in survivors and first not in survivors and len(survivors) == 2
