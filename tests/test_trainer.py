@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from diffusers import UNet2DConditionModel
 
 from sdq.models import tiny
 from sdq.models.architectures import UNET_ARCHITECTURES, InvalidArchitecture, check_fits
@@ -263,6 +264,15 @@ def test_model_flops_per_sample_scale_with_the_latent_size() -> None:
 )
 def test_peak_flops_are_matched_by_the_device_s_whole_name(name: str, tflops) -> None:
     assert peak_flops_of(name) == (tflops * 1e12 if tflops else None)
+
+
+def test_a_loaded_u_net_is_trained_as_it_is_not_built_again(tmp_path) -> None:
+    build_unet().save_pretrained(tmp_path / "unet")
+    loaded = UNet2DConditionModel.from_pretrained(tmp_path / "unet")
+    assert "_name_or_path" in loaded.config
+    state = new_state(spec(), loaded)
+    # The same module, its config no longer naming the folder (which checkpoints would keep).
+    assert state.unet is loaded and "_name_or_path" not in state.unet.config
 
 
 def test_restored_optimizer_state_takes_its_parameters_memory_layout() -> None:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from diffusers import DDPMScheduler, UNet2DConditionModel
+from diffusers.configuration_utils import FrozenDict
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel, compute_snr
 from torch.nn.parallel import DistributedDataParallel
@@ -201,13 +202,12 @@ def new_state(
 
 def _without_origin(unet: UNet2DConditionModel) -> UNet2DConditionModel:
     """The U-Net with a config that does not name the folder it was loaded from: saved, that
-    path would make two checkpoints of equal weights hash apart."""
-    if "_name_or_path" not in unet.config:
-        return unet
-    config = {key: value for key, value in unet.config.items() if key != "_name_or_path"}
-    clean = UNet2DConditionModel.from_config(config)
-    clean.load_state_dict(unet.state_dict())
-    return clean
+    path would make two checkpoints of equal weights hash apart. The frozen config is
+    replaced whole, as diffusers itself does: the model is not built again."""
+    if "_name_or_path" in unet.config:
+        config = {key: value for key, value in unet.config.items() if key != "_name_or_path"}
+        unet._internal_dict = FrozenDict(config)
+    return unet
 
 
 @dataclass(frozen=True)
@@ -468,10 +468,19 @@ def export_model(state: TrainState, base: Path, folder: Path) -> str:
     if state.ema is None:
         state.unet.save_pretrained(folder / "unet")
     else:
-        weights = UNet2DConditionModel.from_config(state.unet.config)
-        state.ema.copy_to(weights.parameters())
-        weights.save_pretrained(folder / "unet")
+        _ema_unet(state).save_pretrained(folder / "unet")
     return folder_content_hash(folder)
+
+
+def _ema_unet(state: TrainState) -> UNet2DConditionModel:
+    """The U-Net with the EMA weights, its tensors the EMA's own (contiguous, as safetensors
+    writes them): laid out on the meta device and given them, never initialised."""
+    with torch.device("meta"):
+        weights = UNet2DConditionModel.from_config(state.unet.config)
+    names = [name for name, _ in state.unet.named_parameters()]
+    shadows = [shadow.contiguous() for shadow in state.ema.shadow_params]
+    weights.load_state_dict(dict(zip(names, shadows, strict=True)), strict=True, assign=True)
+    return weights
 
 
 def base_folder(spec: TrainShardSpec, files: ModelFiles, cache_dir: Path) -> Path:
