@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from sdq.models.settings import Settings
-from sdq.models.store import open_store
+from sdq.models.store import ObjectStore, open_store
 from sdq.models.training import TrainShardSpec
 from sdq.workers.train.job import restore_state, train_steps, write_checkpoint
 from sdq.workers.train.ranks import DONE_FILE, JOB_FILE, RESULT_FILE, STOP_FILE
@@ -94,7 +94,7 @@ def join_group(spec: TrainShardSpec, ranks: Ranks, settings: Settings) -> None:
 def train_job(
     spec: TrainShardSpec,
     state: TrainState,
-    store,
+    store: ObjectStore,
     files: ModelFiles,
     settings: Settings,
     stop_at: float | None,
