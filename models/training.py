@@ -122,6 +122,8 @@ def default_lanes(batch_size: int, world_size: int) -> int:
     that the world size divides (the world size itself always does)."""
     most = max(DEFAULT_MAX_LANES, world_size)
     fitting = range(world_size, most + 1, world_size)
+    # The world size stands even when it does not split the batch: the options' own check
+    # then says why, rather than this one failing on no candidate.
     return max(lanes for lanes in fitting if batch_size % lanes == 0 or lanes == world_size)
 
 

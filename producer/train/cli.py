@@ -60,6 +60,41 @@ MIXED_PRECISION_OPTION = click.option(
 )
 
 
+WORLD_SIZE_OPTION = click.option(
+    "--world-size",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Data-parallel ranks, one GPU each (CPU processes without GPUs), that every "
+    "train-shard job runs on; each trains on its share of every batch. A worker started "
+    "with `sdq worker gpu --train-ranks N` takes runs of world size up to N.",
+)
+GRAD_ACCUMULATION_OPTION = click.option(
+    "--grad-accumulation",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Micro-batches per optimizer step on each rank: a batch larger than fits at once.",
+)
+GRADIENT_CHECKPOINTING_OPTION = click.option(
+    "--gradient-checkpointing",
+    is_flag=True,
+    help="Recompute activations in the backward pass: less memory, more time.",
+)
+EMA_OPTION = click.option(
+    "--ema", default=0.9999, show_default=True, help="EMA decay; 0 keeps none."
+)
+GPU_MEMORY_OPTION = click.option(
+    "--gpu-memory",
+    default=DEFAULT_GPU_MEMORY,
+    show_default=True,
+    callback=memory_size,
+    help="Each GPU's memory (80GB, 40GiB, ...): a configuration planned on the meta device "
+    "(see `sdq train plan`) that it cannot hold is refused; `sdq train` plans runs given "
+    "--unet-config, before they are queued.",
+)
+
+
 @click.group(cls=TrainGroup)
 def train() -> None:
     """Train a base model's U-Net on a dataset's latents: `sdq train NAME --base M --steps
@@ -135,15 +170,7 @@ def _checkpoint_ref(_ctx, _param, value: str | None) -> tuple[int, int | None] |
     show_default=True,
     help="After warmup: hold --lr, or bring it down to 0 by the last step.",
 )
-@click.option(
-    "--world-size",
-    default=1,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Data-parallel ranks, one GPU each (CPU processes without GPUs), that every "
-    "train-shard job runs on; each trains on its share of every batch. A worker started "
-    "with `sdq worker gpu --train-ranks N` takes runs of world size up to N.",
-)
+@WORLD_SIZE_OPTION
 @click.option(
     "--nodes",
     default=1,
@@ -160,13 +187,7 @@ def _checkpoint_ref(_ctx, _param, value: str | None) -> tuple[int, int | None] |
     "on the same samples at any world size. [default: the most, up to 8 or the world "
     "size, that divide the batch]",
 )
-@click.option(
-    "--grad-accumulation",
-    default=1,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Micro-batches per optimizer step on each rank: a batch larger than fits at once.",
-)
+@GRAD_ACCUMULATION_OPTION
 @click.option(
     "--max-grad-norm",
     default=0.0,
@@ -213,7 +234,7 @@ def _checkpoint_ref(_ctx, _param, value: str | None) -> tuple[int, int | None] |
     help="With --from-scratch: the U-Net's architecture, a named one or a diffusers U-Net "
     "config file. [default: the base's]",
 )
-@click.option("--ema", default=0.9999, show_default=True, help="EMA decay; 0 keeps none.")
+@EMA_OPTION
 @click.option("--min-snr", default=5.0, show_default=True, help="Min-SNR gamma; 0 for plain MSE.")
 @click.option(
     "--seed",
@@ -223,11 +244,7 @@ def _checkpoint_ref(_ctx, _param, value: str | None) -> tuple[int, int | None] |
     help="Decides the data order and the noise: a rerun makes the same model.",
 )
 @MIXED_PRECISION_OPTION
-@click.option(
-    "--gradient-checkpointing",
-    is_flag=True,
-    help="Recompute activations in the backward pass: less memory, more time.",
-)
+@GRADIENT_CHECKPOINTING_OPTION
 @click.option("--compile", "compile_", is_flag=True, help="torch.compile the U-Net.")
 @click.option(
     "--validation-prompts",
@@ -236,14 +253,7 @@ def _checkpoint_ref(_ctx, _param, value: str | None) -> tuple[int, int | None] |
     "each checkpoint renders these, with the same seeds, on the generate queue.",
 )
 @click.option("--into", metavar="MODELNAME", help="Register the checkpoints under this name.")
-@click.option(
-    "--gpu-memory",
-    default=DEFAULT_GPU_MEMORY,
-    show_default=True,
-    callback=memory_size,
-    help="With --unet-config: the run is planned on the meta device (see `sdq train plan`) "
-    "and refused when a GPU of this memory cannot hold it.",
-)
+@GPU_MEMORY_OPTION
 @click.option("--wait", is_flag=True, help="Show progress until the last step.")
 @json_option
 @pass_app
@@ -474,34 +484,12 @@ def status(app: SdqCelery, run_id: int, as_json: bool) -> None:
     help="The global batch, as `sdq train` takes it: each GPU's micro-batch is it over "
     "--world-size x --grad-accumulation.",
 )
-@click.option(
-    "--world-size",
-    default=1,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Data-parallel ranks, one GPU each.",
-)
-@click.option(
-    "--grad-accumulation",
-    default=1,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Micro-batches per optimizer step on each rank.",
-)
+@WORLD_SIZE_OPTION
+@GRAD_ACCUMULATION_OPTION
 @MIXED_PRECISION_OPTION
-@click.option(
-    "--gradient-checkpointing",
-    is_flag=True,
-    help="Recompute activations in the backward pass: less memory, more time.",
-)
-@click.option("--ema", default=0.9999, show_default=True, help="EMA decay; 0 keeps none.")
-@click.option(
-    "--gpu-memory",
-    default=DEFAULT_GPU_MEMORY,
-    show_default=True,
-    callback=memory_size,
-    help="Each GPU's memory (80GB, 40GiB, ...).",
-)
+@GRADIENT_CHECKPOINTING_OPTION
+@EMA_OPTION
+@GPU_MEMORY_OPTION
 @json_option
 def plan(unet_config: str, resolution: int, gpu_memory: int, as_json: bool, **options) -> None:
     """Memory per GPU (parameters, gradients, optimizer, EMA, activations) and FLOPs per

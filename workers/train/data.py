@@ -147,8 +147,8 @@ class LatentStream:
         batch_size: int,
         lanes: int,
         load: LoadShard,
-        shards_ahead: int = 2,
-        threads: int = 4,
+        shards_ahead: int,
+        threads: int,
     ) -> None:
         if batch_size % lanes:
             raise ValueError(f"a batch of {batch_size} does not split over {lanes} data lanes")

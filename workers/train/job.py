@@ -114,13 +114,13 @@ def train_steps(
     (a time.time() on rank 0) the job stops at the next window's end, before its last
     step, so that its checkpoint is written within the task's time limit."""
     options = spec.options
-    inputs = run_inputs(spec, store)
+    shards = run_inputs(spec, store)
     stream = LatentStream(
-        inputs,
+        shards,
         seed=options.seed,
         batch_size=options.batch_size,
         lanes=options.data_lanes,
-        load=load_shards(inputs, store.get_large),
+        load=load_shards(shards, store.get_large),
         shards_ahead=settings.shards_ahead,
         threads=settings.fetch_threads,
     )
@@ -144,10 +144,12 @@ def train_steps(
 
 def time_is_up(stop_at: float | None, state: TrainState) -> bool:
     """Rank 0's clock decides, for every rank: they all stop after the same step."""
-    up = torch.tensor([stop_at is not None and time() >= stop_at], device=state.device)
-    if state.ranks.distributed:
-        dist.broadcast(up, src=0)
-    return bool(up.item())
+    up = stop_at is not None and time() >= stop_at
+    if not state.ranks.distributed:
+        return up
+    decided = torch.tensor([up], device=state.device)
+    dist.broadcast(decided, src=0)
+    return bool(decided.item())
 
 
 class StepWindow:
