@@ -161,7 +161,7 @@ class StepWindow:
         self._losses: list[tuple[int, float, torch.Tensor]] = []
         self._opened = perf_counter()
         self._waited = 0.0
-        self._peak, self._flops = peak_flops(state.device), None
+        self._peak = peak_flops(state.device)
 
     def __len__(self) -> int:
         return len(self._losses)
@@ -177,9 +177,9 @@ class StepWindow:
             yield step_inputs
 
     def flops_from(self, inputs: StepInputs) -> None:
-        """The model's FLOPs per sample, counted once on the first batch (on a GPU)."""
-        if self._peak is not None and self._flops is None:
-            self._flops = training_flops_per_sample(
+        """The model's FLOPs per sample, counted once on the state's first batch (on a GPU)."""
+        if self._peak is not None and self.state.flops_per_sample is None:
+            self.state.flops_per_sample = training_flops_per_sample(
                 self.state, inputs.latents.float(), inputs.embeddings.float()
             )
 
@@ -194,7 +194,7 @@ class StepWindow:
         closed = perf_counter()
         options = self.spec.options
         speed = len(losses) * options.batch_size / (closed - self._opened)
-        peak, flops = self._peak, self._flops
+        peak, flops = self._peak, self.state.flops_per_sample
         waited = self._waited / len(losses)
         for (step, lr, _), loss in zip(self._losses, losses, strict=True):
             self.steps.append(

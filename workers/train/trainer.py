@@ -101,6 +101,9 @@ class TrainState:
     ranks: Ranks
     # The text encoder's output for the empty prompt, for caption dropout.
     empty_prompt: torch.Tensor | None = None
+    # The U-Net's training FLOPs per sample, counted once for a state that lives on from
+    # job to job (on a GPU, for MFU).
+    flops_per_sample: float | None = None
 
 
 def base_unet(spec: TrainShardSpec, files: ModelFiles) -> UNet2DConditionModel:
