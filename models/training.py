@@ -3,7 +3,7 @@ of one train-shard job, and where checkpoints live."""
 
 import io
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from sdq.models.specs import canonical_sha256
@@ -192,6 +192,14 @@ class TrainShardSpec:
             or self.validation is not None
             or (every is not None and self.last_step % every == 0)
         )
+
+    def next_after(self, step: int) -> "TrainShardSpec | None":
+        """The run's job after this one ended at `step` (its last, or an earlier step where
+        it stopped for its time limit); None after the run's last step."""
+        if step >= self.options.steps:
+            return None
+        last = min(step + self.options.checkpoint_every, self.options.steps)
+        return replace(self, first_step=step, last_step=last)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainShardSpec":

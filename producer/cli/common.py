@@ -1,5 +1,6 @@
 """What every command group shares: the app, one way to answer a lookup, clean errors."""
 
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -125,14 +126,35 @@ def work_here(
     task = app.tasks[kind.task_name]
     try:
         total, done = progress or (jobs, finished_jobs(app, run_id))
-        with display.following(f"run {run_id}", total, done):
+        with display.following(f"run {run_id}", total, done), ctrl_c_kept() as pressed:
             for job_ids in messages(app.sessions, run):
+                if pressed():
+                    raise KeyboardInterrupt
                 # A retry inside apply() runs at once, in this process; only a crash is left.
                 result = task.apply(args=[job_ids], kwargs=run.task_options)
                 if result.failed():
                     raise result.result
     except KeyboardInterrupt:
         _stop_here(app, run_id, worker_identity(kind.pool))
+
+
+@contextmanager
+def ctrl_c_kept() -> Iterator[Callable[[], bool]]:
+    """Ctrl-C raises KeyboardInterrupt as always, and is remembered: Python drops one that
+    lands while a garbage collector callback runs ("Exception ignored in ..."), and the
+    work would go on to the run's end. A remembered one stops it before the next message."""
+    pressed = False
+
+    def interrupted(signum: int, frame: Any) -> None:
+        nonlocal pressed
+        pressed = True
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, interrupted)
+    try:
+        yield lambda: pressed
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _stop_here(app: SdqCelery, run_id: int, worker: Worker) -> NoReturn:

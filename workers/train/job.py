@@ -2,12 +2,21 @@
 and in each process of a data-parallel group: restore the state, take the steps, write
 the checkpoint (rank 0). It reads and writes the object store only; the database is the
 worker's (work.py). GPU-side: imports torch.
+
+A checkpoint is written from a copy of the state in host memory, on a thread, while the
+training goes on to the next job's steps (`Training.train_ahead`): the devices wait for
+the copy, not for the upload. The next job, when it comes to the same process, takes the
+steps already taken for it; anywhere else, it restores the checkpoint and takes them
+again, the same steps (every sample and draw is a function of the seed and the step).
 """
 
+import fcntl
+import hashlib
 import io
+import shutil
 import tempfile
-from collections.abc import Iterator
-from contextlib import closing, contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from time import perf_counter, time
@@ -32,6 +41,7 @@ from sdq.workers.train.data import LatentStream, load_shards
 from sdq.workers.train.records import Written
 from sdq.workers.train.trainer import (
     Ranks,
+    Snapshot,
     StepInputs,
     TrainState,
     base_folder,
@@ -42,6 +52,7 @@ from sdq.workers.train.trainer import (
     on_device,
     pinned_allocator,
     save_checkpoint,
+    snapshot,
     train_step,
     training_flops_per_sample,
 )
@@ -49,35 +60,67 @@ from sdq.workers.weights import ModelFiles
 
 
 def restore_state(
-    spec: TrainShardSpec, store: ObjectStore, files: ModelFiles, ranks: Ranks
+    spec: TrainShardSpec,
+    store: ObjectStore,
+    files: ModelFiles,
+    ranks: Ranks,
+    node_folder: Path | None = None,
 ) -> TrainState:
     """The state the job starts from: the run's first (the base's U-Net, a new one, or the
-    weights of the checkpoint the run goes on from), or its checkpoint at the first step."""
+    weights of the checkpoint the run goes on from), or its checkpoint at the first step.
+    Ranks that share a `node_folder` (one node's) download a checkpoint once between them."""
     if spec.first_step == 0:
-        state = new_state(spec, _first_unet(spec, store, files), ranks)
+        state = new_state(spec, _first_unet(spec, store, files, node_folder), ranks)
     else:
         prefix = f"{checkpoint_prefix(spec.run, spec.first_step)}/state/"
-        with downloaded(store, prefix) as folder:
+        with downloaded(store, prefix, node_folder) as folder:
             state = load_checkpoint(spec, folder, ranks)
     if spec.options.caption_dropout:
         state.empty_prompt = empty_prompt(store, spec.empty_prompt_key).to(state.device)
     return state
 
 
-def _first_unet(spec: TrainShardSpec, store: ObjectStore, files: ModelFiles):
+def _first_unet(
+    spec: TrainShardSpec, store: ObjectStore, files: ModelFiles, node_folder: Path | None
+):
     if spec.start_from is None:
         return base_unet(spec, files)
-    with downloaded(store, f"{spec.start_from}/state/unet/") as folder:
+    with downloaded(store, f"{spec.start_from}/state/unet/", node_folder) as folder:
         return UNet2DConditionModel.from_pretrained(folder)
 
 
 @contextmanager
-def downloaded(store: ObjectStore, prefix: str) -> Iterator[Path]:
-    """The objects under a prefix, in a local folder while the block runs."""
-    with tempfile.TemporaryDirectory(prefix="sdq-checkpoint-") as folder:
-        for key in store.list_keys(prefix):
-            store.get_file(key, Path(folder) / key.removeprefix(prefix))
-        yield Path(folder)
+def downloaded(store: ObjectStore, prefix: str, node_folder: Path | None) -> Iterator[Path]:
+    """The objects under a prefix, in a local folder while the block runs; in
+    `node_folder`, shared with the node's other ranks, who find it there (the first to
+    come downloads it, the others wait for it on a lock)."""
+    if node_folder is None:
+        with tempfile.TemporaryDirectory(prefix="sdq-checkpoint-") as folder:
+            _download(store, prefix, Path(folder))
+            yield Path(folder)
+        return
+    restores = node_folder / "restores"
+    restores.mkdir(exist_ok=True)
+    folder = restores / hashlib.sha256(prefix.encode()).hexdigest()[:16]
+    with (restores / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / DOWNLOADED).is_file():
+            # The node's earlier restores: every rank has gone past them, to this one.
+            for older in restores.iterdir():
+                if older.is_dir():
+                    shutil.rmtree(older)
+            _download(store, prefix, folder)
+            (folder / DOWNLOADED).touch()
+    yield folder
+
+
+# Marks a node's shared download complete.
+DOWNLOADED = ".downloaded"
+
+
+def _download(store: ObjectStore, prefix: str, folder: Path) -> None:
+    for key in store.list_keys(prefix):
+        store.get_file(key, folder / key.removeprefix(prefix))
 
 
 def empty_prompt(store: ObjectStore, key: str | None) -> torch.Tensor:
@@ -100,56 +143,98 @@ def run_inputs(spec: TrainShardSpec, store: ObjectStore) -> tuple[LatentInput, .
 _manifests: dict[str, tuple[LatentInput, ...]] = {}
 
 
-def train_steps(
-    spec: TrainShardSpec,
-    state: TrainState,
-    store: ObjectStore,
-    settings: TrainSettings,
-    stop_at: float | None = None,
-) -> list[dict]:
-    """Steps until the job's last, each one's loss, learning rate and speed noted (the
-    loss and speed of the whole global batch, the same on every rank). The losses are read
-    from the device every `loss_every` steps, all at once, and a window's speed is its
-    samples over its wall time: data waits count, not only the compute. Past `stop_at`
-    (a time.time() on rank 0) the job stops at the next window's end, before its last
-    step, so that its checkpoint is written within the task's time limit."""
-    options = spec.options
-    shards = run_inputs(spec, store)
-    stream = LatentStream(
-        shards,
-        seed=options.seed,
-        batch_size=options.batch_size,
-        lanes=options.data_lanes,
-        load=load_shards(shards, store.get_large),
-        shards_ahead=settings.shards_ahead,
-        threads=settings.fetch_threads,
-    )
-    batches = stream.batches(
-        state.step, state.ranks.lanes(options.data_lanes), pinned_allocator(state.device)
-    )
-    window = StepWindow(spec, state)
-    with closing(batches), closing(on_device(batches, state, spec)) as inputs:
-        for step_inputs in window.waited_for(inputs):
-            window.flops_from(step_inputs)
-            window.add(train_step(state, spec, step_inputs))
-            if state.step == spec.last_step:
-                break
-            if len(window) == settings.loss_every:
+class Training:
+    """A run's training on this rank, kept from job to job: its state, its step inputs (a
+    stream that runs on across jobs: a step's samples and draws depend on the run's seed
+    and the step alone), and the steps it has taken past its last checkpoint, ahead of the
+    job they belong to (taken while that checkpoint was written, before the job came)."""
+
+    def __init__(
+        self, spec: TrainShardSpec, state: TrainState, store: ObjectStore, settings: TrainSettings
+    ) -> None:
+        self.state = state
+        self.loss_every = settings.loss_every
+        self.checkpointed = state.step  # the step of the checkpoint the state is past
+        self.ahead: list[dict] = []
+        shards = run_inputs(spec, store)
+        stream = LatentStream(
+            shards,
+            seed=spec.options.seed,
+            batch_size=spec.options.batch_size,
+            lanes=spec.options.data_lanes,
+            load=load_shards(shards, store.get_large),
+            shards_ahead=settings.shards_ahead,
+            threads=settings.fetch_threads,
+        )
+        self._batches = stream.batches(
+            state.step, state.ranks.lanes(spec.options.data_lanes), pinned_allocator(state.device)
+        )
+        self._inputs = on_device(self._batches, state, spec)
+
+    def goes_on_to(self, spec: TrainShardSpec) -> bool:
+        """Whether the job starts from the checkpoint written last, and every step this
+        state has taken since is one of the job's."""
+        return (spec.run, spec.first_step) == (self.state.run, self.checkpointed) and (
+            self.state.step <= spec.last_step
+        )
+
+    def steps(self, spec: TrainShardSpec, stop: "Stop") -> list[dict]:
+        """The job's steps: those taken ahead for it, then more up to its last (see
+        `take_steps`)."""
+        steps, self.ahead = [*self.ahead, *self.take_steps(spec, stop)], []
+        return steps
+
+    def train_ahead(self, spec: TrainShardSpec, stop: "Stop") -> None:
+        """Steps of the run's next job, before it comes (the same steps it would take)."""
+        self.ahead += self.take_steps(spec, stop)
+
+    def take_steps(self, spec: TrainShardSpec, stop: "Stop") -> list[dict]:
+        """Steps up to the job's last, each one's loss, learning rate and speed noted (the
+        loss and speed of the whole global batch, the same on every rank), until `stop`
+        says so: it is asked, on every rank at once, each time a window of `loss_every`
+        steps has its losses read from the device (all at once). A window's speed is its
+        samples over its wall time: data waits count, not only the compute."""
+        state = self.state
+        window = StepWindow(spec, state)
+        while state.step < spec.last_step:
+            inputs = window.next_from(self._inputs)
+            window.flops_from(inputs)
+            window.add(train_step(state, spec, inputs))
+            if len(window) == self.loss_every:
                 window.read()
-                if time_is_up(stop_at, state):
+                if stop():
                     break
-    window.read()
-    return window.steps
+        window.read()
+        return window.steps
+
+    def checkpoint(self) -> Snapshot | None:
+        """The state to write as the checkpoint at its step, on the rank that writes it;
+        the training may go on from here at once."""
+        self.checkpointed = self.state.step
+        return snapshot(self.state) if self.state.ranks.writes else None
+
+    def close(self) -> None:
+        self._inputs.close()
+        self._batches.close()
 
 
-def time_is_up(stop_at: float | None, state: TrainState) -> bool:
-    """Rank 0's clock decides, for every rank: they all stop after the same step."""
-    up = stop_at is not None and time() >= stop_at
+# Whether to stop taking steps, asked of every rank at the same step (see rank0_decides).
+Stop = Callable[[], bool]
+
+
+def rank0_decides(decision: bool, state: TrainState) -> bool:
+    """Rank 0's decision, for every rank: they all stop after the same step."""
     if not state.ranks.distributed:
-        return up
-    decided = torch.tensor([up], device=state.device)
+        return decision
+    decided = torch.tensor([decision], device=state.device)
     dist.broadcast(decided, src=0)
     return bool(decided.item())
+
+
+def until_time(stop_at: float | None, state: TrainState) -> Stop:
+    """Stops past `stop_at` (a time.time() on rank 0): the job then writes its checkpoint
+    within the task's time limit, before its last step."""
+    return lambda: rank0_decides(stop_at is not None and time() >= stop_at, state)
 
 
 class StepWindow:
@@ -166,15 +251,12 @@ class StepWindow:
     def __len__(self) -> int:
         return len(self._losses)
 
-    def waited_for(self, inputs: Iterator[StepInputs]) -> Iterator[StepInputs]:
-        """The inputs, the time spent waiting for each added to the window's."""
-        while True:
-            started = perf_counter()
-            step_inputs = next(inputs, None)
-            self._waited += perf_counter() - started
-            if step_inputs is None:
-                return
-            yield step_inputs
+    def next_from(self, inputs: Iterator[StepInputs]) -> StepInputs:
+        """The next step's inputs, the time spent waiting for them added to the window's."""
+        started = perf_counter()
+        step_inputs = next(inputs)
+        self._waited += perf_counter() - started
+        return step_inputs
 
     def flops_from(self, inputs: StepInputs) -> None:
         """The model's FLOPs per sample, counted once on the state's first batch (on a GPU)."""
@@ -213,24 +295,24 @@ class StepWindow:
 
 
 def write_checkpoint(
-    spec: TrainShardSpec, state: TrainState, store: ObjectStore, files: ModelFiles
+    spec: TrainShardSpec, snapshot: Snapshot, store: ObjectStore, files: ModelFiles
 ) -> Written:
     """The training state in the store, and the whole pipeline beside it when this
     checkpoint is a model."""
-    started = perf_counter()
-    prefix = checkpoint_prefix(spec.run, state.step)
+    prefix = checkpoint_prefix(spec.run, snapshot.step)
     model_prefix, revision = None, None
     with tempfile.TemporaryDirectory(prefix="sdq-checkpoint-") as temporary:
         folder = Path(temporary)
-        save_checkpoint(state, folder / "state")
+        save_checkpoint(snapshot, folder / "state")
         state_sha256 = folder_content_hash(folder / "state")
         # At the step the job reached, which is its last unless it stopped early.
-        if replace(spec, last_step=state.step).exports_model:
+        if replace(spec, last_step=snapshot.step).exports_model:
             base = base_folder(spec, files, files.cache_dir)
-            revision = export_model(state, base, folder / "model")
+            revision = export_model(snapshot, base, folder / "model")
             model_prefix = f"{prefix}/model"
         for path in sorted(folder.rglob("*")):
             if path.is_file():
                 store.put_file(f"{prefix}/{path.relative_to(folder).as_posix()}", path)
-    seconds = perf_counter() - started
-    return Written(state.step, store.uri(prefix), state_sha256, model_prefix, revision, seconds)
+    uri = store.uri(prefix)
+    # The training waited for the snapshot only: the rest overlaps the next steps.
+    return Written(snapshot.step, uri, state_sha256, model_prefix, revision, snapshot.seconds)

@@ -6,15 +6,19 @@ the checkpoint and leaves what the worker records (the steps, the checkpoint) in
 With `--serve` the rank takes job after job of one run: each line on its standard input
 says the next job's spec is in FOLDER; it keeps its process group, model and training state
 between them, and goes on in memory when the job starts where the last one stopped (it
-restores the job's checkpoint otherwise). Each job ends with a done file in FOLDER; the end
-of its input ends the process. GPU-side: imports torch.
+restores the job's checkpoint otherwise, once per node: the first local rank downloads it
+into FOLDER). While rank 0 writes a job's checkpoint on a thread, the ranks take the next
+job's steps. Each job ends with a done file in FOLDER (rank 0's once its checkpoint is
+written); the end of its input ends the process. GPU-side: imports torch.
 """
 
 import ctypes
 import json
 import os
+import queue
 import signal
 import sys
+import threading
 import traceback
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -27,9 +31,16 @@ import torch.distributed as dist
 from sdq.models.settings import Settings
 from sdq.models.store import ObjectStore, open_store
 from sdq.models.training import TrainShardSpec
-from sdq.workers.train.job import restore_state, train_steps, write_checkpoint
+from sdq.workers.train.job import (
+    Stop,
+    Training,
+    rank0_decides,
+    restore_state,
+    until_time,
+    write_checkpoint,
+)
 from sdq.workers.train.ranks import DONE_FILE, JOB_FILE, RESULT_FILE, STOP_FILE
-from sdq.workers.train.trainer import Ranks, TrainState
+from sdq.workers.train.trainer import Ranks, Snapshot, TrainState
 from sdq.workers.weights import ModelFiles
 
 PR_SET_PDEATHSIG = 1
@@ -69,8 +80,14 @@ def train_rank(spec: TrainShardSpec, ranks: Ranks, settings: Settings, folder: P
     try:
         store = open_store(settings.store_url)
         files = ModelFiles(store, settings.model_cache_dir)
-        state = restore_state(spec, store, files, ranks)
-        return RankDone(train_job(spec, state, store, files, settings, _stop_at(folder)), state)
+        state = restore_state(spec, store, files, ranks, node_folder=folder)
+        training = Training(spec, state, store, settings.train)
+        steps = training.steps(spec, until_time(_stop_at(folder), state))
+        snapshot = training.checkpoint()
+        if snapshot is None:
+            return RankDone(None, state)
+        written = write_checkpoint(spec, snapshot, store, files)
+        return RankDone({"steps": steps, "written": asdict(written)}, state)
     finally:
         dist.destroy_process_group()
 
@@ -91,39 +108,77 @@ def join_group(spec: TrainShardSpec, ranks: Ranks, settings: Settings) -> None:
     )
 
 
-def train_job(
-    spec: TrainShardSpec,
-    state: TrainState,
-    store: ObjectStore,
-    files: ModelFiles,
-    settings: Settings,
-    stop_at: float | None,
-) -> dict[str, Any] | None:
-    """The job's steps from `state`; on rank 0, the checkpoint and what the worker records."""
-    steps = train_steps(spec, state, store, settings.train, stop_at)
-    if not state.ranks.writes:
-        return None
-    written = write_checkpoint(spec, state, store, files)
-    return {"steps": steps, "written": asdict(written)}
-
-
 def serve(folder: Path, ranks: Ranks, settings: Settings) -> NoReturn:
-    """Job after job of one run, each announced by a line on standard input."""
+    """Job after job of one run, each announced by a line on standard input. Between two,
+    the next job's steps are taken while rank 0 writes the last one's checkpoint on a
+    thread, until the next job is announced: it then takes them over."""
     spec = _job(folder)
     join_group(spec, ranks, settings)
     store = open_store(settings.store_url)
     files = ModelFiles(store, settings.model_cache_dir)
-    state: TrainState | None = None
-    while sys.stdin.readline():
+    announced = announcements()
+    training: Training | None = None
+    while announced.get():
         spec = _job(folder)
-        if state is None or state.step != spec.first_step:
-            state = None  # its memory goes before the restored state takes its own
-            state = restore_state(spec, store, files, ranks)
-        result = train_job(spec, state, store, files, settings, _stop_at(folder))
-        if result is not None:
-            (folder / RESULT_FILE).write_text(json.dumps(result))
-        (folder / DONE_FILE.format(rank=ranks.rank)).touch()
+        if training is None or not training.goes_on_to(spec):
+            if training is not None:
+                training.close()
+            training = None  # its memory goes before the restored state takes its own
+            state = restore_state(spec, store, files, ranks, node_folder=folder)
+            training = Training(spec, state, store, settings.train)
+        steps = training.steps(spec, until_time(_stop_at(folder), training.state))
+        done = folder / DONE_FILE.format(rank=ranks.rank)
+        snapshot = training.checkpoint()
+        if snapshot is None:
+            done.touch()
+        else:
+            write_in_background(spec, snapshot, steps, store, files, folder, done)
+        following = spec.next_after(training.state.step)
+        if following is not None:
+            training.train_ahead(following, until_announced(announced, training.state))
     exit_now(0)  # the worker let the group go
+
+
+def announcements() -> "queue.Queue[bool]":
+    """True for each line on standard input, then False at its end: read on a thread, so
+    that steps taken ahead can ask whether the next job has come."""
+    lines: queue.Queue[bool] = queue.Queue()
+
+    def read() -> None:
+        while sys.stdin.readline():
+            lines.put(True)
+        lines.put(False)
+
+    threading.Thread(target=read, name="sdq-announcements", daemon=True).start()
+    return lines
+
+
+def until_announced(announced: "queue.Queue[bool]", state: TrainState) -> Stop:
+    """Stops once the next job has come (or the worker let the group go): rank 0's view."""
+    return lambda: rank0_decides(not announced.empty(), state)
+
+
+def write_in_background(
+    spec: TrainShardSpec,
+    snapshot: Snapshot,
+    steps: list[dict],
+    store: ObjectStore,
+    files: ModelFiles,
+    folder: Path,
+    done: Path,
+) -> None:
+    """The checkpoint written on a thread, then what the worker records; a failure to
+    write it fails the rank (and so the job), as it would have in the job's own time."""
+
+    def write() -> None:
+        try:
+            written = write_checkpoint(spec, snapshot, store, files)
+        except Exception as error:
+            fail(folder, 0, error)
+        (folder / RESULT_FILE).write_text(json.dumps({"steps": steps, "written": asdict(written)}))
+        done.touch()
+
+    threading.Thread(target=write, name="sdq-checkpoint-write", daemon=True).start()
 
 
 def _job(folder: Path) -> TrainShardSpec:
@@ -134,6 +189,14 @@ def _stop_at(folder: Path) -> float | None:
     """When the job should stop taking steps (rank 0's decision: see ranks.py)."""
     stop = folder / STOP_FILE
     return float(stop.read_text()) if stop.is_file() else None
+
+
+def fail(folder: Path, rank: int, error: Exception) -> NoReturn:
+    """Ends the rank with its error reported for the worker (ranks.py reads it)."""
+    traceback.print_exc()
+    report = {"type": type(error).__name__, "message": str(error)}
+    (folder / f"error-{rank}.json").write_text(json.dumps(report))
+    exit_now(1)
 
 
 def exit_now(code: int) -> NoReturn:
@@ -153,10 +216,7 @@ def main(folder: Path, serving: bool) -> NoReturn:
             serve(folder, ranks, Settings.from_env())
         done = train_rank(_job(folder), ranks, Settings.from_env(), folder)
     except Exception as error:
-        traceback.print_exc()
-        report = {"type": type(error).__name__, "message": str(error)}
-        (folder / f"error-{ranks.rank}.json").write_text(json.dumps(report))
-        exit_now(1)  # inside the handler: the traceback still holds the state
+        fail(folder, ranks.rank, error)  # inside the handler: the traceback holds the state
     if done.result is not None:
         (folder / RESULT_FILE).write_text(json.dumps(done.result))
     exit_now(0)

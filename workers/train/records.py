@@ -2,7 +2,7 @@
 the steps' losses, the checkpoint's row, the model's registration, the run's next job and
 the checkpoint's validation renders."""
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -127,11 +127,7 @@ def _next_job(session: Session, spec: TrainShardSpec, step: int) -> None:
     if step < spec.last_step:
         run = session.get(Run, spec.run)
         run.job_count += 1
-    after = replace(
-        spec,
-        first_step=step,
-        last_step=min(step + spec.options.checkpoint_every, spec.options.steps),
-    )
+    after = spec.next_after(step)
     now = utcnow()
     [job_id] = insert_rows(
         session,

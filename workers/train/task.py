@@ -1,6 +1,7 @@
 """The train tasks: a message of one train-shard job id; and a call to join the gang of a
 job over several nodes, as one of its nodes."""
 
+import atexit
 from functools import cache
 from typing import Any
 
@@ -84,7 +85,10 @@ def call_nodes(app: SdqCelery) -> CallNodes:
 
 @cache
 def live_states() -> LiveStates:
-    return LiveStates()
+    live = LiveStates()
+    # Steps taken ahead on a thread stop before the interpreter goes.
+    atexit.register(live.clear)
+    return live
 
 
 def send_next(app: SdqCelery):

@@ -26,6 +26,8 @@ from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from time import perf_counter
+from typing import Any
 
 import numpy as np
 import torch
@@ -416,21 +418,72 @@ def _loss(prediction, target, timesteps, spec: TrainShardSpec, scheduler) -> tor
     return (per_sample * weights).mean()
 
 
-def save_checkpoint(state: TrainState, folder: Path) -> None:
-    """The U-Net as diffusers saves it, and the rest of the training state beside it. No
-    generator state: every draw is a function of the seed and the step, so the same run
-    writes the same bytes, and any world size can go on from it."""
-    state.unet.save_pretrained(folder / "unet")
-    save_state(
+@dataclass(frozen=True)
+class Snapshot:
+    """The training state at one step, copied to host memory: what a checkpoint writes, from
+    a thread, while the training goes on from the same state on the device."""
+
+    step: int
+    unet_config: dict
+    unet: dict[str, torch.Tensor]  # the U-Net's state dict
+    # The optimizer's, learning rate scheduler's, EMA's and gradient scaler's state dicts.
+    training: dict[str, Any]
+    # The U-Net's state dict with the EMA's weights (the same tensors as its state dict's).
+    ema_unet: dict[str, torch.Tensor] | None
+    seconds: float  # how long the training waited for the copy
+
+
+def snapshot(state: TrainState) -> Snapshot:
+    """The state's copy on the host, into pinned memory from a GPU (one wait for all the
+    copies), contiguous as safetensors writes it."""
+    started = perf_counter()
+    unet = _host_copies(state.unet.state_dict(), state.device)
+    training = _host_copies(
         {
-            "step": state.step,
             "optimizer": state.optimizer.state_dict(),
             "lr_scheduler": state.lr_scheduler.state_dict(),
             "ema": state.ema.state_dict() if state.ema is not None else None,
             "scaler": state.scaler.state_dict() if state.scaler is not None else None,
         },
-        folder,
+        state.device,
     )
+    if state.device.type == "cuda":
+        torch.cuda.synchronize(state.device)
+    ema_unet = None
+    if state.ema is not None:
+        # One shadow per parameter, in the U-Net's parameter order.
+        names = [name for name, _ in state.unet.named_parameters()]
+        shadows = training["ema"]["shadow_params"]
+        ema_unet = {**unet, **dict(zip(names, shadows, strict=True))}
+    return Snapshot(
+        state.step,
+        dict(state.unet.config),
+        unet,
+        training,
+        ema_unet,
+        seconds=perf_counter() - started,
+    )
+
+
+def _host_copies(value: Any, device: torch.device) -> Any:
+    """A state dict with its tensors copied to the host and its containers copied too: the
+    live ones change with the next step."""
+    if isinstance(value, torch.Tensor):
+        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=device.type == "cuda")
+        return host.copy_(value.detach(), non_blocking=True)
+    if isinstance(value, dict):
+        return {key: _host_copies(item, device) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_host_copies(item, device) for item in value)
+    return value
+
+
+def save_checkpoint(snapshot: Snapshot, folder: Path) -> None:
+    """The U-Net as diffusers saves it, and the rest of the training state beside it. No
+    generator state: every draw is a function of the seed and the step, so the same run
+    writes the same bytes, and any world size can go on from it."""
+    _unet_with(snapshot.unet_config, snapshot.unet).save_pretrained(folder / "unet")
+    save_state({"step": snapshot.step, **snapshot.training}, folder)
 
 
 def load_checkpoint(spec: TrainShardSpec, folder: Path, ranks: Ranks = Ranks()) -> TrainState:
@@ -464,26 +517,22 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
                     optimizer.state[parameter][name] = like.copy_(value)
 
 
-def export_model(state: TrainState, base: Path, folder: Path) -> str:
+def export_model(snapshot: Snapshot, base: Path, folder: Path) -> str:
     """A whole diffusers pipeline in `folder`: the base model's files with this U-Net (its
     EMA weights, when kept) in place of the base's. Returns its content hash."""
     shutil.copytree(base, folder, ignore=shutil.ignore_patterns("unet", ".*"))
-    if state.ema is None:
-        state.unet.save_pretrained(folder / "unet")
-    else:
-        _ema_unet(state).save_pretrained(folder / "unet")
+    weights = snapshot.unet if snapshot.ema_unet is None else snapshot.ema_unet
+    _unet_with(snapshot.unet_config, weights).save_pretrained(folder / "unet")
     return folder_content_hash(folder)
 
 
-def _ema_unet(state: TrainState) -> UNet2DConditionModel:
-    """The U-Net with the EMA weights, its tensors the EMA's own (contiguous, as safetensors
-    writes them): laid out on the meta device and given them, never initialised."""
+def _unet_with(config: dict, weights: dict[str, torch.Tensor]) -> UNet2DConditionModel:
+    """A U-Net whose tensors are these (the same memory): laid out on the meta device and
+    given them, never initialised."""
     with torch.device("meta"):
-        weights = UNet2DConditionModel.from_config(state.unet.config)
-    names = [name for name, _ in state.unet.named_parameters()]
-    shadows = [shadow.contiguous() for shadow in state.ema.shadow_params]
-    weights.load_state_dict(dict(zip(names, shadows, strict=True)), strict=True, assign=True)
-    return weights
+        unet = UNet2DConditionModel.from_config(config)
+    unet.load_state_dict(weights, strict=True, assign=True)
+    return unet
 
 
 def base_folder(spec: TrainShardSpec, files: ModelFiles, cache_dir: Path) -> Path:

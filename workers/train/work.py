@@ -3,14 +3,17 @@ to the one at its last, records every step's loss, and writes the run's next job
 same transaction as the checkpoint, so the database, not the broker, drives the chain.
 Plain code, no Celery; torch loads lazily.
 
-A run of world size 1 trains in this process: it keeps the state it has just checkpointed
-and goes on from it in memory when the next job comes to it; any other worker restores the
-checkpoint from the store. A larger world size trains on that many rank processes
-(ranks.py), kept from job to job on one machine, so that they too go on in memory; over
-several nodes, this worker leads the gang the other nodes' workers join (gang.py), whose
-ranks start for each job and restore its checkpoint.
+A run of world size 1 trains in this process: it keeps the state it has just checkpointed,
+takes the next job's steps on a thread while the checkpoint is written, and hands them to
+that job when it comes; any other worker restores the checkpoint from the store. A larger
+world size trains on that many rank processes (ranks.py), kept from job to job on one
+machine, so that they too go on in memory; over several nodes, this worker leads the gang
+the other nodes' workers join (gang.py), whose ranks start for each job and restore its
+checkpoint.
 """
 
+import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from time import perf_counter, time
 from typing import TYPE_CHECKING, Any
@@ -35,7 +38,9 @@ from sdq.workers.train.records import (
 from sdq.workers.weights import ModelFiles, ModelUnavailable
 
 if TYPE_CHECKING:
-    from sdq.workers.train.trainer import TrainState
+    from sdq.workers.train.job import Training
+
+logger = logging.getLogger(__name__)
 
 
 # A job's output, and the runs it gave new jobs to send.
@@ -61,22 +66,32 @@ TRAINING_SHARE_OF_TIME_LIMIT = 0.8
 
 class LiveStates:
     """What this process keeps of the run it last trained, for that run's next job: the
-    training state it checkpointed (a run of one rank, trained here), or the rank processes
-    holding it (a run of several). One at a time: a GPU that rank 0 of a group needs is
-    never also holding a state trained here."""
+    training it checkpointed (a run of one rank, trained here), which takes the next job's
+    steps on a thread until that job comes; or the rank processes holding it (a run of
+    several). One at a time: a GPU that rank 0 of a group needs is never also holding a
+    state trained here."""
 
     def __init__(self) -> None:
-        self._state: TrainState | None = None
+        self._training: Training | None = None
+        self._ahead: Ahead | None = None
         self._group: RankGroup | None = None
 
-    def take(self, run: int, step: int) -> "TrainState | None":
-        """The state to go on from in this process, if it is that run's at that step."""
+    def take(self, spec: TrainShardSpec) -> "Training | None":
+        """The training to go on with in this process, if the job goes on from it."""
         self._stop_group()
-        state, self._state = self._state, None
-        return state if state is not None and (state.run, state.step) == (run, step) else None
+        self._stop_ahead()
+        training, self._training = self._training, None
+        if training is not None and training.goes_on_to(spec):
+            return training
+        if training is not None:
+            _let_go(training)
+        return None
 
-    def keep(self, state: "TrainState") -> None:
-        self._state = state
+    def keep(self, training: "Training", following: TrainShardSpec | None) -> None:
+        """Keeps the training, taking the steps of the job that follows meanwhile."""
+        self._training = training
+        if following is not None:
+            self._ahead = Ahead(training, following)
 
     def group(self, spec: TrainShardSpec) -> RankGroup:
         """The rank processes of the job's run, started unless they serve it already."""
@@ -87,16 +102,58 @@ class LiveStates:
 
     def clear(self) -> None:
         self._stop_group()
-        if self._state is not None:
-            from sdq.workers.gpu import release_device_memory
+        self._stop_ahead()
+        if self._training is not None:
+            _let_go(self._training)
+            self._training = None
 
-            self._state = None
-            release_device_memory()
+    def _stop_ahead(self) -> None:
+        if self._ahead is not None and not self._ahead.stop():
+            # It failed mid-step: the state is not any step's.
+            _let_go(self._training)
+            self._training = None
+        self._ahead = None
 
     def _stop_group(self) -> None:
         if self._group is not None:
             self._group.stop()
             self._group = None
+
+
+def _let_go(training: "Training") -> None:
+    from sdq.workers.gpu import release_device_memory
+
+    training.close()
+    del training
+    release_device_memory()
+
+
+class Ahead:
+    """The steps of a run's next job, taken on a thread from the state its last job has
+    just checkpointed, until the job comes to take them (or another job comes)."""
+
+    def __init__(self, training: "Training", following: TrainShardSpec) -> None:
+        self._stopping = threading.Event()
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._take_steps, args=(training, following), name="sdq-train-ahead"
+        )
+        # It never holds the process open: stop() ends it, and an exit stops it (task.py).
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _take_steps(self, training: "Training", following: TrainShardSpec) -> None:
+        try:
+            training.train_ahead(following, self._stopping.is_set)
+        except BaseException as error:
+            logger.warning("steps ahead of run %s's next job failed: %r", following.run, error)
+            self._failure = error
+
+    def stop(self) -> bool:
+        """Stops it at its window's end; whether the state is still a step's."""
+        self._stopping.set()
+        self._thread.join()
+        return self._failure is None
 
 
 class TrainWork(Work):
@@ -166,16 +223,23 @@ class TrainWork(Work):
     def _train_here(
         self, spec: TrainShardSpec, stop_at: float | None
     ) -> tuple[list[dict], Written]:
-        from sdq.workers.train.job import restore_state, train_steps, write_checkpoint
+        """Steps on this process's device, then the checkpoint written while the next
+        job's steps are taken on a thread."""
+        from sdq.workers.train.job import Training, restore_state, until_time, write_checkpoint
         from sdq.workers.train.trainer import Ranks
 
-        state = self.live.take(spec.run, spec.first_step)
-        if state is None:
+        training = self.live.take(spec)
+        if training is None:
             state = restore_state(spec, self.store, self.files, Ranks())
-        steps = train_steps(spec, state, self.store, self.settings, stop_at)
-        written = write_checkpoint(spec, state, self.store, self.files)
-        self.live.keep(state)
-        return steps, written
+            training = Training(spec, state, self.store, self.settings)
+        try:
+            steps = training.steps(spec, until_time(stop_at, training.state))
+        except BaseException:
+            training.close()
+            raise
+        snapshot = training.checkpoint()
+        self.live.keep(training, spec.next_after(training.state.step))
+        return steps, write_checkpoint(spec, snapshot, self.store, self.files)
 
     def _train_on_ranks(
         self, job: Job, spec: TrainShardSpec, stop_at: float | None

@@ -1,0 +1,149 @@
+"""The job rhythm on the CPU path, with real threads and a real store. Steps taken ahead:
+while a job's checkpoint is written, the run's next job's steps are taken on a thread from
+the state just checkpointed; the job takes them over when it comes, and the run trains
+exactly what one uninterrupted job trains. A job that does not go on from that checkpoint
+finds nothing kept. And a node's ranks restore a checkpoint with one download between
+them."""
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from sdq.models.registry import tiny_identity
+from sdq.models.settings import TrainSettings
+from sdq.models.store import LocalStore
+from sdq.models.training import LatentInput, TrainOptions, TrainShardSpec
+from sdq.workers.shards.latents import latent_shard_bytes
+from sdq.workers.tiny import build_unet
+from sdq.workers.train.job import Training, downloaded
+from sdq.workers.train.trainer import new_state, snapshot
+from sdq.workers.train.work import LiveStates
+from tests.test_train_data import encoded
+
+SETTINGS = TrainSettings(loss_every=2)
+
+
+def never() -> bool:
+    return False
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> TrainShardSpec:
+    """A run of 8 steps in two jobs of 4, over two shards of tiny-sized latents."""
+    store = LocalStore(tmp_path / "store")
+    inputs = []
+    for shard in range(2):
+        tensors = encoded(6, seed=shard)  # the tiny U-Net's sizes
+        key = f"latents/{shard}.parquet"
+        lineage = {"key": [f"{shard}-{n}" for n in range(6)], "url": ["u"] * 6}
+        data = latent_shard_bytes(lineage, tensors, {"dataset": "d"})
+        store.put_bytes(key, data, content_type="application/vnd.apache.parquet")
+        inputs.append(LatentInput(uri=store.uri(key), key=key, samples=6))
+    model = tiny_identity()
+    return TrainShardSpec(
+        run=1, first_step=0, last_step=4, model_name="ahead", base_name=model.name,
+        base_source=model.source, base_revision=model.revision, prediction_type="epsilon",
+        scheduler_config=model.scheduler_config, inputs=tuple(inputs),
+        options=TrainOptions(steps=8, batch_size=2, checkpoint_every=4, lr=1e-3, ema=0.9),
+    )  # fmt: skip
+
+
+def test_the_next_job_s_steps_are_taken_ahead_and_handed_to_it(run, tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    straight = Training(run, new_state(run, build_unet()), store, SETTINGS)
+    whole = straight.steps(replace(run, last_step=8), never)
+    straight.close()
+
+    training = Training(run, new_state(run, build_unet()), store, SETTINGS)
+    first = training.steps(run, never)
+    at_four = training.checkpoint()
+    live = LiveStates()
+    following = run.next_after(training.state.step)
+    live.keep(training, following)
+    deadline = time.monotonic() + 120
+    while training.state.step < 8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # With no job to take them, the next job's steps were all taken, and no more.
+    assert training.state.step == 8 and [step["step"] for step in training.ahead] == [5, 6, 7, 8]
+    # The snapshot still holds step 4's values, though the state went on from it.
+    assert at_four.step == 4 and not torch.equal(
+        at_four.unet["conv_in.weight"], training.state.unet.state_dict()["conv_in.weight"]
+    )
+    taken = live.take(following)
+    assert taken is training
+    second = taken.steps(following, never)
+    assert [step["step"] for step in first + second] == list(range(1, 9))
+    assert [step["loss"] for step in first + second] == [step["loss"] for step in whole]
+    assert_same_values(snapshot(taken.state).unet, snapshot(straight.state).unet)
+    taken.close()
+
+
+def test_a_job_that_comes_at_once_takes_over_mid_way(run, tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    straight = Training(run, new_state(run, build_unet()), store, SETTINGS)
+    whole = straight.steps(replace(run, last_step=8), never)
+    straight.close()
+
+    training = Training(run, new_state(run, build_unet()), store, SETTINGS)
+    first = training.steps(run, never)
+    training.checkpoint()
+    live = LiveStates()
+    following = run.next_after(training.state.step)
+    live.keep(training, following)
+    taken = live.take(following)  # stops the thread at its window's end, wherever it is
+    assert taken is training and 4 <= taken.state.step <= 8
+    second = taken.steps(following, never)
+    assert [step["loss"] for step in first + second] == [step["loss"] for step in whole]
+    taken.close()
+
+
+def test_a_job_that_does_not_go_on_from_the_checkpoint_finds_nothing_kept(
+    run, tmp_path: Path
+) -> None:
+    training = Training(run, new_state(run, build_unet()), LocalStore(tmp_path / "store"), SETTINGS)
+    training.steps(run, never)
+    training.checkpoint()
+    live = LiveStates()
+    live.keep(training, run.next_after(training.state.step))
+    # The first job again (its checkpoint not recorded, say): it starts from step 0.
+    assert live.take(run) is None
+    assert live.take(run.next_after(4)) is None  # and the kept training is gone
+
+
+def assert_same_values(one: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> None:
+    assert one.keys() == other.keys()
+    assert all(torch.equal(one[name], other[name]) for name in one)
+
+
+def test_a_node_s_ranks_download_a_checkpoint_once_between_them(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    prefix = "train/1/checkpoints/4/state/"
+    for name in ("unet/config.json", "training.json"):
+        store.put_bytes(prefix + name, name.encode(), content_type="application/json")
+    node = tmp_path / "node"
+    node.mkdir()
+    with ThreadPoolExecutor(4) as ranks:
+        folders = list(ranks.map(lambda _: enter(downloaded(store, prefix, node)), range(4)))
+    assert len(set(folders)) == 1
+    assert (folders[0] / "unet/config.json").read_bytes() == b"unet/config.json"
+    # A rank that comes later reads the node's copy: the store is not asked again.
+    for key in list(store.list_keys(prefix)):
+        store.delete(key)
+    with downloaded(store, prefix, node) as folder:
+        assert (folder / "training.json").read_bytes() == b"training.json"
+    # The next checkpoint's download replaces it.
+    later = "train/1/checkpoints/8/state/"
+    store.put_bytes(later + "training.json", b"8", content_type="application/json")
+    with downloaded(store, later, node) as newer:
+        assert (newer / "training.json").read_bytes() == b"8"
+    assert not folders[0].exists()
+
+
+def enter(context: AbstractContextManager[Path]) -> Path:
+    with context as value:
+        return value
