@@ -106,6 +106,9 @@ class TrainSettings:
     # A job over several nodes waits this long for its gang to gather before it gives up
     # (for now: an outage, not a spent attempt) and is sent again.
     gang_timeout_seconds: int = 300
+    # A node of a gang not seen for this long (each notes itself every second) is lost:
+    # its gathering fails as an outage, and the job gathers a new gang.
+    node_timeout_seconds: int = 15
     # Where this machine's rank 0 is reached by the other nodes of a gang; None: the
     # address its host name resolves to.
     node_address: str | None = None
@@ -187,6 +190,7 @@ class Settings:
             train=TrainSettings(
                 collective_timeout_seconds=_int(env, "SDQ_TRAIN_COLLECTIVE_TIMEOUT", 600),
                 gang_timeout_seconds=_int(env, "SDQ_TRAIN_GANG_TIMEOUT", 300),
+                node_timeout_seconds=_int(env, "SDQ_TRAIN_NODE_TIMEOUT", 15),
                 node_address=env.get("SDQ_TRAIN_NODE_ADDRESS") or None,
                 loss_every=_int(env, "SDQ_TRAIN_LOSS_EVERY", TrainSettings.loss_every),
                 shards_ahead=_int(env, "SDQ_TRAIN_SHARDS_AHEAD", TrainSettings.shards_ahead),

@@ -1,54 +1,117 @@
 """How the nodes of a train-shard job over several machines gather through Postgres: the
-leader's rendezvous address, nodes taken one each, a gang that does not gather in time, a
-member that learns its attempt is over."""
+leader's rendezvous address, nodes taken one each, a gang that does not gather in time and
+gathers again under a new number (no attempt spent, no collision with its last try), a node
+unseen by the database's clock that fails the gathering, a member that learns its gathering
+is over."""
+
+from dataclasses import replace
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import text
 
 from sdq.models.db import make_engine, session_factory
-from sdq.models.jobs.lifecycle import Worker, claim
-from sdq.models.settings import TrainSettings
-from sdq.models.tables import Job, JobStatus
+from sdq.models.jobs.lifecycle import Worker, claim, fail
+from sdq.models.settings import JobSettings, TrainSettings
+from sdq.models.tables import JobStatus
+from sdq.workers.train import gang
 from sdq.workers.train.gang import (
     AttemptOver,
     GangIncomplete,
-    gathered_in_time,
+    NodeLost,
     join,
     lead,
-    still_on,
+    leader_watch,
+    lost_node,
+    member_watch,
 )
 from sdq.workers.train.ranks import Node
 from sdq.workers.train.work import TrainWork
 from tests.test_jobs import new_run
 
-SETTINGS = TrainSettings(node_address="127.0.0.1")
+SETTINGS = TrainSettings(node_address="127.0.0.1", gang_timeout_seconds=0, node_timeout_seconds=5)
+LEADER = Worker("a:1", "gpu")
 
 
-def test_a_gang_gathers_once_per_attempt_and_nothing_waits_for_ever(migrated_postgres) -> None:
+def test_a_gang_gathers_once_per_gathering_and_nothing_waits_for_ever(
+    migrated_postgres, monkeypatch
+) -> None:
     sessions = session_factory(make_engine(migrated_postgres))
     [job_id] = new_run(sessions, {"text": "a train-shard job"}, status=JobStatus.queued)
     with sessions.begin() as session:
-        [job] = claim(session, [job_id], worker=Worker("a:1", "cpu"), lease_seconds=60,
-                      max_attempts=3)  # fmt: skip
-    leader = lead(sessions, job, worker="a:1", settings=SETTINGS)
-    assert (leader.index, leader.master_address) == (0, "127.0.0.1")
+        [job] = claim(session, [job_id], worker=LEADER, lease_seconds=60, max_attempts=3)
+    leader, gathering = lead(sessions, job, worker="a:1", settings=SETTINGS)
+    assert (leader.index, leader.master_address, gathering) == (0, "127.0.0.1", 1)
 
-    def joined(worker: str) -> Node | None:
-        return join(sessions, job_id, 1, nodes=3, worker=worker, settings=SETTINGS)
+    def joined(worker: str, number: int = 1) -> Node | None:
+        return join(sessions, job_id, number, nodes=3, worker=worker, settings=SETTINGS)
 
     assert joined("b:2") == Node(1, "127.0.0.1", leader.master_port)
     # Two of three nodes: the leader's watch gives up at its deadline, as an outage.
+    calls: list[int] = []
+    watch = leader_watch(sessions, job_id, 1, nodes=3, settings=SETTINGS, call_nodes=calls.append)
     with pytest.raises(GangIncomplete, match="2 of the 3 nodes of job"):
-        gathered_in_time(sessions, job, nodes=3, timeout_seconds=0)()
+        watch()
     assert GangIncomplete in TrainWork.outage_errors
+    # Before its deadline, the leader calls again for the node still missing (a call may
+    # sit with a worker that cannot answer it).
+    monkeypatch.setattr(gang, "RECALL_SECONDS", 0)
+    patient = replace(SETTINGS, gang_timeout_seconds=600)
+    leader_watch(sessions, job_id, 1, nodes=3, settings=patient, call_nodes=calls.append)()
+    assert calls == [1]
     assert joined("c:3") == Node(2, "127.0.0.1", leader.master_port)
     assert joined("d:4") is None  # the gang is full
-    gathered_in_time(sessions, job, nodes=3, timeout_seconds=0)()  # all there: no error
+    watch()  # all there, all seen: no error
 
-    member_watch = still_on(sessions, job_id, 1)
-    member_watch()  # the attempt goes on
-    with sessions.begin() as session:  # the leader failed the attempt
-        session.execute(update(Job).where(Job.id == job_id).values(status=JobStatus.queued))
-    with pytest.raises(AttemptOver, match="attempt 1 is over"):
-        member_watch()
-    assert joined("e:5") is None  # a late call to join an attempt that is over
+    member = member_watch(sessions, job_id, 1, 1, SETTINGS)
+    member()  # the gathering goes on
+    # The leader's outage gives the attempt back; the next claim has the same attempt
+    # number, and its gathering a new one: members of the old one stop, late calls to it
+    # find it over, and the new one fills.
+    with sessions.begin() as session:
+        fail(session, [job_id], error="gang incomplete", permanent=False, outage=True,
+             settings=JobSettings(), worker=LEADER)  # fmt: skip
+    with pytest.raises(AttemptOver, match="gathering 1 is over"):
+        member()
+    with sessions.begin() as session:
+        [again] = claim(session, [job_id], worker=LEADER, lease_seconds=60, max_attempts=3)
+    assert again.attempts == job.attempts
+    _, gathering = lead(sessions, again, worker="a:1", settings=SETTINGS)
+    assert gathering == 2
+    assert joined("e:5", number=1) is None
+    assert joined("e:5", number=2).index == 1
+
+
+def test_a_node_unseen_fails_its_gathering_as_an_outage(migrated_postgres) -> None:
+    sessions = session_factory(make_engine(migrated_postgres))
+    [job_id] = new_run(sessions, {"text": "another train-shard job"}, status=JobStatus.queued)
+    with sessions.begin() as session:
+        [job] = claim(session, [job_id], worker=LEADER, lease_seconds=60, max_attempts=3)
+    _, gathering = lead(sessions, job, worker="a:1", settings=SETTINGS)
+    node = join(sessions, job_id, gathering, nodes=2, worker="b:2", settings=SETTINGS)
+    watch = leader_watch(
+        sessions, job_id, gathering, nodes=2, settings=SETTINGS, call_nodes=lambda _: None
+    )
+    watch()
+    member = member_watch(sessions, job_id, gathering, node.index, SETTINGS)
+    member()
+
+    def last_seen(node: int, seconds_ago: int) -> None:
+        # As the database's clock has it: the nodes' own clocks play no part.
+        with sessions.begin() as session:
+            session.execute(
+                text("UPDATE train_gangs SET seen_at = now() - make_interval(secs => :ago) "
+                     "WHERE job_id = :job AND node = :node"),
+                {"ago": seconds_ago, "job": job_id, "node": node},
+            )  # fmt: skip
+
+    last_seen(1, 4)
+    watch()  # within the node timeout
+    last_seen(1, 6)
+    unseen = r"node 1 of job \d+'s gang \(gathering 1\) has not been seen for 5 s"
+    with pytest.raises(NodeLost, match=unseen):
+        watch()
+    assert issubclass(NodeLost, GangIncomplete)  # an outage: no attempt spent
+    assert "node 1" in str(lost_node(sessions, job_id, gathering, SETTINGS))
+    last_seen(0, 6)  # and the leader, as its member sees it
+    with pytest.raises(AttemptOver, match="node 0 of job"):
+        member()

@@ -410,15 +410,13 @@ def rank_processes() -> list[int]:
 
 
 @pytest.mark.slow
-def test_two_ranks_on_one_node_or_two_resume_exactly_after_a_rank_a_worker_or_a_node_dies(
+def test_two_ranks_resume_exactly_after_a_rank_or_a_worker_dies(
     download_env: dict[str, str], cpu_worker: WorkerProcess, worker: WorkerProcess, tmp_path
 ) -> None:
-    """Two gloo ranks, real processes under real workers. A rank killed mid-job fails the
-    job at once (no collective waits on it); a killed worker takes its ranks with it; over
-    two nodes (a second worker process as the second machine), a node that dies fails the
-    attempt and the job gathers a new gang. Each time the job goes on from the last
-    checkpoint, and the run ends bit for bit where an uninterrupted 2-rank run does, on the
-    1-rank run's loss curve."""
+    """Two gloo ranks on one node, real processes under real workers. A rank killed mid-job
+    fails the job at once (no collective waits on it); a killed worker takes its ranks with
+    it. Each time the job goes on from the last checkpoint, and the run ends bit for bit
+    where an uninterrupted 2-rank run does, on the 1-rank run's loss curve."""
     database_url = download_env["SDQ_DATABASE_URL"]
     dataset = "train-ranks"
     encoded_dataset(download_env, dataset, 16, tmp_path)
@@ -474,6 +472,90 @@ def test_two_ranks_on_one_node_or_two_resume_exactly_after_a_rank_a_worker_or_a_
     assert (
         resumed["checkpoints"][-1]["model_revision"] == steady["checkpoints"][-1]["model_revision"]
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_run_over_two_nodes_gathers_again_when_a_node_dies_in_start_up_or_mid_job(
+    own_deployment: dict[str, str], tmp_path: Path
+) -> None:
+    """`--nodes 2` end to end: two train workers as two machines, one rank each. The member
+    node's worker is killed (its ranks die with it) as soon as it has joined the first
+    job's gang, in its ranks' start-up, and again once the second job's ranks have run a
+    while. Each time the leader sees the node unseen within seconds (not at the gang's or a
+    collective's timeout, both set far off), fails the gathering as an outage, and the job
+    gathers again with a worker started in the dead one's place: no attempt spent, every
+    step trained once in the run's record, on the loss curve of the same run on one node."""
+    env = {**own_deployment, **DOWNLOAD_ENV, "SDQ_TRAIN_NODE_ADDRESS": "127.0.0.1",
+           "SDQ_TRAIN_NODE_TIMEOUT": "5", "SDQ_TRAIN_GANG_TIMEOUT": "900",
+           "SDQ_TRAIN_COLLECTIVE_TIMEOUT": "900",
+           # Two machines on two cores: a thread each, as if each had its own.
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    database_url = env["SDQ_DATABASE_URL"]
+    started = [0]
+
+    def train_worker() -> WorkerProcess:
+        started[0] += 1
+        return WorkerProcess(env, tmp_path / f"gpu{started[0]}.log").start()
+
+    workers = [train_worker(), train_worker(),
+               WorkerProcess(env, tmp_path / "cpu.log", pool="cpu").start()]  # fmt: skip
+    try:
+        encoded_dataset(env, "gang-birds", 16, tmp_path)
+        run = ["train", "gang-birds", *TRAIN, "--steps", "400", "--checkpoint-every", "200",
+               "--world-size", "2"]  # fmt: skip
+        one_node = sdq_json(env, *run, "--wait")
+        run_id = sdq_json(env, *run, "--nodes", "2")["run_id"]
+
+        def member(job_index: int, gathering: int, joined_for: float = 0.0) -> int | None:
+            """The pid of the worker process of the job's gathering's node 1, once that
+            node has been in it for `joined_for` seconds (by the database's clock)."""
+            jobs = _jobs(database_url, run_id)
+            if len(jobs) <= job_index:
+                return None
+            with psycopg.connect(database_url) as connection:
+                row = connection.execute(
+                    "SELECT worker FROM train_gangs WHERE job_id = %s AND gathering = %s "
+                    "AND node = 1 AND joined_at <= now() - make_interval(secs => %s)",
+                    (jobs[job_index][0], gathering, joined_for),
+                ).fetchone()
+            return int(row[0].rsplit(":", 1)[1]) if row else None
+
+        def kill_worker_of(pid: int) -> None:
+            [dead] = [worker for worker in workers if pid in worker.children()]
+            os.killpg(dead.process.pid, signal.SIGKILL)
+            dead.process.wait()
+            workers.remove(dead)
+            workers.append(train_worker())
+
+        wait_for(lambda: member(0, 1), what="the first gang's member", timeout=300)
+        kill_worker_of(member(0, 1))  # in its ranks' start-up
+        wait_for(lambda: member(0, 2), what="the first job's second gathering", timeout=120)
+        # The second job's ranks have started (about 5 s here) and trained a while.
+        wait_for(lambda: member(1, 1, joined_for=8), what="the second job's gang", timeout=300)
+        kill_worker_of(member(1, 1))
+        wait_for(lambda: member(1, 2), what="the second job's second gathering", timeout=120)
+
+        def finished() -> bool:
+            return [status for _, status, *_ in _jobs(database_url, run_id)] == ["succeeded"] * 2
+
+        wait_for(finished, what=f"train run {run_id} to finish", timeout=300)
+    finally:
+        for worker in workers:
+            worker.stop()
+    assert [attempts for _, _, attempts, _ in _jobs(database_url, run_id)] == [1, 1]
+    with psycopg.connect(database_url) as connection:
+        lost = connection.execute(
+            "SELECT count(*) FROM job_events e JOIN jobs j ON j.id = e.job_id "
+            "WHERE j.run_id = %s AND e.detail LIKE %s",
+            (run_id, f"%has not been seen for 5 s%({OUTAGE})"),
+        ).fetchone()[0]
+    assert lost == 2
+    gangs = sdq_json(env, "train", "status", str(run_id))
+    assert gangs["losses"] == one_node["losses"]
+    assert [c["state_sha256"] for c in gangs["checkpoints"]] == [
+        c["state_sha256"] for c in one_node["checkpoints"]
+    ]
 
 
 @pytest.mark.slow

@@ -81,18 +81,23 @@ class Checkpoint(Base):
 
 
 class TrainGang(Base):
-    """One node of the gang that runs an attempt of a train-shard job over several machines.
-    The worker that claimed the job writes node 0 with the rendezvous address its rank 0
-    listens on; each worker that answers the job's call to join takes the next node."""
+    """One node of a gathering of the gang that runs a train-shard job over several
+    machines. The worker that claimed the job writes node 0 of a new gathering with the
+    rendezvous address its rank 0 listens on; each worker that answers the job's call to
+    join takes the next node. Every node notes when it was last seen, by the database's
+    clock."""
 
     __tablename__ = "train_gangs"
 
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
-    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # 1, 2, ... for each time the job's leader called for a gang: an outage gives the job
+    # its attempt back, so the attempt does not tell two gatherings apart.
+    gathering: Mapped[int] = mapped_column(Integer, primary_key=True)
     node: Mapped[int] = mapped_column(Integer, primary_key=True)
     worker: Mapped[str] = mapped_column(Text)
     # host:port of torch.distributed's store, on node 0; the node's own address on others.
     address: Mapped[str] = mapped_column(Text)
+    seen_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     joined_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.current_timestamp()
     )

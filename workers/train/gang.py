@@ -1,21 +1,25 @@
 """A train-shard job over several machines, gathered through Postgres. The worker that
-claims the job leads: it records node 0 of the attempt's gang with the address its rank 0
-will listen on, and calls for the other nodes with join messages on the train queue. A
-worker that takes one records the next node of the gang and starts its ranks against that
-address; torch.distributed's own rendezvous (its TCP store, env://) does the rest.
+claims the job leads: it records node 0 of a new gathering of the job's gang with the
+address its rank 0 will listen on, and calls for the other nodes with join messages on the
+train queue. A worker that takes one records the next node of that gathering and starts its
+ranks against that address; torch.distributed's own rendezvous (its TCP store, env://) does
+the rest.
 
-Nothing waits for ever: a gang that has not gathered in time fails the attempt as an
-outage; a node whose ranks die breaks the others' collectives (gloo and NCCL notice a closed
-peer, and every collective has a timeout), which fails the attempt; the job is sent again
-and goes on from its last checkpoint with a new gang. A member stops its ranks as soon as
-the attempt it joined is over.
+Nothing waits for ever, and a lost node costs the job no attempt. While their ranks run,
+the nodes note every second that they are seen (by the database's clock, so no machine's
+own clock matters) and watch the others: a node unseen for `node_timeout_seconds` (its
+machine or worker died, in the rendezvous or mid-job) fails the gathering as an outage
+within seconds, as does a gang that has not gathered in time; the job is sent again, goes
+on from its last checkpoint, and gathers anew under the next number. A member stops its
+ranks as soon as the job has left the gathering it joined.
 """
 
 import socket
 from collections.abc import Callable
-from time import monotonic
+from datetime import timedelta
+from time import monotonic, sleep
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.db import upsert
@@ -23,7 +27,7 @@ from sdq.models.settings import TrainSettings
 from sdq.models.tables import Job, JobStatus
 from sdq.models.tables.train import TrainGang
 from sdq.models.training import TrainShardSpec
-from sdq.workers.train.ranks import Node, RankFailed, free_port, run_ranks
+from sdq.workers.train.ranks import WATCH_SECONDS, Node, RankFailed, free_port, run_ranks
 
 
 class GangIncomplete(Exception):
@@ -31,8 +35,12 @@ class GangIncomplete(Exception):
     as an outage (without spending an attempt) while the outage budget lasts."""
 
 
+class NodeLost(GangIncomplete):
+    """A node of the gang stopped being seen: its machine or its worker died."""
+
+
 class AttemptOver(Exception):
-    """The attempt this node joined has ended (failed, or led by nobody any more)."""
+    """The gathering this node joined has ended (failed, or led by nobody any more)."""
 
 
 def node_address(settings: TrainSettings) -> str:
@@ -45,67 +53,139 @@ def lead(
     *,
     worker: str,
     settings: TrainSettings,
-) -> Node:
-    """Node 0 of the job's gang for this attempt, recorded with its rendezvous address."""
+) -> tuple[Node, int]:
+    """Node 0 of a new gathering of the job's gang, recorded with its rendezvous address;
+    and the gathering's number."""
     address = node_address(settings)
     node = Node(0, address, free_port(address))
     with sessions.begin() as session:
+        gathering = 1 + (_newest(session, job.id) or 0)
         session.add(
             TrainGang(
                 job_id=job.id,
-                attempt=job.attempts,
+                gathering=gathering,
                 node=0,
                 worker=worker,
                 address=f"{address}:{node.master_port}",
+                seen_at=func.now(),
             )
         )
-    return node
+    return node, gathering
 
 
-def gathered_in_time(
-    sessions: sessionmaker[Session], job: Job, *, nodes: int, timeout_seconds: int
+def leader_watch(
+    sessions: sessionmaker[Session],
+    job_id: int,
+    gathering: int,
+    *,
+    nodes: int,
+    settings: TrainSettings,
+    call_nodes: Callable[[int], None],
 ) -> Callable[[], None]:
-    """A watch for the leader: raises GangIncomplete once the gang has not gathered by the
-    deadline (the ranks' rendezvous would otherwise wait out the collective timeout)."""
-    deadline = monotonic() + timeout_seconds
-    gathered = False
+    """The leader's watch, called about once a second while its ranks run: calls for the
+    nodes still missing every RECALL_SECONDS (a call can be taken by a worker that cannot
+    answer it yet: Redis hands a message to a worker's pending fetch, the leader's own
+    included, while it waits for a retry's countdown); raises GangIncomplete once the gang
+    has not gathered by the deadline (the ranks' rendezvous would otherwise wait out the
+    collective timeout), and NodeLost once a node is unseen."""
+    deadline = monotonic() + settings.gang_timeout_seconds
+    called = monotonic()
 
     def watch() -> None:
-        nonlocal gathered
-        if gathered or monotonic() < deadline:
-            return
-        with sessions() as session:
-            joined = session.scalar(
-                select(func.count())
-                .select_from(TrainGang)
-                .where(TrainGang.job_id == job.id, TrainGang.attempt == job.attempts)
-            )
-        if joined < nodes:
+        nonlocal called
+        joined = _seen_and_lost(sessions, job_id, gathering, 0, settings)
+        if joined < nodes and monotonic() >= deadline:
             raise GangIncomplete(
-                f"{joined} of the {nodes} nodes of job {job.id}'s gang gathered in "
-                f"{timeout_seconds} s: start more train workers (`sdq worker gpu "
-                f"--train-ranks N`) or lower --nodes"
+                f"{joined} of the {nodes} nodes of job {job_id}'s gang gathered in "
+                f"{settings.gang_timeout_seconds} s: start more train workers (`sdq worker "
+                f"gpu --train-ranks N`) or lower --nodes"
             )
-        gathered = True
+        if joined < nodes and monotonic() - called >= RECALL_SECONDS:
+            call_nodes(nodes - joined)
+            called = monotonic()
 
     return watch
+
+
+# How often a leader calls again for the nodes its gang still misses. A call answered late
+# finds its gathering full or over, and does nothing.
+RECALL_SECONDS = 10
+
+
+def member_watch(
+    sessions: sessionmaker[Session], job_id: int, gathering: int, node: int, settings: TrainSettings
+) -> Callable[[], None]:
+    """A member's watch: raises AttemptOver once the job has left this gathering, or a
+    node of it (the leader too) is unseen."""
+
+    def watch() -> None:
+        with sessions() as session:
+            if not _ongoing(session, job_id, gathering):
+                raise AttemptOver(f"job {job_id}'s gathering {gathering} is over")
+        try:
+            _seen_and_lost(sessions, job_id, gathering, node, settings)
+        except NodeLost as lost:
+            raise AttemptOver(str(lost)) from lost
+
+    return watch
+
+
+def _seen_and_lost(
+    sessions: sessionmaker[Session],
+    job_id: int,
+    gathering: int,
+    node: int,
+    settings: TrainSettings,
+) -> int:
+    """Notes that `node` is seen now; raises NodeLost if another is not; returns how many
+    nodes have joined."""
+    with sessions.begin() as session:
+        here = (TrainGang.job_id == job_id, TrainGang.gathering == gathering)
+        session.execute(
+            update(TrainGang).where(*here, TrainGang.node == node).values(seen_at=func.now())
+        )
+        unseen = TrainGang.seen_at < func.now() - timedelta(seconds=settings.node_timeout_seconds)
+        rows = session.execute(select(TrainGang.node, unseen).where(*here)).all()
+    lost = sorted(index for index, stale in rows if stale)
+    if lost:
+        raise NodeLost(
+            f"node {lost[0]} of job {job_id}'s gang (gathering {gathering}) has not been seen "
+            f"for {settings.node_timeout_seconds} s: its machine or worker is gone"
+        )
+    return len(rows)
+
+
+def lost_node(
+    sessions: sessionmaker[Session], job_id: int, gathering: int, settings: TrainSettings
+) -> NodeLost | None:
+    """After the leader's ranks failed: whether a node was lost (a dead peer breaks every
+    collective), told apart from the job's own failure by waiting until a dead node's last
+    sighting is old enough to say so."""
+    deadline = monotonic() + settings.node_timeout_seconds + 2 * WATCH_SECONDS
+    while True:
+        try:
+            _seen_and_lost(sessions, job_id, gathering, 0, settings)
+        except NodeLost as lost:
+            return lost
+        if monotonic() >= deadline:
+            return None
+        sleep(WATCH_SECONDS)
 
 
 def join(
     sessions: sessionmaker[Session],
     job_id: int,
-    attempt: int,
+    gathering: int,
     *,
     nodes: int,
     worker: str,
     settings: TrainSettings,
 ) -> Node | None:
-    """This worker's node in the attempt's gang, or None when the attempt is over or its
-    gang is full."""
+    """This worker's node in the gathering, or None when it is over or full."""
     with sessions.begin() as session:
-        if not _ongoing(session, job_id, attempt):
+        if not _ongoing(session, job_id, gathering):
             return None
-        leader = session.get(TrainGang, (job_id, attempt, 0))
+        leader = session.get(TrainGang, (job_id, gathering, 0))
         if leader is None:
             return None
         for index in range(1, nodes):
@@ -113,10 +193,11 @@ def join(
                 upsert(session, TrainGang)
                 .values(
                     job_id=job_id,
-                    attempt=attempt,
+                    gathering=gathering,
                     node=index,
                     worker=worker,
                     address=node_address(settings),
+                    seen_at=func.now(),
                 )
                 .on_conflict_do_nothing()
                 .returning(TrainGang.node)
@@ -127,31 +208,54 @@ def join(
     return None
 
 
-def still_on(sessions: sessionmaker[Session], job_id: int, attempt: int) -> Callable[[], None]:
-    """A watch for a member: raises AttemptOver once the job has left this attempt."""
-
-    def watch() -> None:
-        with sessions() as session:
-            if not _ongoing(session, job_id, attempt):
-                raise AttemptOver(f"job {job_id}'s attempt {attempt} is over")
-
-    return watch
-
-
-def _ongoing(session: Session, job_id: int, attempt: int) -> bool:
+def _ongoing(session: Session, job_id: int, gathering: int) -> bool:
+    """Whether the job runs, and this is its newest gathering."""
     job = session.get(Job, job_id)
-    return job is not None and job.status == JobStatus.running and job.attempts == attempt
+    running = job is not None and job.status == JobStatus.running
+    return running and _newest(session, job_id) == gathering
+
+
+def _newest(session: Session, job_id: int) -> int | None:
+    return session.scalar(select(func.max(TrainGang.gathering)).where(TrainGang.job_id == job_id))
+
+
+def run_as_leader(
+    sessions: sessionmaker[Session],
+    spec: TrainShardSpec,
+    job_id: int,
+    gathering: int,
+    node: Node,
+    settings: TrainSettings,
+    stop_at: float | None,
+    call_nodes: Callable[[int], None],
+) -> dict:
+    """Node 0's ranks of the gathering; a failure that a lost node caused is an outage."""
+    watch = leader_watch(
+        sessions,
+        job_id,
+        gathering,
+        nodes=spec.options.nodes,
+        settings=settings,
+        call_nodes=call_nodes,
+    )
+    try:
+        return run_ranks(spec, node, watch, stop_at)
+    except RankFailed as failure:
+        lost = lost_node(sessions, job_id, gathering, settings)
+        if lost is not None:
+            raise lost from failure
+        raise
 
 
 def take_part(
     sessions: sessionmaker[Session],
     job_id: int,
-    attempt: int,
+    gathering: int,
     *,
     worker: str,
     settings: TrainSettings,
 ) -> str:
-    """Runs this worker's node of the job's gang for the attempt; says what became of it.
+    """Runs this worker's node of the job's gathering; says what became of it.
     Its ranks' failure is the leader's to record: the job fails through the leader's ranks,
     whose collectives break with this node's."""
     with sessions() as session:
@@ -160,12 +264,12 @@ def take_part(
     if spec is None:
         return f"no job {job_id}"
     node = join(
-        sessions, job_id, attempt, nodes=spec.options.nodes, worker=worker, settings=settings
+        sessions, job_id, gathering, nodes=spec.options.nodes, worker=worker, settings=settings
     )
     if node is None:
-        return f"job {job_id}'s attempt {attempt} is over or its gang is full"
+        return f"job {job_id}'s gathering {gathering} is over or full"
     try:
-        run_ranks(spec, node, still_on(sessions, job_id, attempt))
+        run_ranks(spec, node, member_watch(sessions, job_id, gathering, node.index, settings))
     except (RankFailed, AttemptOver) as error:
         return f"node {node.index} of job {job_id} stopped: {error}"
     return f"node {node.index} of job {job_id} done"

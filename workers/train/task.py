@@ -51,15 +51,17 @@ def time_limit(task) -> float | None:
 
 
 @shared_task(bind=True, base=JobTask, name=JOIN_TASK)
-def join(self, job_ids: list[int], attempt: int) -> dict[str, Any]:
-    """This worker as one more node of the job's gang for that attempt (gang.py)."""
+def join(self, job_ids: list[int], gathering: int) -> dict[str, Any]:
+    """This worker as one more node of that gathering of the job's gang (gang.py)."""
     app = self.app
     [job_id] = job_ids
-    hold(TRAIN.name, live_states().clear)  # the ranks it starts need the device
+    # The ranks it starts need the device: whatever this worker trained, it lets go.
+    hold(TRAIN.name, live_states().clear)
+    live_states().clear()
     outcome = gang.take_part(
         app.sessions,
         job_id,
-        attempt,
+        gathering,
         worker=worker_identity(Pool.gpu).host,
         settings=app.settings.train,
     )
@@ -70,11 +72,11 @@ def call_nodes(app: SdqCelery) -> CallNodes:
     # A node runs as long as the job it joins: the train queue's limits, not the default's.
     limits = app.settings.time_limits[TRAIN.queue]
 
-    def call(job_id: int, attempt: int, count: int) -> None:
+    def call(job_id: int, gathering: int, count: int) -> None:
         for _ in range(count):
             app.send_task(
                 JOIN_TASK,
-                args=[[job_id], attempt],
+                args=[[job_id], gathering],
                 queue=TRAIN.queue,
                 time_limit=limits.hard,
                 soft_time_limit=limits.soft,

@@ -27,7 +27,7 @@ from sdq.models.store import ObjectStore, StoreUnavailable
 from sdq.models.tables import Job
 from sdq.models.training import TrainShardSpec
 from sdq.workers.train import gang
-from sdq.workers.train.ranks import RankGroup, run_ranks
+from sdq.workers.train.ranks import RankGroup
 from sdq.workers.train.records import (
     Written,
     checkpoint_at,
@@ -55,7 +55,7 @@ class NoGangHere(Exception):
     """A job over several nodes needs other workers to join it: not in one process."""
 
 
-# Calls for the other nodes of a job's gang: (job id, attempt, how many).
+# Calls for the other nodes of a job's gang: (job id, gathering, how many).
 CallNodes = Callable[[int, int, int], None]
 # A job takes steps for this share of its task's time limit at most, then writes its
 # checkpoint and leaves the rest of its steps to the next job: a job too long for the
@@ -252,18 +252,19 @@ class TrainWork(Work):
         return result["steps"], Written(**result["written"])
 
     def _lead(self, job: Job, spec: TrainShardSpec, stop_at: float | None) -> dict[str, Any]:
-        """Node 0 of the job's gang: records it, calls for the others, runs its ranks."""
+        """Node 0 of a new gathering of the job's gang: records it, calls for the others,
+        runs its ranks."""
         if self.call_nodes is None:
             raise NoGangHere(f"run {spec.run} spans {spec.options.nodes} nodes: it needs workers")
-        node = gang.lead(self.sessions, job, worker=self.worker, settings=self.settings)
-        self.call_nodes(job.id, job.attempts, spec.options.nodes - 1)
-        gathered = gang.gathered_in_time(
-            self.sessions,
-            job,
-            nodes=spec.options.nodes,
-            timeout_seconds=self.settings.gang_timeout_seconds,
+        node, gathering = gang.lead(self.sessions, job, worker=self.worker, settings=self.settings)
+
+        def call(count: int) -> None:
+            self.call_nodes(job.id, gathering, count)
+
+        call(spec.options.nodes - 1)
+        return gang.run_as_leader(
+            self.sessions, spec, job.id, gathering, node, self.settings, stop_at, call
         )
-        return run_ranks(spec, node, gathered, stop_at)
 
     def _record(
         self,
