@@ -29,6 +29,9 @@ class TrainOptions:
     lr_warmup: int = 0
     lr_schedule: str = "constant"
     checkpoint_every: int = 100
+    # A job also ends, with its checkpoint, after this many minutes of steps: a job's length
+    # set in time (None: by --checkpoint-every and the train queue's time limit alone).
+    checkpoint_minutes: float | None = None
     ema: float | None = 0.9999  # None: no EMA weights
     min_snr: float | None = 5.0  # None: plain MSE
     seed: int = 0
@@ -98,6 +101,8 @@ class TrainOptions:
                 f"--data-lanes {self.data_lanes} must divide --batch-size {self.batch_size} "
                 f"and be a multiple of --world-size {self.world_size} (each rank reads whole lanes)"
             )
+        if self.checkpoint_minutes is not None and self.checkpoint_minutes <= 0:
+            raise ValueError("--checkpoint-minutes must be positive")
         if self.ema is not None and not 0 < self.ema < 1:
             raise ValueError("--ema must be between 0 and 1")
         if not 0 <= self.caption_dropout < 1:
@@ -115,6 +120,22 @@ class TrainOptions:
     def micro_batch(self) -> int:
         """Samples in one forward pass of one rank."""
         return self.batch_size // (self.world_size * self.grad_accumulation)
+
+
+# A job takes steps for this share of its task's time limit at most, then writes its
+# checkpoint and leaves the rest of its steps to the next job: a job too long for the
+# limit (a large --checkpoint-every on slow GPUs) ends early instead of being killed on
+# every attempt. The rest of the limit is for the start, the restore and the checkpoint.
+TRAINING_SHARE_OF_TIME_LIMIT = 0.8
+
+
+def training_seconds(options: TrainOptions, time_limit_seconds: float | None) -> float | None:
+    """How long a job takes steps at most, under a task time limit (None: no limit)."""
+    bounds = [
+        *([TRAINING_SHARE_OF_TIME_LIMIT * time_limit_seconds] if time_limit_seconds else []),
+        *([60 * options.checkpoint_minutes] if options.checkpoint_minutes else []),
+    ]
+    return min(bounds, default=None)
 
 
 def default_lanes(batch_size: int, world_size: int) -> int:

@@ -148,19 +148,36 @@ def test_the_whole_chain_on_one_machine(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.parametrize("world_size", ["1", "2"])
+@pytest.mark.parametrize(
+    ("world_size", "bounded_by"),
+    [("1", "time limit"), ("2", "time limit"), ("1", "checkpoint minutes")],
+)
 def test_a_job_too_long_for_its_time_limit_checkpoints_early_and_the_run_ends_the_same(
-    tmp_path: Path, world_size: str
+    tmp_path: Path, world_size: str, bounded_by: str
 ) -> None:
     """Embedded, a train queue whose soft time limit is 2 s: each job takes steps for 80%
     of it, checkpoints where its ranks agree to stop, and leaves the rest to a job more;
-    the run ends on the same weights, bit for bit, as one job of all its steps."""
+    the run ends on the same weights, bit for bit, as one job of all its steps. The same
+    with jobs of --checkpoint-minutes, which is refused when it cannot fit the limit."""
     env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT), "SDQ_TRAIN_LOSS_EVERY": "5"}
     encoded_dataset(env, "toy", 16, tmp_path)
     run = ["train", "toy", *TRAIN, "--steps", "120", "--checkpoint-every", "120",
            "--world-size", world_size]  # fmt: skip
     whole = sdq_json(env, *run, cwd=tmp_path)
-    limited = sdq_json({**env, "SDQ_TRAIN_TASK_SOFT_TIME_LIMIT": "2"}, *run, cwd=tmp_path)
+    if bounded_by == "time limit":
+        limited = sdq_json({**env, "SDQ_TRAIN_TASK_SOFT_TIME_LIMIT": "2"}, *run, cwd=tmp_path)
+    else:
+        limited = sdq_json(env, *run, "--checkpoint-minutes", "0.025", cwd=tmp_path)
+        refused = subprocess.run(
+            [sys.executable, "-m", "sdq.producer.cli", *run, "--checkpoint-minutes", "1"],
+            env={**env, "SDQ_TRAIN_TASK_SOFT_TIME_LIMIT": "60"}, cwd=tmp_path,
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert refused.returncode == 2
+        assert "--checkpoint-minutes 1 does not fit the train queue's time limit of 1 " in (
+            " ".join(refused.stderr.split())
+        )
+        assert "give at most 0.8" in " ".join(refused.stderr.split())
     assert [c["step"] for c in whole["checkpoints"]] == [120]
     steps = [c["step"] for c in limited["checkpoints"]]
     assert len(steps) > 1 and steps[-1] == 120 and all(step % 5 == 0 for step in steps)

@@ -11,10 +11,17 @@ from sqlalchemy.orm import Session
 
 from sdq.models.architectures import UNET_ARCHITECTURES, InvalidArchitecture, unet_architecture
 from sdq.models.galleries import store_image_link
+from sdq.models.jobs.kinds import TRAIN
 from sdq.models.registry import ModelNotFound, resolve_model
 from sdq.models.store import LINK_SECONDS
 from sdq.models.tables import Run
-from sdq.models.training import LR_SCHEDULES, MIXED_PRECISION, TrainOptions, Validation
+from sdq.models.training import (
+    LR_SCHEDULES,
+    MIXED_PRECISION,
+    TRAINING_SHARE_OF_TIME_LIMIT,
+    TrainOptions,
+    Validation,
+)
 from sdq.producer import display
 from sdq.producer.cli.common import (
     ensure_schema,
@@ -164,6 +171,13 @@ def _checkpoint_ref(_ctx, _param, value: str | None) -> tuple[int, int | None] |
     help="Steps per train-shard job: each ends with a checkpoint.",
 )
 @click.option(
+    "--checkpoint-minutes",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Also end a job, with its checkpoint, after this many minutes of steps (its next "
+    "job goes on from there): a job's length in time. It must fit the train queue's time "
+    "limit. [default: --checkpoint-every alone]",
+)
+@click.option(
     "--lr-schedule",
     type=click.Choice(LR_SCHEDULES),
     default="constant",
@@ -286,6 +300,7 @@ def start(
     prompts = _validation_prompts(validation_prompts) if validation_prompts else ()
     if train_options.unet_config is not None and can_plan():
         _check_fits(train_options, resolution, gpu_memory)
+    _check_job_length(train_options, app.settings.time_limits[TRAIN.queue].soft)
     ensure_schema(app)
     submission = _submit(app, name, base, resume_from, resolution, train_options, into, prompts)
     if app.settings.embedded:
@@ -340,6 +355,21 @@ def _plan_request(options: TrainOptions, resolution: int, gpu_memory: int) -> di
         "ema": options.ema is not None,
         "gpu_memory": gpu_memory,
     }
+
+
+def _check_job_length(options: TrainOptions, soft_limit: float) -> None:
+    """A job of --checkpoint-minutes must end within the train queue's time limit, with
+    room to start, restore and write its checkpoint."""
+    minutes = options.checkpoint_minutes
+    most = TRAINING_SHARE_OF_TIME_LIMIT * soft_limit / 60
+    if minutes is not None and minutes > most:
+        raise click.UsageError(
+            f"--checkpoint-minutes {minutes:g} does not fit the train queue's time limit of "
+            f"{soft_limit / 60:g} minutes: a job takes steps for {most:g} minutes at most "
+            f"(the rest is for its start and its checkpoint); give at most {most:g}, or "
+            f"raise SDQ_TRAIN_TASK_SOFT_TIME_LIMIT (and SDQ_TRAIN_TASK_TIME_LIMIT) on the "
+            f"workers and here"
+        )
 
 
 def _check_fits(options: TrainOptions, resolution: int, gpu_memory: int) -> None:

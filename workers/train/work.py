@@ -25,7 +25,7 @@ from sdq.models.jobs.lifecycle import Output, utcnow
 from sdq.models.settings import TrainSettings
 from sdq.models.store import ObjectStore, StoreUnavailable
 from sdq.models.tables import Job
-from sdq.models.training import TrainShardSpec
+from sdq.models.training import TrainShardSpec, training_seconds
 from sdq.workers.train import gang
 from sdq.workers.train.ranks import RankGroup
 from sdq.workers.train.records import (
@@ -57,11 +57,6 @@ class NoGangHere(Exception):
 
 # Calls for the other nodes of a job's gang: (job id, gathering, how many).
 CallNodes = Callable[[int, int, int], None]
-# A job takes steps for this share of its task's time limit at most, then writes its
-# checkpoint and leaves the rest of its steps to the next job: a job too long for the
-# limit (a large --checkpoint-every on slow GPUs) ends early instead of being killed on
-# every attempt.
-TRAINING_SHARE_OF_TIME_LIMIT = 0.8
 
 
 class LiveStates:
@@ -212,8 +207,8 @@ class TrainWork(Work):
                     raise NotReady(
                         f"run {spec.run} has no checkpoint at step {spec.first_step} yet"
                     )
-        limit = self.time_limit_seconds
-        stop_at = time() + TRAINING_SHARE_OF_TIME_LIMIT * limit if limit else None
+        seconds = training_seconds(spec.options, self.time_limit_seconds)
+        stop_at = time() + seconds if seconds is not None else None
         if spec.options.world_size == 1:
             steps, written = self._train_here(spec, stop_at)
         else:
