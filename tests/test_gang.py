@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import text
 
 from sdq.models.db import make_engine, session_factory
+from sdq.models.jobs.kinds import TRAIN
 from sdq.models.jobs.lifecycle import Worker, claim, fail
 from sdq.models.settings import JobSettings, TrainSettings
 from sdq.models.tables import JobStatus
@@ -36,9 +37,11 @@ def test_a_gang_gathers_once_per_gathering_and_nothing_waits_for_ever(
     migrated_postgres, monkeypatch
 ) -> None:
     sessions = session_factory(make_engine(migrated_postgres))
-    [job_id] = new_run(sessions, {"text": "a train-shard job"}, status=JobStatus.queued)
+    [job_id] = new_run(sessions, {"text": "a train-shard job"}, status=JobStatus.queued, kind=TRAIN)
     with sessions.begin() as session:
-        [job] = claim(session, [job_id], worker=LEADER, lease_seconds=60, max_attempts=3)
+        [job] = claim(
+            session, [job_id], kind=TRAIN.name, worker=LEADER, lease_seconds=60, max_attempts=3
+        )
     leader, gathering = lead(sessions, job, worker="a:1", settings=SETTINGS)
     assert (leader.index, leader.master_address, gathering) == (0, "127.0.0.1", 1)
 
@@ -73,7 +76,9 @@ def test_a_gang_gathers_once_per_gathering_and_nothing_waits_for_ever(
     with pytest.raises(AttemptOver, match="gathering 1 is over"):
         member()
     with sessions.begin() as session:
-        [again] = claim(session, [job_id], worker=LEADER, lease_seconds=60, max_attempts=3)
+        [again] = claim(
+            session, [job_id], kind=TRAIN.name, worker=LEADER, lease_seconds=60, max_attempts=3
+        )
     assert again.attempts == job.attempts
     _, gathering = lead(sessions, again, worker="a:1", settings=SETTINGS)
     assert gathering == 2
@@ -83,9 +88,13 @@ def test_a_gang_gathers_once_per_gathering_and_nothing_waits_for_ever(
 
 def test_a_node_unseen_fails_its_gathering_as_an_outage(migrated_postgres) -> None:
     sessions = session_factory(make_engine(migrated_postgres))
-    [job_id] = new_run(sessions, {"text": "another train-shard job"}, status=JobStatus.queued)
+    [job_id] = new_run(
+        sessions, {"text": "another train-shard job"}, status=JobStatus.queued, kind=TRAIN
+    )
     with sessions.begin() as session:
-        [job] = claim(session, [job_id], worker=LEADER, lease_seconds=60, max_attempts=3)
+        [job] = claim(
+            session, [job_id], kind=TRAIN.name, worker=LEADER, lease_seconds=60, max_attempts=3
+        )
     _, gathering = lead(sessions, job, worker="a:1", settings=SETTINGS)
     node = join(sessions, job_id, gathering, nodes=2, worker="b:2", settings=SETTINGS)
     watch = leader_watch(

@@ -7,12 +7,16 @@ import uuid
 
 import pytest
 from kombu import Connection
+from sqlalchemy import select
 
+from sdq.models.db import make_engine, session_factory
+from sdq.models.tables import Job, JobEvent, JobStatus
 from sdq.workers.delivery import MAX_RETRIES, JobTask
 from sdq.workers.main import app
 from sdq.workers.messages import CheckedTask
 from tests.conftest import WorkerProcess, sdq_json, write
 from tests.services import wait_for
+from tests.test_jobs import new_run
 
 # Body -> why it is refused. Each of the first two used to stop the worker for good.
 BAD_BODIES = {
@@ -117,3 +121,25 @@ def test_bad_messages_on_the_maintenance_queue_leave_the_cpu_pool_working(
     ran = re.compile(rf"Task {re.escape(relay)}\[[-0-9a-f]+\] succeeded")
     wait_for(lambda: ran.search(cpu_worker.log.read_text()), what="the good tick", timeout=60)
     check_went_on(cpu_worker, 0, len(BAD_MAINTENANCE_BODIES) + len(BAD_HEADERS))
+
+
+@pytest.mark.timeout(120)
+def test_a_message_naming_another_kind_s_job_leaves_that_job_alone(
+    worker: WorkerProcess, service_env: dict[str, str]
+) -> None:
+    """A train message naming a queued generation job: the train task claims only train
+    jobs, so the generation job keeps its status, its attempts and its history, and the
+    worker says what it left alone."""
+    sessions = session_factory(make_engine(service_env["SDQ_DATABASE_URL"]))
+    spec = {"prompt": f"not a train job {uuid.uuid4()}"}
+    [job_id] = new_run(sessions, spec, status=JobStatus.queued)
+    publish(service_env["SDQ_BROKER_URL"], "train", "sdq.train", [[[job_id]], {}, {}])
+    said = f"a train message names jobs of other kinds, left alone: {job_id} (generate)"
+    wait_for(lambda: said in worker.log.read_text(), what="the message to be turned away",
+             timeout=60)  # fmt: skip
+    with sessions() as session:
+        job = session.get(Job, job_id)
+        events = session.scalars(select(JobEvent.status).where(JobEvent.job_id == job_id)).all()
+    assert (job.status, job.attempts, job.worker_host, events) == (JobStatus.queued, 0, None, [])
+    with sessions.begin() as session:  # no relay of the session's deployment ever sends it
+        session.get(Job, job_id).status = JobStatus.cancelled

@@ -19,7 +19,7 @@ from sdq.migrations import upgrade
 from sdq.models.db import make_engine, session_factory
 from sdq.models.jobs import outbox
 from sdq.models.jobs.delivery import Work, deliver
-from sdq.models.jobs.kinds import GENERATE, Kind
+from sdq.models.jobs.kinds import GENERATE, TRAIN, Kind
 from sdq.models.jobs.lifecycle import (
     Output,
     Worker,
@@ -87,16 +87,17 @@ def new_run(
     *specs: dict[str, Any],
     jobs_per_message: int = 2,
     status: JobStatus = JobStatus.pending,
+    kind: Kind = GENERATE,
 ) -> list[int]:
     with sessions.begin() as session:
-        run = Run(kind=GENERATE.name, source="test", options={}, job_count=len(specs))
+        run = Run(kind=kind.name, source="test", options={}, job_count=len(specs))
         run.jobs_per_message = jobs_per_message
         session.add(run)
         session.flush()
         jobs = [
             Job(
                 run_id=run.id,
-                kind=GENERATE.name,
+                kind=kind.name,
                 spec=spec,
                 spec_hash=canonical_sha256(spec),
                 status=status,
@@ -121,15 +122,21 @@ def run_of(sessions, job_id: int) -> Run:
 
 def test_work_is_done_once_and_equal_specs_are_reused(sessions, work: EchoWork) -> None:
     first = new_run(sessions, {"text": "a"}, {"text": "b"})
-    outcome = deliver(first, work, sessions=sessions, worker=WORKER, settings=SETTINGS)
+    outcome = deliver(
+        first, work, kind=GENERATE.name, sessions=sessions, worker=WORKER, settings=SETTINGS
+    )
     assert (outcome.done, outcome.reused, outcome.retry) == (first, [], [])
     assert work.store.get_bytes(f"echo/{canonical_sha256({'text': 'b'})}") == b"b"
     # The same delivery again (a duplicated message) claims nothing and does nothing.
-    again = deliver(first, work, sessions=sessions, worker=WORKER, settings=SETTINGS)
+    again = deliver(
+        first, work, kind=GENERATE.name, sessions=sessions, worker=WORKER, settings=SETTINGS
+    )
     assert (again.done, again.reused, work.ran) == ([], [], first)
     # Another run asking for an output that exists is served, not redone.
     second = new_run(sessions, {"text": "a"}, {"text": "c"})
-    outcome = deliver(second, work, sessions=sessions, worker=WORKER, settings=SETTINGS)
+    outcome = deliver(
+        second, work, kind=GENERATE.name, sessions=sessions, worker=WORKER, settings=SETTINGS
+    )
     assert (outcome.reused, outcome.done) == ([second[0]], [second[1]])
     assert statuses(sessions, second) == [(JobStatus.succeeded, 1)] * 2
     assert run_of(sessions, second[0]).finished_at is not None
@@ -144,14 +151,20 @@ def test_passing_failures_retry_up_to_the_cap_and_permanent_ones_end_at_once(
     sessions, work: EchoWork
 ) -> None:
     [passing] = new_run(sessions, {"text": "later", "fail": "passing"})
-    outcome = deliver([passing], work, sessions=sessions, worker=WORKER, settings=SETTINGS)
+    outcome = deliver(
+        [passing], work, kind=GENERATE.name, sessions=sessions, worker=WORKER, settings=SETTINGS
+    )
     assert outcome.retry == [passing] and "TimeoutError" in outcome.error
     assert statuses(sessions, [passing]) == [(JobStatus.failed, 1)]
-    outcome = deliver([passing], work, sessions=sessions, worker=WORKER, settings=SETTINGS)
+    outcome = deliver(
+        [passing], work, kind=GENERATE.name, sessions=sessions, worker=WORKER, settings=SETTINGS
+    )
     assert outcome.retry == [] and statuses(sessions, [passing]) == [(JobStatus.dead, 2)]
 
     [permanent] = new_run(sessions, {"text": "nothing", "fail": "permanent"})
-    outcome = deliver([permanent], work, sessions=sessions, worker=WORKER, settings=SETTINGS)
+    outcome = deliver(
+        [permanent], work, kind=GENERATE.name, sessions=sessions, worker=WORKER, settings=SETTINGS
+    )
     assert outcome.retry == [] and statuses(sessions, [permanent]) == [(JobStatus.dead, 1)]
     with sessions() as session:
         assert "no such thing as 'nothing'" in session.get(Job, permanent).error
@@ -160,7 +173,9 @@ def test_passing_failures_retry_up_to_the_cap_and_permanent_ones_end_at_once(
 
 def test_what_was_stored_before_a_failure_stays_done(sessions, work: EchoWork) -> None:
     job_ids = new_run(sessions, {"text": "kept"}, {"text": "lost", "fail": "passing"})
-    outcome = deliver(job_ids, work, sessions=sessions, worker=WORKER, settings=SETTINGS)
+    outcome = deliver(
+        job_ids, work, kind=GENERATE.name, sessions=sessions, worker=WORKER, settings=SETTINGS
+    )
     assert (outcome.done, outcome.retry) == ([job_ids[0]], [job_ids[1]])
     assert statuses(sessions, job_ids) == [(JobStatus.succeeded, 1), (JobStatus.failed, 1)]
 
@@ -187,7 +202,9 @@ def test_outputs_are_recorded_while_their_message_is_still_at_work(
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        deliver(job_ids, work, sessions=sessions, worker=WORKER, settings=SETTINGS)
+        deliver(
+            job_ids, work, kind=GENERATE.name, sessions=sessions, worker=WORKER, settings=SETTINGS
+        )
     finally:
         delivered.set()
         watcher.join()
@@ -201,11 +218,56 @@ def test_a_job_another_worker_holds_is_left_to_it_until_its_lease_ends(
 ) -> None:
     job_ids = new_run(sessions, {"text": "mine"}, {"text": "theirs"})
     with sessions.begin() as session:
-        claim(session, job_ids[1:], worker=Worker("other:2", "cpu"), lease_seconds=60,
-              max_attempts=2)  # fmt: skip
-    outcome = deliver(job_ids, work, sessions=sessions, worker=WORKER, settings=SETTINGS)
+        claim(session, job_ids[1:], kind=GENERATE.name, worker=Worker("other:2", "cpu"),
+              lease_seconds=60, max_attempts=2)  # fmt: skip
+    outcome = deliver(
+        job_ids, work, kind=GENERATE.name, sessions=sessions, worker=WORKER, settings=SETTINGS
+    )
     assert outcome.done == job_ids[:1] and outcome.held == job_ids[1:]
     assert outcome.held_until is not None
+
+
+def test_a_success_is_recorded_only_for_the_jobs_the_worker_holds(sessions) -> None:
+    """Outputs handed in for jobs this worker does not hold (still queued, dead, or held by
+    another worker since its lease lapsed) change nothing and add nothing to their history."""
+    queued, dead, taken, mine = new_run(
+        sessions, *({"text": name} for name in ("queued", "dead", "taken", "mine")),
+        status=JobStatus.queued,
+    )  # fmt: skip
+    with sessions.begin() as session:
+        claim(session, [taken], kind=GENERATE.name, worker=Worker("other:2", "cpu"),
+              lease_seconds=60, max_attempts=2)  # fmt: skip
+        claim(session, [mine], kind=GENERATE.name, worker=WORKER, lease_seconds=60,
+              max_attempts=2)  # fmt: skip
+        session.execute(update(Job).where(Job.id == dead).values(status=JobStatus.dead))
+    with sessions.begin() as session:
+        outputs = [Output(job_id, f"mem://{job_id}", "0" * 64, work_seconds=1.0)
+                   for job_id in (queued, dead, taken, mine)]  # fmt: skip
+        succeed(session, outputs, worker=WORKER)
+    ours = (queued, dead, taken, mine)
+    with sessions() as session:
+        statuses = dict(session.execute(select(Job.id, Job.status).where(Job.id.in_(ours))).all())
+        succeeded = session.scalars(
+            select(JobEvent.job_id).where(
+                JobEvent.job_id.in_(ours), JobEvent.status == JobStatus.succeeded
+            )
+        ).all()
+    assert [statuses[job_id] for job_id in ours] == [
+        JobStatus.queued, JobStatus.dead, JobStatus.running, JobStatus.succeeded
+    ]  # fmt: skip
+    assert succeeded == [mine]
+
+
+def test_a_message_of_another_kind_leaves_its_jobs_alone(sessions, work: EchoWork) -> None:
+    job_ids = new_run(sessions, {"text": "a generation"}, status=JobStatus.queued)
+    outcome = deliver(
+        job_ids, work, kind=TRAIN.name, sessions=sessions, worker=WORKER, settings=SETTINGS
+    )
+    assert (outcome.foreign, outcome.done, outcome.retry, outcome.held) == (job_ids, [], [], [])
+    with sessions() as session:
+        job = session.get(Job, job_ids[0])
+        assert (job.status, job.attempts) == (JobStatus.queued, 0)
+        assert not session.scalars(select(JobEvent).where(JobEvent.job_id == job.id)).all()
 
 
 def test_the_outbox_sends_after_commit_and_resends_what_the_broker_never_took(
@@ -273,7 +335,14 @@ def test_maintenance_expires_dead_leases_and_sends_again_only_what_is_lost(sessi
         sessions, *({"text": str(n)} for n in range(4)), status=JobStatus.queued
     )
     with sessions.begin() as session:
-        claim(session, [dropped, exhausted], worker=WORKER, lease_seconds=60, max_attempts=2)
+        claim(
+            session,
+            [dropped, exhausted],
+            kind=GENERATE.name,
+            worker=WORKER,
+            lease_seconds=60,
+            max_attempts=2,
+        )
         session.execute(update(Job).where(Job.id == exhausted).values(attempts=2))
         session.execute(
             update(Job).where(Job.id.in_([dropped, exhausted])).values(lease_expires_at=hour_ago)
@@ -321,8 +390,11 @@ def test_a_job_whose_twin_is_being_made_waits_and_is_served_its_output(
     making, waiting = new_run(sessions, {"text": "twin"}, {"text": "twin"})
     other = Worker("other:2", "cpu")
     with sessions.begin() as session:
-        claim(session, [making], worker=other, lease_seconds=60, max_attempts=2)
-    outcome = deliver([waiting], work, sessions=sessions, worker=WORKER, settings=SETTINGS)
+        claim(session, [making], kind=GENERATE.name, worker=other, lease_seconds=60,
+              max_attempts=2)  # fmt: skip
+    outcome = deliver(
+        [waiting], work, kind=GENERATE.name, sessions=sessions, worker=WORKER, settings=SETTINGS
+    )
     assert (outcome.held, outcome.done, work.ran) == ([waiting], [], [])
     assert outcome.held_until - utcnow() < timedelta(seconds=10)  # looks again soon
     assert statuses(sessions, [waiting]) == [(JobStatus.pending, 0)]  # not claimed
@@ -330,7 +402,9 @@ def test_a_job_whose_twin_is_being_made_waits_and_is_served_its_output(
     uri = work.store.put_bytes("echo/twin", b"twin", content_type="text/plain")
     with sessions.begin() as session:
         succeed(session, [Output(making, uri, "made", work_seconds=0.0)], worker=other)
-    again = deliver([waiting], work, sessions=sessions, worker=WORKER, settings=SETTINGS)
+    again = deliver(
+        [waiting], work, kind=GENERATE.name, sessions=sessions, worker=WORKER, settings=SETTINGS
+    )
     assert (again.reused, again.done, work.ran) == ([waiting], [], [])
 
 
@@ -340,7 +414,8 @@ def test_hourly_rollups_add_up_the_hour_and_recompute_the_same(sessions) -> None
         sessions, *({"text": f"rollup {n}"} for n in range(3)), status=JobStatus.queued
     )
     with sessions.begin() as session:
-        claim(session, [made, made_too, broken], worker=worker, lease_seconds=60, max_attempts=2)
+        claim(session, [made, made_too, broken], kind=GENERATE.name, worker=worker,
+              lease_seconds=60, max_attempts=2)  # fmt: skip
         outputs = [
             Output(made, "u1", "s1", work_seconds=1.5, setup_seconds=0.5, units=2),
             Output(made_too, "u2", "s2", work_seconds=2.5, units=2),

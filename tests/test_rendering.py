@@ -18,6 +18,7 @@ from sqlalchemy.orm import sessionmaker
 from sdq.models import tiny
 from sdq.models.db import make_engine, session_factory
 from sdq.models.jobs.delivery import Outcome, deliver, keep_leases
+from sdq.models.jobs.kinds import GENERATE
 from sdq.models.jobs.lifecycle import Worker, as_utc, claim, utcnow
 from sdq.models.registry import resolve_model, tiny_identity
 from sdq.models.settings import JobSettings
@@ -182,7 +183,12 @@ class Direct:
     def deliver(self, job_ids: list[int]) -> Outcome:
         work = GenerateWork(store=self.store, pipelines=self.pipelines, batch_size=8)
         return deliver(
-            job_ids, work, sessions=self.sessions, worker=self.worker, settings=self.settings
+            job_ids,
+            work,
+            kind=GENERATE.name,
+            sessions=self.sessions,
+            worker=self.worker,
+            settings=self.settings,
         )
 
 
@@ -276,7 +282,9 @@ def test_a_job_that_outlives_its_attempts_ends_dead(migrated_postgres, pipelines
     for attempt in range(2):
         with sessions.begin() as session:
             lost = Worker(f"dead-host:{attempt}", "cpu")
-            assert claim(session, job_ids, worker=lost, lease_seconds=0, max_attempts=2)
+            assert claim(
+                session, job_ids, kind=GENERATE.name, worker=lost, lease_seconds=0, max_attempts=2
+            )
     outcome = work.deliver(job_ids)
     assert outcome.done == [] and outcome.held == []
     with sessions() as session:
@@ -334,7 +342,7 @@ def test_leases_are_renewed_while_the_work_runs(migrated_postgres, pipelines, tm
     sessions, worker = work.sessions, work.worker
     job_ids = recorded(sessions, planned("a long render"))
     with sessions.begin() as session:
-        claim(session, job_ids, worker=worker, lease_seconds=1, max_attempts=3)
+        claim(session, job_ids, kind=GENERATE.name, worker=worker, lease_seconds=1, max_attempts=3)
     with keep_leases(sessions, job_ids, worker=worker, settings=work.settings):
         time.sleep(2.5)  # more than twice the lease: only renewals keep it alive
         with sessions() as session:
@@ -342,7 +350,12 @@ def test_leases_are_renewed_while_the_work_runs(migrated_postgres, pipelines, tm
         assert lease > utcnow()
     with sessions.begin() as session:
         assert not claim(
-            session, job_ids, worker=Worker("other:1", "cpu"), lease_seconds=1, max_attempts=3
+            session,
+            job_ids,
+            kind=GENERATE.name,
+            worker=Worker("other:1", "cpu"),
+            lease_seconds=1,
+            max_attempts=3,
         )
 
 

@@ -46,6 +46,7 @@ def deliver_task(
         outcome = deliver(
             job_ids,
             make_work(),
+            kind=kind.name,
             sessions=app.sessions,
             worker=worker_identity(kind.pool),
             settings=app.settings.jobs,

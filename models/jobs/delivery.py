@@ -9,6 +9,7 @@
 A kind supplies only its `Work`; the Celery task that calls `deliver` is a few lines.
 """
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from time import monotonic
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.jobs.lifecycle import (
@@ -32,6 +34,8 @@ from sdq.models.periodic import every
 from sdq.models.settings import JobSettings
 from sdq.models.store import StoreUnavailable
 from sdq.models.tables import Job
+
+logger = logging.getLogger(__name__)
 
 # How often a delivery records the outputs made so far: what progress bars move by.
 RECORD_EVERY_SECONDS = 1.0
@@ -73,18 +77,21 @@ class Outcome:
     held: list[int] = field(default_factory=list)
     held_until: datetime | None = None
     error: str | None = None
+    # Jobs of another kind than the task's, named by a stray or forged message: left alone.
+    foreign: list[int] = field(default_factory=list)
 
 
 def deliver(
     job_ids: Sequence[int],
     work: Work,
     *,
+    kind: str,
     sessions: sessionmaker[Session],
     worker: Worker,
     settings: JobSettings,
 ) -> Outcome:
     outcome = Outcome()
-    jobs = _claim(job_ids, outcome, sessions=sessions, worker=worker, settings=settings)
+    jobs = _claim(job_ids, kind, outcome, sessions=sessions, worker=worker, settings=settings)
     if not jobs:
         return outcome
     with sessions.begin() as session:
@@ -146,23 +153,34 @@ class Recorder:
 
 def _claim(
     job_ids: Sequence[int],
+    kind: str,
     outcome: Outcome,
     *,
     sessions: sessionmaker[Session],
     worker: Worker,
     settings: JobSettings,
 ) -> list[Job]:
-    """Claims what nobody holds; notes in `outcome` what a live lease holds, and until when."""
+    """Claims what nobody holds; notes in `outcome` what a live lease holds, and until when,
+    and the jobs of other kinds, which it leaves alone."""
     with sessions.begin() as session:
+        kinds = dict(session.execute(select(Job.id, Job.kind).where(Job.id.in_(job_ids))).all())
+        outcome.foreign = [job_id for job_id in job_ids if kinds.get(job_id, kind) != kind]
+        if outcome.foreign:
+            logger.warning(
+                "a %s message names jobs of other kinds, left alone: %s",
+                kind,
+                ", ".join(f"{job_id} ({kinds[job_id]})" for job_id in outcome.foreign),
+            )
         jobs = claim(
             session,
             job_ids,
+            kind=kind,
             worker=worker,
             lease_seconds=settings.lease_seconds,
             max_attempts=settings.max_attempts,
         )
         claimed = {job.id for job in jobs}
-        held = [job_id for job_id in job_ids if job_id not in claimed]
+        held = [i for i in job_ids if i not in claimed and i not in outcome.foreign]
         outcome.held_until = held_until(session, held) if held else None
     outcome.held = held if outcome.held_until else []
     return jobs

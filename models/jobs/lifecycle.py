@@ -157,11 +157,13 @@ def claim(
     session: Session,
     job_ids: Sequence[int],
     *,
+    kind: str,
     worker: Worker,
     lease_seconds: int,
     max_attempts: int,
 ) -> list[Job]:
-    """Takes the jobs nobody holds; returns only those this worker now owns.
+    """Takes the jobs of this kind that nobody holds; returns only those this worker now
+    owns. A job of another kind is never touched: it is not this worker's work.
 
     A job whose worker died holding it is taken over once its lease runs out, unless it
     has used all its attempts: a job that kills every worker that tries it ends dead.
@@ -169,11 +171,12 @@ def claim(
     _lock_specs(session, job_ids)
     now = utcnow()
     abandoned = abandoned_at(now)
-    bury_exhausted(session, Job.id.in_(job_ids), max_attempts=max_attempts, worker=worker, at=now)
+    mine = Job.id.in_(job_ids) & (Job.kind == kind)
+    bury_exhausted(session, mine, max_attempts=max_attempts, worker=worker, at=now)
     claimable = or_(Job.status.in_(CLAIMABLE), abandoned) & ~_twin_running(now).exists()
     claimed = session.scalars(
         update(Job)
-        .where(Job.id.in_(job_ids), claimable)
+        .where(mine, claimable)
         .values(
             status=JobStatus.running,
             attempts=Job.attempts + 1,
@@ -247,11 +250,24 @@ def as_utc(moment: datetime) -> datetime:
 
 
 def succeed(session: Session, outputs: Sequence[Output], *, worker: Worker) -> None:
+    """Records the outputs of the jobs this worker still holds, and only theirs: a worker
+    whose lease lapsed and was taken over must not overwrite the new owner's record (its
+    image bytes are identical), nor give a job it no longer holds a success in its history."""
+    held = session.scalars(
+        select(Job.id)
+        .where(
+            Job.id.in_([output.job_id for output in outputs]),
+            Job.status == JobStatus.running,
+            Job.worker_host == worker.host,
+        )
+        .order_by(Job.id)
+        .with_for_update()  # held until the transaction ends (Postgres; SQLite has one writer)
+    ).all()
+    outputs = [output for output in outputs if output.job_id in set(held)]
     if not outputs:
         return
     now = utcnow()
-    # Bulk UPDATE by primary key, guarded by the owner: a worker whose lease lapsed and was
-    # taken over must not overwrite the new owner's record (its image bytes are identical).
+    # Bulk UPDATE by primary key, still guarded by the owner.
     session.execute(
         update(Job).where(Job.status == JobStatus.running, Job.worker_host == worker.host),
         [
