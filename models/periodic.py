@@ -1,19 +1,34 @@
 """Something done every few seconds in a thread while other work goes on: lease renewals
 beside a job's work, a progress bar's polling beside a run."""
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+logger = logging.getLogger(__name__)
+# After a failed call, the next comes this soon, then twice as late each time, up to the
+# period: a database that restarts for a few seconds misses no more than that.
+FIRST_RETRY_SECONDS = 0.5
+
 
 @contextmanager
 def every(seconds: float, action: Callable[[], None], *, name: str) -> Iterator[None]:
-    """Calls `action` every `seconds` until the body ends, then waits for the thread."""
+    """Calls `action` every `seconds` until the body ends, then waits for the thread. An
+    error in one call (a database restarting) is logged, and the call tried again sooner,
+    with backoff: it never ends the thread."""
     stop = threading.Event()
 
     def loop() -> None:
-        while not stop.wait(seconds):
-            action()
+        wait, retry = seconds, FIRST_RETRY_SECONDS
+        while not stop.wait(wait):
+            try:
+                action()
+            except Exception as error:
+                logger.warning("%s failed, tried again in %.1f s: %r", name, retry, error)
+                wait, retry = min(retry, seconds), retry * 2
+            else:
+                wait, retry = seconds, FIRST_RETRY_SECONDS
 
     thread = threading.Thread(target=loop, name=name, daemon=True)
     thread.start()

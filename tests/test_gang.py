@@ -4,10 +4,11 @@ gathers again under a new number (no attempt spent, no collision with its last t
 unseen by the database's clock that fails the gathering, a member that learns its gathering
 is over."""
 
+import time
 from dataclasses import replace
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import make_url, text
 
 from sdq.models.db import make_engine, session_factory
 from sdq.models.jobs.kinds import TRAIN
@@ -27,6 +28,7 @@ from sdq.workers.train.gang import (
 )
 from sdq.workers.train.ranks import Node
 from sdq.workers.train.work import TrainWork
+from tests.services import OutageProxy
 from tests.test_jobs import new_run
 
 SETTINGS = TrainSettings(node_address="127.0.0.1", gang_timeout_seconds=0, node_timeout_seconds=5)
@@ -124,3 +126,40 @@ def test_a_node_unseen_fails_its_gathering_as_an_outage(migrated_postgres) -> No
     last_seen(0, 6)  # and the leader, as its member sees it
     with pytest.raises(AttemptOver, match="node 0 of job"):
         member()
+
+
+def test_a_database_outage_passes_the_gang_s_watches_by(migrated_postgres) -> None:
+    """Postgres unreachable: the watches say nothing (the ranks go on), and once it is back
+    the nodes are not judged lost before each has had the time to note itself again."""
+    direct = session_factory(make_engine(migrated_postgres))
+    [job_id] = new_run(
+        direct, {"text": "a job through an outage"}, status=JobStatus.queued, kind=TRAIN
+    )
+    with direct.begin() as session:
+        [job] = claim(session, [job_id], kind=TRAIN.name, worker=LEADER, lease_seconds=60,
+                      max_attempts=3)  # fmt: skip
+    _, gathering = lead(direct, job, worker="a:1", settings=SETTINGS)
+    join(direct, job_id, gathering, nodes=2, worker="b:2", settings=SETTINGS)
+    with OutageProxy(make_url(migrated_postgres).port or 5432) as proxy:
+        sessions = session_factory(make_engine(
+            make_url(migrated_postgres).set(host="127.0.0.1", port=proxy.port)))  # fmt: skip
+        watch = leader_watch(sessions, job_id, gathering, nodes=2, settings=SETTINGS,
+                             call_nodes=lambda _: None)  # fmt: skip
+        member = member_watch(sessions, job_id, gathering, 1, SETTINGS)
+        watch()
+        member()
+        proxy.outage()
+        watch()
+        member()
+        proxy.restore()
+        with direct.begin() as session:  # the member could not note itself meanwhile
+            session.execute(
+                text("UPDATE train_gangs SET seen_at = now() - make_interval(secs => 60) "
+                     "WHERE job_id = :job AND node = 1"), {"job": job_id},
+            )  # fmt: skip
+        watch()  # back, but not judging yet
+        member()
+        with pytest.raises(NodeLost):
+            for _ in range(100):  # judged once the leader has ticked a while again
+                time.sleep(0.1)
+                watch()

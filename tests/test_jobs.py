@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import make_url, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.migrations import upgrade
@@ -38,6 +38,7 @@ from sdq.models.specs import canonical_sha256
 from sdq.models.store import LocalStore
 from sdq.models.tables import HourlyRollup, Job, JobEvent, JobStatus, Run
 from sdq.producer.lookups import run_status
+from tests.services import OutageProxy
 
 WORKER = Worker("echo-host:1", "cpu")
 SETTINGS = JobSettings(lease_seconds=60, max_attempts=2)
@@ -448,3 +449,58 @@ def rollups_of(sessions, worker: Worker) -> list[dict[str, Any]]:
 
 ROLLUP_FIGURES = ("kind", "model", "jobs", "cached", "units", "setup_seconds", "work_seconds",
                   "failures")  # fmt: skip
+
+
+def through_proxy(database_url: str, proxy: OutageProxy) -> sessionmaker[Session]:
+    url = make_url(database_url)
+    return session_factory(make_engine(url.set(host="127.0.0.1", port=proxy.port)))
+
+
+def outage_during(proxy: OutageProxy, after: float, seconds: float) -> threading.Thread:
+    def cut() -> None:
+        time.sleep(after)
+        proxy.outage()
+        time.sleep(seconds)
+        proxy.restore()
+
+    thread = threading.Thread(target=cut)
+    thread.start()
+    return thread
+
+
+def test_leases_outlive_a_short_database_outage(migrated_postgres, work: EchoWork) -> None:
+    """Postgres unreachable for 2 s of a 6 s lease, while a message's 8 s of jobs are
+    worked on: the renewals that fail are tried again, the lease is renewed once it is
+    back, and every job is done once, by this worker, on its first attempt (the renewal
+    thread used to end at its first error, and the lease with it)."""
+    settings = JobSettings(lease_seconds=6, max_attempts=2)
+    with OutageProxy(make_url(migrated_postgres).port or 5432) as proxy:
+        sessions = through_proxy(migrated_postgres, proxy)
+        job_ids = new_run(sessions, *({"text": f"short outage {n}", "seconds": 0.5}
+                                      for n in range(16)))  # fmt: skip
+        cut = outage_during(proxy, after=1.0, seconds=2.0)
+        outcome = deliver(job_ids, work, kind=GENERATE.name, sessions=sessions, worker=WORKER,
+                          settings=settings)  # fmt: skip
+        cut.join()
+    assert outcome.done == job_ids and work.ran == job_ids and outcome.error is None
+    assert statuses(sessions, job_ids) == [(JobStatus.succeeded, 1)] * len(job_ids)
+
+
+def test_a_worker_that_cannot_renew_its_lease_stops_instead_of_working_on(
+    migrated_postgres, work: EchoWork
+) -> None:
+    """Postgres unreachable for longer than the lease: the jobs may be another worker's by
+    now, so the work stops at its next output, and nothing more is written or failed."""
+    settings = JobSettings(lease_seconds=3, max_attempts=2)
+    with OutageProxy(make_url(migrated_postgres).port or 5432) as proxy:
+        sessions = through_proxy(migrated_postgres, proxy)
+        job_ids = new_run(sessions, *({"text": f"long outage {n}", "seconds": 0.5}
+                                      for n in range(12)))  # fmt: skip
+        cut = outage_during(proxy, after=0.5, seconds=4.0)
+        outcome = deliver(job_ids, work, kind=GENERATE.name, sessions=sessions, worker=WORKER,
+                          settings=settings)  # fmt: skip
+        cut.join()
+    assert outcome.error.startswith("LeaseLost") and outcome.retry == []
+    assert len(work.ran) < len(job_ids)  # stopped, not finished
+    left = statuses(sessions, job_ids)[len(outcome.done) :]
+    assert left and all(status == JobStatus.running for status, _ in left)  # for the sweep

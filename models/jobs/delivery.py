@@ -13,11 +13,13 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
 from time import monotonic
 
 from sqlalchemy import select
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.jobs.lifecycle import (
@@ -105,6 +107,12 @@ def deliver(
         with keep_leases(sessions, [job.id for job in todo], worker=worker, settings=settings):
             for output in work.run(todo):
                 record.add(output)
+    except LeaseLost as lost:
+        # Nothing more is written: the database may be down still, and the jobs not ours.
+        outcome.error = f"{type(lost).__name__}: {lost}"
+        outcome.done = sorted(record.done)
+        logger.warning("stopped work on jobs %s: %s", [job.id for job in todo], lost)
+        return outcome
     except Exception as error:
         outcome.error = f"{type(error).__name__}: {error}"
         with sessions.begin() as session:
@@ -139,13 +147,25 @@ class Recorder:
         self._last = monotonic()
 
     def add(self, output: Output) -> None:
+        check_lease()  # the work stops here rather than go on with jobs it may not hold
         self._pending.append(output)
         if monotonic() - self._last >= RECORD_EVERY_SECONDS:
-            with self.sessions.begin() as session:
-                self.flush(session)
+            try:
+                with self.sessions.begin() as session:
+                    succeed(session, self._pending, worker=self.worker)
+            except DBAPIError as error:
+                # The database is away for now: the outputs wait for the next record.
+                logger.warning("outputs of jobs kept to record later: %r", error)
+                self._last = monotonic()
+            else:
+                self._recorded()
 
     def flush(self, session: Session) -> None:
+        """Records the outputs waiting, in the caller's transaction."""
         succeed(session, self._pending, worker=self.worker)
+        self._recorded()
+
+    def _recorded(self) -> None:
         self.done.update(output.job_id for output in self._pending)
         self._pending = []
         self._last = monotonic()
@@ -186,6 +206,40 @@ def _claim(
     return jobs
 
 
+class LeaseLost(Exception):
+    """The worker could not renew its jobs' leases in time (the database was down): they
+    may be another worker's now, so it stops instead of doing them a second time. The
+    jobs are left as they are: the sweep sends them again once their lease has run out."""
+
+
+@dataclass
+class Lease:
+    """When this delivery last renewed its jobs' leases, on this process's clock."""
+
+    seconds: float
+    renewed: float = field(default_factory=monotonic)
+
+    def held(self) -> bool:
+        # A margin for the time the claim took before the lease was first counted here.
+        return monotonic() - self.renewed < LEASE_MARGIN * self.seconds
+
+
+LEASE_MARGIN = 0.9
+_lease: ContextVar[Lease | None] = ContextVar("sdq_lease", default=None)
+
+
+def lease_held() -> bool:
+    """Whether the delivery this code runs in (if any) still holds its jobs' leases."""
+    lease = _lease.get()
+    return lease is None or lease.held()
+
+
+def check_lease() -> None:
+    """Raises LeaseLost once the delivery this code runs in has lost its jobs' leases."""
+    if not lease_held():
+        raise LeaseLost("the jobs' leases were not renewed in time: they may be another's")
+
+
 @contextmanager
 def keep_leases(
     sessions: sessionmaker[Session],
@@ -193,12 +247,20 @@ def keep_leases(
     *,
     worker: Worker,
     settings: JobSettings,
-) -> Iterator[None]:
-    """Renews the leases while the work runs, so only a dead worker's jobs ever expire."""
+) -> Iterator[Lease]:
+    """Renews the leases while the work runs, so only a dead worker's jobs ever expire; a
+    renewal that fails is tried again (see `every`), and the work learns through
+    check_lease() when none has succeeded for a lease's length."""
+    lease = Lease(settings.lease_seconds)
 
     def renew() -> None:
         with sessions.begin() as session:
             extend_leases(session, job_ids, worker=worker, lease_seconds=settings.lease_seconds)
+        lease.renewed = monotonic()
 
-    with every(settings.lease_seconds / 3, renew, name="sdq-lease"):
-        yield
+    token = _lease.set(lease)
+    try:
+        with every(settings.lease_seconds / 3, renew, name="sdq-lease"):
+            yield lease
+    finally:
+        _lease.reset(token)

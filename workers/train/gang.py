@@ -14,20 +14,25 @@ on from its last checkpoint, and gathers anew under the next number. A member st
 ranks as soon as the job has left the gathering it joined.
 """
 
+import logging
 import socket
 from collections.abc import Callable
 from datetime import timedelta
 from time import monotonic, sleep
 
 from sqlalchemy import func, select, update
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.db import upsert
+from sdq.models.jobs.delivery import check_lease
 from sdq.models.settings import TrainSettings
 from sdq.models.tables import Job, JobStatus
 from sdq.models.tables.train import TrainGang
 from sdq.models.training import TrainShardSpec
 from sdq.workers.train.ranks import WATCH_SECONDS, Node, RankFailed, free_port, run_ranks
+
+logger = logging.getLogger(__name__)
 
 
 class GangIncomplete(Exception):
@@ -90,10 +95,13 @@ def leader_watch(
     collective timeout), and NodeLost once a node is unseen."""
     deadline = monotonic() + settings.gang_timeout_seconds
     called = monotonic()
+    database = Sightings(settings)
 
     def watch() -> None:
         nonlocal called
-        joined = _seen_and_lost(sessions, job_id, gathering, 0, settings)
+        joined = database.look(sessions, job_id, gathering, 0)
+        if joined is None:
+            return
         if joined < nodes and monotonic() >= deadline:
             raise GangIncomplete(
                 f"{joined} of the {nodes} nodes of job {job_id}'s gang gathered in "
@@ -117,17 +125,56 @@ def member_watch(
 ) -> Callable[[], None]:
     """A member's watch: raises AttemptOver once the job has left this gathering, or a
     node of it (the leader too) is unseen."""
+    database = Sightings(settings)
 
     def watch() -> None:
-        with sessions() as session:
-            if not _ongoing(session, job_id, gathering):
-                raise AttemptOver(f"job {job_id}'s gathering {gathering} is over")
         try:
-            _seen_and_lost(sessions, job_id, gathering, node, settings)
+            database.look(sessions, job_id, gathering, node, ongoing=True)
         except NodeLost as lost:
             raise AttemptOver(str(lost)) from lost
 
     return watch
+
+
+class Sightings:
+    """A node's ticks against the database: each notes the node seen and looks at the
+    others. A database error passes (logged: the ranks go on without it, and the next tick
+    looks again; a leader's lease decides when an outage has lasted too long), and after
+    one, the others are judged only once this node has ticked a while again: none of them
+    could note itself meanwhile either."""
+
+    def __init__(self, settings: TrainSettings) -> None:
+        self.settings = settings
+        # When the ticks last came back from a database error: none yet.
+        self.since = float("-inf")
+
+    def look(
+        self,
+        sessions: sessionmaker[Session],
+        job_id: int,
+        gathering: int,
+        node: int,
+        *,
+        ongoing: bool = False,
+    ) -> int | None:
+        """How many nodes have joined, None when the database could not say; raises
+        AttemptOver (with `ongoing`) once the job has left the gathering, NodeLost once
+        another node is unseen."""
+        try:
+            if ongoing:
+                with sessions() as session:
+                    if not _ongoing(session, job_id, gathering):
+                        raise AttemptOver(f"job {job_id}'s gathering {gathering} is over")
+            judged = monotonic() - self.since >= SETTLE_TICKS * WATCH_SECONDS
+            return _seen_and_lost(sessions, job_id, gathering, node, self.settings, judged)
+        except DBAPIError as error:
+            logger.warning("job %s's gang could not reach the database: %r", job_id, error)
+            self.since = monotonic()
+            return None
+
+
+# Ticks after a database error before other nodes' sightings are judged again.
+SETTLE_TICKS = 3
 
 
 def _seen_and_lost(
@@ -136,9 +183,10 @@ def _seen_and_lost(
     gathering: int,
     node: int,
     settings: TrainSettings,
+    judged: bool = True,
 ) -> int:
-    """Notes that `node` is seen now; raises NodeLost if another is not; returns how many
-    nodes have joined."""
+    """Notes that `node` is seen now; raises NodeLost if another is not (when `judged`);
+    returns how many nodes have joined."""
     with sessions.begin() as session:
         here = (TrainGang.job_id == job_id, TrainGang.gathering == gathering)
         session.execute(
@@ -147,7 +195,7 @@ def _seen_and_lost(
         unseen = TrainGang.seen_at < func.now() - timedelta(seconds=settings.node_timeout_seconds)
         rows = session.execute(select(TrainGang.node, unseen).where(*here)).all()
     lost = sorted(index for index, stale in rows if stale)
-    if lost:
+    if lost and judged:
         raise NodeLost(
             f"node {lost[0]} of job {job_id}'s gang (gathering {gathering}) has not been seen "
             f"for {settings.node_timeout_seconds} s: its machine or worker is gone"
@@ -229,8 +277,9 @@ def run_as_leader(
     stop_at: float | None,
     call_nodes: Callable[[int], None],
 ) -> dict:
-    """Node 0's ranks of the gathering; a failure that a lost node caused is an outage."""
-    watch = leader_watch(
+    """Node 0's ranks of the gathering, stopped if the job's lease is lost; a failure that
+    a lost node caused is an outage."""
+    gang_watch = leader_watch(
         sessions,
         job_id,
         gathering,
@@ -238,6 +287,11 @@ def run_as_leader(
         settings=settings,
         call_nodes=call_nodes,
     )
+
+    def watch() -> None:
+        check_lease()
+        gang_watch()
+
     try:
         return run_ranks(spec, node, watch, stop_at)
     except RankFailed as failure:

@@ -114,9 +114,15 @@ class RankGroup:
         alive = all(process.poll() is None for process in self.processes)
         return alive and (spec.run, spec.options.world_size) == (self.run, self.world_size)
 
-    def train(self, spec: TrainShardSpec, stop_at: float | None = None) -> dict:
-        """Has the ranks take one job; returns what rank 0 wrote. Any failure (a rank's
-        error or death, the task's time limit) stops the group: its state is not the
+    def train(
+        self,
+        spec: TrainShardSpec,
+        stop_at: float | None = None,
+        watch: Callable[[], None] = lambda: None,
+    ) -> dict:
+        """Has the ranks take one job; returns what rank 0 wrote. `watch` is called about
+        once a second meanwhile, and stops them by raising. Any failure (a rank's error or
+        death, the task's time limit, the watch) stops the group: its state is not the
         checkpoint's any more."""
         try:
             for leftover in [RESULT_FILE, *(DONE_FILE.format(rank=r) for r in self._ranks)]:
@@ -125,7 +131,7 @@ class RankGroup:
             for process in self.processes:
                 process.stdin.write(b"next\n")
                 process.stdin.flush()
-            wait_for_job(self.processes, self.folder)
+            wait_for_job(self.processes, self.folder, watch)
             return json.loads((self.folder / RESULT_FILE).read_text())
         except BaseException:
             self.stop()

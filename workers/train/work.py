@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.jobs.delivery import Work
+from sdq.models.jobs.delivery import Work, check_lease, lease_held
 from sdq.models.jobs.lifecycle import Output, utcnow
 from sdq.models.settings import TrainSettings
 from sdq.models.store import ObjectStore, StoreUnavailable
@@ -227,8 +227,10 @@ class TrainWork(Work):
         if training is None:
             state = restore_state(spec, self.store, self.files, Ranks())
             training = Training(spec, state, self.store, self.settings)
+        out_of_time = until_time(stop_at, training.state)
         try:
-            steps = training.steps(spec, until_time(stop_at, training.state))
+            steps = training.steps(spec, lambda: out_of_time() or not lease_held())
+            check_lease()  # no checkpoint of a job another worker may hold now
         except BaseException:
             training.close()
             raise
@@ -240,7 +242,7 @@ class TrainWork(Work):
         self, job: Job, spec: TrainShardSpec, stop_at: float | None
     ) -> tuple[list[dict], Written]:
         if spec.options.nodes == 1:
-            result = self.live.group(spec).train(spec, stop_at)
+            result = self.live.group(spec).train(spec, stop_at, watch=check_lease)
         else:
             self.live.clear()  # the gang's ranks need this machine's devices
             result = self._lead(job, spec, stop_at)
