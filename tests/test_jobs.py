@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import make_url, select, update
+from sqlalchemy import func, make_url, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.migrations import upgrade
 from sdq.models.db import make_engine, session_factory
-from sdq.models.jobs import outbox
+from sdq.models.jobs import lifecycle, outbox
 from sdq.models.jobs.delivery import Work, deliver
 from sdq.models.jobs.kinds import GENERATE, TRAIN, Kind
 from sdq.models.jobs.lifecycle import (
@@ -26,6 +26,7 @@ from sdq.models.jobs.lifecycle import (
     as_utc,
     cancel_jobs,
     claim,
+    extend_leases,
     fail,
     succeed,
     utcnow,
@@ -504,3 +505,29 @@ def test_a_worker_that_cannot_renew_its_lease_stops_instead_of_working_on(
     assert len(work.ran) < len(job_ids)  # stopped, not finished
     left = statuses(sessions, job_ids)[len(outcome.done) :]
     assert left and all(status == JobStatus.running for status, _ in left)  # for the sweep
+
+
+def test_leases_are_set_and_judged_by_the_database_s_clock(migrated_postgres, monkeypatch) -> None:
+    """A worker whose clock is five minutes behind claims a job: its lease still runs a
+    lease's length by the database's clock, so another worker (and the sweep) finds it
+    held, not run out; and its renewals keep it so."""
+    sessions = session_factory(make_engine(migrated_postgres))
+    [job_id] = new_run(sessions, {"text": "a skewed clock"}, status=JobStatus.queued)
+    behind = utcnow() - timedelta(minutes=5)
+    with monkeypatch.context() as skewed:
+        skewed.setattr(lifecycle, "utcnow", lambda: behind)
+        with sessions.begin() as session:
+            assert claim(session, [job_id], kind=GENERATE.name, worker=WORKER,
+                         lease_seconds=60, max_attempts=2)  # fmt: skip
+            extend_leases(session, [job_id], worker=WORKER, lease_seconds=60)
+    with sessions() as session:
+        left = session.scalar(
+            select(Job.lease_expires_at - func.now()).where(Job.id == job_id)
+        ).total_seconds()
+    assert 50 < left <= 60
+    with sessions.begin() as session:
+        taken = claim(session, [job_id], kind=GENERATE.name, worker=Worker("other:2", "cpu"),
+                      lease_seconds=60, max_attempts=2)  # fmt: skip
+    sweep_leases(sessions, SETTINGS)
+    assert taken == []
+    assert statuses(sessions, [job_id]) == [(JobStatus.running, 1)]

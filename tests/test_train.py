@@ -193,6 +193,39 @@ def test_a_job_too_long_for_its_time_limit_checkpoints_early_and_the_run_ends_th
     assert jobs == [("succeeded", 1)] * len(steps) and job_count == len(steps)
 
 
+def test_steps_reach_the_database_as_they_are_taken(tmp_path: Path) -> None:
+    """Embedded, one job of 400 steps on two ranks: its steps (loss, speed), which rank 0
+    writes, are in SQL, and `sdq train status` shows them, long before its checkpoint is.
+    (One rank, which trains in the worker's own process: the Ctrl-C test below.)"""
+    world_size = "2"
+    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT), "SDQ_TRAIN_LOSS_EVERY": "5"}
+    encoded_dataset(env, "toy", 8, tmp_path)
+    training = subprocess.Popen(
+        [sys.executable, "-m", "sdq.producer.cli", "train", "toy", *TRAIN, "--steps", "400",
+         "--checkpoint-every", "400", "--world-size", world_size],
+        env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    database = tmp_path / "sdq-data/sdq.db"
+
+    def stepped() -> bool:
+        if not database.exists():
+            return False
+        with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as db:
+            return db.execute("SELECT count(*) FROM train_steps").fetchone()[0] >= 10
+
+    try:
+        wait_for(stepped, what="steps in the database", timeout=240)
+        with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as db:
+            [run_id] = db.execute("SELECT id FROM runs WHERE kind = 'train'").fetchone()
+        status = sdq_json(env, "train", "status", str(run_id), cwd=tmp_path)
+    finally:
+        training.send_signal(signal.SIGINT)
+        training.wait(120)
+    assert status["checkpoints"] == [] and status["checkpoint_step"] == 0
+    assert 10 <= status["step"] < 400 and status["samples_per_second"]
+    assert [step for step, _ in status["losses"]] == list(range(1, status["step"] + 1))
+
+
 def _jobs(database_url: str, run_id: int) -> list[tuple]:
     with psycopg.connect(database_url) as connection:
         return connection.execute(
@@ -576,6 +609,30 @@ def test_a_run_over_two_nodes_gathers_again_when_a_node_dies_in_start_up_or_mid_
 
 
 @pytest.mark.slow
+def test_a_job_runs_under_its_worker_s_time_limit_not_its_sender_s(
+    own_deployment: dict[str, str], tmp_path: Path
+) -> None:
+    """The train worker's soft time limit is 3 s; the submit runs with the default 30
+    minutes. The worker's limit is the one its jobs run under (each stops for it and
+    checkpoints early), not the one the sending process would have stamped on them."""
+    worker_env = {**own_deployment, **DOWNLOAD_ENV, "SDQ_TRAIN_TASK_SOFT_TIME_LIMIT": "3",
+                  "SDQ_TRAIN_TASK_TIME_LIMIT": "600", "SDQ_TRAIN_LOSS_EVERY": "5"}  # fmt: skip
+    workers = [WorkerProcess(worker_env, tmp_path / "gpu.log").start(),
+               WorkerProcess(worker_env, tmp_path / "cpu.log", pool="cpu").start()]  # fmt: skip
+    try:
+        env = {**own_deployment, **DOWNLOAD_ENV}
+        encoded_dataset(env, "limit-birds", 8, tmp_path)
+        run = sdq_json(env, "train", "limit-birds", *TRAIN, "--steps", "200",
+                       "--checkpoint-every", "200", "--wait")  # fmt: skip
+    finally:
+        for worker in workers:
+            worker.stop()
+    steps = [checkpoint["step"] for checkpoint in run["checkpoints"]]
+    assert len(steps) > 1 and steps[-1] == 200 and run["status"] == "succeeded"
+    assert all(step % 5 == 0 for step in steps)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_train_run_survives_an_object_store_outage_without_spending_attempts(
     own_deployment: dict[str, str], s3: dict[str, str], tmp_path: Path
@@ -652,17 +709,17 @@ def test_on_one_machine_the_bar_counts_steps_and_a_stopped_run_promises_nothing(
     )  # fmt: skip
 
     def training() -> bool:
-        """Past its first job (the model loaded), into the second."""
+        """Past its first job (the model loaded and checkpointed), into the second, whose
+        steps reach the database as they are taken, ahead of its checkpoint."""
         with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as db:
-            [running] = db.execute(
-                "SELECT count(*) FROM jobs WHERE run_id = ? AND status = 'running'", (run_id,)
-            ).fetchone()
-            [steps] = db.execute(
-                "SELECT count(*) FROM train_steps WHERE run_id = ?", (run_id,)
-            ).fetchone()
-        return running == 1 and steps >= 20
+            [running, stepped, checkpointed] = db.execute(
+                "SELECT (SELECT count(*) FROM jobs WHERE run_id = ? AND status = 'running'), "
+                "(SELECT max(step) FROM train_steps WHERE run_id = ?), "
+                "(SELECT max(step) FROM checkpoints WHERE run_id = ?)", (run_id,) * 3,
+            ).fetchone()  # fmt: skip
+        return running == 1 and (checkpointed or 0) >= 20 and stepped > checkpointed
 
-    wait_for(training, what="the second train-shard job", timeout=240)
+    wait_for(training, what="the second train-shard job's steps", timeout=240)
     running.send_signal(signal.SIGINT)
     _, stderr = running.communicate(timeout=120)
     assert running.returncode == 130, stderr

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from functools import cache, cached_property
 from typing import Any
 
-from celery import Celery
+from celery import Celery, Task
 from kombu import Queue
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
@@ -67,7 +67,6 @@ class SdqCelery(Celery):
         with self.producer_or_acquire() as producer:
 
             def send(kind: Kind, messages: list[list[int]], options: dict[str, Any]) -> None:
-                limits = self.settings.time_limits[kind.queue]
                 with producer.batch(max_size=len(messages)):
                     for job_ids in messages:
                         self.send_task(
@@ -75,10 +74,11 @@ class SdqCelery(Celery):
                             args=[job_ids],
                             kwargs=options,
                             producer=producer,
-                            # Named on every message: sent from inside a running task (the
-                            # relay), Celery would otherwise give it that task's limits.
-                            time_limit=limits.hard,
-                            soft_time_limit=limits.soft,
+                            # None, said outright: Celery would otherwise stamp the
+                            # sending process's limits for the task on the message, and a
+                            # worker obeys those over its own.
+                            time_limit=None,
+                            soft_time_limit=None,
                             # What Flower and the worker's log show of the message. Given
                             # here, it is not Celery's saferepr of every id: a fifth of a big
                             # submit's sending.
@@ -110,6 +110,22 @@ def quiet_libraries() -> None:
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 
 
+class QueueLimits:
+    """Celery's annotation of each task with the time limits of its kind's queue: the
+    kind's task, and the tasks named under it (train's join: a node runs as long as the
+    job it joins)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def annotate(self, task: Task) -> dict[str, int] | None:
+        for kind in KINDS.values():
+            if task.name == kind.task_name or task.name.startswith(f"{kind.task_name}."):
+                limits = self.settings.time_limits[kind.queue]
+                return {"soft_time_limit": limits.soft, "time_limit": limits.hard}
+        return None
+
+
 def create_app(settings: Settings) -> SdqCelery:
     app = SdqCelery(
         "sdq",
@@ -134,14 +150,9 @@ def create_app(settings: Settings) -> SdqCelery:
         worker_prefetch_multiplier=1,
         task_soft_time_limit=general.soft,
         task_time_limit=general.hard,
-        # Each kind's tasks run under its queue's limits: training runs far longer.
-        task_annotations={
-            kind.task_name: {
-                "soft_time_limit": settings.time_limits[kind.queue].soft,
-                "time_limit": settings.time_limits[kind.queue].hard,
-            }
-            for kind in KINDS.values()
-        },
+        # Each kind's tasks run under its queue's limits, as the worker's own settings
+        # have them (no message names any): training runs far longer.
+        task_annotations=[QueueLimits(settings)],
         broker_transport_options={"visibility_timeout": settings.visibility_timeout},
         broker_connection_retry_on_startup=True,
         task_queues=[Queue(name) for name in QUEUES],

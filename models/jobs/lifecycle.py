@@ -28,6 +28,15 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def database_now(session: Session) -> datetime:
+    """The database's clock, which leases are set and judged by: no worker's own clock
+    matters (one five minutes behind set leases that others found run out at once, and
+    did its jobs again). Embedded, on SQLite, every worker shares one machine's clock."""
+    if session.get_bind().dialect.name == "postgresql":
+        return session.scalar(select(func.now()))
+    return utcnow()
+
+
 @dataclass(frozen=True)
 class Worker:
     host: str  # hostname:pid, so two workers on one machine are told apart
@@ -169,7 +178,7 @@ def claim(
     has used all its attempts: a job that kills every worker that tries it ends dead.
     """
     _lock_specs(session, job_ids)
-    now = utcnow()
+    now = database_now(session)
     abandoned = abandoned_at(now)
     mine = Job.id.in_(job_ids) & (Job.kind == kind)
     bury_exhausted(session, mine, max_attempts=max_attempts, worker=worker, at=now)
@@ -198,7 +207,7 @@ def extend_leases(
     session.execute(
         update(Job)
         .where(Job.id.in_(job_ids), Job.status == JobStatus.running, Job.worker_host == worker.host)
-        .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))
+        .values(lease_expires_at=database_now(session) + timedelta(seconds=lease_seconds))
     )
 
 
@@ -232,7 +241,7 @@ def held_until(session: Session, job_ids: Sequence[int]) -> datetime | None:
     """When to look at these unclaimed jobs again: soon, if a twin of one is being made
     (its output will then serve it); else when the last lease another worker holds on them
     runs out; None if nothing holds them."""
-    now = utcnow()
+    now = database_now(session)
     if session.scalar(select(Job.id).where(Job.id.in_(job_ids), _twin_running(now).exists())):
         return now + timedelta(seconds=TWIN_RECHECK_SECONDS)
     until = session.scalar(

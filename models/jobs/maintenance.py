@@ -25,6 +25,7 @@ from sdq.models.jobs.lifecycle import (
     as_utc,
     bury_exhausted,
     close_runs,
+    database_now,
     mark_resent,
     record_events,
     utcnow,
@@ -90,7 +91,7 @@ def sweep_leases(sessions: sessionmaker[Session], settings: JobSettings) -> tupl
     with sessions.begin() as session:
         if not holds_lock(session, Lock.sweep):
             return 0, 0
-        now = utcnow()
+        now = database_now(session)
         dead = bury_exhausted(
             session, true(), max_attempts=settings.max_attempts, worker=None, at=now
         )

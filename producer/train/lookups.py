@@ -53,12 +53,14 @@ def train_status(session: Session, run_id: int) -> dict[str, Any]:
         select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.step)
     ).all()
     steps = run.options["steps"]
-    step = checkpoints[-1].step if checkpoints else 0
+    checkpointed = checkpoints[-1].step if checkpoints else 0
+    # Steps reach the database as they are taken, ahead of the last checkpoint.
+    step = max(checkpointed, losses[-1][0] if losses else 0)
     recent = losses[-RECENT_STEPS:]
     speed = statistics.median(row[2] for row in recent) if recent else None
     mfus = [row[4] for row in recent if row[4] is not None]
     left = (steps - step) * run.options["batch_size"]
-    status = _status(session, run_id, done=step >= steps)
+    status = _status(session, run_id, done=checkpointed >= steps)
     return {
         "run_id": run_id,
         "status": status,
@@ -66,6 +68,7 @@ def train_status(session: Session, run_id: int) -> dict[str, Any]:
         "base": run.options["base"],
         "model": run.options["into"] or str(run_id),
         "step": step,
+        "checkpoint_step": checkpointed,
         "steps": steps,
         "world_size": run.options.get("world_size", 1),
         "samples_per_second": round(speed, 2) if speed else None,

@@ -150,9 +150,16 @@ class Training:
     job they belong to (taken while that checkpoint was written, before the job came)."""
 
     def __init__(
-        self, spec: TrainShardSpec, state: TrainState, store: ObjectStore, settings: TrainSettings
+        self,
+        spec: TrainShardSpec,
+        state: TrainState,
+        store: ObjectStore,
+        settings: TrainSettings,
+        on_steps: Callable[[list[dict]], None] = lambda steps: None,
     ) -> None:
         self.state = state
+        # Told each window's steps as their losses are read (LiveSteps writes them).
+        self.on_steps = on_steps
         self.loss_every = settings.loss_every
         self.checkpointed = state.step  # the step of the checkpoint the state is past
         self.ahead: list[dict] = []
@@ -201,10 +208,10 @@ class Training:
             window.flops_from(inputs)
             window.add(train_step(state, spec, inputs))
             if len(window) == self.loss_every:
-                window.read()
+                self.on_steps(window.read())
                 if stop():
                     break
-        window.read()
+        self.on_steps(window.read())
         return window.steps
 
     def checkpoint(self) -> Snapshot | None:
@@ -269,9 +276,11 @@ class StepWindow:
         lr = self.state.lr_scheduler.get_last_lr()[0]
         self._losses.append((self.state.step, lr, loss))
 
-    def read(self) -> None:
+    def read(self) -> list[dict[str, Any]]:
+        """The window's steps, their losses read from the device at once."""
         if not self._losses:
-            return
+            return []
+        read_before = len(self.steps)
         losses = torch.stack([loss for _, _, loss in self._losses]).tolist()
         closed = perf_counter()
         options = self.spec.options
@@ -292,6 +301,7 @@ class StepWindow:
                 }
             )
         self._losses, self._opened, self._waited = [], closed, 0.0
+        return self.steps[read_before:]
 
 
 def write_checkpoint(

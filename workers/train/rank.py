@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from sdq.models.db import make_engine, session_factory
 from sdq.models.settings import Settings
 from sdq.models.store import ObjectStore, open_store
 from sdq.models.training import TrainShardSpec
@@ -40,6 +42,7 @@ from sdq.workers.train.job import (
     write_checkpoint,
 )
 from sdq.workers.train.ranks import DONE_FILE, JOB_FILE, RESULT_FILE, STOP_FILE
+from sdq.workers.train.records import LiveSteps
 from sdq.workers.train.trainer import Ranks, Snapshot, TrainState
 from sdq.workers.weights import ModelFiles
 
@@ -81,7 +84,7 @@ def train_rank(spec: TrainShardSpec, ranks: Ranks, settings: Settings, folder: P
         store = open_store(settings.store_url)
         files = ModelFiles(store, settings.model_cache_dir)
         state = restore_state(spec, store, files, ranks, node_folder=folder)
-        training = Training(spec, state, store, settings.train)
+        training = Training(spec, state, store, settings.train, live_steps(ranks, settings))
         steps = training.steps(spec, until_time(_stop_at(folder), state))
         snapshot = training.checkpoint()
         if snapshot is None:
@@ -125,7 +128,7 @@ def serve(folder: Path, ranks: Ranks, settings: Settings) -> NoReturn:
                 training.close()
             training = None  # its memory goes before the restored state takes its own
             state = restore_state(spec, store, files, ranks, node_folder=folder)
-            training = Training(spec, state, store, settings.train)
+            training = Training(spec, state, store, settings.train, live_steps(ranks, settings))
         steps = training.steps(spec, until_time(_stop_at(folder), training.state))
         done = folder / DONE_FILE.format(rank=ranks.rank)
         snapshot = training.checkpoint()
@@ -137,6 +140,13 @@ def serve(folder: Path, ranks: Ranks, settings: Settings) -> NoReturn:
         if following is not None:
             training.train_ahead(following, until_announced(announced, training.state))
     exit_now(0)  # the worker let the group go
+
+
+def live_steps(ranks: Ranks, settings: Settings) -> Callable[[list[dict]], None]:
+    """Rank 0 writes the steps to the database as they are taken (records.LiveSteps)."""
+    if not ranks.writes:
+        return lambda steps: None
+    return LiveSteps(session_factory(make_engine(settings.database_url)))
 
 
 def announcements() -> "queue.Queue[bool]":

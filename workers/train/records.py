@@ -2,12 +2,15 @@
 the steps' losses, the checkpoint's row, the model's registration, the run's next job and
 the checkpoint's validation renders."""
 
+import logging
 from dataclasses import dataclass
 from datetime import datetime
+from time import monotonic
 from typing import Any
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.db import insert_rows, upsert
 from sdq.models.generations import (
@@ -24,6 +27,8 @@ from sdq.models.specs import GenerationSpec
 from sdq.models.tables import Job, JobStatus, Run
 from sdq.models.tables.train import Checkpoint, TrainStep
 from sdq.models.training import TrainShardSpec, checkpoint_prefix
+
+logger = logging.getLogger(__name__)
 
 # What a step redone by a later attempt writes again.
 STEP_FIGURES = ("loss", "lr", "samples_per_second", "world_size", "mfu", "data_wait_seconds")
@@ -57,12 +62,10 @@ def checkpoint_within(session: Session, run: int, after: int, until: int) -> Che
     ).one_or_none()
 
 
-def record_checkpoint(
-    session: Session, spec: TrainShardSpec, steps: list[dict[str, Any]], written: Written
-) -> list[int]:
-    """Returns the runs given new jobs: this one (its next job) and a validation run."""
+def record_steps(session: Session, steps: list[dict[str, Any]]) -> None:
+    """The steps' figures. A step written again (by the job's end after its live record, or
+    by a later attempt after a killed worker) has the same numbers."""
     if steps:
-        # Steps a killed worker had done are done again, with the same numbers.
         insert = upsert(session, TrainStep).values(steps)
         session.execute(
             insert.on_conflict_do_update(
@@ -70,6 +73,43 @@ def record_checkpoint(
                 set_={name: insert.excluded[name] for name in STEP_FIGURES},
             )
         )
+
+
+class LiveSteps:
+    """Steps written to the database as they are taken, a few seconds' worth at a time, so
+    that `sdq train status` and the bars move between checkpoints. What the database cannot
+    take now waits for the next write; the job's end writes every step again anyway."""
+
+    def __init__(self, sessions: sessionmaker[Session]) -> None:
+        self.sessions = sessions
+        self._pending: list[dict[str, Any]] = []
+        self._written = float("-inf")
+
+    def __call__(self, steps: list[dict[str, Any]]) -> None:
+        self._pending += steps
+        if monotonic() - self._written >= LIVE_STEPS_SECONDS:
+            self.write()
+
+    def write(self) -> None:
+        try:
+            with self.sessions.begin() as session:
+                record_steps(session, self._pending)
+        except DBAPIError as error:
+            logger.warning("steps kept to write later: %r", error)
+        else:
+            self._pending = []
+        self._written = monotonic()
+
+
+# How often steps reach the database while a job trains.
+LIVE_STEPS_SECONDS = 5.0
+
+
+def record_checkpoint(
+    session: Session, spec: TrainShardSpec, steps: list[dict[str, Any]], written: Written
+) -> list[int]:
+    """Returns the runs given new jobs: this one (its next job) and a validation run."""
+    record_steps(session, steps)
     inserted = session.execute(
         upsert(session, Checkpoint)
         .values(

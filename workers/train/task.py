@@ -42,12 +42,11 @@ def train(self, job_ids: list[int]) -> dict[str, Any]:
 
 
 def time_limit(task) -> float | None:
-    """The limit the task runs under: the soft one its message carries (else the hard
-    one); in a process that runs its tasks itself, the train queue's own."""
-    if task.request.is_eager:
-        return task.app.settings.time_limits[TRAIN.queue].soft
+    """The limit the task runs under: the soft one (else the hard one) of the train queue
+    as this process's settings have them, unless a message (from an older sender) names
+    its own, which Celery obeys."""
     hard, soft = task.request.timelimit or (None, None)
-    return soft or hard
+    return soft or hard or task.soft_time_limit or task.time_limit
 
 
 @shared_task(bind=True, base=JobTask, name=JOIN_TASK)
@@ -69,17 +68,15 @@ def join(self, job_ids: list[int], gathering: int) -> dict[str, Any]:
 
 
 def call_nodes(app: SdqCelery) -> CallNodes:
-    # A node runs as long as the job it joins: the train queue's limits, not the default's.
-    limits = app.settings.time_limits[TRAIN.queue]
-
     def call(job_id: int, gathering: int, count: int) -> None:
         for _ in range(count):
+            # The joining worker's own limits for it (app.py), not this one's.
             app.send_task(
                 JOIN_TASK,
                 args=[[job_id], gathering],
                 queue=TRAIN.queue,
-                time_limit=limits.hard,
-                soft_time_limit=limits.soft,
+                time_limit=None,
+                soft_time_limit=None,
             )
 
     return call

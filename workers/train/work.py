@@ -29,6 +29,7 @@ from sdq.models.training import TrainShardSpec, training_seconds
 from sdq.workers.train import gang
 from sdq.workers.train.ranks import RankGroup
 from sdq.workers.train.records import (
+    LiveSteps,
     Written,
     checkpoint_at,
     checkpoint_within,
@@ -226,7 +227,8 @@ class TrainWork(Work):
         training = self.live.take(spec)
         if training is None:
             state = restore_state(spec, self.store, self.files, Ranks())
-            training = Training(spec, state, self.store, self.settings)
+            live_steps = LiveSteps(self.sessions)
+            training = Training(spec, state, self.store, self.settings, on_steps=live_steps)
         out_of_time = until_time(stop_at, training.state)
         try:
             steps = training.steps(spec, lambda: out_of_time() or not lease_held())
