@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sdq.migrations import upgrade
 from sdq.models.db import make_engine, session_factory
 from sdq.models.jobs import lifecycle, outbox
-from sdq.models.jobs.delivery import Work, deliver
+from sdq.models.jobs.delivery import Outcome, Work, deliver
 from sdq.models.jobs.kinds import GENERATE, TRAIN, Kind
 from sdq.models.jobs.lifecycle import (
     Output,
@@ -457,16 +457,35 @@ def through_proxy(database_url: str, proxy: OutageProxy) -> sessionmaker[Session
     return session_factory(make_engine(url.set(host="127.0.0.1", port=proxy.port)))
 
 
-def outage_during(proxy: OutageProxy, after: float, seconds: float) -> threading.Thread:
-    def cut() -> None:
-        time.sleep(after)
-        proxy.outage()
-        time.sleep(seconds)
-        proxy.restore()
+def delivered_through_an_outage(
+    database_url: str,
+    work: EchoWork,
+    *,
+    lease_seconds: int,
+    jobs: int,
+    outage: tuple[float, float],
+) -> tuple[sessionmaker[Session], list[int], Outcome]:
+    """A message of `jobs` half-second jobs delivered with Postgres unreachable for a while
+    (`outage`: from, for how long, in seconds), through a proxy the test takes down."""
+    settings = JobSettings(lease_seconds=lease_seconds, max_attempts=2)
+    after, seconds = outage
+    with OutageProxy(make_url(database_url).port or 5432) as proxy:
+        sessions = through_proxy(database_url, proxy)
+        job_ids = new_run(sessions, *({"text": f"outage {after} {n}", "seconds": 0.5}
+                                      for n in range(jobs)))  # fmt: skip
 
-    thread = threading.Thread(target=cut)
-    thread.start()
-    return thread
+        def cut() -> None:
+            time.sleep(after)
+            proxy.outage()
+            time.sleep(seconds)
+            proxy.restore()
+
+        cutting = threading.Thread(target=cut)
+        cutting.start()
+        outcome = deliver(job_ids, work, kind=GENERATE.name, sessions=sessions, worker=WORKER,
+                          settings=settings)  # fmt: skip
+        cutting.join()
+    return sessions, job_ids, outcome
 
 
 def test_leases_outlive_a_short_database_outage(migrated_postgres, work: EchoWork) -> None:
@@ -474,15 +493,9 @@ def test_leases_outlive_a_short_database_outage(migrated_postgres, work: EchoWor
     worked on: the renewals that fail are tried again, the lease is renewed once it is
     back, and every job is done once, by this worker, on its first attempt (the renewal
     thread used to end at its first error, and the lease with it)."""
-    settings = JobSettings(lease_seconds=6, max_attempts=2)
-    with OutageProxy(make_url(migrated_postgres).port or 5432) as proxy:
-        sessions = through_proxy(migrated_postgres, proxy)
-        job_ids = new_run(sessions, *({"text": f"short outage {n}", "seconds": 0.5}
-                                      for n in range(16)))  # fmt: skip
-        cut = outage_during(proxy, after=1.0, seconds=2.0)
-        outcome = deliver(job_ids, work, kind=GENERATE.name, sessions=sessions, worker=WORKER,
-                          settings=settings)  # fmt: skip
-        cut.join()
+    sessions, job_ids, outcome = delivered_through_an_outage(
+        migrated_postgres, work, lease_seconds=6, jobs=16, outage=(1.0, 2.0)
+    )
     assert outcome.done == job_ids and work.ran == job_ids and outcome.error is None
     assert statuses(sessions, job_ids) == [(JobStatus.succeeded, 1)] * len(job_ids)
 
@@ -492,15 +505,9 @@ def test_a_worker_that_cannot_renew_its_lease_stops_instead_of_working_on(
 ) -> None:
     """Postgres unreachable for longer than the lease: the jobs may be another worker's by
     now, so the work stops at its next output, and nothing more is written or failed."""
-    settings = JobSettings(lease_seconds=3, max_attempts=2)
-    with OutageProxy(make_url(migrated_postgres).port or 5432) as proxy:
-        sessions = through_proxy(migrated_postgres, proxy)
-        job_ids = new_run(sessions, *({"text": f"long outage {n}", "seconds": 0.5}
-                                      for n in range(12)))  # fmt: skip
-        cut = outage_during(proxy, after=0.5, seconds=4.0)
-        outcome = deliver(job_ids, work, kind=GENERATE.name, sessions=sessions, worker=WORKER,
-                          settings=settings)  # fmt: skip
-        cut.join()
+    sessions, job_ids, outcome = delivered_through_an_outage(
+        migrated_postgres, work, lease_seconds=3, jobs=12, outage=(0.5, 4.0)
+    )
     assert outcome.error.startswith("LeaseLost") and outcome.retry == []
     assert len(work.ran) < len(job_ids)  # stopped, not finished
     left = statuses(sessions, job_ids)[len(outcome.done) :]

@@ -235,6 +235,16 @@ def _jobs(database_url: str, run_id: int) -> list[tuple]:
         ).fetchall()
 
 
+def events_saying(database_url: str, run_id: int, detail: str) -> int:
+    """How many of the run's job events have a detail LIKE this."""
+    with psycopg.connect(database_url) as connection:
+        return connection.execute(
+            "SELECT count(*) FROM job_events e JOIN jobs j ON j.id = e.job_id "
+            "WHERE j.run_id = %s AND e.detail LIKE %s",
+            (run_id, detail),
+        ).fetchone()[0]
+
+
 def _train(env: dict[str, str], *args: str) -> dict:
     return sdq_json(env, "train", DATASET, *TRAIN, "--steps", "120", "--checkpoint-every", "40",
                     *args)  # fmt: skip
@@ -594,13 +604,7 @@ def test_a_run_over_two_nodes_gathers_again_when_a_node_dies_in_start_up_or_mid_
         for worker in workers:
             worker.stop()
     assert [attempts for _, _, attempts, _ in _jobs(database_url, run_id)] == [1, 1]
-    with psycopg.connect(database_url) as connection:
-        lost = connection.execute(
-            "SELECT count(*) FROM job_events e JOIN jobs j ON j.id = e.job_id "
-            "WHERE j.run_id = %s AND e.detail LIKE %s",
-            (run_id, f"%has not been seen for 5 s%({OUTAGE})"),
-        ).fetchone()[0]
-    assert lost == 2
+    assert events_saying(database_url, run_id, f"%has not been seen for 5 s%({OUTAGE})") == 2
     gangs = sdq_json(env, "train", "status", str(run_id))
     assert gangs["losses"] == one_node["losses"]
     assert [c["state_sha256"] for c in gangs["checkpoints"]] == [
@@ -663,13 +667,8 @@ def test_a_train_run_survives_an_object_store_outage_without_spending_attempts(
             for worker in workers:
                 worker.stop()
     assert [attempts for _, _, attempts, _ in _jobs(database_url, run_id)] == [1, 1, 1]
-    with psycopg.connect(database_url) as connection:
-        outages = connection.execute(
-            "SELECT count(*) FROM job_events e JOIN jobs j ON j.id = e.job_id "
-            "WHERE j.run_id = %s AND e.detail LIKE %s",
-            (run_id, f"%({OUTAGE})"),
-        ).fetchone()[0]
-    assert outages >= 1  # the outage was met, and waited out as one
+    # The outage was met, and waited out as one.
+    assert events_saying(database_url, run_id, f"%({OUTAGE})") >= 1
     status = sdq_json(env, "train", "status", str(run_id))
     assert [step for step, _ in status["losses"]] == list(range(1, 61))
     assert status["checkpoints"][-1]["model_revision"]

@@ -53,18 +53,30 @@ def run(tmp_path: Path) -> TrainShardSpec:
     )  # fmt: skip
 
 
-def test_the_next_job_s_steps_are_taken_ahead_and_handed_to_it(run, tmp_path: Path) -> None:
-    store = LocalStore(tmp_path / "store")
+def uninterrupted(run: TrainShardSpec, store: LocalStore) -> tuple[list[dict], Training]:
+    """The run's 8 steps in one job: its steps, and its training at the end."""
     straight = Training(run, new_state(run, build_unet()), store, SETTINGS)
     whole = straight.steps(replace(run, last_step=8), never)
     straight.close()
+    return whole, straight
 
+
+def first_job_kept(run: TrainShardSpec, store: LocalStore):
+    """The first job's steps and checkpoint, its training kept for the next job, which is
+    taking its steps ahead meanwhile."""
     training = Training(run, new_state(run, build_unet()), store, SETTINGS)
     first = training.steps(run, never)
-    at_four = training.checkpoint()
+    checkpoint = training.checkpoint()
     live = LiveStates()
     following = run.next_after(training.state.step)
     live.keep(training, following)
+    return training, first, checkpoint, live, following
+
+
+def test_the_next_job_s_steps_are_taken_ahead_and_handed_to_it(run, tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    whole, straight = uninterrupted(run, store)
+    training, first, at_four, live, following = first_job_kept(run, store)
     deadline = time.monotonic() + 120
     while training.state.step < 8 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -85,16 +97,8 @@ def test_the_next_job_s_steps_are_taken_ahead_and_handed_to_it(run, tmp_path: Pa
 
 def test_a_job_that_comes_at_once_takes_over_mid_way(run, tmp_path: Path) -> None:
     store = LocalStore(tmp_path / "store")
-    straight = Training(run, new_state(run, build_unet()), store, SETTINGS)
-    whole = straight.steps(replace(run, last_step=8), never)
-    straight.close()
-
-    training = Training(run, new_state(run, build_unet()), store, SETTINGS)
-    first = training.steps(run, never)
-    training.checkpoint()
-    live = LiveStates()
-    following = run.next_after(training.state.step)
-    live.keep(training, following)
+    whole, _ = uninterrupted(run, store)
+    training, first, _, live, following = first_job_kept(run, store)
     taken = live.take(following)  # stops the thread at its window's end, wherever it is
     assert taken is training and 4 <= taken.state.step <= 8
     second = taken.steps(following, never)
