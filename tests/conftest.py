@@ -16,8 +16,8 @@ from tests.services import (
     MotoServer,
     aws_env,
     clean_env,
-    ensure_service,
     scratch_database,
+    session_redis,
     wait_for,
 )
 from tests.services import s3_client as s3_client_for
@@ -42,13 +42,15 @@ def migrated_postgres(postgres_url: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def redis_url() -> str:
-    import redis
+def redis_port() -> Iterator[int]:
+    """The session's own Redis server (services.session_redis)."""
+    with session_redis() as port:
+        yield port
 
-    ensure_service("redis")
-    url = "redis://127.0.0.1:6379/11"
-    redis.Redis.from_url(url).flushdb()
-    return url
+
+@pytest.fixture(scope="session")
+def redis_url(redis_port: int) -> str:
+    return f"redis://127.0.0.1:{redis_port}/11"
 
 
 @pytest.fixture(scope="session")
@@ -153,14 +155,14 @@ def worker(service_env: dict[str, str], tmp_path_factory) -> Iterator[WorkerProc
 
 
 @pytest.fixture
-def own_deployment(service_env: dict[str, str]) -> Iterator[dict[str, str]]:
+def own_deployment(service_env: dict[str, str], redis_port: int) -> Iterator[dict[str, str]]:
     """The deployment with a database and a broker of this test's own: what it counts (every
     job, every tick of beat) is its own, and the session's worker takes none of its jobs."""
     import redis
 
     from sdq.migrations import upgrade
 
-    broker = "redis://127.0.0.1:6379/9"
+    broker = f"redis://127.0.0.1:{redis_port}/9"
     redis.Redis.from_url(broker).flushdb()
     with scratch_database("sdq_own") as database_url:
         upgrade(make_engine(database_url))

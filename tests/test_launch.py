@@ -92,7 +92,8 @@ def test_sigterm_to_the_launcher_stops_every_worker(service_env, tmp_path) -> No
 def test_a_dead_worker_is_started_again_and_its_siblings_keep_working(
     service_env, tmp_path
 ) -> None:
-    env = {**service_env, "SDQ_BROKER_URL": "redis://127.0.0.1:6379/7"}
+    # A broker database of its own on the session's Redis.
+    env = {**service_env, "SDQ_BROKER_URL": service_env["SDQ_BROKER_URL"].rsplit("/", 1)[0] + "/7"}
     log = tmp_path / "launcher.log"
     # Without GPUs, a train worker and a renderer: two workers under one launcher.
     launcher = subprocess.Popen(
