@@ -1,6 +1,7 @@
 """One rank of a data-parallel train-shard job, a process of its own started by the worker
-that took the job (workers/train/ranks.py): `python -m sdq.workers.train.rank FOLDER`,
-the job's spec in FOLDER, torch.distributed's rendezvous in the environment. Rank 0 writes
+that took the job (workers/train/ranks.py) through rank_start.py (`python -m
+sdq.workers.train.rank_start FOLDER`), the job's spec in FOLDER, torch.distributed's
+rendezvous in the environment. Rank 0 writes
 the checkpoint and leaves what the worker records (the steps, the checkpoint) in FOLDER.
 
 With `--serve` the rank takes job after job of one run: each line on its standard input
@@ -12,11 +13,9 @@ job's steps. Each job ends with a done file in FOLDER (rank 0's once its checkpo
 written); the end of its input ends the process. GPU-side: imports torch.
 """
 
-import ctypes
 import json
 import os
 import queue
-import signal
 import sys
 import threading
 import traceback
@@ -46,19 +45,9 @@ from sdq.workers.train.records import LiveSteps
 from sdq.workers.train.trainer import Ranks, Snapshot, TrainState
 from sdq.workers.weights import ModelFiles
 
-PR_SET_PDEATHSIG = 1
-
 
 class NotEnoughDevices(Exception):
     pass
-
-
-def die_with_parent() -> None:
-    """The kernel kills this process when the worker that started it dies, whatever
-    killed the worker (a SIGKILL, the task's hard time limit)."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != int(os.environ["SDQ_RANK_PARENT"]):
-        os._exit(1)  # the parent died before the signal was armed
 
 
 def ranks_from_env() -> Ranks:
@@ -219,7 +208,7 @@ def exit_now(code: int) -> NoReturn:
 
 
 def main(folder: Path, serving: bool) -> NoReturn:
-    die_with_parent()
+    """The rank's work; rank_start.py has armed the parent-death signal first."""
     ranks = ranks_from_env()
     try:
         if serving:
@@ -230,7 +219,3 @@ def main(folder: Path, serving: bool) -> NoReturn:
     if done.result is not None:
         (folder / RESULT_FILE).write_text(json.dumps(done.result))
     exit_now(0)
-
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]), serving="--serve" in sys.argv[2:])

@@ -31,7 +31,7 @@ from sdq.models.store import StoreUnavailable
 from sdq.models.training import TrainOptions, TrainShardSpec
 from sdq.workers.weights import ModelUnavailable
 
-RANK_MODULE = "sdq.workers.train.rank"
+RANK_MODULE = "sdq.workers.train.rank_start"
 JOB_FILE = "job.json"
 RESULT_FILE = "result.json"
 # A rank of a kept group writes this when it has done its part of a job.

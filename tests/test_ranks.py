@@ -1,0 +1,47 @@
+"""A rank process dies with the worker that started it at any moment, even while it is
+still importing torch: the parent-death signal is armed before anything else."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from tests.conftest import ROOT
+
+# Run in a process of its own: it takes in the orphans of the "worker" it starts (a child
+# subreaper), so that it can wait for the rank and read how it ended.
+SCRIPT = textwrap.dedent(
+    """
+    import ctypes, json, os, subprocess, sys, time
+    PR_SET_CHILD_SUBREAPER = 36
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
+    worker = subprocess.Popen([sys.executable, "-c", '''
+    import os, subprocess, sys, time
+    env = {**os.environ, "SDQ_RANK_PARENT": str(os.getpid()), "RANK": "0",
+           "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    rank = subprocess.Popen([sys.executable, "-m", "sdq.workers.train.rank_start",
+                             sys.argv[1]], env=env)
+    print(rank.pid, flush=True)
+    time.sleep(600)
+    ''', sys.argv[1]], stdout=subprocess.PIPE, text=True)
+    rank = int(worker.stdout.readline())
+    time.sleep(0.5)  # the rank is importing torch, which takes longer
+    worker.kill()
+    worker.wait()
+    _, status = os.waitpid(rank, 0)
+    print(json.dumps({"signaled": os.WIFSIGNALED(status),
+                      "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None}))
+    """
+)
+
+
+def test_a_rank_dies_with_its_worker_even_while_it_imports(tmp_path) -> None:
+    ended = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path)],
+        cwd=ROOT, env=os.environ, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert ended.returncode == 0, ended.stderr
+    # Killed by the kernel as its parent died, not ended by itself once its imports were
+    # done (when it used to arm the signal, and exit 1 on finding its parent gone).
+    assert json.loads(ended.stdout.splitlines()[-1]) == {"signaled": True, "signal": 9}
