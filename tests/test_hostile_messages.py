@@ -47,8 +47,9 @@ BAD_MAINTENANCE_BODIES = [[[1], {}, {}], "hello", [[], {"now": 1}, {}], [[], {}]
 INVALID = "Received invalid task message"
 
 
-def publish(broker_url: str, queue: str, task: str, body, headers: dict | None = None) -> None:
-    """A message as anyone who reaches the broker can send it, the body sent as it is."""
+def publish(broker_url: str, queue: str, task: str, body, headers: dict | None = None) -> str:
+    """A message as anyone who reaches the broker can send it, the body sent as it is;
+    returns its id."""
     task_id = str(uuid.uuid4())
     with Connection(broker_url) as connection:
         connection.Producer().publish(
@@ -61,6 +62,7 @@ def publish(broker_url: str, queue: str, task: str, body, headers: dict | None =
             content_encoding="utf-8",
             serializer=None,
         )  # fmt: skip
+    return task_id
 
 
 def invalid_logged(worker: WorkerProcess) -> int:
@@ -92,16 +94,20 @@ def test_bad_messages_are_rejected_and_the_worker_goes_on(
 ) -> None:
     broker = service_env["SDQ_BROKER_URL"]
     logged_before = invalid_logged(worker)
-    for body in [*BAD_BODIES.values(), b"[[1], {}, {"]:
-        publish(broker, "generate", "sdq.generate", body)
+    sent = [publish(broker, "generate", "sdq.generate", body)
+            for body in [*BAD_BODIES.values(), b"[[1], {}, {"]]  # fmt: skip
     for headers in BAD_HEADERS.values():
         publish(broker, "generate", "sdq.generate", [[999_999_999], {}, {}], headers)
+    # A gang's call to join names one job, never two.
+    sent.append(publish(broker, "train", "sdq.train.join", [[[1, 2], 1], {}, {}]))
 
     # The same worker, still alive, renders the next good job.
     prompts = write(tmp_path / "p.csv", "prompt,seed\nafter the hostile messages,3\n")
     run = sdq_json(service_env, "submit", str(prompts), "--steps", "2", "--wait")
     assert run["counts"] == {"succeeded": 1}
-    check_went_on(worker, logged_before, len(BAD_BODIES) + 1 + len(BAD_HEADERS))
+    check_went_on(worker, logged_before, len(BAD_BODIES) + 2 + len(BAD_HEADERS))
+    log = worker.log.read_text()
+    assert all(f"(message '{message_id}')" in log for message_id in sent)
     with Connection(broker) as connection:
         # Rejected, not requeued: nothing waits on the queue.
         assert connection.default_channel.queue_declare("generate").message_count == 0

@@ -34,8 +34,13 @@ def checked_strategy(task: Task, app: Any, consumer: Any, **options: Any) -> Cal
     handle = default_strategy(task, app, consumer, **options)
 
     def handle_checked(message, body, ack, reject, callbacks, **more):
-        check_headers(task, message.headers or {})
-        check_message(task, _decoded(task, message) if body is None else body)
+        headers = message.headers or {}
+        try:
+            check_headers(task, headers)
+            check_message(task, _decoded(task, message) if body is None else body)
+        except InvalidTaskError as error:
+            # The log line says which message: its id, as the sender and Flower know it.
+            raise InvalidTaskError(f"{error} (message {headers.get('id')!r})") from None
         return handle(message, body, ack, reject, callbacks, **more)
 
     return handle_checked
@@ -100,12 +105,15 @@ def check_message(task: Task, body: Any) -> None:
 
 
 def _check_job_ids(task: Task, job_ids: Any) -> None:
+    most = getattr(task, "max_job_ids", MAX_JOB_IDS)
     if not (
         isinstance(job_ids, list)
-        and 0 < len(job_ids) <= MAX_JOB_IDS
+        and 0 < len(job_ids) <= most
         and all(type(job_id) is int and job_id > 0 for job_id in job_ids)
     ):
-        raise InvalidTaskError(f"{task.name}: job_ids must be a list of positive job ids")
+        raise InvalidTaskError(
+            f"{task.name}: job_ids must be a list of 1 to {most} positive job ids"
+        )
 
 
 def _is_a(value: Any, hint: Any) -> bool:

@@ -34,7 +34,7 @@ from sdq.models.jobs.lifecycle import (
 )
 from sdq.models.periodic import every
 from sdq.models.settings import JobSettings
-from sdq.models.store import StoreUnavailable
+from sdq.models.store import MissingBucket, StoreUnavailable
 from sdq.models.tables import Job
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,9 @@ class Work(ABC):
     # Errors that another attempt cannot fix: the jobs are dead at once.
     permanent_errors: tuple[type[Exception], ...] = ()
     # A dependency that is down for now: retried without using up attempts, for a while.
-    outage_errors: tuple[type[Exception], ...] = (StoreUnavailable,)
+    # A bucket that is gone is one: an object store that came back empty, not the job's
+    # fault (once the outage budget is spent, the jobs fail as for any outage).
+    outage_errors: tuple[type[Exception], ...] = (StoreUnavailable, MissingBucket)
 
     def reuse(self, session: Session, jobs: Sequence[Job]) -> list[Output]:
         """Outputs that already exist for some of the jobs. By default: any job that

@@ -49,7 +49,8 @@ def time_limit(task) -> float | None:
     return soft or hard or task.soft_time_limit or task.time_limit
 
 
-@shared_task(bind=True, base=JobTask, name=JOIN_TASK)
+# One job's gang at a time: the message guard refuses a join naming more.
+@shared_task(bind=True, base=JobTask, name=JOIN_TASK, max_job_ids=1)
 def join(self, job_ids: list[int], gathering: int) -> dict[str, Any]:
     """This worker as one more node of that gathering of the job's gang (gang.py)."""
     app = self.app

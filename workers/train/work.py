@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sdq.models.jobs.delivery import Work, check_lease, lease_held
 from sdq.models.jobs.lifecycle import Output, utcnow
 from sdq.models.settings import TrainSettings
-from sdq.models.store import ObjectStore, StoreUnavailable
+from sdq.models.store import ObjectStore
 from sdq.models.tables import Job
 from sdq.models.training import TrainShardSpec, training_seconds
 from sdq.workers.train import gang
@@ -154,7 +154,7 @@ class Ahead:
 
 class TrainWork(Work):
     permanent_errors = (ModelUnavailable, NoGangHere)
-    outage_errors = (StoreUnavailable, gang.GangIncomplete)
+    outage_errors = (*Work.outage_errors, gang.GangIncomplete)
 
     def __init__(
         self,
