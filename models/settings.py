@@ -32,6 +32,9 @@ class JobSettings:
     lease_seconds: int = 120
     max_attempts: int = 3
     retry_backoff_seconds: int = 5
+    # Doubling, with full jitter, up to this: a database outage of hours is retried every
+    # ten minutes at most. A job back from a long outage may wait up to this long.
+    retry_backoff_max_seconds: int = 600
     # An outage of a dependency (the object store unreachable) does not use up attempts,
     # which are for crashes and poison: it is retried, with backoff, for this long after
     # the job's first failure.
@@ -162,6 +165,7 @@ class Settings:
                 lease_seconds=_int(env, "SDQ_LEASE_SECONDS", 120),
                 max_attempts=_int(env, "SDQ_MAX_ATTEMPTS", 3),
                 retry_backoff_seconds=_int(env, "SDQ_RETRY_BACKOFF_SECONDS", 5),
+                retry_backoff_max_seconds=_int(env, "SDQ_RETRY_BACKOFF_MAX_SECONDS", 600),
                 outage_budget_seconds=_int(env, "SDQ_OUTAGE_BUDGET_SECONDS", 900, minimum=0),
             ),
             maintenance=MaintenanceSettings(

@@ -13,7 +13,6 @@ from sdq.models.jobs.kinds import Kind
 from sdq.workers.app import worker_identity
 from sdq.workers.messages import CheckedTask
 
-MAX_BACKOFF_SECONDS = 600
 # Retries of one message: a database outage of hours at the capped backoff, or a job held
 # by another worker through many leases. Jobs whose message gives up are still in the
 # database, where the relay finds them.
@@ -31,7 +30,7 @@ def backoff(task: Task) -> float:
     return get_exponential_backoff_interval(
         task.app.settings.jobs.retry_backoff_seconds,
         task.request.retries,
-        MAX_BACKOFF_SECONDS,
+        task.app.settings.jobs.retry_backoff_max_seconds,
         True,
     )
 
