@@ -33,7 +33,9 @@ def database_now(session: Session) -> datetime:
     matters (one five minutes behind set leases that others found run out at once, and
     did its jobs again). Embedded, on SQLite, every worker shares one machine's clock."""
     if session.get_bind().dialect.name == "postgresql":
-        return session.scalar(select(func.now()))
+        # The clock now, not the transaction's start (now()): a claim may have waited on
+        # its specs' locks.
+        return session.scalar(select(func.clock_timestamp()))
     return utcnow()
 
 
