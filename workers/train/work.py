@@ -76,11 +76,10 @@ class LiveStates:
         """The training to go on with in this process, if the job goes on from it."""
         self._stop_group()
         self._stop_ahead()
-        training, self._training = self._training, None
-        if training is not None and training.goes_on_to(spec):
+        if self._training is not None and self._training.goes_on_to(spec):
+            training, self._training = self._training, None
             return training
-        if training is not None:
-            _let_go(training)
+        self._drop_training()
         return None
 
     def keep(self, training: "Training", following: TrainShardSpec | None) -> None:
@@ -99,29 +98,27 @@ class LiveStates:
     def clear(self) -> None:
         self._stop_group()
         self._stop_ahead()
-        if self._training is not None:
-            _let_go(self._training)
-            self._training = None
+        self._drop_training()
 
     def _stop_ahead(self) -> None:
         if self._ahead is not None and not self._ahead.stop():
-            # It failed mid-step: the state is not any step's.
-            _let_go(self._training)
-            self._training = None
+            self._drop_training()  # it failed mid-step: the state is not any step's
         self._ahead = None
+
+    def _drop_training(self) -> None:
+        """Lets the kept training go, its device memory with it."""
+        if self._training is None:
+            return
+        from sdq.workers.gpu import release_device_memory
+
+        self._training.close()
+        self._training = None
+        release_device_memory()
 
     def _stop_group(self) -> None:
         if self._group is not None:
             self._group.stop()
             self._group = None
-
-
-def _let_go(training: "Training") -> None:
-    from sdq.workers.gpu import release_device_memory
-
-    training.close()
-    del training
-    release_device_memory()
 
 
 class Ahead:
