@@ -161,12 +161,10 @@ class Sightings:
         AttemptOver (with `ongoing`) once the job has left the gathering, NodeLost once
         another node is unseen."""
         try:
-            if ongoing:
-                with sessions() as session:
-                    if not _ongoing(session, job_id, gathering):
-                        raise AttemptOver(f"job {job_id}'s gathering {gathering} is over")
             judged = monotonic() - self.since >= SETTLE_TICKS * WATCH_SECONDS
-            return _seen_and_lost(sessions, job_id, gathering, node, self.settings, judged)
+            return _seen_and_lost(
+                sessions, job_id, gathering, node, self.settings, judged, ongoing=ongoing
+            )
         except DBAPIError as error:
             logger.warning("job %s's gang could not reach the database: %r", job_id, error)
             self.since = monotonic()
@@ -184,10 +182,15 @@ def _seen_and_lost(
     node: int,
     settings: TrainSettings,
     judged: bool = True,
+    *,
+    ongoing: bool = False,
 ) -> int:
-    """Notes that `node` is seen now; raises NodeLost if another is not (when `judged`);
-    returns how many nodes have joined."""
+    """In one transaction: raises AttemptOver (with `ongoing`) once the job has left the
+    gathering; notes that `node` is seen now; raises NodeLost if another is not (when
+    `judged`); returns how many nodes have joined."""
     with sessions.begin() as session:
+        if ongoing and not _ongoing(session, job_id, gathering):
+            raise AttemptOver(f"job {job_id}'s gathering {gathering} is over")
         here = (TrainGang.job_id == job_id, TrainGang.gathering == gathering)
         session.execute(
             update(TrainGang).where(*here, TrainGang.node == node).values(seen_at=func.now())
