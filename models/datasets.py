@@ -88,6 +88,10 @@ class SliceSpec:
     # file with this hash has them.
     retry_keys: tuple[str, ...] = ()
     previous_sha256: str | None = None
+    # The retry run that asks: a retry that failed as the one before it leaves the shard
+    # byte for byte as it was, and without this the next one would have that one's spec
+    # and be served its output instead of fetching.
+    retry_run: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,7 +108,12 @@ class SliceSpec:
         )
 
     def hash(self) -> str:
-        return canonical_sha256({**self.to_dict(), "version": SPEC_VERSION})
+        # `retry_run` came later and counts only when set: specs made before it keep their
+        # hashes, and so their outputs.
+        identity = self.to_dict()
+        if self.retry_run is None:
+            del identity["retry_run"]
+        return canonical_sha256({**identity, "version": SPEC_VERSION})
 
     def sample_key(self, index: int) -> str:
         """img2dataset's keys: the shard number, then the row's index within the shard."""

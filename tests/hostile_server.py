@@ -135,6 +135,11 @@ class Handler(BaseHTTPRequestHandler):
                 self._send(503, "text/plain", b"down for maintenance")
             else:
                 self._send(200, "image/jpeg", jpeg(300, 300, seed=6))
+        elif path.startswith("/down-for/"):  # /down-for/<n>.jpg: 503 the first n times
+            if self.hits[path] <= int(path.removeprefix("/down-for/").removesuffix(".jpg")):
+                self._send(503, "text/plain", b"down for maintenance")
+            else:
+                self._send(200, "image/jpeg", jpeg(300, 300, seed=8))
         elif path.startswith("/retry-after/"):  # 429 "come back in N s" once, then the image
             if self.hits[path] == 1:
                 wait = path.removeprefix("/retry-after/").removesuffix(".jpg")

@@ -95,6 +95,27 @@ def test_retry_failed_fetches_only_transient_failures_again(tmp_path: Path) -> N
         ).fetchone() == ("success", None)
 
 
+def test_every_retry_fetches_the_rows_it_names_though_the_last_one_failed_alike(
+    tmp_path: Path,
+) -> None:
+    """A host down through the download and the first retry: that retry leaves the shard
+    byte for byte as it was, and the second still fetches (it is not served the first's
+    output), and gets the image."""
+    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT)}
+    with HostileServer() as server:
+        hits = server.server.RequestHandlerClass.hits
+        write_list(tmp_path / "list.csv", [{"url": f"{server.base}/down-for/4.jpg", "caption": "x"}])
+        sdq_json(env, "download", str(tmp_path / "list.csv"), "--dataset", "down", cwd=tmp_path)
+        shard = tmp_path / "sdq-data/store/datasets/down/images/00000.parquet"
+        before = shard.read_bytes()
+        first = sdq_json(env, "download", "--retry-failed", "down", cwd=tmp_path)
+        assert first["reasons"] == {"http 503": 1}
+        assert shard.read_bytes() == before
+        second = sdq_json(env, "download", "--retry-failed", "down", cwd=tmp_path)
+    assert hits["/down-for/4.jpg"] == 5  # two fetches of two tries each, then the image
+    assert second["by_status"] == {"success": 1}
+
+
 def test_blocked_hosts_are_explained_and_fetched_once_their_network_is_allowed(
     tmp_path: Path,
 ) -> None:
@@ -115,9 +136,16 @@ def test_blocked_hosts_are_explained_and_fetched_once_their_network_is_allowed(
         assert "SDQ_DOWNLOAD_ALLOW_NETWORKS" in hint
         assert '`sdq download --retry-failed mirror --reason "blocked address"`' in hint
 
-        # The transient retry leaves them; the named reason, with the network open, does not.
+        # The transient retry leaves them; the named reason fetches them again, blocked
+        # again while the network is shut (the shard is byte for byte as it was), and
+        # fetched once it is open.
         untouched = sdq_json(env, "download", "--retry-failed", "mirror", cwd=tmp_path)
         assert untouched["by_status"] == {"failed": 3}
+        for _ in range(2):
+            still = sdq_json(env, "download", "--retry-failed", "mirror", "--reason",
+                             "blocked address", cwd=tmp_path)  # fmt: skip
+            assert still["by_status"] == {"failed": 3}
+        assert not server.server.RequestHandlerClass.hits
         opened = {**env, "SDQ_DOWNLOAD_ALLOW_NETWORKS": "127.0.0.0/8"}
         again = sdq_json(opened, "download", "--retry-failed", "mirror", "--reason",
                          "blocked address", cwd=tmp_path)  # fmt: skip

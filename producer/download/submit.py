@@ -97,7 +97,12 @@ def record_retry(
         session.add(run)
         session.flush()
         specs = [
-            replace(spec, retry_keys=tuple(failed[shard.id]), previous_sha256=shard.sha256)
+            replace(
+                spec,
+                retry_keys=tuple(failed[shard.id]),
+                previous_sha256=shard.sha256,
+                retry_run=run.id,
+            )
             for shard, spec in _made(session, dataset)
             if shard.id in failed
         ]
