@@ -104,7 +104,9 @@ def test_every_retry_fetches_the_rows_it_names_though_the_last_one_failed_alike(
     env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT)}
     with HostileServer() as server:
         hits = server.server.RequestHandlerClass.hits
-        write_list(tmp_path / "list.csv", [{"url": f"{server.base}/down-for/4.jpg", "caption": "x"}])
+        write_list(
+            tmp_path / "list.csv", [{"url": f"{server.base}/down-for/4.jpg", "caption": "x"}]
+        )
         sdq_json(env, "download", str(tmp_path / "list.csv"), "--dataset", "down", cwd=tmp_path)
         shard = tmp_path / "sdq-data/store/datasets/down/images/00000.parquet"
         before = shard.read_bytes()
