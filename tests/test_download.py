@@ -70,12 +70,23 @@ def _shard(s3_client, summary: dict, number: int) -> pa.Table:
 def test_download_on_services_records_every_row_in_sql_and_shards(
     download_env: dict[str, str], cpu_worker: WorkerProcess, s3_client, tmp_path: Path
 ) -> None:
+    # The setting that opens private networks is the workers': one set in the submitting
+    # shell opens nothing, and the hint says where it counts and what the workers had.
+    submitting = {**download_env, "SDQ_DOWNLOAD_ALLOW_NETWORKS": "10.0.0.0/8"}
     with HostileServer() as server:
         expected = case_rows(server.base, server.port, CASES)
         write_list(tmp_path / "hostile.csv", expected)
-        summary = sdq_json(
-            download_env, "download", "--wait", str(tmp_path / "hostile.csv"), "--dataset", "web"
-        )
+        done = subprocess.run(
+            [sys.executable, "-m", "sdq.producer.cli", "download", "--wait", "--json",
+             str(tmp_path / "hostile.csv"), "--dataset", "web"],
+            env=submitting, capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)
+    assert summary["blocked_by"] == ["127.0.0.1/32"]
+    hint = " ".join(done.stderr.split())
+    assert "it opened 127.0.0.1/32 on the CPU workers that fetched them" in hint
+    assert "where the CPU workers run (`sdq worker cpu`) and restart them" in hint
     samples = _samples(download_env["SDQ_DATABASE_URL"], "web")
     check_rows(
         expected,

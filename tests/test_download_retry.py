@@ -135,7 +135,8 @@ def test_blocked_hosts_are_explained_and_fetched_once_their_network_is_allowed(
         assert blocked.returncode == 0, blocked.stderr
         hint = " ".join(blocked.stderr.split())
         assert "3 of 3 samples were not fetched" in hint
-        assert "SDQ_DOWNLOAD_ALLOW_NETWORKS" in hint
+        assert "opens them; it opened 127.0.0.1/32 where they were fetched (here," in hint
+        assert "in this shell" in hint
         assert '`sdq download --retry-failed mirror --reason "blocked address"`' in hint
 
         # The transient retry leaves them; the named reason fetches them again, blocked

@@ -60,6 +60,9 @@ class Shard(Base):
     bytes: Mapped[int | None] = mapped_column(BigInteger)
     seconds: Mapped[float | None] = mapped_column(Float)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # The private networks the worker that made the file opened (its
+    # SDQ_DOWNLOAD_ALLOW_NETWORKS): what refused its blocked hosts, set where it fetched.
+    allowed_networks: Mapped[list[str] | None] = mapped_column(JsonDocument)
 
     __table_args__ = (
         UniqueConstraint("dataset_id", "number", name="uq_shards_dataset_id_number"),

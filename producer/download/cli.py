@@ -252,13 +252,32 @@ def report_dataset(app: SdqCelery, name: str, as_json: bool) -> None:
         show=display.show_dataset,
     )
     if blocked := summary["reasons"].get(BLOCKED_ADDRESS):
-        display.hint(
-            f"{blocked} of {summary['samples']} samples were not fetched: their hosts are "
-            "private, loopback, link-local or reserved addresses, which sdq refuses. If they "
-            "are yours to fetch (an internal mirror), set SDQ_DOWNLOAD_ALLOW_NETWORKS to "
-            f"their networks (CIDRs) and run `sdq download --retry-failed {name} --reason "
-            f'"{BLOCKED_ADDRESS}"`.'
+        display.hint(_blocked_hint(app, name, blocked, summary))
+
+
+def _blocked_hint(app: SdqCelery, name: str, blocked: int, summary: dict[str, Any]) -> str:
+    """What refused the blocked hosts and where to open their network: the setting is read
+    where the fetching happens, in this process without a broker, else on the CPU workers,
+    where setting it in the submitting shell changes nothing."""
+    opened = ", ".join(summary["blocked_by"]) or "none"
+    if app.settings.embedded:
+        where = (
+            f"it opened {opened} where they were fetched (here, without a broker). If they "
+            "are yours to fetch (an internal mirror), set it to their networks (CIDRs) in "
+            "this shell"
         )
+    else:
+        where = (
+            f"it opened {opened} on the CPU workers that fetched them. If they are yours to "
+            "fetch (an internal mirror), set it to their networks (CIDRs) where the CPU "
+            "workers run (`sdq worker cpu`) and restart them: they fetch, not this shell"
+        )
+    return (
+        f"{blocked} of {summary['samples']} samples were not fetched: their hosts are "
+        f"private, loopback, link-local or reserved addresses, which sdq refuses unless "
+        f"SDQ_DOWNLOAD_ALLOW_NETWORKS opens them; {where}; then run "
+        f'`sdq download --retry-failed {name} --reason "{BLOCKED_ADDRESS}"`.'
+    )
 
 
 @click.group()

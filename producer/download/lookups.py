@@ -7,7 +7,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from sdq.models.datasets import SampleStatus
+from sdq.models.datasets import BLOCKED_ADDRESS, SampleStatus
 from sdq.models.db import chunked
 from sdq.models.jobs.kinds import DOWNLOAD
 from sdq.models.jobs.lifecycle import as_utc
@@ -22,6 +22,16 @@ def dataset_named(session: Session, name: str) -> Dataset:
     if dataset is None:
         raise NotFound(f"no dataset named {name!r}; `sdq dataset list` shows them")
     return dataset
+
+
+def _blocked_by(session: Session, dataset_id: int) -> list[str]:
+    """The networks opened (SDQ_DOWNLOAD_ALLOW_NETWORKS) on the workers that refused the
+    dataset's blocked hosts: the setting that refused them, as those workers had it."""
+    refused_in = select(Sample.shard_id).where(
+        Sample.dataset_id == dataset_id, Sample.reason == BLOCKED_ADDRESS
+    )
+    opened = session.scalars(select(Shard.allowed_networks).where(Shard.id.in_(refused_in)))
+    return sorted({network for networks in opened for network in networks or ()})
 
 
 def no_usable_samples(session: Session, dataset: Dataset) -> str | None:
@@ -119,6 +129,7 @@ def dataset_summary(session: Session, name: str) -> dict[str, Any]:
         "bytes": sum(shard.bytes or 0 for shard in shards),
         "images_per_second": round(ok / seconds, 2) if seconds else None,
         "latents": latent_summary(session, dataset.id, dataset.name),
+        "blocked_by": _blocked_by(session, dataset.id) if BLOCKED_ADDRESS in reasons else None,
         "shards": [
             {
                 "number": shard.number,

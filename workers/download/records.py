@@ -3,7 +3,7 @@ shard with all its samples once the shard file is stored."""
 
 import hashlib
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 
 from sqlalchemy import delete, select, update
@@ -59,6 +59,7 @@ def record_shard(
     *,
     stored: Output,
     size: int,
+    allowed_networks: Sequence[str],
     at: datetime,
 ) -> None:
     """Replaces whatever an earlier try of this slice wrote: a slice done twice leaves one
@@ -78,6 +79,7 @@ def record_shard(
             bytes=size,
             seconds=stored.work_seconds,
             finished_at=at,
+            allowed_networks=list(allowed_networks),
         )
     )
 

@@ -69,7 +69,16 @@ class DownloadWork(Work):
             job_id, uri, hashlib.sha256(data).hexdigest(), work_seconds=seconds, units=kept
         )
         with self.sessions.begin() as session:
-            record_shard(session, dataset, spec, rows, stored=output, size=len(data), at=utcnow())
+            record_shard(
+                session,
+                dataset,
+                spec,
+                rows,
+                stored=output,
+                size=len(data),
+                allowed_networks=self.settings.allow_networks,
+                at=utcnow(),
+            )
         return output
 
     def _samples(self, spec: SliceSpec, dataset: int, table: pa.Table) -> list[ShardRow]:
