@@ -9,8 +9,10 @@ import signal
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 from tests.browser import chromium, open_page, texts
@@ -175,7 +177,7 @@ def test_ctrl_c_puts_the_jobs_in_hand_back_and_resume_finishes_the_run(tmp_path:
     running.send_signal(signal.SIGINT)
     _, stderr = running.communicate(timeout=120)
     assert running.returncode == 130, stderr
-    assert "`sdq resume 1` finishes them" in stderr
+    assert "jobs in hand put back; `sdq resume 1` finishes the rest" in " ".join(stderr.split())
     with sqlite3.connect(database) as db:
         statuses = dict(db.execute("SELECT status, count(*) FROM jobs GROUP BY status").fetchall())
         put_back = db.execute(
@@ -194,3 +196,65 @@ def test_ctrl_c_puts_the_jobs_in_hand_back_and_resume_finishes_the_run(tmp_path:
         attempts = {n for (n,) in db.execute("SELECT attempts FROM jobs WHERE NOT cached")}
     assert attempts == {1}  # the interrupted ones did not lose an attempt
     assert len(list((tmp_path / "sdq-data/store/images").glob("*.png"))) == 48
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MB disk of its own (tmpfs), unmounted on the way out whatever happened."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], check=True)
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)
+
+
+@pytest.mark.parametrize(("full", "room"), [("store", 400_000), ("home", 800_000)])
+def test_a_full_disk_stops_the_run_clearly_and_one_resume_finishes_it(
+    small_disk: Path, tmp_path: Path, full: str, room: int
+) -> None:
+    """The store's disk fills mid-run, alone or with the database on it (which then cannot
+    even record the stop): the command says what is full and what is kept, without a
+    traceback or a spent attempt, and once space is freed one `sdq resume` finishes."""
+    home = small_disk / "home" if full == "home" else tmp_path / "home"
+    env = {**clean_env(), "PYTHONPATH": str(ROOT), "SDQ_HOME": str(home),
+           "SDQ_STORE_URL": str(small_disk / "store")}  # fmt: skip
+    rows = "".join(f"a full disk {n},{n}\n" for n in range(64))
+    (tmp_path / "p.csv").write_text("prompt,seed\n" + rows)
+    # The database is made before the disk fills: it fills in the run.
+    make_database = [sys.executable, "-m", "sdq.producer.cli", "db", "upgrade"]
+    subprocess.run(make_database, env=env, check=True, capture_output=True)
+    ballast = small_disk / "ballast"  # what the user deletes to free space
+    ballast.write_bytes(b"\0" * (shutil.disk_usage(small_disk).free - room))
+    stopped = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", "run", "p.csv", "--steps", "2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    said = " ".join(stopped.stderr.split())
+    assert stopped.returncode == 1, stopped.stderr
+    assert "Traceback" not in stopped.stderr
+    assert "no space left on a disk sdq writes to" in said
+    assert f"store {small_disk / 'store'} (" in said
+    assert "`sdq resume 1` finishes the rest" in said
+    finished = int(re.search(r"stopped: (\d+) of 64 jobs finished, and kept", said)[1])
+    with sqlite3.connect(home / "sdq.db") as db:
+        statuses = dict(db.execute("SELECT status, count(*) FROM jobs GROUP BY status"))
+        assert max(n for (n,) in db.execute("SELECT attempts FROM jobs")) <= 1
+    assert 0 < statuses.pop("succeeded", 0) == finished < 64, said
+    if full == "store":  # the database took the stop: nothing is left held
+        assert "jobs in hand put back" in said and "running" not in statuses
+    else:
+        assert "the jobs in hand could not be put back (database or disk is full)" in said
+
+    ballast.unlink()
+    resumed = sdq_json(env, "resume", "1", cwd=tmp_path)
+    assert resumed["counts"] == {"succeeded": 64}
+    with sqlite3.connect(home / "sdq.db") as db:
+        attempts = {n for (n,) in db.execute("SELECT attempts FROM jobs WHERE NOT cached")}
+        succeeded = db.execute(
+            "SELECT count(*), count(DISTINCT job_id) FROM job_events WHERE status = 'succeeded'"
+        ).fetchone()
+    assert attempts == {1}  # the full disk spent none
+    assert succeeded == (64, 64)  # each job done once
+    assert len(list((small_disk / "store/images").glob("*.png"))) == 64

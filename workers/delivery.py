@@ -57,6 +57,10 @@ def deliver_task(
         if task.request.is_eager:
             raise
         raise task.retry(exc=error, countdown=backoff(task)) from error
+    if outcome.outage and task.request.is_eager:
+        # In the caller's process (`sdq run`) a retry would come at once and meet the same
+        # outage: the jobs are back (no attempt spent) and the caller says why it stopped.
+        raise outcome.outage
     countdowns = []
     if outcome.retry:
         countdowns.append(backoff(task))

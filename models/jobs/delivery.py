@@ -22,6 +22,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
+from sdq.models.disks import full_disk
 from sdq.models.jobs.lifecycle import (
     Output,
     Worker,
@@ -70,6 +71,10 @@ class Work(ABC):
     def is_permanent(self, error: Exception) -> bool:
         return isinstance(error, self.permanent_errors)
 
+    def is_outage(self, error: Exception) -> bool:
+        # A full disk is the machine's, whatever the kind writes and wherever.
+        return isinstance(error, self.outage_errors) or full_disk(error) is not None
+
 
 @dataclass
 class Outcome:
@@ -81,6 +86,9 @@ class Outcome:
     held: list[int] = field(default_factory=list)
     held_until: datetime | None = None
     error: str | None = None
+    # The failure was an outage (a store away, a full disk), not the jobs' own: retrying at
+    # once, as a run in the caller's process would, only meets it again.
+    outage: Exception | None = None
     # Jobs of another kind than the task's, named by a stray or forged message: left alone.
     foreign: list[int] = field(default_factory=list)
 
@@ -117,6 +125,7 @@ def deliver(
         return outcome
     except Exception as error:
         outcome.error = f"{type(error).__name__}: {error}"
+        outcome.outage = error if work.is_outage(error) else None
         with sessions.begin() as session:
             # What was stored before the failure stays done; the rest fails with the error.
             record.flush(session)
@@ -125,7 +134,7 @@ def deliver(
                 [job.id for job in todo if job.id not in record.done],
                 error=outcome.error,
                 permanent=work.is_permanent(error),
-                outage=isinstance(error, work.outage_errors),
+                outage=outcome.outage is not None,
                 settings=settings,
                 worker=worker,
             )

@@ -1,18 +1,23 @@
 """What every command group shares: the app, one way to answer a lookup, clean errors."""
 
+import os
 import signal
+import socket
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn, TypeVar
 
 import click
+from sqlalchemy import select
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from sdq.models.disks import free_space, full_disk
 from sdq.models.jobs.kinds import kind_named
 from sdq.models.jobs.lifecycle import Worker, release_jobs
 from sdq.models.jobs.outbox import EnqueueFailed, Sent, enqueue, messages
-from sdq.models.tables import FINISHED, Run
+from sdq.models.tables import FINISHED, Job, JobStatus, Run
 from sdq.producer import display, lookups
 from sdq.producer.errors import NotFound
 from sdq.producer.generate.prompts import InvalidInput
@@ -20,6 +25,7 @@ from sdq.workers.app import SdqCelery, worker_identity
 
 BAD_INPUT = 2
 INTERRUPTED = 130  # as a shell reports a command stopped by SIGINT
+DISK_FULL = 1
 T = TypeVar("T")
 
 pass_app = click.make_pass_decorator(SdqCelery)
@@ -120,8 +126,9 @@ def work_here(
     embedded way, with no broker or worker. The bar counts the run's finished jobs, or
     `progress`: a total and what is done of it (a train run's steps)."""
     app.loader.import_default_modules()  # registers the kinds' tasks with the app
-    with app.sessions() as session:
+    with app.sessions.begin() as session:
         run = session.get_one(Run, run_id)
+        take_back_orphans(session, run_id)
     kind = kind_named(run.kind)
     task = app.tasks[kind.task_name]
     try:
@@ -135,7 +142,42 @@ def work_here(
                 if result.failed():
                     raise result.result
     except KeyboardInterrupt:
-        _stop_here(app, run_id, worker_identity(kind.pool))
+        _stop_here(app, run_id, worker_identity(kind.pool), "stopped by Ctrl-C", INTERRUPTED)
+    except Exception as error:
+        if not (full := full_disk(error)):
+            raise
+        display.console.print(
+            f"no space left on a disk sdq writes to ({full}); space left: "
+            f"{free_space(app.settings)}"
+        )
+        _stop_here(app, run_id, worker_identity(kind.pool), "stopped: disk full", DISK_FULL)
+
+
+def take_back_orphans(session: Session, run_id: int) -> None:
+    """Puts back the run's jobs that an earlier process on this machine held and did not
+    live to put back (killed, or stopped by a full disk that took the database's own
+    writes): their lease would free them only later, and no one else works here."""
+    host = socket.gethostname()
+    holders = session.scalars(
+        select(Job.worker_host)
+        .where(Job.run_id == run_id, Job.status == JobStatus.running)
+        .where(Job.worker_host.startswith(f"{host}:"))
+        .distinct()
+    )
+    for holder in holders.all():
+        if not _alive(int(holder.rpartition(":")[2])):
+            worker = Worker(host=holder, device="")
+            release_jobs(session, run_id, worker=worker, reason="its process here is gone")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 @contextmanager
@@ -157,16 +199,24 @@ def ctrl_c_kept() -> Iterator[Callable[[], bool]]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _stop_here(app: SdqCelery, run_id: int, worker: Worker) -> NoReturn:
-    """Ctrl-C: the jobs in hand go back at once, and the user learns how to go on."""
-    with app.sessions.begin() as session:
-        released = release_jobs(session, run_id, worker=worker, reason="stopped by Ctrl-C")
-        left = sum(lookups.status_counts(session, run_id)[s] for s in ("queued", "pending"))
+def _stop_here(app: SdqCelery, run_id: int, worker: Worker, reason: str, code: int) -> NoReturn:
+    """The work stopped here (Ctrl-C, a full disk): the jobs in hand go back at once, and
+    the user learns what is kept and how to go on. Where the database cannot take even
+    that (its own disk is full), the next run here takes them back first."""
+    try:
+        with app.sessions.begin() as session:
+            released = release_jobs(session, run_id, worker=worker, reason=reason)
+        put_back = f"{len(released)} jobs in hand put back"
+    except DBAPIError as error:
+        put_back = f"the jobs in hand could not be put back ({error.orig}) and will be first"
+    with app.sessions() as session:
+        counts = lookups.run_counts(session, session.get_one(Run, run_id))
+    finished = sum(counts[status] for status in FINISHED)
     display.console.print(
-        f"stopped: {len(released)} jobs in hand put back, {left} not done; "
-        f"`sdq resume {run_id}` finishes them (what is done is kept)"
+        f"stopped: {finished} of {sum(counts.values())} jobs finished, and kept; {put_back}; "
+        f"`sdq resume {run_id}` finishes the rest"
     )
-    sys.exit(INTERRUPTED)
+    sys.exit(code)
 
 
 def carry_out(app: SdqCelery, run_id: int, *, jobs: int, wait: bool, as_json: bool) -> Sent | None:

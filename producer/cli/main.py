@@ -11,6 +11,7 @@ import os
 import click
 from sqlalchemy.exc import DBAPIError
 
+from sdq.models.disks import free_space, full_disk
 from sdq.models.settings import Settings
 from sdq.producer.cli import admin, runs, sql
 from sdq.producer.download import cli as download
@@ -32,16 +33,22 @@ Settings, from the environment (README.md lists them all):
 
 
 class SdqGroup(click.Group):
-    """Every command's answer to a database without sdq's tables: how to make them."""
+    """Every command's answer to a database without sdq's tables (how to make them) and to
+    a full disk (which of sdq's places sit on it)."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except DBAPIError as error:
-            if not _no_schema(error):
+        except Exception as error:
+            if isinstance(error, DBAPIError) and _no_schema(error):
+                raise click.ClickException(
+                    "the database has no sdq tables yet: run `sdq db upgrade`"
+                ) from None
+            if not (full := full_disk(error)):
                 raise
             raise click.ClickException(
-                "the database has no sdq tables yet: run `sdq db upgrade`"
+                f"no space left on a disk sdq writes to ({full}); space left: "
+                f"{free_space(ctx.obj.settings)}; what each transaction wrote before is kept"
             ) from None
 
 

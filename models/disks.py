@@ -1,0 +1,74 @@
+"""A full disk, however it shows: the operating system's "no space left" (or quota) from a
+file write, SQLite's "database or disk is full", either wrapped by SQLAlchemy or the store.
+
+It is the machine's trouble, not the job's: work stops without spending an attempt, and
+the user learns which of sdq's places sit on a full disk."""
+
+import errno
+import shutil
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+from sqlalchemy.engine import make_url
+
+from sdq.models.settings import Settings
+
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def full_disk(error: BaseException) -> BaseException | None:
+    """The error, or one it was raised from or while handling, that says a disk is full:
+    what to tell the user, without the wrappers' words; None when none does."""
+    for link in _chain(error):
+        if isinstance(link, OSError) and link.errno in FULL_ERRNOS:
+            return link
+        if isinstance(link, sqlite3.Error) and link.sqlite_errorcode == sqlite3.SQLITE_FULL:
+            return link
+    return None
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        yield link
+        link = link.__cause__ or link.__context__
+
+
+def local_places(settings: Settings) -> dict[str, Path]:
+    """sdq's places on this machine's disks, by what they hold: the SQLite database, the
+    store folder, the model cache (a database server or S3 has disks of its own)."""
+    places = {"model cache": settings.model_cache_dir}
+    database = make_url(settings.database_url)
+    if database.get_backend_name() == "sqlite" and database.database:
+        places["database"] = Path(database.database)
+    if "://" not in settings.store_url:
+        places["store"] = Path(settings.store_url)
+    return places
+
+
+def free_space(settings: Settings) -> str:
+    """Each local place with the space left on its disk, e.g. "database sdq-data/sdq.db
+    (0 B free)"."""
+    return ", ".join(
+        f"{what} {path} ({_size(_free_bytes(path))} free)"
+        for what, path in sorted(local_places(settings).items())
+    )
+
+
+def _free_bytes(path: Path) -> int:
+    """The space left on the disk that holds the path, or would hold it once made."""
+    for place in (path, *path.absolute().parents):
+        if place.exists():
+            return shutil.disk_usage(place).free
+    return 0
+
+
+def _size(count: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if count < 1024:
+            return f"{count} {unit}"
+        count //= 1024
+    return f"{count} TB"
