@@ -45,3 +45,27 @@ def test_a_rank_dies_with_its_worker_even_while_it_imports(tmp_path) -> None:
     # Killed by the kernel as its parent died, not ended by itself once its imports were
     # done (when it used to arm the signal, and exit 1 on finding its parent gone).
     assert json.loads(ended.stdout.splitlines()[-1]) == {"signaled": True, "signal": 9}
+
+
+def threads_when_training_here(omp: str | None) -> int:
+    """torch's threads in a fresh process once it trains in-process, as a worker does."""
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    if omp:
+        env["OMP_NUM_THREADS"] = omp
+    script = (
+        "import torch; from sdq.workers.train.ranks import share_cores; "
+        "share_cores(); print(torch.get_num_threads())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], env={**env, "PYTHONPATH": str(ROOT.parent)},
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return int(done.stdout)
+
+
+def test_training_in_the_worker_s_process_takes_a_rank_s_share_of_the_cores() -> None:
+    """Not torch's default (every core), which a busy CPU turns into threads waiting on one
+    another; OMP_NUM_THREADS, when set, decides."""
+    cores = len(os.sched_getaffinity(0))
+    assert threads_when_training_here(None) == max(1, cores // 2)
+    assert threads_when_training_here(str(cores)) == cores

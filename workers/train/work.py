@@ -27,7 +27,7 @@ from sdq.models.store import ObjectStore
 from sdq.models.tables import Job
 from sdq.models.training import TrainShardSpec, training_seconds
 from sdq.workers.train import gang
-from sdq.workers.train.ranks import RankGroup
+from sdq.workers.train.ranks import RankGroup, share_cores
 from sdq.workers.train.records import (
     LiveSteps,
     Written,
@@ -221,6 +221,7 @@ class TrainWork(Work):
         from sdq.workers.train.job import Training, restore_state, until_time, write_checkpoint
         from sdq.workers.train.trainer import Ranks
 
+        share_cores()
         training = self.live.take(spec)
         if training is None:
             state = restore_state(spec, self.store, self.files, Ranks())
