@@ -325,10 +325,23 @@ class S3Store:
             # the endpoint may come back.
             raise StoreUnavailable(f"cannot reach {endpoint} for {where}: {error}") from error
 
+    def _bucket_there(self) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self._client.head_bucket(Bucket=self.bucket)
+        except ClientError as error:
+            return _code(error) not in ("404", "NoSuchBucket")
+        return True
+
     def _refusal(self, error, key: str) -> StoreError:
         """What an S3 error response means for sdq: a lasting problem, or an outage."""
         where, endpoint = self.uri(key), self._client.meta.endpoint_url
         code = _code(error)
+        if code == "404" and key:
+            # A HEAD (a download starts with one) answers a bare 404 for a missing bucket as
+            # for a missing key: ask which.
+            code = "NoSuchKey" if self._bucket_there() else "NoSuchBucket"
         if code == "NoSuchBucket" or (code == "404" and not key):
             return MissingBucket(
                 f"bucket {self.bucket!r} does not exist at {endpoint}: `sdq db upgrade` makes "

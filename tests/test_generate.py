@@ -244,17 +244,6 @@ def test_lookups(worker, sdq, tmp_path) -> None:
     assert missing.exit_code == 2 and "no job 999999" in missing.output
 
 
-def test_a_missing_bucket_is_named_before_anything_is_written(sdq, sessions, tmp_path) -> None:
-    with sessions() as session:
-        before = session.scalar(select(func.count()).select_from(Job))
-    prompts = write(tmp_path / "p.csv", "prompt\nnowhere to go\n")
-    result = sdq("submit", str(prompts), env={"SDQ_STORE_URL": "s3://no-such-bucket/x"})
-    assert result.exit_code == 1
-    assert "bucket 'no-such-bucket' does not exist" in result.output
-    with sessions() as session:
-        assert session.scalar(select(func.count()).select_from(Job)) == before
-
-
 @pytest.mark.parametrize(
     ("text", "problems"),
     [

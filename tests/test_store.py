@@ -9,11 +9,13 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from sdq.models.store import (
     LARGE_PART,
     LocalStore,
+    MissingBucket,
     MissingObject,
     S3Store,
     StoreError,
@@ -120,13 +122,18 @@ def test_keys_cannot_escape_a_local_store(tmp_path: Path) -> None:
         LocalStore(tmp_path / "root").put_bytes("../x", b"", content_type="text/plain")
 
 
-def test_missing_bucket_is_named(s3, monkeypatch) -> None:
+def test_missing_bucket_is_named(s3, monkeypatch, tmp_path: Path) -> None:
     for key, value in s3.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(StoreError, match="bucket 'no-such-bucket' does not exist"):
         S3Store("no-such-bucket").put_bytes("k", b"x", content_type="text/plain")
     with pytest.raises(StoreError, match="does not exist"):
         S3Store("no-such-bucket").check()
+    # A download starts with a HEAD, whose bare 404 could be a key's: the bucket is asked.
+    with pytest.raises(MissingBucket, match="bucket 'no-such-bucket' does not exist"):
+        S3Store("no-such-bucket").get_file("k", tmp_path / "k")
+    with pytest.raises(MissingObject):
+        S3Store(BUCKET).get_file("no/such/key", tmp_path / "k")
 
 
 def test_db_upgrade_makes_a_missing_bucket_and_every_command_names_it(
@@ -140,11 +147,24 @@ def test_db_upgrade_makes_a_missing_bucket_and_every_command_names_it(
         return subprocess.run([sys.executable, "-m", "sdq.producer.cli", *args], env=env,
                               cwd=ROOT, capture_output=True, text=True)  # fmt: skip
 
-    prompts = ROOT / "examples" / "subjects.csv"
-    missing = sdq("submit", str(prompts))
-    assert missing.returncode == 1
-    said = " ".join(missing.stderr.split())
-    assert f"bucket '{bucket}' does not exist" in said and "`sdq db upgrade` makes it" in said
+    def runs() -> int:
+        with psycopg.connect(env["SDQ_DATABASE_URL"]) as connection:
+            return connection.execute("SELECT count(*) FROM runs").fetchone()[0]
+
+    before = runs()
+    prompts = str(ROOT / "examples" / "subjects.csv")
+    for command in (
+        ["submit", prompts],
+        ["download", prompts, "--dataset", "nowhere", "--url-col", "prompt"],
+        ["encode", "nowhere", "--model", "tiny"],
+        ["train", "nowhere", "--base", "tiny", "--steps", "4"],
+    ):
+        missing = sdq(*command)
+        said = " ".join(missing.stderr.split())
+        assert missing.returncode == 2, (command, missing.stderr)
+        assert f"bucket '{bucket}' does not exist" in said, command
+        assert "`sdq db upgrade` makes it" in said and "Traceback" not in said, command
+    assert runs() == before  # nothing was queued
     first = sdq("db", "upgrade", "--json")
     assert first.returncode == 0, first.stderr
     assert json.loads(first.stdout)["store_created"] is True

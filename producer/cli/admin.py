@@ -14,10 +14,10 @@ from sdq.models.store import StoreError
 from sdq.producer import display, lookups
 from sdq.producer.cli.common import (
     InputError,
-    ensure_schema,
     json_option,
     lookup,
     pass_app,
+    ready_to_submit,
     require_broker,
 )
 from sdq.producer.cli.common import table as rows_table
@@ -66,7 +66,7 @@ def model() -> None:
 @pass_app
 def push(app: SdqCelery, source: Path, name: str, as_json: bool) -> None:
     """Copy the pipeline folder SOURCE into the store, registered as NAME."""
-    ensure_schema(app)
+    ready_to_submit(app)
     try:
         with app.sessions.begin() as session:
             pushed = push_model(source, name, store=app.store, session=session)

@@ -17,6 +17,7 @@ from sdq.models.disks import free_space, full_disk
 from sdq.models.jobs.kinds import kind_named
 from sdq.models.jobs.lifecycle import Worker, release_jobs
 from sdq.models.jobs.outbox import EnqueueFailed, Sent, enqueue, messages
+from sdq.models.store import StoreError
 from sdq.models.tables import FINISHED, Job, JobStatus, Run
 from sdq.producer import display, lookups
 from sdq.producer.errors import NotFound
@@ -74,6 +75,20 @@ def ensure_schema(app: SdqCelery) -> None:
 
     if not ready(app.engine):
         raise click.ClickException("the database schema is not current: run `sdq db upgrade`")
+
+
+def ready_to_submit(app: SdqCelery) -> None:
+    """What every command that makes a run checks before it writes anything: the schema,
+    and a store the workers can write to (without one, every job would fail)."""
+    ensure_schema(app)
+    ensure_store(app)
+
+
+def ensure_store(app: SdqCelery) -> None:
+    try:
+        app.store.check()
+    except StoreError as error:
+        raise InputError(f"object store {app.settings.store_url}: {error}") from None
 
 
 def require_broker(app: SdqCelery, what: str) -> None:

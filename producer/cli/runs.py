@@ -11,6 +11,7 @@ from sdq.models.tables import JobStatus
 from sdq.producer import display, lookups
 from sdq.producer.cli.common import (
     carry_out,
+    ensure_store,
     found,
     json_option,
     lookup,
@@ -68,6 +69,7 @@ def requeue(app: SdqCelery, run_id: int, as_json: bool) -> None:
     require_broker(app, "requeue")
     with app.sessions() as session, found():
         lookups.get_run(session, run_id)
+    ensure_store(app)
     sent = send_run(app, run_id, show=display.showing_progress(as_json))
     if as_json:
         display.print_json({"run_id": run_id, "jobs": sent.jobs, "tasks": sent.messages})
@@ -85,6 +87,7 @@ def resume(app: SdqCelery, run_id: int, wait: bool, as_json: bool) -> None:
     everything already stored: here without a broker, else sent to the workers."""
     with app.sessions() as session, found():
         run = lookups.get_run(session, run_id)
+    ensure_store(app)
     sent = carry_out(app, run_id, jobs=run.job_count, wait=wait, as_json=as_json)
     if sent:
         summary = {"run_id": run_id, "jobs": sent.jobs, "tasks": sent.messages}
@@ -119,6 +122,7 @@ def retry(app: SdqCelery, run_id: int, statuses: tuple[str, ...], as_json: bool)
     again (without a broker, done here). The history records who asked."""
     chosen = [JobStatus(status) for status in statuses] or list(RETRYABLE)
     asked_by = f"{getpass.getuser()}@{socket.gethostname()}"
+    ensure_store(app)
     with app.sessions.begin() as session, found():
         jobs = lookups.get_run(session, run_id).job_count
         job_ids = retry_jobs(session, run_id, chosen, asked_by=asked_by)

@@ -18,11 +18,11 @@ from sdq.models.store import LINK_SECONDS, StoreError
 from sdq.producer import display
 from sdq.producer.cli.common import (
     carry_out,
-    ensure_schema,
     found,
     json_option,
     lookup,
     pass_app,
+    ready_to_submit,
     report_submission,
     table,
 )
@@ -131,7 +131,7 @@ def download(
     rows again.
 
     Without a broker (SDQ_BROKER_URL unset) the work runs here, in this process."""
-    ensure_schema(app)
+    ready_to_submit(app)
     if retry_name:
         if lists or name:
             raise click.UsageError("--retry-failed NAME takes no LIST and no --dataset")

@@ -5,10 +5,10 @@ import click
 from sdq.models.registry import ModelNotFound, resolve_model
 from sdq.producer import display
 from sdq.producer.cli.common import (
-    ensure_schema,
     found,
     json_option,
     pass_app,
+    ready_to_submit,
     report_submission,
 )
 from sdq.producer.download.cli import carry_out_dataset_run
@@ -61,7 +61,7 @@ def encode(
     Without a broker (SDQ_BROKER_URL unset) the work runs here, in this process."""
     if resolution % VAE_SCALE:
         raise click.UsageError(f"--resolution {resolution} is not a multiple of {VAE_SCALE}")
-    ensure_schema(app)
+    ready_to_submit(app)
     submission = _submit(app, name, model, resolution, batch_size)
     if submission.images_at is not None:
         display.console.print(

@@ -14,12 +14,13 @@ from sdq.models.store import StoreError
 from sdq.models.tables import JobStatus
 from sdq.producer import display, lookups
 from sdq.producer.cli.common import (
-    ensure_schema,
+    ensure_store,
     exit_bad_input,
     found,
     json_option,
     lookup,
     pass_app,
+    ready_to_submit,
     report_submission,
     require_broker,
     send_run,
@@ -163,12 +164,7 @@ def prepare(app: SdqCelery, request: Request, *, show: bool) -> Submission:
         exit_bad_input(problems)
     except ValueError as error:
         raise click.UsageError(str(error)) from None
-    ensure_schema(app)
-    try:
-        # A store the workers cannot write to would fail every job: say so before any is made.
-        app.store.check()
-    except StoreError as error:
-        raise click.ClickException(f"object store {app.settings.store_url}: {error}") from None
+    ready_to_submit(app)
     try:
         with app.sessions() as session:
             model = resolve_model(request.model, store=app.store, session=session)
@@ -310,6 +306,7 @@ def get(app: SdqCelery, job: str, output: Path, as_json: bool) -> None:
     with app.sessions() as session, found():
         job_id = lookups.job_named(session, job)
         key = generate_lookups.job_image_key(session, job_id)
+    ensure_store(app)
     try:
         app.store.get_file(key, output)
     except StoreError as error:
@@ -333,6 +330,7 @@ def export(app: SdqCelery, run_id: int, folder: Path, format_: str, as_json: boo
     hash, file name) into FOLDER, for other tools."""
     with app.sessions() as session, found():
         rows = generate_lookups.export_rows(session, run_id)
+    ensure_store(app)
     try:
         files = export_run(rows, app.store, folder, run_id=run_id, format=format_)
     except StoreError as error:

@@ -24,12 +24,12 @@ from sdq.models.training import (
 )
 from sdq.producer import display
 from sdq.producer.cli.common import (
-    ensure_schema,
     exit_bad_input,
     found,
     json_option,
     lookup,
     pass_app,
+    ready_to_submit,
     report_submission,
     send_run,
     work_here,
@@ -301,7 +301,7 @@ def start(
     if train_options.unet_config is not None and can_plan():
         _check_fits(train_options, resolution, gpu_memory)
     _check_job_length(train_options, app.settings.time_limits[TRAIN.queue].soft)
-    ensure_schema(app)
+    ready_to_submit(app)
     submission = _submit(app, name, base, resume_from, resolution, train_options, into, prompts)
     if app.settings.embedded:
         steps = (train_options.steps, steps_done(app, submission.run_id))
