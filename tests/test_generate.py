@@ -7,6 +7,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from urllib.request import urlopen
@@ -27,7 +29,7 @@ from sdq.producer.generate.plan import Defaults, plan_jobs
 from sdq.producer.generate.prompts import read_prompts
 from sdq.producer.generate.submit import CHUNK, Batching, record_run
 from sdq.workers.app import create_app
-from tests.conftest import BUCKET, write
+from tests.conftest import BUCKET, ROOT, write
 from tests.services import wait_for
 
 
@@ -383,3 +385,31 @@ def test_an_s3_gallery_opens_over_http_by_its_presigned_link(worker, sdq, s3_cli
     fetched = sorted(urlopen(html.unescape(src), timeout=10).read() for src in sources)
     assert fetched == sorted(s3_object(s3_client, job["uri"]) for job in run["jobs"])
     assert ">e2e gallery kite<" in page and "seed 7" in page and "3 steps" in page
+
+
+def test_ctrl_c_on_wait_stops_the_watching_not_the_run(
+    own_deployment: dict[str, str], tmp_path: Path
+) -> None:
+    """No worker here: the run waits in the broker, and goes on waiting after Ctrl-C."""
+    prompts = write(tmp_path / "p.csv", "prompt\nwatched\nand left\n")
+    watching = subprocess.Popen(
+        [sys.executable, "-m", "sdq.producer.cli", "submit", str(prompts), "--wait"],
+        env=own_deployment, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    sessions = session_factory(make_engine(own_deployment["SDQ_DATABASE_URL"]))
+
+    def queued() -> bool:
+        with sessions() as session:
+            return session.scalar(select(func.count()).select_from(Job)) == 2
+
+    wait_for(queued, what="the run's jobs in the broker", timeout=60)
+    time.sleep(1)  # watching now
+    watching.send_signal(signal.SIGINT)
+    _, stderr = watching.communicate(timeout=60)
+    said = " ".join(stderr.split())
+    assert watching.returncode == 130, stderr
+    assert "Aborted" not in said
+    assert "stopped watching: run 1 goes on on the workers" in said
+    assert "`sdq resume 1 --wait` watches it again" in said
+    with sessions() as session:
+        assert set(session.scalars(select(Job.status))) == {JobStatus.queued}

@@ -131,7 +131,22 @@ def finished_jobs(app: SdqCelery, run_id: int) -> Callable[[], int]:
 
 def watch_run(app: SdqCelery, run_id: int, *, jobs: int, show: bool) -> None:
     """Waits for the run's jobs to finish, with a progress bar when `show`."""
-    display.watch(f"run {run_id}", jobs, finished_jobs(app, run_id), show=show)
+    with watching(run_id):
+        display.watch(f"run {run_id}", jobs, finished_jobs(app, run_id), show=show)
+
+
+@contextmanager
+def watching(run_id: int) -> Iterator[None]:
+    """Ctrl-C while the workers do a run stops the watching, not the run: say so, and how
+    to watch again."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        display.console.print(
+            f"stopped watching: run {run_id} goes on on the workers; "
+            f"`sdq resume {run_id} --wait` watches it again"
+        )
+        sys.exit(INTERRUPTED)
 
 
 def work_here(

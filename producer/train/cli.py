@@ -32,6 +32,7 @@ from sdq.producer.cli.common import (
     ready_to_submit,
     report_submission,
     send_run,
+    watching,
     work_here,
 )
 from sdq.producer.generate.prompts import InvalidInput, read_prompts
@@ -455,7 +456,8 @@ def _watch(app: SdqCelery, run_id: int, steps: int, *, show: bool) -> None:
         # run's end, which its closing says.
         return min(done(), steps - 1)
 
-    display.watch(f"train run {run_id}", steps, finished, show=show)
+    with watching(run_id):
+        display.watch(f"train run {run_id}", steps, finished, show=show)
 
 
 def _report_submission(submission: TrainSubmission, tasks: int, as_json: bool) -> None:
