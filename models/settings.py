@@ -122,6 +122,19 @@ class TrainSettings:
     # fetch and decode them (each fetch is itself several ranged GETs at once on S3).
     shards_ahead: int = 1
     fetch_threads: int = 4
+    # The most ranks a job may start on this machine (`sdq worker gpu --train-ranks N`
+    # sets it for its train worker); None: as many as a job asks for.
+    ranks: int | None = None
+
+    def too_many_ranks(self, run: int, ranks_per_node: int) -> str | None:
+        """Why this machine cannot take a node of a job of that many ranks a node."""
+        if self.ranks is None or ranks_per_node <= self.ranks:
+            return None
+        return (
+            f"train run {run} trains on {ranks_per_node} ranks a node; this worker was started "
+            f"with --train-ranks {self.ranks}: `sdq worker gpu --train-ranks "
+            f"{ranks_per_node}` starts one that can take it"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,6 +212,7 @@ class Settings:
                 loss_every=_int(env, "SDQ_TRAIN_LOSS_EVERY", TrainSettings.loss_every),
                 shards_ahead=_int(env, "SDQ_TRAIN_SHARDS_AHEAD", TrainSettings.shards_ahead),
                 fetch_threads=_int(env, "SDQ_TRAIN_FETCH_THREADS", TrainSettings.fetch_threads),
+                ranks=_int(env, "SDQ_TRAIN_RANKS", 0, minimum=0) or None,
             ),
             time_limits={queue: _time_limits(env, queue) for queue in QUEUES},
         )

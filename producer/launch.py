@@ -100,9 +100,12 @@ def gpu_workers(
         argv = celery_worker(
             (TRAIN.queue,), name="train", concurrency=1, prefetch=1, loglevel=loglevel
         )
-        commands.append(
-            WorkerCommand(argv, {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(group)})
-        )
+        environment = {
+            **os.environ,
+            "CUDA_VISIBLE_DEVICES": ",".join(group),
+            "SDQ_TRAIN_RANKS": str(train_ranks),
+        }
+        commands.append(WorkerCommand(argv, environment))
         queues = tuple(queue for queue in queues if queue != TRAIN.queue)
         if not queues or (group and not gpus):
             return commands

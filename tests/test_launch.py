@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -43,6 +44,7 @@ def test_training_gpus_serve_training_only_and_queues_narrow_the_others() -> Non
     commands = gpu_workers(["0", "1", "2", "3", "4"], loglevel="info", train_ranks=4)
     [train, render] = commands
     assert train.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert train.env["SDQ_TRAIN_RANKS"] == "4"  # the most a job may start there
     assert option(train.argv, "--queues") == "train"
     assert option(train.argv, "--hostname") == "train@%h"
     assert render.env["CUDA_VISIBLE_DEVICES"] == "4"
@@ -138,3 +140,50 @@ def test_a_worker_that_keeps_dying_is_started_again_for_ever_and_said_why(capsys
         delays += said.findall(capsys.readouterr().err)
         time.sleep(0.005)
     assert delays == ["0.01", "0.02", "0.04", "0.08", "0.08", "0.08", "0.08", "0.08"]
+
+
+def test_a_train_worker_refuses_a_job_of_more_ranks_than_it_was_started_with(
+    own_deployment: dict[str, str], tmp_path
+) -> None:
+    """`--train-ranks 1` without GPUs: a job of two ranks a node is dead at once, saying
+    which worker can take it; no rank is started."""
+    from sdq.models.db import make_engine, session_factory
+    from sdq.models.jobs.kinds import TRAIN
+    from sdq.models.tables import Job, JobStatus
+    from tests.test_jobs import new_run
+    from tests.test_train_rhythm import tiny_run
+
+    sessions = session_factory(make_engine(own_deployment["SDQ_DATABASE_URL"]))
+    spec = tiny_run(tmp_path)
+    two_ranks = replace(spec, options=replace(spec.options, world_size=2))
+    [job_id] = new_run(sessions, two_ranks.to_dict(), status=JobStatus.queued, kind=TRAIN)
+    log = tmp_path / "launcher.log"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "sdq.producer.cli", "worker", "gpu", "--train-ranks", "1",
+         "--queues", "train"],
+        env=own_deployment, stdout=log.open("ab"), stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: "ready." in log.read_text(), what="the train worker", timeout=90)
+        subprocess.run(
+            [sys.executable, "-m", "sdq.producer.cli", "resume", "1"],
+            env=own_deployment, check=True, capture_output=True,
+        )  # fmt: skip
+
+        def refused() -> bool:
+            with sessions() as session:
+                return session.get_one(Job, job_id).status == JobStatus.dead
+
+        wait_for(refused, what="the job refused", timeout=90)
+    finally:
+        os.kill(launcher.pid, signal.SIGTERM)
+        launcher.wait(60)
+    with sessions() as session:
+        job = session.get_one(Job, job_id)
+    assert job.attempts == 1
+    assert "train run 1 trains on 2 ranks a node; this worker was started with --train-ranks 1" in (
+        job.error
+    )
+    assert "`sdq worker gpu --train-ranks 2` starts one that can take it" in job.error
+    assert "rank_start" not in log.read_text()

@@ -34,6 +34,10 @@ def never() -> bool:
 
 @pytest.fixture
 def run(tmp_path: Path) -> TrainShardSpec:
+    return tiny_run(tmp_path)
+
+
+def tiny_run(tmp_path: Path) -> TrainShardSpec:
     """A run of 8 steps in two jobs of 4, over two shards of tiny-sized latents."""
     store = LocalStore(tmp_path / "store")
     inputs = []

@@ -320,6 +320,8 @@ def take_part(
         spec = TrainShardSpec.from_dict(job.spec) if job is not None else None
     if spec is None:
         return f"no job {job_id}"
+    if refusal := settings.too_many_ranks(spec.run, spec.options.ranks_per_node):
+        return f"not joined: {refusal}"  # the leader calls again, for another worker
     node = join(
         sessions, job_id, gathering, nodes=spec.options.nodes, worker=worker, settings=settings
     )

@@ -56,6 +56,10 @@ class NoGangHere(Exception):
     """A job over several nodes needs other workers to join it: not in one process."""
 
 
+class TooManyRanks(Exception):
+    """The job asks for more ranks a node than this worker was started with."""
+
+
 # Calls for the other nodes of a job's gang: (job id, gathering, how many).
 CallNodes = Callable[[int, int, int], None]
 
@@ -150,7 +154,7 @@ class Ahead:
 
 
 class TrainWork(Work):
-    permanent_errors = (ModelUnavailable, NoGangHere)
+    permanent_errors = (ModelUnavailable, NoGangHere, TooManyRanks)
     outage_errors = (*Work.outage_errors, gang.GangIncomplete)
 
     def __init__(
@@ -199,6 +203,8 @@ class TrainWork(Work):
 
     def _train(self, job: Job, spec: TrainShardSpec) -> "Done":
         started = perf_counter()
+        if refusal := self.settings.too_many_ranks(spec.run, spec.options.ranks_per_node):
+            raise TooManyRanks(refusal)
         if spec.first_step:
             with self.sessions() as session:
                 if checkpoint_at(session, spec.run, spec.first_step) is None:
