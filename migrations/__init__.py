@@ -12,7 +12,9 @@ from sqlalchemy import Engine
 def alembic_config(engine: Engine) -> Config:
     config = Config()
     config.set_main_option("script_location", str(Path(__file__).parent))
-    config.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False))
+    # The ini parser reads % as its interpolation: a URL's own (%3A, a password's) doubled.
+    url = engine.url.render_as_string(hide_password=False).replace("%", "%%")
+    config.set_main_option("sqlalchemy.url", url)
     return config
 
 

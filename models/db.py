@@ -32,17 +32,32 @@ IN_LIST_LIMIT = 10_000
 T = TypeVar("T")
 
 
-def make_engine(database_url: str) -> Engine:
+def make_engine(database_url: str, *, create: bool = True) -> Engine:
+    """An engine for the URL. An SQLite file is made on first connection, unless not
+    `create`: a command that only reads finds none rather than making an empty one."""
     url = make_url(database_url)
     if url.get_backend_name() == "postgresql" and url.drivername == "postgresql":
         url = url.set(drivername="postgresql+psycopg")
     if url.get_backend_name() != "sqlite":
         return create_engine(url, pool_pre_ping=True)
     if url.database and url.database != ":memory:":
-        Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+        if create:
+            Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+        else:
+            path = Path(url.database).absolute().as_posix()
+            url = url.set(database=f"file:{path}", query={"mode": "rw", "uri": "true"})
     engine = create_engine(url, connect_args={"timeout": 30})
     event.listen(engine, "connect", _sqlite_pragmas)
     return engine
+
+
+def missing_sqlite(database_url: str) -> Path | None:
+    """The SQLite file the URL names, when there is none."""
+    url = make_url(database_url)
+    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
+        return None
+    path = Path(url.database)
+    return None if path.exists() else path
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:

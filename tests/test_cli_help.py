@@ -65,3 +65,31 @@ def test_the_download_help_says_which_addresses_are_refused_and_how_to_open_them
     text = " ".join(shown.output.split())
     assert "SDQ_DOWNLOAD_ALLOW_NETWORKS" in text
     assert '--retry-failed NAME --reason "blocked address"' in text
+
+
+def test_typos_are_named_not_taken_for_something_else(tmp_path, monkeypatch) -> None:
+    """A command's name typed wrong is not a dataset, and a credential without its colon
+    is not a Flower that refuses everyone."""
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    typo = runner.invoke(main, ["train", "statuss", "5"], env={"SDQ_HOME": str(tmp_path)})
+    assert typo.exit_code == 2
+    assert "no command 'statuss': did you mean `sdq train status`?" in typo.output
+    flower = runner.invoke(
+        main, ["flower", "--basic-auth", "nocolon"], env={"SDQ_BROKER_URL": "redis://x:1/0"}
+    )
+    assert flower.exit_code == 2
+    assert "'nocolon' is not USER:PASSWORD" in flower.output
+
+
+def test_a_folder_without_an_embedded_home_says_so_and_makes_none(tmp_path, monkeypatch) -> None:
+    """`sdq runs` (or any look) run from another folder than the runs': the home it looked
+    in, and no fresh empty database made there."""
+    monkeypatch.chdir(tmp_path)
+    for command in (["runs"], ["sql", "SELECT count(*) FROM runs"], ["dataset", "list"]):
+        looked = CliRunner().invoke(main, command, env={"SDQ_HOME": None})
+        said = " ".join(looked.output.split())
+        assert looked.exit_code == 1, command
+        assert f"no sdq database at {tmp_path / 'sdq-data' / 'sdq.db'}" in said, command
+        assert "run it from the folder of your runs, or set SDQ_HOME" in said
+    assert not (tmp_path / "sdq-data").exists()

@@ -144,6 +144,16 @@ def test_blocked_hosts_are_explained_and_fetched_once_their_network_is_allowed(
         # fetched once it is open.
         untouched = sdq_json(env, "download", "--retry-failed", "mirror", cwd=tmp_path)
         assert untouched["by_status"] == {"failed": 3}
+        # A reason no sample failed for is a typo: the ones there are, not an empty run.
+        typo = subprocess.run(
+            [sys.executable, "-m", "sdq.producer.cli", "download", "--retry-failed", "mirror",
+             "--reason", "blocked"],
+            env=env, cwd=tmp_path, capture_output=True, text=True,
+        )  # fmt: skip
+        assert typo.returncode == 2
+        said = " ".join(typo.stderr.split())
+        assert "no sample of dataset 'mirror' failed for 'blocked'" in said
+        assert "its failures: 'blocked address' (3)" in said
         for _ in range(2):
             still = sdq_json(env, "download", "--retry-failed", "mirror", "--reason",
                              "blocked address", cwd=tmp_path)  # fmt: skip

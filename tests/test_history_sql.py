@@ -116,5 +116,11 @@ def test_embedded_history_is_sql_too(tmp_path: Path) -> None:
     run = sdq_json(env, "run", str(prompts), "--steps", "2")
     summary = sql(env, "SELECT run_id, succeeded FROM run_summary", "--json")
     assert json.loads(summary.stdout) == [{"run_id": run["run_id"], "succeeded": 1}]
+    as_csv = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", "sql", "--csv",
+         "SELECT run_id, succeeded FROM run_summary"],
+        env=env, cwd=ROOT, capture_output=True, timeout=120,
+    )  # fmt: skip
+    assert as_csv.stdout == f"run_id,succeeded\n{run['run_id']},1\n".encode()  # LF, as on POSIX
     refused = sql(env, "DROP TABLE jobs")
     assert refused.returncode == 2 and "sdq sql only reads" in refused.stderr

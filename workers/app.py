@@ -39,7 +39,8 @@ class SdqCelery(Celery):
 
     @cached_property
     def engine(self) -> Engine:
-        return make_engine(self.settings.database_url)
+        # Made by the commands that make runs (and `sdq db upgrade`), never by a look.
+        return make_engine(self.settings.database_url, create=False)
 
     @cached_property
     def sessions(self) -> sessionmaker[Session]:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from sdq.models.db import make_engine
 from sdq.models.jobs.kinds import POOL_QUEUES, Pool
 from sdq.models.registry import ModelNotFound, push_model
 from sdq.models.store import StoreError
@@ -37,8 +38,9 @@ def upgrade(app: SdqCelery, as_json: bool) -> None:
     folder) if it is not there: what a new deployment runs once, and each release."""
     from sdq.migrations import upgrade as upgrade_schema
 
-    upgrade_schema(app.engine)
-    database = app.engine.url.render_as_string()  # the password masked
+    engine = make_engine(app.settings.database_url)  # an embedded one is made here
+    upgrade_schema(engine)
+    database = engine.url.render_as_string()  # the password masked
     store = app.settings.store_url
     try:
         made = app.store.ensure()
@@ -191,6 +193,18 @@ def beat(app: SdqCelery, loglevel: str) -> None:
     app.Beat(scheduler="celery.beat:Scheduler", loglevel=loglevel.upper()).run()
 
 
+def _credentials(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """USER:PASSWORD pairs, each with both parts: one without would start a Flower that
+    refuses everyone."""
+    for pair in (value or "").split(","):
+        user, colon, password = pair.partition(":")
+        if value and not (user and colon and password):
+            raise click.BadParameter(
+                f"{pair!r} is not USER:PASSWORD (pairs separated by commas)", ctx, param
+            )
+    return value
+
+
 @click.command()
 @click.option(
     "--port",
@@ -203,6 +217,7 @@ def beat(app: SdqCelery, loglevel: str) -> None:
     "--basic-auth",
     "credentials",
     envvar="FLOWER_BASIC_AUTH",
+    callback=_credentials,
     metavar="USER:PASSWORD[,USER:PASSWORD]",
     help="Who may see it; also read from FLOWER_BASIC_AUTH.",
 )

@@ -13,6 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from sdq.models.db import make_engine
 from sdq.models.disks import free_space, full_disk
 from sdq.models.jobs.kinds import kind_named
 from sdq.models.jobs.lifecycle import Worker, release_jobs
@@ -69,18 +70,19 @@ def table(columns: list[str]) -> Callable[[list[dict[str, Any]]], None]:
     return lambda rows: display.stdout.print(display.rows_table(rows, columns))
 
 
-def ensure_schema(app: SdqCelery) -> None:
-    """Embedded SQLite is created on first use; a shared database is migrated on purpose."""
+def ensure_schema(app: SdqCelery, *, make: bool = False) -> None:
+    """Embedded SQLite is made by the commands that make runs (`make`) and migrated on
+    first use by any; a shared database is migrated on purpose."""
     from sdq.migrations import ready
 
-    if not ready(app.engine):
+    if not ready(make_engine(app.settings.database_url) if make else app.engine):
         raise click.ClickException("the database schema is not current: run `sdq db upgrade`")
 
 
 def ready_to_submit(app: SdqCelery) -> None:
     """What every command that makes a run checks before it writes anything: the schema,
     and a store the workers can write to (without one, every job would fail)."""
-    ensure_schema(app)
+    ensure_schema(app, make=True)
     ensure_store(app)
 
 

@@ -7,10 +7,12 @@ up (admin.py).
 
 import logging
 import os
+from pathlib import Path
 
 import click
 from sqlalchemy.exc import DBAPIError
 
+from sdq.models.db import missing_sqlite
 from sdq.models.disks import free_space, full_disk
 from sdq.models.settings import Settings
 from sdq.producer.cli import admin, runs, sql
@@ -40,6 +42,10 @@ class SdqGroup(click.Group):
         try:
             return super().invoke(ctx)
         except Exception as error:
+            if isinstance(error, DBAPIError) and (
+                missing := missing_sqlite(ctx.obj.settings.database_url)
+            ):
+                raise click.ClickException(_no_home(missing)) from None
             if isinstance(error, DBAPIError) and _no_schema(error):
                 raise click.ClickException(
                     "the database has no sdq tables yet: run `sdq db upgrade`"
@@ -64,6 +70,14 @@ def show_library_output(verbose: bool) -> None:
     warnings_log = logging.getLogger("py.warnings")
     warnings_log.addHandler(logging.NullHandler())
     warnings_log.propagate = False
+
+
+def _no_home(database: Path) -> str:
+    return (
+        f"no sdq database at {database.absolute()}: without SDQ_DATABASE_URL, sdq keeps its "
+        "runs in SDQ_HOME, ./sdq-data under the folder it is run from; run it from the "
+        "folder of your runs, or set SDQ_HOME to their sdq-data"
+    )
 
 
 def _no_schema(error: DBAPIError) -> bool:

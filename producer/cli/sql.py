@@ -56,7 +56,9 @@ def _print(rows: list[dict[str, Any]], columns: list[str], *, as_csv: bool, as_j
     if as_json:
         display.print_json(rows)
     elif as_csv:
-        writer = csv.writer(sys.stdout)
+        # csv's own line ending is the RFC's CRLF; POSIX tools (and `sdq sql ... > f.csv`
+        # read back by them) expect LF.
+        writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerow(columns)
         writer.writerows([row[column] for column in columns] for row in rows)
     else:

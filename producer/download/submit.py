@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.datasets import ImageOptions, ListColumns, SampleStatus, SliceSpec, is_transient
@@ -16,6 +16,7 @@ from sdq.models.tables import Job, JobStatus, Run
 from sdq.models.tables.download import Dataset, Sample, Shard
 from sdq.producer.download.lists import PlannedList, Slice, slices
 from sdq.producer.download.lookups import dataset_named
+from sdq.producer.errors import NotFound
 
 
 class DatasetMismatch(Exception):
@@ -78,6 +79,7 @@ def record_retry(
     wanted = (lambda reason: reason in reasons) if reasons else is_transient
     with sessions.begin() as session:
         dataset = dataset_named(session, name)
+        _check_reasons(session, dataset, reasons)
         failed: dict[int, list[str]] = {}
         for shard_id, key, reason in session.execute(
             select(Sample.shard_id, Sample.key, Sample.reason)
@@ -108,6 +110,26 @@ def record_retry(
         ]
         cached = add_jobs(session, run, DOWNLOAD, specs)
     return DownloadSubmission(run.id, name, len(specs), cached)
+
+
+def _check_reasons(session: Session, dataset: Dataset, reasons: Sequence[str]) -> None:
+    """A reason no sample failed for is a typo, not an empty retry: name the ones there are."""
+    counts = dict(
+        session.execute(
+            select(Sample.reason, func.count())
+            .where(Sample.dataset_id == dataset.id, Sample.status == SampleStatus.failed)
+            .group_by(Sample.reason)
+            .order_by(func.count().desc(), Sample.reason)
+        ).all()
+    )
+    unknown = [reason for reason in reasons if reason not in counts]
+    if unknown:
+        listing = ", ".join(f"{reason!r} ({count})" for reason, count in counts.items())
+        raise NotFound(
+            f"no sample of dataset {dataset.name!r} failed for "
+            + ", ".join(map(repr, unknown))
+            + f"; its failures: {listing or 'none'}"
+        )
 
 
 def _made(session: Session, dataset: Dataset) -> list[tuple[Shard, SliceSpec]]:

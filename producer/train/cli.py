@@ -1,5 +1,6 @@
 """The train commands: fit a base model's U-Net on a dataset's latents, and follow a run."""
 
+import difflib
 import functools
 import json
 from collections.abc import Callable
@@ -54,8 +55,21 @@ class TrainGroup(click.Group):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
+            _check_not_a_typo(args, [name for name in self.commands if name != "start"])
             args = ["start", *args]
         return super().parse_args(ctx, args)
+
+
+def _check_not_a_typo(args: list[str], commands: list[str]) -> None:
+    """`sdq train statuss 5` would start a run on dataset "statuss" and fail for want of
+    --steps: a first word near a command's name, without --steps, is that command typed
+    wrong."""
+    near = difflib.get_close_matches(args[0], commands, n=1, cutoff=0.75)
+    if near and "--steps" not in args:
+        raise click.UsageError(
+            f"no command {args[0]!r}: did you mean `sdq train {near[0]}`? (`sdq train NAME "
+            "--base M --steps N` trains on dataset NAME)"
+        )
 
 
 MIXED_PRECISION_OPTION = click.option(
