@@ -51,8 +51,8 @@ def gallery_key(run_id: int) -> str:
 
 
 def gallery_html(run_id: int, jobs: list[dict[str, Any]], image_link: ImageLink) -> str:
-    """`jobs`: dicts with source_line, subject, style, prompt, seed, status, spec_hash and
-    spec, in the run's order."""
+    """`jobs`: dicts with source_line, subject, style, prompt, seed, flagged, status,
+    spec_hash and spec, in the run's order."""
     styles = list(dict.fromkeys(job["style"] for job in jobs))
     cells: dict[tuple[int | None, str | None], list[dict[str, Any]]] = defaultdict(list)
     subjects: dict[int | None, str] = {}
@@ -66,7 +66,7 @@ def gallery_html(run_id: int, jobs: list[dict[str, Any]], image_link: ImageLink)
         )
         for line, subject in subjects.items()
     )
-    done = sum(job["status"] == "succeeded" for job in jobs)
+    done = sum(job["status"] == "succeeded" and not job["flagged"] for job in jobs)
     return PAGE.format(
         run_id=run_id,
         settings=html.escape(describe_settings([job["spec"] for job in jobs])),
@@ -103,6 +103,8 @@ def _figures(jobs: list[dict[str, Any]], image_link: ImageLink) -> str:
 
 
 def _figure(job: dict[str, Any], image_link: ImageLink) -> str:
+    if job["flagged"]:
+        return '<figure><div class="missing">flagged by the safety checker</div></figure>'
     if job["status"] != "succeeded":
         return f'<figure><div class="missing">{html.escape(job["status"])}</div></figure>'
     source = html.escape(image_link(job["spec_hash"]))
@@ -127,7 +129,7 @@ def gallery_jobs(session: Session, run_id: int) -> list[dict[str, Any]]:
     """What the page shows of each of the run's jobs, in the run's order."""
     rows = session.execute(
         select(Generation.source_line, Generation.subject, Generation.style, Generation.prompt,
-               Generation.seed, Job.status, Job.spec_hash, Job.spec)
+               Generation.seed, Generation.flagged, Job.status, Job.spec_hash, Job.spec)
         .join(Generation, Generation.job_id == Job.id)
         .where(Job.run_id == run_id)
         .order_by(Job.id)

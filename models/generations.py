@@ -47,6 +47,7 @@ class SharedSettings:
             spec.width,
             spec.height,
             spec.dtype,
+            spec.safety_check,
         )
         if settings not in self._known:
             template = CanonicalTemplate(spec.identity(), self.PER_IMAGE)

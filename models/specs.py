@@ -88,6 +88,9 @@ class GenerationSpec:
     # The VAE decodes in overlapping tiles, blended: memory bounded whatever the size, and
     # slightly other pixels than a whole decode, so it is in the spec (TILED_DECODE_PIXELS).
     vae_tiling: bool = False
+    # Each image through the model's safety checker (`--safety-check`); a flagged one is
+    # recorded as flagged and never stored. Off by default, as most serving runs it.
+    safety_check: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         # Not dataclasses.asdict (a recursive deep copy), nor fields() (a quarter of a
@@ -107,8 +110,11 @@ class GenerationSpec:
         revision is part of it."""
         identity = self.to_dict()
         del identity["model_name"], identity["model_source"]
-        if not self.vae_tiling:  # as specs were before tiling: their hashes stay theirs
+        # As specs were before these fields: their hashes stay theirs.
+        if not self.vae_tiling:
             del identity["vae_tiling"]
+        if not self.safety_check:
+            del identity["safety_check"]
         identity["version"] = SPEC_VERSION
         return identity
 

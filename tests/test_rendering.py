@@ -91,6 +91,33 @@ def tiny_folder(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def checked_folder(tmp_path_factory) -> Path:
+    """The tiny pipeline saved with a tiny safety checker that flags every image, as a real
+    SD 1.5 folder ships one (safety_checker/, feature_extractor/)."""
+    from diffusers.pipelines.stable_diffusion.safety_checker import StableDiffusionSafetyChecker
+    from transformers import CLIPConfig, CLIPImageProcessor
+
+    from sdq.workers.tiny import build_pipeline
+
+    small = {"hidden_size": 32, "intermediate_size": 37, "num_attention_heads": 4,
+             "num_hidden_layers": 1}  # fmt: skip
+    config = CLIPConfig(
+        text_config={**small, "vocab_size": 99},
+        vision_config={**small, "image_size": 32, "patch_size": 8},
+        projection_dim=16,
+    )
+    checker = StableDiffusionSafetyChecker(config)
+    checker.concept_embeds_weights.data.fill_(-2.0)  # below any cosine: every image flagged
+    features = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    pipeline = build_pipeline()
+    pipeline.register_modules(safety_checker=checker, feature_extractor=features)
+    pipeline.register_to_config(requires_safety_checker=True)
+    folder = tmp_path_factory.mktemp("models") / "tiny-checked"
+    pipeline.save_pretrained(folder)
+    return folder
+
+
 def run_json(sdq, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict]:
     result = sdq("run", *args, "--json", env=env)
     return result.exit_code, json.loads(result.stdout)
@@ -145,6 +172,41 @@ def test_every_model_source_loads_the_same_weights(sdq, tiny_folder, s3_client, 
     assert by_name["pushed-tiny"]["store_prefix"].startswith("models/pushed-tiny/")
 
 
+def test_safety_checking_is_a_choice_and_a_flagged_image_is_recorded_never_stored(
+    sdq, checked_folder, s3_client, tmp_path
+) -> None:
+    rows = "prompt,seed\nsafety: a lighthouse,1\nsafety: a harbour,2\n"
+    prompts = write(tmp_path / "p.csv", rows)
+    model = ["--steps", "2", "--model", str(checked_folder)]
+    # Off by default, though the model ships a checker: the images as rendered, not black.
+    code, plain = run_json(sdq, str(prompts), *model)
+    assert code == 0 and plain["counts"] == {"succeeded": 2}, plain
+    assert all(image.max() > 0 for image in images_by_seed(plain, s3_client).values())
+
+    for _ in range(2):  # the second time, nothing is served from the first: nothing was kept
+        code, checked = run_json(sdq, str(prompts), *model, "--safety-check")
+        assert code == 0 and checked["counts"] == {"succeeded": 2} and checked["cached"] == 0
+        assert [job["uri"] for job in checked["jobs"]] == [None, None]
+    run_id = checked["run_id"]
+    [summary] = json.loads(
+        sdq("sql", f"SELECT flagged FROM run_summary WHERE run_id = {run_id}", "--json").stdout
+    )
+    assert summary == {"flagged": 2}
+    history = sdq("sql", f"SELECT job_id, flagged FROM job_history WHERE run_id = {run_id}",
+                  "--json")  # fmt: skip
+    assert [row["flagged"] for row in json.loads(history.stdout)] == [True, True]
+    spec_hashes = {
+        json.loads(sdq("show", str(job["id"]), "--json").stdout)["spec_hash"]
+        for job in plain["jobs"] + checked["jobs"]
+    }
+    assert len(spec_hashes) == 4  # the choice is in the spec's hash
+    flagged = sdq("get", str(checked["jobs"][0]["id"]), "-o", str(tmp_path / "x.png"))
+    assert flagged.exit_code == 2 and "the safety checker flagged it" in flagged.output
+    bucket, _, key = checked["gallery"].removeprefix("s3://").partition("/")
+    page = s3_client.get_object(Bucket=bucket, Key=key)["Body"].read().decode()
+    assert page.count("flagged by the safety checker") == 2 and "<img" not in page
+
+
 def planned(prompt: str, model=None):
     model = model or tiny_identity()
     return list(
@@ -181,7 +243,9 @@ class Direct:
     worker: Worker = field(default_factory=lambda: Worker("test-host:1", "cpu"))
 
     def deliver(self, job_ids: list[int]) -> Outcome:
-        work = GenerateWork(store=self.store, pipelines=self.pipelines, batch_size=8)
+        work = GenerateWork(
+            store=self.store, sessions=self.sessions, pipelines=self.pipelines, batch_size=8
+        )
         return deliver(
             job_ids,
             work,

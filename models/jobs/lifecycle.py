@@ -48,8 +48,8 @@ class Worker:
 @dataclass(frozen=True)
 class Output:
     job_id: int
-    uri: str
-    sha256: str
+    uri: str | None  # None: done, with nothing to keep (an image the safety checker flagged)
+    sha256: str | None
     work_seconds: float | None
     cached: bool = False
     setup_seconds: float | None = None  # this job's share of loading what the work needed
@@ -439,7 +439,9 @@ def stored_outputs(session: Session, spec_hashes: Iterable[str]) -> dict[str, tu
     for chunk in chunked(sorted(set(spec_hashes))):
         rows = session.execute(
             select(Job.spec_hash, Job.output_uri, Job.output_sha256).where(
-                among_digests(session, Job.spec_hash, chunk), Job.status == JobStatus.succeeded
+                among_digests(session, Job.spec_hash, chunk),
+                Job.status == JobStatus.succeeded,
+                Job.output_uri.is_not(None),
             )
         )
         for spec_hash, uri, digest in rows:

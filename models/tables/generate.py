@@ -1,6 +1,6 @@
 """What only generation jobs have: the prompt, style, model and seed, one row per job."""
 
-from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import BigInteger, Boolean, ForeignKey, Index, Integer, String, Text, false
 from sqlalchemy.orm import Mapped, mapped_column
 
 from sdq.models.tables import Base, Id
@@ -24,6 +24,8 @@ class Generation(Base):
     source_line: Mapped[int | None] = mapped_column(Integer)
     # Jobs with equal keys can share one pipeline call.
     batch_key: Mapped[str] = mapped_column(String(64))
+    # The model's safety checker flagged the image (`--safety-check`): done, not stored.
+    flagged: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     __table_args__ = (
         # Trigram GIN index: `prompt ILIKE '%castle%'` stays an index scan at millions of rows.

@@ -102,6 +102,9 @@ def generation_options(command):
         click.option("--sampler", type=click.Choice(list(SAMPLERS)),
                      help="The sampler: a diffusers scheduler on the model's noise schedule "
                           "[default: the model's own scheduler]"),
+        click.option("--safety-check", is_flag=True,
+                     help="Run each image through the model's safety checker: a flagged "
+                          "one is recorded as flagged, not stored [default: off]"),
         click.option("--batch-size", type=click.IntRange(1, 256),
                      help="Images per pipeline call [default: SDQ_BATCH_SIZE or 8]"),
         json_option,
@@ -138,6 +141,7 @@ class Request:
                 negative_prompt=options["negative_prompt"],
                 dtype=options["dtype"],
                 sampler=options["sampler"],
+                safety_check=options["safety_check"],
             ),
             batch_size=options["batch_size"],
         )

@@ -66,6 +66,8 @@ def job_image_key(session: Session, job_id: int) -> str:
         raise NotFound(f"no job {job_id}")
     if job.status != JobStatus.succeeded:
         raise NotFound(f"job {job_id} has no image: it is {job.status}")
+    if job.output_uri is None:
+        raise NotFound(f"job {job_id} has no image: the safety checker flagged it")
     return image_key(job.spec_hash)
 
 
@@ -82,6 +84,7 @@ def export_rows(session: Session, run_id: int) -> list[dict[str, Any]]:
                Generation.seed, Generation.source_line)
         .join(Generation, Generation.job_id == Job.id)
         .where(Job.run_id == run_id, Job.status == JobStatus.succeeded)
+        .where(Job.output_uri.is_not(None))  # not the flagged, which have no image
         .order_by(Job.id)
     )  # fmt: skip
     return [

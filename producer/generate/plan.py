@@ -29,6 +29,7 @@ class Defaults:
     negative_prompt: str = ""
     dtype: str | None = None  # None: the model's preferred precision
     sampler: str | None = None  # None: the model's own scheduler
+    safety_check: bool = False
 
 
 def plan_jobs(
@@ -82,4 +83,5 @@ def _spec(
         height=height,
         dtype=defaults.dtype or model.default_dtype,
         vae_tiling=width * height > TILED_DECODE_PIXELS,
+        safety_check=defaults.safety_check,
     )

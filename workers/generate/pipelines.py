@@ -11,10 +11,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from time import perf_counter
 
+import numpy as np
 import torch
 from diffusers import AutoPipelineForText2Image, DiffusionPipeline, StableDiffusionPipeline
 from diffusers import schedulers as diffusers_schedulers
+from diffusers.pipelines.stable_diffusion.safety_checker import StableDiffusionSafetyChecker
 from PIL.Image import Image
+from transformers import CLIPImageProcessor
 
 from sdq.models import tiny
 from sdq.models.specs import TILED_DECODE_PIXELS, GenerationSpec
@@ -72,6 +75,7 @@ class PipelineCache:
         self.prompt_cache_size = prompt_cache_size
         self.compile_mode = compile_mode
         self._loaded: OrderedDict[tuple[str, str, torch.dtype], Loaded] = OrderedDict()
+        self._checkers: dict[tuple[str, str, torch.dtype], SafetyChecker] = {}
 
     def get(self, spec: GenerationSpec) -> tuple[Loaded, float | None]:
         """The spec's pipeline, and the seconds it took to load it now (None: it was
@@ -90,7 +94,33 @@ class PipelineCache:
 
     def clear(self) -> None:
         self._loaded.clear()
+        self._checkers.clear()
         release_device_memory()
+
+    def safety_checker(self, spec: GenerationSpec) -> "SafetyChecker":
+        """The model's own safety checker, loaded the first time a spec asks for it."""
+        key = (spec.model_source, spec.model_revision, torch_dtype(spec.dtype))
+        if key not in self._checkers:
+            self._checkers[key] = self._load_checker(spec)
+        return self._checkers[key]
+
+    def _load_checker(self, spec: GenerationSpec) -> "SafetyChecker":
+        if spec.model_source == tiny.TINY_NAME:
+            raise PipelineError(f"model {spec.model_name} has no safety checker")
+        where = self.files.locate(spec.model_source, spec.model_revision)
+        try:
+            model = StableDiffusionSafetyChecker.from_pretrained(
+                where.path, subfolder="safety_checker", revision=where.revision
+            )
+            features = CLIPImageProcessor.from_pretrained(
+                where.path, subfolder="feature_extractor", revision=where.revision
+            )
+        except OSError as error:
+            raise PipelineError(
+                f"model {spec.model_name} has no safety checker to run (--safety-check): {error}"
+            ) from error
+        model = model.to(device_name(), dtype=torch_dtype(spec.dtype)).eval()
+        return SafetyChecker(model, features)
 
     def _load(self, spec: GenerationSpec) -> DiffusionPipeline:
         dtype = torch_dtype(spec.dtype)
@@ -99,8 +129,14 @@ class PipelineCache:
             pipeline = build_pipeline()
         else:
             where = self.files.locate(spec.model_source, spec.model_revision)
+            # Without the model's safety checker: a spec that asks for one runs it apart
+            # (SafetyChecker), so a flagged image is known as such, never a black one.
             pipeline = AutoPipelineForText2Image.from_pretrained(
-                where.path, revision=where.revision, dtype=dtype
+                where.path,
+                revision=where.revision,
+                dtype=dtype,
+                safety_checker=None,
+                requires_safety_checker=False,
             )
         if pipeline.dtype != dtype:
             pipeline = pipeline.to(dtype=dtype)
@@ -113,6 +149,24 @@ class PipelineCache:
         if self.compile_mode:
             compile_pipeline(pipeline, self.compile_mode)
         return pipeline
+
+
+@dataclass(frozen=True)
+class SafetyChecker:
+    """A model's safety checker as the pipeline would run it, asked only which images it
+    flags: the pipeline's own use blacks them out, and a black image would be stored."""
+
+    model: StableDiffusionSafetyChecker
+    features: CLIPImageProcessor
+
+    def flagged(self, images: list[Image]) -> list[bool]:
+        inputs = self.features(images, return_tensors="pt").pixel_values
+        inputs = inputs.to(self.model.device, self.model.dtype)
+        # The checker blacks out what it flags in `images`: it gets placeholders.
+        placeholders = np.zeros((len(images), 1, 1, 3))
+        with torch.inference_mode():
+            _, flags = self.model(clip_input=inputs, images=placeholders)
+        return [bool(flag) for flag in flags]
 
 
 def compile_pipeline(pipeline: DiffusionPipeline, mode: str) -> None:

@@ -21,6 +21,7 @@ def generate(self, job_ids: list[int], batch_size: int | None = None) -> dict[st
         hold(GENERATE.name, pipelines(app).clear)
         return GenerateWork(
             store=app.store,
+            sessions=app.sessions,
             pipelines=pipelines(app),
             batch_size=batch_size or app.settings.generate.batch_size,
         )

@@ -8,12 +8,15 @@ from time import perf_counter
 from typing import TYPE_CHECKING
 
 from PIL.Image import Image
+from sqlalchemy import update
+from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.jobs.delivery import Work
 from sdq.models.jobs.lifecycle import Output
 from sdq.models.specs import GenerationSpec, batches, image_key
 from sdq.models.store import ObjectStore
 from sdq.models.tables import Job
+from sdq.models.tables.generate import Generation
 from sdq.workers.generate.images import encode_png, sha256
 from sdq.workers.weights import ModelUnavailable
 
@@ -32,8 +35,16 @@ class GenerateWork(Work):
     # everything else (store down, out of memory, time limit) may pass on another try.
     permanent_errors = (PipelineError, ModelUnavailable, ValueError)
 
-    def __init__(self, *, store: ObjectStore, pipelines: "PipelineCache", batch_size: int):
+    def __init__(
+        self,
+        *,
+        store: ObjectStore,
+        sessions: sessionmaker[Session],
+        pipelines: "PipelineCache",
+        batch_size: int,
+    ):
         self.store = store
+        self.sessions = sessions
         self.pipelines = pipelines
         self.batch_size = batch_size
 
@@ -56,13 +67,36 @@ class GenerateWork(Work):
                     setup=loading / len(call) if loading is not None else None,
                     work=(perf_counter() - started) / len(call),
                 )
+                flagged = self._flagged(call, specs, images)
                 # The previous call's uploads had this call's rendering to finish in.
                 yield from (upload.result() for upload in previous)
+                yield from (Output(i, None, None, work_seconds=timing.work) for i in flagged)
                 previous = [
                     uploads.submit(self._store, by_id[job_id], specs[job_id], image, timing)
                     for job_id, image in zip(call, images, strict=True)
+                    if job_id not in flagged
                 ]
             yield from (upload.result() for upload in previous)
+
+    def _flagged(
+        self, call: list[int], specs: dict[int, GenerationSpec], images: list[Image]
+    ) -> set[int]:
+        """The call's jobs whose image the safety checker flags, where their spec asks for
+        it, recorded as flagged: each is done, with no image stored or kept."""
+        checked = [
+            (i, image) for i, image in zip(call, images, strict=True) if specs[i].safety_check
+        ]
+        if not checked:
+            return set()
+        checker = self.pipelines.safety_checker(specs[checked[0][0]])
+        flags = checker.flagged([image for _, image in checked])
+        flagged = {job_id for (job_id, _), flag in zip(checked, flags, strict=True) if flag}
+        if flagged:
+            with self.sessions.begin() as session:
+                session.execute(
+                    update(Generation).where(Generation.job_id.in_(flagged)).values(flagged=True)
+                )
+        return flagged
 
     def _store(self, job: Job, spec: GenerationSpec, image: Image, timing: "Timing") -> Output:
         data = encode_png(image, spec, job.spec_hash)
