@@ -16,7 +16,15 @@ import redis
 
 from sdq.models.galleries import gallery_key
 from sdq.models.jobs.maintenance import EXPIRED
-from tests.conftest import BUCKET, BeatProcess, WorkerProcess, sdq_json, wait_for_run, write
+from tests.conftest import (
+    BUCKET,
+    ROOT,
+    BeatProcess,
+    WorkerProcess,
+    sdq_json,
+    wait_for_run,
+    write,
+)
 from tests.services import free_port, listening, wait_for
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
@@ -118,6 +126,46 @@ def test_a_worker_killed_with_its_whole_pool_has_its_jobs_finished_after_the_lea
         stop([gpu, *helpers])
     expired = {job for job, status, detail in events(database_url, run_id) if detail == EXPIRED}
     assert expired, "the killed worker's jobs came back through the lease sweep"
+
+
+def test_a_worker_whose_clock_is_behind_keeps_its_leases_and_does_every_job_once(
+    heal_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Leases are set and judged by the database's clock: the leases a worker five minutes
+    behind takes run their length for the sweep (beat, on a true clock) too, and no job is
+    sent again. (Its Python processes read a skewed wall clock: tests/skewed_clock.)"""
+    env = {**heal_env, "SDQ_LEASE_SECONDS": "6"}
+    skewed_env = {
+        **env,
+        "PYTHONPATH": os.pathsep.join(
+            [str(ROOT / "tests" / "skewed_clock"), env.get("PYTHONPATH", "")]
+        ),
+        "SDQ_TEST_CLOCK_SKEW": "-300",
+    }
+    database_url = env["SDQ_DATABASE_URL"]
+    processes = started(
+        WorkerProcess(skewed_env, tmp_path / "gpu.log"),
+        WorkerProcess(env, tmp_path / "cpu.log", pool="cpu"),
+        BeatProcess(env, tmp_path / "beat.log"),
+    )
+    try:
+        listing = prompts(tmp_path, 24, "skewed clock")
+        run_id = sdq_json(env, "submit", str(listing), "--steps", "20")["run_id"]
+        assert wait_for_run(database_url, run_id) == {"succeeded": 24}
+    finally:
+        stop(processes)
+    history = events(database_url, run_id)
+    assert not [job for job, _, detail in history if detail in (EXPIRED, RESENT)]
+    claims = Counter(job for job, status, _ in history if status == "running")
+    assert set(claims.values()) == {1}  # each job claimed once: done once
+    with psycopg.connect(database_url) as connection:
+        [behind] = connection.execute(
+            "SELECT min(extract(epoch FROM r.created_at - e.at)) FROM job_events e "
+            "JOIN jobs j ON j.id = e.job_id JOIN runs r ON r.id = j.run_id "
+            "WHERE j.run_id = %s AND e.status = 'succeeded'",
+            (run_id,),
+        ).fetchone()
+    assert behind > 200  # the worker stamped its successes by its own clock, minutes behind
 
 
 def test_jobs_submitted_while_the_broker_is_down_are_sent_when_it_is_back(
