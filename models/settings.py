@@ -67,6 +67,12 @@ class GenerateSettings:
     # Texts (prompts, negative prompts) whose text-encoder output each loaded pipeline
     # keeps: 118 kB each for Stable Diffusion 1.5 in float16; 0 encodes every call anew.
     prompt_cache_size: int = 1024
+    # A Redis (redis://host:6379/3) that every generate worker shares text embeddings in,
+    # in front of their own: a text is encoded once for all GPUs, and for every model with
+    # the same text encoder. Holds at most shared_prompt_cache_size texts (158 kB each for
+    # SD 2 in float16), the least recently used dropped first. None: each its own.
+    prompt_cache_url: str | None = None
+    shared_prompt_cache_size: int = 10_000
     # torch.compile's mode for the U-Net and the VAE decoder, compiled once per process
     # (with fused QKV projections, channels-last); None: not compiled. The first calls of
     # each shape pay minutes of compiling; long-running GPU workers earn it back.
@@ -191,6 +197,8 @@ class Settings:
                 calls_per_task=_int(env, "SDQ_CALLS_PER_TASK", 4),
                 pipeline_cache_size=_int(env, "SDQ_PIPELINE_CACHE_SIZE", 1),
                 prompt_cache_size=_int(env, "SDQ_PROMPT_CACHE_SIZE", 1024, minimum=0),
+                prompt_cache_url=env.get("SDQ_PROMPT_CACHE_URL") or None,
+                shared_prompt_cache_size=_int(env, "SDQ_SHARED_PROMPT_CACHE_SIZE", 10_000),
                 compile_mode=_compile_mode(env),
             ),
             download=DownloadSettings(

@@ -568,3 +568,53 @@ def test_a_task_of_another_kind_lets_the_loaded_pipelines_go(tmp_path) -> None:
     assert again is not loaded and loading is not None  # let go, loaded anew
     hold("generate", cache.clear)
     assert let_go == ["encoders"]
+
+
+def test_workers_share_each_text_s_embedding_once_per_text_encoder(redis_port, tmp_path) -> None:
+    """Two workers' pipelines over one Redis: the second encodes nothing the first did, and
+    renders the same pixels; the cache keeps its bound; another text encoder shares
+    nothing; a cache that cannot be reached only means encoding here."""
+    import redis
+
+    from sdq.workers.generate.shared_prompts import LAST_USED, SharedPrompts, text_encoder_digest
+    from sdq.workers.tiny import build_pipeline, fill_weights
+
+    url = f"redis://127.0.0.1:{redis_port}/4"
+    redis.Redis.from_url(url).flushdb()
+    files = ModelFiles(LocalStore(tmp_path / "store"), tmp_path / "cache")
+
+    def worker(shared: SharedPrompts) -> PipelineCache:
+        return PipelineCache(files=files, size=1, prompt_cache_size=8, shared_prompts=shared)
+
+    calls = [specs("a cat", "a boat"), specs("a boat", "a dog")]
+    rendered = []
+    for cache in (worker(SharedPrompts(url, 100)), worker(SharedPrompts(url, 100))):
+        loaded, _ = cache.get(calls[0][0])
+        images = [pixels(image) for call in calls for image in render(loaded, call)]
+        rendered.append((loaded.prompts, images))
+    (first, first_images), (second, second_images) = rendered
+    assert first.encoded == 4  # "a cat", "a boat", the empty negative prompt, "a dog"
+    assert second.encoded == 0
+    assert all(np.array_equal(a, b) for a, b in zip(first_images, second_images, strict=True))
+    # Each kept row is a copy of its own, not a view holding its call's whole tensor.
+    for kept in (first, second):
+        for row in kept._kept.values():
+            assert row.untyped_storage().nbytes() == row.numel() * row.element_size()
+
+    pipeline = build_pipeline()
+    tiny_digest = text_encoder_digest(pipeline)
+    assert text_encoder_digest(build_pipeline()) == tiny_digest  # the same weights, one key
+    fill_weights(pipeline.text_encoder, seed=7)
+    assert text_encoder_digest(pipeline) != tiny_digest  # another encoder shares nothing
+
+    bounded = SharedPrompts(url, 2).for_encoder(tiny_digest)
+    for text in ("one", "two", "three"):  # the least recently used goes first
+        bounded.put({text: torch.zeros(3)})
+    assert redis.Redis.from_url(url).zcard(LAST_USED) == 2
+    assert list(bounded.get(["one", "two", "three"])) == ["two", "three"]
+
+    unreachable = SharedPrompts(f"redis://127.0.0.1:{free_port()}/0", 100)
+    loaded, _ = worker(unreachable).get(calls[0][0])
+    alone = [pixels(image) for image in render(loaded, calls[0])]
+    assert all(np.array_equal(a, b) for a, b in zip(alone, first_images[:2], strict=True))
+    assert loaded.prompts.encoded == 3

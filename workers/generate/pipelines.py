@@ -21,6 +21,7 @@ from transformers import CLIPImageProcessor
 
 from sdq.models import tiny
 from sdq.models.specs import TILED_DECODE_PIXELS, GenerationSpec
+from sdq.workers.generate.shared_prompts import EncoderPrompts, SharedPrompts, text_encoder_digest
 from sdq.workers.generate.work import PipelineError
 from sdq.workers.gpu import device_name, release_device_memory, torch_dtype
 from sdq.workers.tiny import build_pipeline
@@ -29,20 +30,33 @@ from sdq.workers.weights import ModelFiles, check_tiny_revision
 
 class PromptEmbeddings:
     """The text encoder's output for the last `size` texts (prompts and negative prompts
-    alike) of one loaded pipeline, least recently used evicted first."""
+    alike) of one loaded pipeline, least recently used evicted first; in front of the
+    deployment's shared ones (`shared`), where there are.
 
-    def __init__(self, size: int) -> None:
+    Each text's row is a copy of its own: a view would keep its whole call's tensor on the
+    device for as long as any one of its texts is kept."""
+
+    def __init__(self, size: int, shared: "EncoderPrompts | None" = None) -> None:
         self.size = size
+        self.shared = shared
         self.encoded = 0  # texts the text encoder has run on, for the benchmarks and tests
         self._kept: OrderedDict[str, torch.Tensor] = OrderedDict()
 
     def __call__(self, pipeline: StableDiffusionPipeline, texts: list[str]) -> torch.Tensor:
-        """The embeddings of `texts`, in order; the ones not kept are encoded in one call."""
+        """The embeddings of `texts`, in order; the ones neither kept here nor shared are
+        encoded in one call (and shared)."""
         missing = [text for text in dict.fromkeys(texts) if text not in self._kept]
+        if missing and self.shared:
+            found = self.shared.get(missing)
+            self._kept.update((text, row.to(pipeline.device)) for text, row in found.items())
+            missing = [text for text in missing if text not in found]
         if missing:
             encoded, _ = pipeline.encode_prompt(missing, pipeline.device, 1, False)
-            self._kept.update(zip(missing, encoded, strict=True))
+            rows = {text: row.clone() for text, row in zip(missing, encoded, strict=True)}
+            self._kept.update(rows)
             self.encoded += len(missing)
+            if self.shared:
+                self.shared.put(rows)
         for text in texts:
             self._kept.move_to_end(text)
         embeddings = torch.stack([self._kept[text] for text in texts])
@@ -68,11 +82,13 @@ class PipelineCache:
         files: ModelFiles,
         size: int,
         prompt_cache_size: int = 1024,
+        shared_prompts: SharedPrompts | None = None,
         compile_mode: str | None = None,
     ) -> None:
         self.files = files
         self.size = size
         self.prompt_cache_size = prompt_cache_size
+        self.shared_prompts = shared_prompts
         self.compile_mode = compile_mode
         self._loaded: OrderedDict[tuple[str, str, torch.dtype], Loaded] = OrderedDict()
         self._checkers: dict[tuple[str, str, torch.dtype], SafetyChecker] = {}
@@ -88,9 +104,18 @@ class PipelineCache:
             self._loaded.popitem(last=False)
             release_device_memory()
         started = perf_counter()
-        loaded = Loaded(self._load(spec), PromptEmbeddings(self.prompt_cache_size))
+        pipeline = self._load(spec)
+        loaded = Loaded(pipeline, PromptEmbeddings(self.prompt_cache_size, self._shared(pipeline)))
         self._loaded[key] = loaded
         return loaded, perf_counter() - started
+
+    def _shared(self, pipeline: DiffusionPipeline) -> "EncoderPrompts | None":
+        """The deployment's shared embeddings of the pipeline's text encoder, where there
+        are (Stable Diffusion pipelines: one text encoder, whose output is all a prompt
+        becomes)."""
+        if self.shared_prompts is None or not isinstance(pipeline, StableDiffusionPipeline):
+            return None
+        return self.shared_prompts.for_encoder(text_encoder_digest(pipeline))
 
     def clear(self) -> None:
         self._loaded.clear()

@@ -33,10 +33,16 @@ def generate(self, job_ids: list[int], batch_size: int | None = None) -> dict[st
 def pipelines(app: SdqCelery):
     """This process's loaded pipelines, made on the first task, after any fork."""
     from sdq.workers.generate.pipelines import PipelineCache
+    from sdq.workers.generate.shared_prompts import SharedPrompts
 
+    settings = app.settings.generate
+    shared = settings.prompt_cache_url and SharedPrompts(
+        settings.prompt_cache_url, settings.shared_prompt_cache_size
+    )
     return PipelineCache(
         files=ModelFiles(app.store, app.settings.model_cache_dir),
-        size=app.settings.generate.pipeline_cache_size,
-        prompt_cache_size=app.settings.generate.prompt_cache_size,
-        compile_mode=app.settings.generate.compile_mode,
+        size=settings.pipeline_cache_size,
+        prompt_cache_size=settings.prompt_cache_size,
+        shared_prompts=shared or None,
+        compile_mode=settings.compile_mode,
     )
