@@ -74,9 +74,14 @@ class GenerateSettings:
     prompt_cache_url: str | None = None
     shared_prompt_cache_size: int = 10_000
     # torch.compile's mode for the U-Net and the VAE decoder, compiled once per process
-    # (with fused QKV projections, channels-last); None: not compiled. The first calls of
-    # each shape pay minutes of compiling; long-running GPU workers earn it back.
+    # (with fused QKV projections, channels-last, static shapes; "max-autotune" and
+    # "reduce-overhead" replay CUDA graphs); None: not compiled. Each new shape compiles
+    # on first use (minutes): calls are padded up to the next of compile_batches, and
+    # every one of them at each of warm_shapes (width, height) compiles when the pipeline
+    # loads, before it renders a job.
     compile_mode: str | None = None
+    compile_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
+    warm_shapes: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,6 +205,8 @@ class Settings:
                 prompt_cache_url=env.get("SDQ_PROMPT_CACHE_URL") or None,
                 shared_prompt_cache_size=_int(env, "SDQ_SHARED_PROMPT_CACHE_SIZE", 10_000),
                 compile_mode=_compile_mode(env),
+                compile_batches=_batches(env, "SDQ_COMPILE_BATCHES"),
+                warm_shapes=_shapes(env, "SDQ_WARM_SHAPES"),
             ),
             download=DownloadSettings(
                 threads=_int(env, "SDQ_DOWNLOAD_THREADS", 32),
@@ -230,11 +237,38 @@ def _compile_mode(env: Mapping[str, str]) -> str | None:
     """SDQ_COMPILE=1 compiles, in SDQ_COMPILE_MODE (torch.compile's modes)."""
     if env.get("SDQ_COMPILE", "0") not in ("1", "true", "yes"):
         return None
-    mode = env.get("SDQ_COMPILE_MODE") or "max-autotune-no-cudagraphs"
+    mode = env.get("SDQ_COMPILE_MODE") or "max-autotune"
     if mode not in COMPILE_MODES:
         choices = ", ".join(COMPILE_MODES)
         raise ValueError(f"SDQ_COMPILE_MODE must be one of {choices}, got {mode!r}")
     return mode
+
+
+def _batches(env: Mapping[str, str], name: str) -> tuple[int, ...]:
+    """`1,2,4,8,16`: batch sizes, ascending."""
+    raw = env.get(name)
+    if not raw:
+        return GenerateSettings.compile_batches
+    try:
+        sizes = sorted({int(part) for part in raw.split(",") if part.strip()})
+    except ValueError:
+        raise ValueError(f"{name} must be batch sizes such as 1,2,4,8,16, got {raw!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"{name} must be batch sizes of at least 1, got {raw!r}")
+    return tuple(sizes)
+
+
+def _shapes(env: Mapping[str, str], name: str) -> tuple[tuple[int, int], ...]:
+    """`512x512,768x768`: (width, height) pairs, multiples of 8."""
+    shapes = []
+    for part in (part.strip() for part in env.get(name, "").split(",")):
+        width, _, height = part.partition("x")
+        if not part:
+            continue
+        if not (width.isdigit() and height.isdigit()) or int(width) % 8 or int(height) % 8:
+            raise ValueError(f"{name}: {part!r} is not WIDTHxHEIGHT in multiples of 8")
+        shapes.append((int(width), int(height)))
+    return tuple(shapes)
 
 
 def _time_limits(env: Mapping[str, str], queue: str) -> TimeLimits:

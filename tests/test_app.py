@@ -63,3 +63,17 @@ def test_settings_default_to_the_embedded_deployment() -> None:
     assert settings.generate.batch_size == 8 and settings.jobs.max_attempts == 3
     with pytest.raises(ValueError, match="SDQ_MAX_ATTEMPTS must be an integer, got 'three'"):
         Settings.from_env({"SDQ_MAX_ATTEMPTS": "three"})
+
+
+def test_compiled_shapes_are_read_and_checked() -> None:
+    compiled = Settings.from_env(
+        {"SDQ_COMPILE": "1", "SDQ_COMPILE_BATCHES": "4,1,2", "SDQ_WARM_SHAPES": "512x512,768x640"}
+    ).generate
+    assert compiled.compile_mode == "max-autotune"  # CUDA graphs, where there is CUDA
+    assert compiled.compile_batches == (1, 2, 4)
+    assert compiled.warm_shapes == ((512, 512), (768, 640))
+    assert Settings.from_env({}).generate.compile_batches == (1, 2, 4, 8, 16)
+    with pytest.raises(ValueError, match="SDQ_WARM_SHAPES: '512x51' is not WIDTHxHEIGHT"):
+        Settings.from_env({"SDQ_WARM_SHAPES": "512x51"})
+    with pytest.raises(ValueError, match="SDQ_COMPILE_BATCHES must be batch sizes"):
+        Settings.from_env({"SDQ_COMPILE_BATCHES": "0,2"})

@@ -16,6 +16,7 @@ GPU_MODULES = {
     "workers/tiny.py",
     "workers/sd15.py",
     "workers/generate/pipelines.py",
+    "workers/generate/shared_prompts.py",
     "workers/encode/encoders.py",
     "workers/train/trainer.py",
     "workers/train/job.py",

@@ -544,12 +544,44 @@ def test_a_compiling_worker_compiles_its_pipeline_once_with_fused_attention(tmp_
     loaded, _ = cache.get(specs("x")[0])
     pipeline = loaded.pipeline
     assert type(pipeline.unet).__name__ == "OptimizedModule"
-    assert hasattr(pipeline.vae.decode, "_torchdynamo_orig_callable")  # a compiled function
+    assert type(pipeline.vae.decoder).__name__ == "OptimizedModule"
     attention = next(m for m in pipeline.unet.modules() if type(m).__name__ == "Attention")
     assert attention.fused_projections
     conv = next(m for m in pipeline.unet.modules() if isinstance(m, torch.nn.Conv2d))
     assert conv.weight.is_contiguous(memory_format=torch.channels_last)
     assert cache.get(specs("y")[0]) == (loaded, None)  # once per process
+
+
+def test_a_compiled_pipeline_meets_only_the_shapes_it_warmed(tmp_path) -> None:
+    """SDQ_COMPILE with SDQ_WARM_SHAPES: loading compiles every padded batch size at each
+    warm shape; renders of any batch size up to the largest, at those shapes, compile
+    nothing more (torch._dynamo's counters; the "eager" backend traces and guards as
+    inductor does, without its minutes of code generation); and a padded call's images
+    are the ones an uncompiled pipeline makes, within batching's tolerance."""
+    from torch._dynamo.utils import counters
+
+    files = ModelFiles(LocalStore(tmp_path / "store"), tmp_path / "cache")
+    shapes = ((64, 64), (96, 64))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = PipelineCache(files=files, size=1, compile_mode="default", compile_batches=(1, 2, 4),
+                             warm_shapes=shapes, compile_backend="eager")  # fmt: skip
+    loaded, _ = compiled.get(specs("warm")[0])
+    warmed = counters["stats"]["unique_graphs"]
+    assert warmed >= 2 * len(shapes) * 3  # the U-Net and the decoder, each shape and size
+
+    def call(count: int, width: int, height: int) -> list[GenerationSpec]:
+        prompts = [f"a lighthouse number {n}" for n in range(count)]
+        return [replace(spec, width=width, height=height) for spec in specs(*prompts, steps=2)]
+
+    images = {(n, shape): render(loaded, call(n, *shape)) for n in (1, 2, 3, 4) for shape in shapes}
+    assert counters["stats"]["unique_graphs"] == warmed  # not one recompilation
+    assert all(len(made) == n for (n, _), made in images.items())  # the padding dropped
+
+    plain, _ = PipelineCache(files=files, size=1).get(specs("warm")[0])
+    for made, direct in zip(images[(3, (96, 64))], render(plain, call(3, 96, 64)), strict=True):
+        difference = np.abs(pixels(made).astype(int) - pixels(direct).astype(int))
+        assert difference.max() <= 2 and (difference > 0).mean() < 0.01
 
 
 def test_a_task_of_another_kind_lets_the_loaded_pipelines_go(tmp_path) -> None:

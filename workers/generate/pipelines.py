@@ -8,7 +8,7 @@ its prompts and negative prompts, and a call encodes only the ones it has not se
 """
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from time import perf_counter
 
 import numpy as np
@@ -67,10 +67,12 @@ class PromptEmbeddings:
 
 @dataclass(eq=False)
 class Loaded:
-    """A pipeline as a worker keeps it: loaded once, with its prompts' embeddings."""
+    """A pipeline as a worker keeps it: loaded once, with its prompts' embeddings; when
+    compiled, the batch sizes its calls are padded to (the shapes it compiled for)."""
 
     pipeline: DiffusionPipeline
     prompts: PromptEmbeddings
+    batches: tuple[int, ...] = ()
 
 
 class PipelineCache:
@@ -84,12 +86,20 @@ class PipelineCache:
         prompt_cache_size: int = 1024,
         shared_prompts: SharedPrompts | None = None,
         compile_mode: str | None = None,
+        compile_batches: tuple[int, ...] = (),
+        warm_shapes: tuple[tuple[int, int], ...] = (),
+        compile_backend: str = "inductor",
     ) -> None:
         self.files = files
         self.size = size
         self.prompt_cache_size = prompt_cache_size
         self.shared_prompts = shared_prompts
         self.compile_mode = compile_mode
+        self.compile_batches = compile_batches if compile_mode else ()
+        self.warm_shapes = warm_shapes
+        # torch.compile's backend: inductor for work; "eager" traces and guards as it
+        # does, without code generation (the tests count recompilations with it).
+        self.compile_backend = compile_backend
         self._loaded: OrderedDict[tuple[str, str, torch.dtype], Loaded] = OrderedDict()
         self._checkers: dict[tuple[str, str, torch.dtype], SafetyChecker] = {}
 
@@ -105,7 +115,9 @@ class PipelineCache:
             release_device_memory()
         started = perf_counter()
         pipeline = self._load(spec)
-        loaded = Loaded(pipeline, PromptEmbeddings(self.prompt_cache_size, self._shared(pipeline)))
+        prompts = PromptEmbeddings(self.prompt_cache_size, self._shared(pipeline))
+        loaded = Loaded(pipeline, prompts, self.compile_batches)
+        warm(loaded, spec, self.warm_shapes)
         self._loaded[key] = loaded
         return loaded, perf_counter() - started
 
@@ -172,7 +184,7 @@ class PipelineCache:
             pipeline.unet.to(memory_format=torch.channels_last)
             pipeline.vae.to(memory_format=torch.channels_last)
         if self.compile_mode:
-            compile_pipeline(pipeline, self.compile_mode)
+            compile_pipeline(pipeline, self.compile_mode, backend=self.compile_backend)
         return pipeline
 
 
@@ -194,13 +206,28 @@ class SafetyChecker:
         return [bool(flag) for flag in flags]
 
 
-def compile_pipeline(pipeline: DiffusionPipeline, mode: str) -> None:
-    """The U-Net and the VAE decoder compiled, their attention's Q, K and V projections
-    fused into one matmul each (diffusers' recipe for SD on torch 2). Compiling is lazy:
-    the first call of each shape compiles."""
+def compile_pipeline(pipeline: DiffusionPipeline, mode: str, *, backend: str = "inductor") -> None:
+    """The U-Net and the VAE's decoder (the module: the same graph whatever the slicing)
+    compiled for static shapes, their attention's Q, K and V projections fused into one
+    matmul each (diffusers' recipe for SD on torch 2). On a GPU, "max-autotune" and
+    "reduce-overhead" replay each shape's CUDA graph, and cuDNN picks its fastest kernels
+    for each shape once. Compiling is lazy: the first call of each shape compiles (warm)."""
+    if torch.cuda.is_available():
+        torch.backends.cudnn.benchmark = True
     pipeline.fuse_qkv_projections()
-    pipeline.unet = torch.compile(pipeline.unet, mode=mode)
-    pipeline.vae.decode = torch.compile(pipeline.vae.decode, mode=mode)
+    options = {"mode": mode} if backend == "inductor" else {"backend": backend}
+    pipeline.unet = torch.compile(pipeline.unet, dynamic=False, **options)
+    pipeline.vae.decoder = torch.compile(pipeline.vae.decoder, dynamic=False, **options)
+
+
+def warm(loaded: Loaded, spec: GenerationSpec, shapes: tuple[tuple[int, int], ...]) -> None:
+    """Compiles a compiled pipeline for every batch size it pads to at each shape, with
+    classifier-free guidance (the U-Net's batch doubled) as a job has it: one step each,
+    before any job waits on it."""
+    warming = replace(spec, prompt="", negative_prompt="", seed=0, steps=1, guidance=7.5)
+    for width, height in shapes if loaded.batches else ():
+        for size in loaded.batches:
+            render(loaded, [replace(warming, width=width, height=height)] * size)
 
 
 def render(loaded: Loaded, specs: list[GenerationSpec]) -> list[Image]:
@@ -212,6 +239,8 @@ def render(loaded: Loaded, specs: list[GenerationSpec]) -> list[Image]:
         raise ValueError("render() needs specs with one batch key")
     pipeline = loaded.pipeline
     pipeline.scheduler = _scheduler(first)
+    called = len(specs)
+    specs = padded(specs, loaded.batches)
     _set_decoding(pipeline, first, len(specs))
     # CPU generators give the same starting noise on every kind of GPU.
     generators = [torch.Generator("cpu").manual_seed(spec.seed) for spec in specs]
@@ -225,7 +254,15 @@ def render(loaded: Loaded, specs: list[GenerationSpec]) -> list[Image]:
             generator=generators,
             output_type="pil",
         )
-    return result.images
+    return result.images[:called]
+
+
+def padded(specs: list[GenerationSpec], batches: tuple[int, ...]) -> list[GenerationSpec]:
+    """The call's specs, then copies of its last up to the next compiled batch size: a
+    compiled pipeline meets only the shapes it compiled for. Each image has its own
+    generator, so padding changes none of the call's images."""
+    size = next((batch for batch in batches if batch >= len(specs)), len(specs))
+    return specs + [specs[-1]] * (size - len(specs))
 
 
 def _set_decoding(pipeline: DiffusionPipeline, spec: GenerationSpec, images: int) -> None:

@@ -45,4 +45,6 @@ def pipelines(app: SdqCelery):
         prompt_cache_size=settings.prompt_cache_size,
         shared_prompts=shared or None,
         compile_mode=settings.compile_mode,
+        compile_batches=settings.compile_batches,
+        warm_shapes=settings.warm_shapes,
     )
