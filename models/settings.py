@@ -39,6 +39,9 @@ class JobSettings:
     # which are for crashes and poison: it is retried, with backoff, for this long after
     # the job's first failure.
     outage_budget_seconds: int = 900
+    # A GPU worker whose device fails this many tasks in a row (out of memory, CUDA
+    # errors) on jobs other workers then do is taken out of rotation.
+    sick_after: int = 3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,6 +194,7 @@ class Settings:
                 retry_backoff_seconds=_int(env, "SDQ_RETRY_BACKOFF_SECONDS", 5),
                 retry_backoff_max_seconds=_int(env, "SDQ_RETRY_BACKOFF_MAX_SECONDS", 600),
                 outage_budget_seconds=_int(env, "SDQ_OUTAGE_BUDGET_SECONDS", 900, minimum=0),
+                sick_after=_int(env, "SDQ_SICK_AFTER", 3),
             ),
             maintenance=MaintenanceSettings(
                 interval_seconds=_int(env, "SDQ_MAINTENANCE_INTERVAL_SECONDS", 15),

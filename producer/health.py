@@ -1,6 +1,7 @@
 """Is the deployment whole? Each part is asked directly: the database (and its schema), the
 broker, the object store (a probe written, read and deleted), the workers behind each queue
-(a Celery ping), and beat (its tasks' last tick)."""
+(a Celery ping), workers out of rotation for a failing device, and beat (its tasks' last
+tick)."""
 
 import uuid
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from sqlalchemy import func, select
 from sdq.migrations import ready
 from sdq.models.jobs.kinds import QUEUES
 from sdq.models.jobs.lifecycle import as_utc, utcnow
-from sdq.models.tables import MaintenanceTick
+from sdq.models.tables import MaintenanceTick, SickWorker
 from sdq.workers.app import SdqCelery
 
 PROBE = b"sdq health probe"
@@ -39,7 +40,8 @@ def health(app: SdqCelery) -> list[Check]:
         workers = _workers(app)
     else:
         workers = [Check(f"workers: {queue}", False, "not asked: no broker") for queue in QUEUES]
-    return [*checks, broker, *workers, _run("beat", lambda: _beat(app))]
+    sick = _run("devices", lambda: _devices(app))
+    return [*checks, broker, *workers, sick, _run("beat", lambda: _beat(app))]
 
 
 def as_json(checks: list[Check]) -> dict[str, Any]:
@@ -89,6 +91,18 @@ def _workers(app: SdqCelery) -> list[Check]:
         Check(f"workers: {queue}", bool(names), ", ".join(names) or "no worker answered")
         for queue, names in consumers.items()
     ]
+
+
+def _devices(app: SdqCelery) -> str:
+    """Workers taken out of rotation for a failing device (workers/sickness.py)."""
+    with app.sessions() as session:
+        sick = session.scalars(select(SickWorker).order_by(SickWorker.worker)).all()
+    if sick:
+        raise RuntimeError(
+            "; ".join(f"{worker.worker} out of rotation: {worker.reason}" for worker in sick)
+            + " (`sdq worker clear NAME` puts one back)"
+        )
+    return "no worker out of rotation"
 
 
 def _beat(app: SdqCelery) -> str:

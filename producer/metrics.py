@@ -1,6 +1,7 @@
 """Prometheus metrics Flower does not have, read from the broker and the database at each
 scrape: queue depths, jobs by kind and status, outputs and images or samples per second,
-what each worker holds (jobs, memory, GPU memory), lease expiries, retries and dead jobs."""
+what each worker holds (jobs, memory, GPU memory), lease expiries, retries and dead jobs,
+workers out of rotation."""
 
 from collections.abc import Iterator
 from datetime import datetime, timedelta
@@ -10,7 +11,7 @@ from sqlalchemy import ColumnElement, Select, func, select
 
 from sdq.models.jobs.lifecycle import utcnow
 from sdq.models.jobs.maintenance import EXPIRED
-from sdq.models.tables import Job, JobEvent, JobStatus
+from sdq.models.tables import Job, JobEvent, JobStatus, SickWorker
 from sdq.workers.app import SdqCelery
 from sdq.workers.memory import DEVICE_MEMORY_COMMAND
 
@@ -18,6 +19,11 @@ from sdq.workers.memory import DEVICE_MEMORY_COMMAND
 RATE_WINDOW = timedelta(minutes=5)
 # How long a scrape waits for workers to say what memory they hold.
 REPLY_SECONDS = 1.0
+GPU_READINGS = {
+    "utilization_percent": "Share of the last sample period a kernel ran on the GPU",
+    "temperature_celsius": "GPU core temperature",
+    "power_watts": "GPU power draw",
+}
 # Counters of setbacks, each by the events that record it: name, help, which events.
 SETBACK_COUNTERS = {
     "sdq_lease_expiries": (
@@ -45,6 +51,7 @@ class SdqCollector:
         yield from self._memory()
         with self.app.sessions() as session:
             yield from self._jobs(session)
+            yield self._sick(session)
 
     def _memory(self) -> Iterator[Metric]:
         """Each live worker's memory, as it answers the device_memory control command."""
@@ -66,6 +73,11 @@ class SdqCollector:
         total = GaugeMetricFamily(
             "sdq_gpu_memory_total_bytes", "GPU memory in all", labels=["worker", "gpu", "name"]
         )
+        # The device's own readings, where NVML has them for it.
+        readings = {
+            key: GaugeMetricFamily(f"sdq_gpu_{key}", text, labels=["worker", "gpu", "name"])
+            for key, text in GPU_READINGS.items()
+        }
         replies = self.app.control.broadcast(
             DEVICE_MEMORY_COMMAND, reply=True, timeout=REPLY_SECONDS
         )
@@ -79,7 +91,20 @@ class SdqCollector:
                     gpu.add_metric(labels, card["used_by_worker_bytes"])
                     device.add_metric(labels, card["used_bytes"])
                     total.add_metric(labels, card["total_bytes"])
-        yield from (resident, gpu, device, total)
+                    for key, family in readings.items():
+                        if card.get(key) is not None:
+                            family.add_metric(labels, card[key])
+        yield from (resident, gpu, device, total, *readings.values())
+
+    def _sick(self, session) -> Metric:
+        sick = GaugeMetricFamily(
+            "sdq_worker_sick",
+            "1 for a worker out of rotation: its device failed task after task",
+            labels=["worker"],
+        )
+        for worker in session.scalars(select(SickWorker.worker)):
+            sick.add_metric([worker], 1)
+        return sick
 
     def _jobs(self, session) -> Iterator[Metric]:
         jobs = GaugeMetricFamily("sdq_jobs", "Jobs by kind and status", labels=["kind", "status"])

@@ -2,6 +2,7 @@
 and the command exits 1."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -55,3 +56,79 @@ def test_parts_that_are_down_are_named(service_env: dict[str, str]) -> None:
     assert checks["workers: train"] == {
         "name": "workers: train", "ok": False, "detail": "not asked: no broker"
     }  # fmt: skip
+
+
+def test_a_worker_whose_device_keeps_failing_is_taken_out_of_rotation(
+    own_deployment: dict[str, str], tmp_path
+) -> None:
+    """Two GPU workers, as on two machines; one's device runs out of memory on every call
+    (tests/sick_device). Its failures give the jobs back without spending attempts, the
+    healthy one does them, and once two of its failed tasks' jobs are done there it takes
+    no more jobs, says why in its log, in `sdq health` and in the metrics, until cleared."""
+    from sqlalchemy import select
+
+    from sdq.models.db import make_engine, session_factory
+    from sdq.models.settings import Settings
+    from sdq.models.tables import Job, SickWorker
+    from sdq.producer.metrics import SdqCollector
+    from sdq.workers.app import create_app
+    from tests.conftest import sdq_json, wait_for_run, write
+
+    env = {**own_deployment, "SDQ_SICK_AFTER": "2", "SDQ_CALLS_PER_TASK": "1"}
+    sick_env = {
+        **env,
+        "PYTHONPATH": os.pathsep.join(
+            [str(ROOT / "tests" / "sick_device"), env.get("PYTHONPATH", "")]
+        ),
+        "SDQ_TEST_SICK_DEVICE": "1",
+    }
+    sick_log = tmp_path / "sick.log"
+    # Its own host name (a UTS namespace): its node is cpu-render@sickbox, as on a machine.
+    sick = subprocess.Popen(
+        ["unshare", "-u", "sh", "-c", 'hostname sickbox && exec "$@"', "sh", sys.executable,
+         "-m", "sdq.producer.cli", "worker", "gpu", "--loglevel", "info"],
+        env=sick_env, stdout=sick_log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    healthy = WorkerProcess(env, tmp_path / "healthy.log").start()
+    sessions = session_factory(make_engine(env["SDQ_DATABASE_URL"]))
+    app = create_app(Settings.from_env(env))
+
+    def consumed_by_sickbox() -> list[str]:
+        answers = app.control.inspect(timeout=2).active_queues() or {}
+        return [queue["name"] for queue in answers.get("cpu-render@sickbox", [])]
+
+    try:
+        wait_for(lambda: "ready." in sick_log.read_text(), what="the sick worker", timeout=90)
+        prompts = "".join(f"a sick device {n},{n}\n" for n in range(12))
+        listing = write(tmp_path / "p.csv", "prompt,seed\n" + prompts)
+        run_id = sdq_json(env, "submit", str(listing), "--steps", "2", "--batch-size", "1")[
+            "run_id"
+        ]
+        assert wait_for_run(env["SDQ_DATABASE_URL"], run_id) == {"succeeded": 12}
+        with sessions() as session:
+            [taken_out] = session.scalars(select(SickWorker)).all()
+            attempts = set(session.scalars(select(Job.attempts).where(Job.run_id == run_id)))
+            workers = set(session.scalars(select(Job.worker_host).where(Job.run_id == run_id)))
+        assert taken_out.worker == "cpu-render@sickbox" and "CUDA out of memory" in taken_out.reason
+        assert attempts == {1}  # the sick device's failures spent none
+        assert not any(worker.startswith("sickbox:") for worker in workers)
+        assert "sick, taking no more jobs from" in sick_log.read_text()
+        wait_for(lambda: consumed_by_sickbox() == [], what="the sick worker to stop", timeout=30)
+        code, checks = health(env)
+        assert code == 1 and "cpu-render@sickbox out of rotation" in checks["devices"]["detail"]
+        sick_gauge = [
+            sample.labels["worker"]
+            for family in SdqCollector(app).collect()
+            for sample in family.samples
+            if sample.name == "sdq_worker_sick"
+        ]
+        assert sick_gauge == ["cpu-render@sickbox"]
+
+        cleared = sdq_json(env, "worker", "clear", "cpu-render@sickbox")
+        assert "generate" in cleared["queues"]
+        wait_for(lambda: "generate" in consumed_by_sickbox(), what="it back", timeout=30)
+        assert health(env)[1]["devices"]["ok"]
+    finally:
+        os.killpg(sick.pid, 15)
+        sick.wait(60)
+        healthy.stop()

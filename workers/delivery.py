@@ -9,7 +9,8 @@ from celery import Task
 from celery.utils.time import get_exponential_backoff_interval
 
 from sdq.models.jobs.delivery import Work, deliver
-from sdq.models.jobs.kinds import Kind
+from sdq.models.jobs.kinds import Kind, Pool
+from sdq.workers import sickness
 from sdq.workers.app import worker_identity
 from sdq.workers.messages import CheckedTask
 
@@ -41,13 +42,14 @@ def deliver_task(
     """Runs the kind's work on the message's jobs. The work is made here, inside the guard:
     a failure to set it up (an import cut short by a time limit) is retried like any other."""
     app = task.app
+    worker = worker_identity(kind.pool)
     try:
         outcome = deliver(
             job_ids,
             make_work(),
             kind=kind.name,
             sessions=app.sessions,
-            worker=worker_identity(kind.pool),
+            worker=worker,
             settings=app.settings.jobs,
         )
     except Exception as error:
@@ -57,6 +59,8 @@ def deliver_task(
         if task.request.is_eager:
             raise
         raise task.retry(exc=error, countdown=backoff(task)) from error
+    if kind.pool is Pool.gpu and not task.request.is_eager:
+        sickness.after_task(task, job_ids, outcome, me=worker.host)
     if outcome.outage and task.request.is_eager:
         # In the caller's process (`sdq run`) a retry would come at once and meet the same
         # outage: the jobs are back (no attempt spent) and the caller says why it stopped.

@@ -6,7 +6,10 @@ from celery.signals import celeryd_after_setup
 
 from sdq.models.jobs.kinds import POOL_QUEUES, Pool
 from sdq.models.settings import Settings
-from sdq.workers import memory  # noqa: F401  (registers the device_memory control command)
+from sdq.workers import (
+    memory,  # noqa: F401  (registers the device_memory control command)
+    sickness,
+)
 from sdq.workers.app import create_app, quiet_libraries
 
 # The GPU work's modules: torch, diffusers and transformers come with them.
@@ -26,3 +29,10 @@ def load_gpu_libraries(sender, instance, **_) -> None:
     if set(consumed) & set(POOL_QUEUES[Pool.gpu]):
         for module in GPU_MODULES:
             import_module(module)
+
+
+@celeryd_after_setup.connect
+def back_in_rotation(sender: str, instance, **_) -> None:
+    """A worker (re)started takes jobs: whatever its last run was taken out of rotation for
+    (workers/sickness.py) is forgotten."""
+    sickness.forget(instance.app.settings.database_url, sender)

@@ -3,11 +3,13 @@
 
 The answer comes from the worker's main process, which never touches CUDA (its pool's
 children do the work): resident memory of the whole process tree from psutil, and the
-device memory those processes use on each GPU from NVML, which reads the driver without
-making a CUDA context. Without a GPU, or without NVML, there are no GPU figures.
+device memory those processes use on each GPU, and its utilisation, temperature and power,
+from NVML, which reads the driver without making a CUDA context. Without a GPU, or without
+NVML, there are no GPU figures.
 """
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -75,4 +77,19 @@ def _describe(pynvml, handle, pids: set[int]) -> dict[str, Any]:
         "used_by_worker_bytes": ours,
         "used_bytes": memory.used,
         "total_bytes": memory.total,
+        "utilization_percent": _reading(
+            pynvml, lambda: pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+        ),
+        "temperature_celsius": _reading(
+            pynvml, lambda: pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)
+        ),
+        "power_watts": _reading(pynvml, lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1000),
     }
+
+
+def _reading(pynvml, read: Callable[[], float]) -> float | None:
+    """A reading the device may not support (power, on some boards): None then."""
+    try:
+        return read()
+    except pynvml.NVMLError:
+        return None

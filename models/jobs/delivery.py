@@ -22,7 +22,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.disks import full_disk
+from sdq.models.faults import device_failure, full_disk
 from sdq.models.jobs.lifecycle import (
     Output,
     Worker,
@@ -72,8 +72,9 @@ class Work(ABC):
         return isinstance(error, self.permanent_errors)
 
     def is_outage(self, error: Exception) -> bool:
-        # A full disk is the machine's, whatever the kind writes and wherever.
-        return isinstance(error, self.outage_errors) or full_disk(error) is not None
+        # A full disk or a failing device is the machine's, whatever the kind does.
+        machine = full_disk(error) or device_failure(error)
+        return isinstance(error, self.outage_errors) or machine is not None
 
 
 @dataclass

@@ -206,6 +206,18 @@ class HourlyRollup(Base):
     failures: Mapped[int] = mapped_column(Integer)
 
 
+class SickWorker(Base):
+    """A GPU worker taken out of rotation: its device failed task after task on jobs other
+    workers then did. It takes no jobs until restarted or cleared (`sdq worker clear`)."""
+
+    __tablename__ = "sick_workers"
+
+    worker: Mapped[str] = mapped_column(Text, primary_key=True)  # Celery's node name
+    queues: Mapped[list[str]] = mapped_column(JsonDocument)  # what it consumed, to give back
+    reason: Mapped[str] = mapped_column(Text)
+    since: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
 class MaintenanceTick(Base):
     """When each of beat's periodic tasks last ran and what it did; `sdq health` reads it."""
 

@@ -12,6 +12,7 @@ from sdq.models.db import make_engine
 from sdq.models.jobs.kinds import POOL_QUEUES, Pool
 from sdq.models.registry import ModelNotFound, push_model
 from sdq.models.store import StoreError
+from sdq.models.tables import SickWorker
 from sdq.producer import display, lookups
 from sdq.producer.cli.common import (
     InputError,
@@ -161,6 +162,27 @@ def gpu(
             )
     commands = gpu_workers(indices, loglevel=loglevel, queues=queues, train_ranks=train_ranks or 0)
     sys.exit(supervise(commands))
+
+
+@worker.command()
+@click.argument("name")
+@json_option
+@pass_app
+def clear(app: SdqCelery, name: str, as_json: bool) -> None:
+    """Put worker NAME, out of rotation for a failing device (`sdq health`), back: it takes
+    jobs from its queues again. Restarting it does the same."""
+    require_broker(app, "clear")
+    with app.sessions.begin() as session:
+        sick = session.get(SickWorker, name)
+        if sick is None:
+            raise InputError(f"no worker {name!r} is out of rotation; `sdq health` says which are")
+        session.delete(sick)
+    for queue in sick.queues:
+        app.control.add_consumer(queue, destination=[name])
+    if as_json:
+        display.print_json({"worker": name, "queues": sick.queues})
+    else:
+        click.echo(f"{name} takes jobs from {', '.join(sick.queues)} again")
 
 
 @worker.command()

@@ -14,7 +14,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from sdq.models.db import make_engine
-from sdq.models.disks import free_space, full_disk
+from sdq.models.faults import free_space, full_disk
 from sdq.models.jobs.kinds import kind_named
 from sdq.models.jobs.lifecycle import Worker, release_jobs
 from sdq.models.jobs.outbox import EnqueueFailed, Sent, enqueue, messages

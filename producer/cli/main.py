@@ -13,7 +13,7 @@ import click
 from sqlalchemy.exc import DBAPIError
 
 from sdq.models.db import missing_sqlite
-from sdq.models.disks import free_space, full_disk
+from sdq.models.faults import free_space, full_disk
 from sdq.models.settings import Settings
 from sdq.producer.cli import admin, runs, sql
 from sdq.producer.download import cli as download

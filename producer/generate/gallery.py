@@ -14,9 +14,7 @@ COPY_THREADS = 16
 
 def copy_gallery(store: ObjectStore, run_id: int, jobs: list[dict[str, Any]], folder: Path) -> Path:
     """A copy that needs nothing but itself: folder/gallery.html beside folder/images/."""
-    done = [
-        job["spec_hash"] for job in jobs if job["status"] == "succeeded" and not job["flagged"]
-    ]
+    done = [job["spec_hash"] for job in jobs if job["status"] == "succeeded" and not job["flagged"]]
     with ThreadPoolExecutor(COPY_THREADS) as pool:
         copies = [
             pool.submit(store.get_file, image_key(spec_hash), folder / image_key(spec_hash))

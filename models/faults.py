@@ -1,8 +1,10 @@
-"""A full disk, however it shows: the operating system's "no space left" (or quota) from a
-file write, SQLite's "database or disk is full", either wrapped by SQLAlchemy or the store.
+"""Faults of the machine, not of the job, however they show (wrapped by SQLAlchemy, the
+store, a library): work they stop spends no attempt.
 
-It is the machine's trouble, not the job's: work stops without spending an attempt, and
-the user learns which of sdq's places sit on a full disk."""
+- A full disk: the operating system's "no space left" (or quota) from a file write,
+  SQLite's "database or disk is full". The user learns which of sdq's places sit on it.
+- A failing device: out of memory on a GPU, a CUDA, cuBLAS or cuDNN error. A worker whose
+  device keeps failing on jobs that other workers then do is taken out of rotation."""
 
 import errno
 import shutil
@@ -24,6 +26,19 @@ def full_disk(error: BaseException) -> BaseException | None:
         if isinstance(link, OSError) and link.errno in FULL_ERRNOS:
             return link
         if isinstance(link, sqlite3.Error) and link.sqlite_errorcode == sqlite3.SQLITE_FULL:
+            return link
+    return None
+
+
+# What torch raises, by name and words, so that no CPU process imports torch to ask.
+DEVICE_ERRORS = frozenset({"OutOfMemoryError", "AcceleratorError"})
+DEVICE_WORDS = ("CUDA error", "CUDA out of memory", "CUBLAS_STATUS", "cuDNN error")
+
+
+def device_failure(error: BaseException) -> BaseException | None:
+    """The error, or one behind it, that says the device failed; None when none does."""
+    for link in _chain(error):
+        if type(link).__name__ in DEVICE_ERRORS or any(w in str(link) for w in DEVICE_WORDS):
             return link
     return None
 
