@@ -29,6 +29,8 @@ from torch.utils.flop_counter import FlopCounterMode
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from sd15 import SD15_SCHEDULER, sd15_pipeline  # noqa: E402  (beside this script)
+
 from sdq.models.specs import GenerationSpec  # noqa: E402
 from sdq.workers.generate.pipelines import (  # noqa: E402
     Loaded,
@@ -37,7 +39,6 @@ from sdq.workers.generate.pipelines import (  # noqa: E402
     render,
 )
 from sdq.workers.gpu import device_name, peak_flops  # noqa: E402
-from sdq.workers.sd15 import SD15_SCHEDULER, sd15_pipeline  # noqa: E402
 
 NEGATIVE = "blurry, low quality"
 SEEDS_PER_PROMPT = 4

@@ -34,8 +34,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from sd15 import sd15_text_encoder  # noqa: E402  (beside this script)
+
 from sdq.workers.generate.pipelines import PromptEmbeddings  # noqa: E402
-from sdq.workers.sd15 import sd15_text_encoder  # noqa: E402
 from sdq.workers.tiny import build_pipeline  # noqa: E402
 
 NEGATIVE = "blurry, low quality, watermark"

@@ -14,7 +14,6 @@ HEAVY = {"torch", "diffusers", "transformers", "accelerate", "safetensors"}
 GPU_MODULES = {
     "workers/gpu.py",
     "workers/tiny.py",
-    "workers/sd15.py",
     "workers/generate/pipelines.py",
     "workers/generate/shared_prompts.py",
     "workers/encode/encoders.py",
