@@ -214,8 +214,8 @@ class Settings:
             ),
             download=DownloadSettings(
                 threads=_int(env, "SDQ_DOWNLOAD_THREADS", 32),
-                connect_timeout=_int(env, "SDQ_DOWNLOAD_CONNECT_TIMEOUT", 10),
-                read_timeout=_int(env, "SDQ_DOWNLOAD_TIMEOUT", 20),
+                connect_timeout=_seconds(env, "SDQ_DOWNLOAD_CONNECT_TIMEOUT", 10),
+                read_timeout=_seconds(env, "SDQ_DOWNLOAD_TIMEOUT", 20),
                 retries=_int(env, "SDQ_DOWNLOAD_RETRIES", 2, minimum=0),
                 max_bytes=_int(env, "SDQ_DOWNLOAD_MAX_BYTES", 32 * 1024 * 1024),
                 max_redirects=_int(env, "SDQ_DOWNLOAD_MAX_REDIRECTS", 5, minimum=0),
@@ -246,6 +246,20 @@ def _compile_mode(env: Mapping[str, str]) -> str | None:
         choices = ", ".join(COMPILE_MODES)
         raise ValueError(f"SDQ_COMPILE_MODE must be one of {choices}, got {mode!r}")
     return mode
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    """A duration in seconds, fractions allowed (`2.5`), more than 0."""
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{name} must be a number of seconds above 0, got {raw!r}")
+    return value
 
 
 def _batches(env: Mapping[str, str], name: str) -> tuple[int, ...]:

@@ -63,6 +63,12 @@ def test_settings_default_to_the_embedded_deployment() -> None:
     assert settings.generate.batch_size == 8 and settings.jobs.max_attempts == 3
     with pytest.raises(ValueError, match="SDQ_MAX_ATTEMPTS must be an integer, got 'three'"):
         Settings.from_env({"SDQ_MAX_ATTEMPTS": "three"})
+    # Timeouts take fractions of a second.
+    assert Settings.from_env({"SDQ_DOWNLOAD_TIMEOUT": "2.5"}).download.read_timeout == 2.5
+    with pytest.raises(ValueError, match="SDQ_DOWNLOAD_CONNECT_TIMEOUT must be a number of"):
+        Settings.from_env({"SDQ_DOWNLOAD_CONNECT_TIMEOUT": "soon"})
+    with pytest.raises(ValueError, match="above 0"):
+        Settings.from_env({"SDQ_DOWNLOAD_TIMEOUT": "0"})
 
 
 def test_compiled_shapes_are_read_and_checked() -> None:
