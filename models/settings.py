@@ -7,11 +7,14 @@ generation batch.
 
 import ipaddress
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from sdq.models.jobs.kinds import QUEUES
+
+N = TypeVar("N", int, float)
 
 EMBEDDED_HOME = Path("sdq-data")
 
@@ -250,16 +253,8 @@ def _compile_mode(env: Mapping[str, str]) -> str | None:
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
     """A duration in seconds, fractions allowed (`2.5`), more than 0."""
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{name} must be a number of seconds above 0, got {raw!r}")
-    return value
+    return _number(env, name, default, float, "a number of seconds",
+                   lambda value: 0 < value < float("inf"), "above 0")  # fmt: skip
 
 
 def _batches(env: Mapping[str, str], name: str) -> tuple[int, ...]:
@@ -320,13 +315,27 @@ def _networks(env: Mapping[str, str], name: str) -> tuple[str, ...]:
 
 
 def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 1) -> int:
+    return _number(env, name, default, int, "an integer", lambda value: value >= minimum,
+                   f"at least {minimum}")  # fmt: skip
+
+
+def _number(
+    env: Mapping[str, str],
+    name: str,
+    default: N,
+    parse: Callable[[str], N],
+    what: str,
+    fits: Callable[[N], bool],
+    bound: str,
+) -> N:
+    """A number read from the environment: `default` when unset, else `what`, within `bound`."""
     raw = env.get(name)
     if raw is None or raw == "":
         return default
     try:
-        value = int(raw)
+        value = parse(raw)
     except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+        raise ValueError(f"{name} must be {what}, got {raw!r}") from None
+    if not fits(value):
+        raise ValueError(f"{name} must be {what} {bound}, got {raw!r}")
     return value
