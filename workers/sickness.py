@@ -9,6 +9,7 @@ consuming its queues. `sdq health` and the metrics show it; a restart, or
 `sdq worker clear NAME`, puts it back."""
 
 import logging
+from collections import deque
 
 from celery import Task
 from sqlalchemy import delete, select
@@ -21,8 +22,9 @@ from sdq.models.tables import Job, JobStatus, SickWorker
 
 logger = logging.getLogger(__name__)
 
-# This process's tasks that failed on the device since its last success: their job ids.
-_failed_in_a_row: list[list[int]] = []
+# This process's tasks that failed on the device since its last success, their job ids:
+# the last few dozen, enough to judge by, however long a lone worker keeps failing.
+_failed_in_a_row: deque[list[int]] = deque(maxlen=64)
 
 
 def after_task(task: Task, job_ids: list[int], outcome: Outcome, *, me: str) -> None:

@@ -42,6 +42,7 @@ def upgrade(app: SdqCelery, as_json: bool) -> None:
     engine = make_engine(app.settings.database_url)  # an embedded one is made here
     upgrade_schema(engine)
     database = engine.url.render_as_string()  # the password masked
+    engine.dispose()
     store = app.settings.store_url
     try:
         made = app.store.ensure()

@@ -75,7 +75,13 @@ def ensure_schema(app: SdqCelery, *, make: bool = False) -> None:
     first use by any; a shared database is migrated on purpose."""
     from sdq.migrations import ready
 
-    if not ready(make_engine(app.settings.database_url) if make else app.engine):
+    engine = make_engine(app.settings.database_url) if make else app.engine
+    try:
+        current = ready(engine)
+    finally:
+        if make:
+            engine.dispose()
+    if not current:
         raise click.ClickException("the database schema is not current: run `sdq db upgrade`")
 
 
