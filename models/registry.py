@@ -77,13 +77,14 @@ def folder_content_hash(folder: Path) -> str:
 def folder_hashes(folder: Path) -> tuple[str, str]:
     """A pipeline folder's content hash, and that of its encoders' files alone."""
     entries = [
-        (path.relative_to(folder).as_posix(), _file_sha256(path)) for path in pipeline_files(folder)
+        (path.relative_to(folder).as_posix(), file_sha256(path)) for path in pipeline_files(folder)
     ]
     encoders = [entry for entry in entries if entry[0].startswith(ENCODER_FOLDERS)]
     return content_hash(entries), content_hash(encoders)
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """A file's sha256, read a block at a time."""
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         while chunk := handle.read(1 << 20):

@@ -88,6 +88,11 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
         raise
 
 
+def _partial(path: Path) -> bool:
+    """A file atomic_file is still writing (a dotfile such as DCP's `.metadata` is not)."""
+    return path.name.startswith(".") and path.name.endswith(".tmp")
+
+
 class LocalStore:
     def __init__(self, root: Path) -> None:
         self.root = root.resolve()
@@ -144,7 +149,7 @@ class LocalStore:
             yield prefix
             return
         for path in sorted(base.rglob("*")):
-            if path.is_file() and not path.name.startswith("."):
+            if path.is_file() and not _partial(path):
                 yield path.relative_to(self.root).as_posix()
 
     def uri(self, key: str) -> str:

@@ -15,6 +15,14 @@ MIXED_PRECISION = ("auto", "no", "fp16", "bf16")
 DEFAULT_MAX_LANES = 8
 # After warmup: hold the rate, or take it down to 0 by the last step (diffusers' schedules).
 LR_SCHEDULES = ("constant", "cosine", "linear")
+# How a run's training state is spread over its ranks (FSDP2's fully_shard): "none" keeps
+# all of it on every rank (DDP); "grad-op" shards gradients, optimizer state and EMA
+# weights, and keeps the weights a forward pass gathered until its backward is done (ZeRO-2,
+# the seed's SHARD_GRAD_OP); "full" shards the weights too, gathered block by block in the
+# forward and again in the backward (ZeRO-3).
+SHARDINGS = ("none", "grad-op", "full")
+# The precision gradients cross between ranks in: bf16 halves the bytes sent between nodes.
+GRAD_COMMS = ("fp32", "bf16")
 SPEC_VERSION = 1
 
 
@@ -42,6 +50,8 @@ class TrainOptions:
     # evenly over this many machines (nodes).
     world_size: int = 1
     nodes: int = 1
+    sharding: str = "none"
+    grad_comm: str = "fp32"
     # The run's samples come in this many lanes of shards, each read by one rank (see
     # workers/train/data.py): the world size divides it, and it divides the batch size.
     # Fixed at submit (None: the default, see default_lanes), so that the run trains on the
@@ -101,6 +111,16 @@ class TrainOptions:
                 f"--data-lanes {self.data_lanes} must divide --batch-size {self.batch_size} "
                 f"and be a multiple of --world-size {self.world_size} (each rank reads whole lanes)"
             )
+        if self.sharding not in SHARDINGS or self.grad_comm not in GRAD_COMMS:
+            raise ValueError(
+                f"--sharding must be one of {', '.join(SHARDINGS)}, --grad-comm one of "
+                f"{', '.join(GRAD_COMMS)}"
+            )
+        if self.sharded and self.world_size == 1:
+            raise ValueError(
+                f"--sharding {self.sharding} spreads the state over ranks: give --world-size 2 "
+                f"or more, or --sharding none"
+            )
         if self.checkpoint_minutes is not None and self.checkpoint_minutes <= 0:
             raise ValueError("--checkpoint-minutes must be positive")
         if self.ema is not None and not 0 < self.ema < 1:
@@ -111,6 +131,10 @@ class TrainOptions:
             raise ValueError("--unet-config sets the architecture of a U-Net --from-scratch")
         if self.noise_offset < 0 or (self.max_grad_norm is not None and self.max_grad_norm <= 0):
             raise ValueError("--noise-offset must not be negative, --max-grad-norm positive")
+
+    @property
+    def sharded(self) -> bool:
+        return self.sharding != "none"
 
     @property
     def ranks_per_node(self) -> int:

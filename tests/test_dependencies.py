@@ -21,6 +21,7 @@ GPU_MODULES = {
     "workers/train/job.py",
     "workers/train/rank.py",
     "workers/train/statefile.py",
+    "workers/train/sharding.py",
     "workers/train/plan.py",
 }
 PACKAGES = ("producer", "workers", "models", "migrations")

@@ -82,3 +82,31 @@ def test_a_configuration_that_does_not_fit_is_refused_with_what_would_make_it(
     assert refused.returncode == 2, refused.stderr
     assert "--gradient-checkpointing would make it fit" in refused.stderr
     assert not (tmp_path / "home").exists()  # nothing written, nothing queued
+
+
+def test_sharding_spreads_the_state_over_the_ranks_and_is_offered_when_it_would_fit(
+    tmp_path: Path,
+) -> None:
+    over_8 = ("--resolution", "512", "--batch-size", "256", "--world-size", "8")
+    ddp = planned(tmp_path, *over_8)
+    grad_op = planned(tmp_path, *over_8, "--sharding", "grad-op")
+    full = planned(tmp_path, *over_8, "--sharding", "full")
+    whole = ddp["parts"]
+    # Optimizer and EMA are 1/8 of DDP's on each GPU under both; grad-op holds every
+    # weight gathered through a step, full only two blocks' beside its shard.
+    for sharded in (grad_op, full):
+        assert sharded["parts"]["optimizer"] == -(-whole["optimizer"] // 64) * 8
+        assert sharded["parts"]["ema"] == -(-whole["ema"] // 32) * 4
+        assert sharded["parts"]["gradients"] < whole["gradients"] / 2
+        assert sharded["parts"]["activations"] == whole["activations"]
+    assert grad_op["parts"]["parameters"] > whole["parameters"]
+    assert full["parts"]["parameters"] < whole["parameters"]
+    assert full["per_gpu_bytes"] < grad_op["per_gpu_bytes"] < ddp["per_gpu_bytes"]
+    # What does not fit at 8 ranks is offered sharding first (it costs the least speed).
+    tight = planned(tmp_path, *over_8, "--gpu-memory", "40GB")
+    assert not tight["fits"]
+    assert tight["would_fit_with"].startswith("--sharding")
+    alone = sdq("train", "plan", "--unet-config", "sd2-base", "--resolution", "512",
+                "--batch-size", "8", "--sharding", "full", cwd=tmp_path)  # fmt: skip
+    assert alone.returncode == 2
+    assert "--sharding full spreads the state over ranks: give --world-size 2" in alone.stderr

@@ -70,7 +70,7 @@ def first_job_kept(run: TrainShardSpec, store: LocalStore):
     taking its steps ahead meanwhile."""
     training = Training(run, new_state(run, build_unet()), store, SETTINGS)
     first = training.steps(run, never)
-    checkpoint = training.checkpoint()
+    checkpoint = training.checkpoint(run)
     live = LiveStates()
     following = run.next_after(training.state.step)
     live.keep(training, following)
@@ -115,7 +115,7 @@ def test_a_job_that_does_not_go_on_from_the_checkpoint_finds_nothing_kept(
 ) -> None:
     training = Training(run, new_state(run, build_unet()), LocalStore(tmp_path / "store"), SETTINGS)
     training.steps(run, never)
-    training.checkpoint()
+    training.checkpoint(run)
     live = LiveStates()
     live.keep(training, run.next_after(training.state.step))
     # The first job again (its checkpoint not recorded, say): it starts from step 0.

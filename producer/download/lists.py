@@ -21,11 +21,11 @@ import pyarrow.json
 import pyarrow.parquet as pq
 
 from sdq.models.datasets import ListColumns
+from sdq.models.registry import file_sha256
 from sdq.models.store import ObjectStore
 
 DELIMITERS = {".csv": ",", ".tsv": "\t"}
 JSON_LINES = (".jsonl", ".json", ".ndjson")
-HASH_CHUNK = 8 * 1024 * 1024
 
 
 class ListError(Exception):
@@ -107,7 +107,7 @@ def _s3_parquet(location: str, columns: ListColumns) -> PlannedList:
 def _stored(location: str, path: Path, rows: int, store: ObjectStore, dataset: str) -> PlannedList:
     """Puts the file in the store under its content hash, once: planning the same list
     again finds it there."""
-    digest = _file_sha256(path)
+    digest = file_sha256(path)
     key = f"datasets/{dataset}/lists/{digest[:32]}.parquet"
     if not store.exists(key):
         store.put_file(key, path)
@@ -154,14 +154,6 @@ def _check_columns(location: str, names: list[str], columns: ListColumns) -> Non
             close = difflib.get_close_matches(wanted.lower(), list(by_lower), n=1)
             hint = f"; did you mean {by_lower[close[0]]!r}?" if close else ""
             raise ListError(f"{location}: no column {wanted!r} (it has {', '.join(names)}){hint}")
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _sha256(data: bytes) -> str:

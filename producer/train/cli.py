@@ -17,8 +17,10 @@ from sdq.models.registry import ModelNotFound, resolve_model
 from sdq.models.store import LINK_SECONDS
 from sdq.models.tables import Run
 from sdq.models.training import (
+    GRAD_COMMS,
     LR_SCHEDULES,
     MIXED_PRECISION,
+    SHARDINGS,
     TRAINING_SHARE_OF_TIME_LIMIT,
     TrainOptions,
     Validation,
@@ -90,6 +92,15 @@ WORLD_SIZE_OPTION = click.option(
     help="Data-parallel ranks, one GPU each (CPU processes without GPUs), that every "
     "train-shard job runs on; each trains on its share of every batch. A worker started "
     "with `sdq worker gpu --train-ranks N` takes runs of world size up to N.",
+)
+SHARDING_OPTION = click.option(
+    "--sharding",
+    type=click.Choice(SHARDINGS),
+    default="none",
+    show_default=True,
+    help="Spread the training state over the ranks (FSDP2): grad-op shards gradients, "
+    "optimizer and EMA (ZeRO-2); full shards the weights too (ZeRO-3), for a model whose "
+    "state does not fit one GPU. Checkpoints are then written by every rank, its own part.",
 )
 GRAD_ACCUMULATION_OPTION = click.option(
     "--grad-accumulation",
@@ -200,6 +211,15 @@ def _checkpoint_ref(_ctx, _param, value: str | None) -> tuple[int, int | None] |
     help="After warmup: hold --lr, or bring it down to 0 by the last step.",
 )
 @WORLD_SIZE_OPTION
+@SHARDING_OPTION
+@click.option(
+    "--grad-comm",
+    type=click.Choice(GRAD_COMMS),
+    default="fp32",
+    show_default=True,
+    help="The precision gradients are averaged across ranks in: bf16 halves what crosses "
+    "between nodes, at bf16's rounding of each rank's gradient.",
+)
 @click.option(
     "--nodes",
     default=1,
@@ -364,6 +384,7 @@ def _plan_request(options: TrainOptions, resolution: int, gpu_memory: int) -> di
         "resolution": resolution,
         "batch_size": options.batch_size,
         "world_size": options.world_size,
+        "sharding": options.sharding,
         "grad_accumulation": options.grad_accumulation,
         "mixed_precision": options.mixed_precision,
         "gradient_checkpointing": options.gradient_checkpointing,
@@ -533,6 +554,7 @@ def status(app: SdqCelery, run_id: int, as_json: bool) -> None:
     "--world-size x --grad-accumulation.",
 )
 @WORLD_SIZE_OPTION
+@SHARDING_OPTION
 @GRAD_ACCUMULATION_OPTION
 @MIXED_PRECISION_OPTION
 @GRADIENT_CHECKPOINTING_OPTION

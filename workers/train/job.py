@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from diffusers import UNet2DConditionModel
 
-from sdq.models.registry import folder_content_hash
+from sdq.models.registry import content_hash, folder_content_hash
 from sdq.models.settings import TrainSettings
 from sdq.models.store import ObjectStore
 from sdq.models.training import (
@@ -39,6 +39,14 @@ from sdq.models.training import (
 from sdq.workers.gpu import peak_flops
 from sdq.workers.train.data import LatentStream, load_shards
 from sdq.workers.train.records import Written
+from sdq.workers.train.sharding import (
+    SHARDED_FOLDER,
+    ShardedSnapshot,
+    every_rank_hashes,
+    shard_hashes,
+    sharded_snapshot,
+    unet_weights,
+)
 from sdq.workers.train.trainer import (
     Ranks,
     Snapshot,
@@ -85,8 +93,13 @@ def _first_unet(
 ):
     if spec.start_from is None:
         return base_unet(spec, files)
-    with downloaded(store, f"{spec.start_from}/state/unet/", node_folder) as folder:
-        return UNet2DConditionModel.from_pretrained(folder)
+    state = f"{spec.start_from}/state/"
+    if next(store.list_keys(f"{state}{SHARDED_FOLDER}/"), None) is None:
+        with downloaded(store, f"{state}unet/", node_folder) as folder:
+            return UNet2DConditionModel.from_pretrained(folder)
+    # Written by a sharded run, at whatever world size: each rank reads the whole U-Net.
+    with downloaded(store, state, node_folder) as folder:
+        return unet_weights(folder)
 
 
 @contextmanager
@@ -163,6 +176,7 @@ class Training:
         self.loss_every = settings.loss_every
         self.checkpointed = state.step  # the step of the checkpoint the state is past
         self.ahead: list[dict] = []
+        self._writing: ShardedSnapshot | None = None
         shards = run_inputs(spec, store)
         stream = LatentStream(
             shards,
@@ -214,11 +228,20 @@ class Training:
         self.on_steps(window.read())
         return window.steps
 
-    def checkpoint(self) -> Snapshot | None:
-        """The state to write as the checkpoint at its step, on the rank that writes it;
-        the training may go on from here at once."""
-        self.checkpointed = self.state.step
-        return snapshot(self.state) if self.state.ranks.writes else None
+    def checkpoint(self, spec: TrainShardSpec) -> Snapshot | ShardedSnapshot | None:
+        """The state to write as the checkpoint at its step, on the rank that writes it (on
+        every rank, each its part, when sharded); the training may go on from here at
+        once."""
+        state = self.state
+        self.checkpointed = state.step
+        if not state.sharded:
+            return snapshot(state) if state.ranks.writes else None
+        if self._writing is not None:
+            # The last checkpoint's ranks gather on the group this one's writer uses.
+            self._writing.uploaded.wait()
+        exports = replace(spec, last_step=state.step).exports_model
+        self._writing = sharded_snapshot(state, exports)
+        return self._writing
 
     def close(self) -> None:
         self._inputs.close()
@@ -305,24 +328,64 @@ class StepWindow:
 
 
 def write_checkpoint(
-    spec: TrainShardSpec, snapshot: Snapshot, store: ObjectStore, files: ModelFiles
-) -> Written:
+    spec: TrainShardSpec, snapshot: Snapshot | ShardedSnapshot, store: ObjectStore,
+    files: ModelFiles,
+) -> Written | None:  # fmt: skip
     """The training state in the store, and the whole pipeline beside it when this
-    checkpoint is a model."""
+    checkpoint is a model; what rank 0 records of it (None on the other ranks of a sharded
+    run, which write their own parts)."""
+    if isinstance(snapshot, ShardedSnapshot):
+        return _write_sharded(spec, snapshot, store, files)
     prefix = checkpoint_prefix(spec.run, snapshot.step)
-    model_prefix, revision = None, None
     with tempfile.TemporaryDirectory(prefix="sdq-checkpoint-") as temporary:
         folder = Path(temporary)
         save_checkpoint(snapshot, folder / "state")
         state_sha256 = folder_content_hash(folder / "state")
-        # At the step the job reached, which is its last unless it stopped early.
-        if replace(spec, last_step=snapshot.step).exports_model:
-            base = base_folder(spec, files, files.cache_dir)
-            revision = export_model(snapshot, base, folder / "model")
-            model_prefix = f"{prefix}/model"
-        for path in sorted(folder.rglob("*")):
-            if path.is_file():
-                store.put_file(f"{prefix}/{path.relative_to(folder).as_posix()}", path)
-    uri = store.uri(prefix)
+        _upload(store, prefix, folder, sorted(folder.rglob("*")))
+    model_prefix, revision = _write_model(spec, snapshot, store, files)
     # The training waited for the snapshot only: the rest overlaps the next steps.
-    return Written(snapshot.step, uri, state_sha256, model_prefix, revision, snapshot.seconds)
+    return Written(snapshot.step, store.uri(prefix), state_sha256, model_prefix, revision,
+                   snapshot.seconds)  # fmt: skip
+
+
+def _write_sharded(
+    spec: TrainShardSpec, snapshot: ShardedSnapshot, store: ObjectStore, files: ModelFiles
+) -> Written | None:
+    """This rank's part in the store; on rank 0, once every rank's is there, the whole
+    checkpoint's hash (of every part's) and its model."""
+    prefix = checkpoint_prefix(spec.run, snapshot.step)
+    try:
+        own = shard_hashes(snapshot)
+        _upload(store, f"{prefix}/state", snapshot.folder,
+                [snapshot.folder / path for path in own])  # fmt: skip
+        hashes = every_rank_hashes(snapshot, own)
+        if snapshot.rank != 0:
+            return None
+        model_prefix, revision = _write_model(spec, snapshot, store, files)
+    finally:
+        snapshot.close()
+    return Written(snapshot.step, store.uri(prefix), content_hash(sorted(hashes.items())),
+                   model_prefix, revision, snapshot.seconds)  # fmt: skip
+
+
+def _write_model(
+    spec: TrainShardSpec, snapshot: Snapshot | ShardedSnapshot, store: ObjectStore,
+    files: ModelFiles,
+) -> tuple[str | None, str | None]:  # fmt: skip
+    """The whole pipeline in the store when the checkpoint is a model (at the step the job
+    reached, which is its last unless it stopped early): its prefix and content hash."""
+    if not replace(spec, last_step=snapshot.step).exports_model:
+        return None, None
+    prefix = f"{checkpoint_prefix(spec.run, snapshot.step)}/model"
+    with tempfile.TemporaryDirectory(prefix="sdq-model-") as temporary:
+        folder = Path(temporary)
+        base = base_folder(spec, files, files.cache_dir)
+        revision = export_model(snapshot.unet_config, snapshot.model_weights, base, folder)
+        _upload(store, prefix, folder, sorted(folder.rglob("*")))
+    return prefix, revision
+
+
+def _upload(store: ObjectStore, prefix: str, folder: Path, paths: list[Path]) -> None:
+    for path in paths:
+        if path.is_file():
+            store.put_file(f"{prefix}/{path.relative_to(folder).as_posix()}", path)

@@ -4,7 +4,10 @@ forward pass at the micro-batch is traced there, its saved-for-backward tensors 
 its FLOPs counted. GPU-side: imports torch.
 
 Per GPU, in bytes: parameters (fp32), gradients (fp32, DDP's buckets are the gradients),
-AdamW's two moments (fp32), the EMA weights (fp32, held by rank 0), and the activations
+AdamW's two moments (fp32), the EMA weights (fp32, held by rank 0), each of them 1/N of the
+whole on each of N ranks where `--sharding` spreads it (plus what a step gathers whole:
+every weight through a step under grad-op, the two largest blocks' under full, and one
+block's unsharded gradients before they are reduce-scattered), and the activations
 kept for the backward pass, at the autocast precision, with or without gradient
 checkpointing (plus, under autocast, the half-precision copies of the weights it keeps for
 the backward pass). Attention is counted as a GPU runs it, flash or memory-efficient
@@ -28,6 +31,8 @@ import torch.nn.functional as F
 from diffusers import UNet2DConditionModel
 from torch.utils.flop_counter import FlopCounterMode
 
+from sdq.workers.train.sharding import shard_units
+
 # The share of a GPU's memory a plan may fill.
 USABLE = 0.9
 TEXT_TOKENS = 77
@@ -40,6 +45,7 @@ class PlanRequest:
     resolution: int
     batch_size: int  # the global batch, as `sdq train --batch-size` takes it
     world_size: int = 1
+    sharding: str = "none"
     grad_accumulation: int = 1
     mixed_precision: str = "auto"  # as on a GPU: auto is bf16
     gradient_checkpointing: bool = False
@@ -83,29 +89,58 @@ def _plan(unet: UNet2DConditionModel, request: PlanRequest) -> Plan:
     half = HALF.get(request.mixed_precision)
     if half is not None:
         activations += parameters * half.itemsize  # autocast's copies of the weights
-    parts = {
-        "parameters": 4 * parameters,
-        "gradients": 4 * parameters,
-        "optimizer": 8 * parameters,
-        "ema": 4 * parameters if request.ema else 0,
-        "activations": activations,
-    }
+    parts = {**_state_parts(unet, parameters, request), "activations": activations}
     total = sum(parts.values())
     usable = int(request.gpu_memory * USABLE)
     return Plan(total, parts, flops, total <= usable, request.micro_batch, request.gpu_memory,
                 usable)  # fmt: skip
 
 
+def _state_parts(
+    unet: UNet2DConditionModel, parameters: int, request: PlanRequest
+) -> dict[str, int]:
+    """Bytes of the training state on one GPU, in fp32: each part 1/N of the whole when
+    sharded over N ranks, plus what a step holds gathered."""
+    if request.sharding == "none" or request.world_size == 1:
+        ema = 4 * parameters if request.ema else 0
+        return {"parameters": 4 * parameters, "gradients": 4 * parameters,
+                "optimizer": 8 * parameters, "ema": ema}  # fmt: skip
+    shard = -(-parameters // request.world_size)
+    largest = max(sum(p.numel() for p in unit.parameters()) for unit in shard_units(unet))
+    # grad-op keeps every gathered weight from the forward to the backward; full gathers
+    # one block while the one before it computes.
+    gathered = parameters if request.sharding == "grad-op" else 2 * largest
+    return {
+        "parameters": 4 * (shard + gathered),
+        "gradients": 4 * (shard + largest),
+        "optimizer": 8 * shard,
+        "ema": 4 * shard if request.ema else 0,
+    }
+
+
 def _remedies(request: PlanRequest) -> Iterator[tuple[str, PlanRequest]]:
-    """Changes that cost the least speed first: recomputing activations, then
+    """Changes that cost the least speed first, each on top of the ones before: sharding
+    the optimizer state (a reduce-scatter instead of an all-reduce, on more than one
+    rank), recomputing activations, sharding the weights too (gathered twice a step), then
     accumulating smaller micro-batches into the same global batch."""
+    changes: list[tuple[str, dict[str, Any]]] = []
+    spread = request.world_size > 1
+    if spread and request.sharding == "none":
+        changes.append(("--sharding grad-op", {"sharding": "grad-op"}))
     if not request.gradient_checkpointing:
-        yield "--gradient-checkpointing", replace(request, gradient_checkpointing=True)
+        changes.append(("--gradient-checkpointing", {"gradient_checkpointing": True}))
+    if spread and request.sharding != "full":
+        changes.append(("--sharding full", {"sharding": "full"}))
     accumulation = request.grad_accumulation * 2
     while request.batch_size % (request.world_size * accumulation) == 0:
-        changed = replace(request, gradient_checkpointing=True, grad_accumulation=accumulation)
-        yield f"--gradient-checkpointing --grad-accumulation {accumulation}", changed
+        changes.append((f"--grad-accumulation {accumulation}", {"grad_accumulation": accumulation}))
         accumulation *= 2
+    flags: dict[str, str] = {}  # by option: a later --sharding replaces an earlier one
+    changed = request
+    for flag, change in changes:
+        changed = replace(changed, **change)
+        flags.update(dict.fromkeys(change, flag))
+        yield " ".join(flags.values()), changed
 
 
 def _traced(unet: UNet2DConditionModel, request: PlanRequest) -> tuple[int, float]:

@@ -42,6 +42,7 @@ from sdq.workers.train.job import (
 )
 from sdq.workers.train.ranks import DONE_FILE, JOB_FILE, RESULT_FILE, STOP_FILE
 from sdq.workers.train.records import LiveSteps
+from sdq.workers.train.sharding import ShardedSnapshot
 from sdq.workers.train.trainer import Ranks, Snapshot, TrainState
 from sdq.workers.weights import ModelFiles
 
@@ -75,10 +76,10 @@ def train_rank(spec: TrainShardSpec, ranks: Ranks, settings: Settings, folder: P
         state = restore_state(spec, store, files, ranks, node_folder=folder)
         training = Training(spec, state, store, settings.train, live_steps(ranks, settings))
         steps = training.steps(spec, until_time(_stop_at(folder), state))
-        snapshot = training.checkpoint()
-        if snapshot is None:
+        snapshot = training.checkpoint(spec)
+        written = write_checkpoint(spec, snapshot, store, files) if snapshot else None
+        if written is None:
             return RankDone(None, state)
-        written = write_checkpoint(spec, snapshot, store, files)
         return RankDone({"steps": steps, "written": asdict(written)}, state)
     finally:
         dist.destroy_process_group()
@@ -120,11 +121,11 @@ def serve(folder: Path, ranks: Ranks, settings: Settings) -> NoReturn:
             training = Training(spec, state, store, settings.train, live_steps(ranks, settings))
         steps = training.steps(spec, until_time(_stop_at(folder), training.state))
         done = folder / DONE_FILE.format(rank=ranks.rank)
-        snapshot = training.checkpoint()
+        snapshot = training.checkpoint(spec)
         if snapshot is None:
             done.touch()
         else:
-            write_in_background(spec, snapshot, steps, store, files, folder, done)
+            write_in_background(spec, snapshot, steps, store, files, ranks, folder)
         following = spec.next_after(training.state.step)
         if following is not None:
             training.train_ahead(following, until_announced(announced, training.state))
@@ -159,23 +160,26 @@ def until_announced(announced: "queue.Queue[bool]", state: TrainState) -> Stop:
 
 def write_in_background(
     spec: TrainShardSpec,
-    snapshot: Snapshot,
+    snapshot: Snapshot | ShardedSnapshot,
     steps: list[dict],
     store: ObjectStore,
     files: ModelFiles,
+    ranks: Ranks,
     folder: Path,
-    done: Path,
 ) -> None:
-    """The checkpoint written on a thread, then what the worker records; a failure to
-    write it fails the rank (and so the job), as it would have in the job's own time."""
+    """The checkpoint (this rank's part of it, when sharded) written on a thread, then what
+    the worker records; a failure to write it fails the rank (and so the job), as it would
+    have in the job's own time."""
 
     def write() -> None:
         try:
             written = write_checkpoint(spec, snapshot, store, files)
         except Exception as error:
-            fail(folder, 0, error)
-        (folder / RESULT_FILE).write_text(json.dumps({"steps": steps, "written": asdict(written)}))
-        done.touch()
+            fail(folder, ranks.rank, error)
+        if written is not None:
+            result = {"steps": steps, "written": asdict(written)}
+            (folder / RESULT_FILE).write_text(json.dumps(result))
+        (folder / DONE_FILE.format(rank=ranks.rank)).touch()
 
     threading.Thread(target=write, name="sdq-checkpoint-write", daemon=True).start()
 

@@ -23,7 +23,7 @@ import hashlib
 import shutil
 import tempfile
 from collections.abc import Iterator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
@@ -37,6 +37,7 @@ from diffusers import DDPMScheduler, UNet2DConditionModel
 from diffusers.configuration_utils import FrozenDict
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel, compute_snr
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from sdq.models import tiny
@@ -46,6 +47,7 @@ from sdq.workers.ahead import run_ahead
 from sdq.workers.gpu import device_name
 from sdq.workers.tiny import build_pipeline, build_unet
 from sdq.workers.train.data import Batch
+from sdq.workers.train.sharding import is_sharded, restore, shard, state_group
 from sdq.workers.train.statefile import load_state, save_state
 from sdq.workers.weights import ModelFiles, check_tiny_revision
 
@@ -106,6 +108,13 @@ class TrainState:
     # The U-Net's training FLOPs per sample, counted once for a state that lives on from
     # job to job (on a GPU, for MFU).
     flops_per_sample: float | None = None
+    # A sharded state's process group for its checkpoints (sharding.state_group); None:
+    # rank 0 writes the whole state.
+    checkpoint_group: Any = None
+
+    @property
+    def sharded(self) -> bool:
+        return self.checkpoint_group is not None
 
 
 def base_unet(spec: TrainShardSpec, files: ModelFiles) -> UNet2DConditionModel:
@@ -152,19 +161,24 @@ def use_fast_kernels(device: torch.device) -> None:
 def new_state(
     spec: TrainShardSpec, unet: UNet2DConditionModel, ranks: Ranks = Ranks()
 ) -> TrainState:
-    """The state before step 1, around the base model's U-Net."""
+    """The state before step 1, around the base model's U-Net (one laid out on the meta
+    device takes this rank's memory only for what it holds, to be restored into)."""
     options = spec.options
     device = ranks.device()
     use_fast_kernels(device)
-    unet = _without_origin(unet).to(device, torch.float32).train()
-    if device.type == "cuda":
-        unet = unet.to(memory_format=torch.channels_last)
+    unet = _placed(_without_origin(unet), device, channels_last=not options.sharded)
     if options.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
+    sharded = options.sharded and ranks.distributed
+    if sharded:
+        shard(unet, options.sharding, options.grad_comm, device)
+    if unet.device.type == "meta":
+        unet.to_empty(device=device)
     # Fused: one kernel for every parameter's update, where foreach needs several.
     optimizer = torch.optim.AdamW(unet.parameters(), lr=options.lr, fused=device.type == "cuda")
     ema = None
-    if options.ema is not None and ranks.writes:
+    # Sharded, every rank keeps the EMA of its own shards; else rank 0 keeps all of it.
+    if options.ema is not None and (ranks.writes or sharded):
         ema = EMAModel(
             unet.parameters(),
             decay=options.ema,
@@ -172,17 +186,7 @@ def new_state(
             model_cls=UNet2DConditionModel,
             model_config=unet.config,
         )
-    model: torch.nn.Module = unet
-    if ranks.distributed:
-        # Rank 0's weights are broadcast to the others here: all start alike. Gradients
-        # live in DDP's buckets (no copy in and out), and the graph is the same every step
-        # (which DDP cannot use beside no_sync: an internal assert fails in its reducer).
-        model = DistributedDataParallel(
-            unet,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            gradient_as_bucket_view=True,
-            static_graph=options.grad_accumulation == 1,
-        )
+    model = unet if sharded or not ranks.distributed else _data_parallel(unet, options, device)
     return TrainState(
         run=spec.run,
         step=0,
@@ -202,7 +206,40 @@ def new_state(
         ),
         device=device,
         ranks=ranks,
+        checkpoint_group=state_group() if sharded else None,
     )
+
+
+def _placed(unet: UNet2DConditionModel, device: torch.device, channels_last: bool):
+    """The U-Net in fp32 on the device, in training mode; channels_last on a GPU (not when
+    sharded: FSDP2 shards each weight along its first dimension, contiguous)."""
+    if unet.device.type != "meta":
+        unet = unet.to(device, torch.float32)
+    if device.type == "cuda" and channels_last:
+        unet = unet.to(memory_format=torch.channels_last)
+    return unet.train()
+
+
+def _data_parallel(unet: UNet2DConditionModel, options, device: torch.device):
+    """The U-Net under DDP. Rank 0's weights are broadcast to the others here: all start
+    alike. Gradients live in DDP's buckets (no copy in and out), and the graph is the same
+    every step (which DDP cannot use beside no_sync: an internal assert fails in its
+    reducer)."""
+    model = DistributedDataParallel(
+        unet,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        gradient_as_bucket_view=True,
+        static_graph=options.grad_accumulation == 1,
+    )
+    if options.grad_comm == "bf16":
+        model.register_comm_hook(None, _bf16_gradients)
+    return model
+
+
+def _bf16_gradients(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's bf16_compress_hook (a bucket averaged in bf16, then cast back), without its
+    check that the backend is NCCL: gloo's CPU ranks reduce bf16 as well."""
+    return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
 
 
 def _without_origin(unet: UNet2DConditionModel) -> UNet2DConditionModel:
@@ -357,7 +394,7 @@ def train_step(state: TrainState, spec: TrainShardSpec, inputs: StepInputs) -> t
         last = start + micro >= latents.shape[0]
         # Gradients are averaged across ranks once per step, on the last micro-batch.
         syncing = last or not state.ranks.distributed
-        with nullcontext() if syncing else state.model.no_sync():
+        with nullcontext() if syncing else _gradients_kept_here(state):
             loss = _micro_loss(state, spec, latents[part], embeddings[part], draws, part)
             loss = loss / options.grad_accumulation
             _backward(state, loss)
@@ -368,6 +405,20 @@ def train_step(state: TrainState, spec: TrainShardSpec, inputs: StepInputs) -> t
         dist.all_reduce(total)
         total /= state.ranks.world_size
     return total
+
+
+@contextmanager
+def _gradients_kept_here(state: TrainState) -> Iterator[None]:
+    """Micro-batches' gradients added up on this rank, not yet averaged across ranks."""
+    if not state.sharded:
+        with state.model.no_sync():
+            yield
+        return
+    state.unet.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        state.unet.set_requires_gradient_sync(True)
 
 
 def _micro_loss(state: TrainState, spec: TrainShardSpec, latents, embeddings, draws, part):
@@ -432,6 +483,11 @@ class Snapshot:
     ema_unet: dict[str, torch.Tensor] | None
     seconds: float  # how long the training waited for the copy
 
+    @property
+    def model_weights(self) -> dict[str, torch.Tensor]:
+        """The U-Net's weights a model made from this checkpoint has: the EMA's, when kept."""
+        return self.unet if self.ema_unet is None else self.ema_unet
+
 
 def snapshot(state: TrainState) -> Snapshot:
     """The state's copy on the host, into pinned memory from a GPU (one wait for all the
@@ -488,6 +544,10 @@ def save_checkpoint(snapshot: Snapshot, folder: Path) -> None:
 
 def load_checkpoint(spec: TrainShardSpec, folder: Path, ranks: Ranks = Ranks()) -> TrainState:
     """The state a checkpoint folder holds, as it was when written."""
+    if is_sharded(folder):
+        state = new_state(spec, _laid_out(folder), ranks)
+        restore(state, folder)
+        return state
     state = new_state(spec, UNet2DConditionModel.from_pretrained(folder / "unet"), ranks)
     saved = load_state(folder, state.device)
     state.step = saved["step"]
@@ -498,6 +558,12 @@ def load_checkpoint(spec: TrainShardSpec, folder: Path, ranks: Ranks = Ranks()) 
     if state.scaler is not None:
         state.scaler.load_state_dict(saved["scaler"])
     return state
+
+
+def _laid_out(folder: Path) -> UNet2DConditionModel:
+    """The checkpoint's U-Net on the meta device: shapes, no memory, to be restored into."""
+    with torch.device("meta"):
+        return UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder / "unet"))
 
 
 def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
@@ -517,12 +583,13 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
                     optimizer.state[parameter][name] = like.copy_(value)
 
 
-def export_model(snapshot: Snapshot, base: Path, folder: Path) -> str:
-    """A whole diffusers pipeline in `folder`: the base model's files with this U-Net (its
-    EMA weights, when kept) in place of the base's. Returns its content hash."""
-    shutil.copytree(base, folder, ignore=shutil.ignore_patterns("unet", ".*"))
-    weights = snapshot.unet if snapshot.ema_unet is None else snapshot.ema_unet
-    _unet_with(snapshot.unet_config, weights).save_pretrained(folder / "unet")
+def export_model(
+    unet_config: dict, weights: dict[str, torch.Tensor], base: Path, folder: Path
+) -> str:
+    """A whole diffusers pipeline in `folder`: the base model's files with this U-Net in
+    place of the base's. Returns its content hash."""
+    shutil.copytree(base, folder, ignore=shutil.ignore_patterns("unet", ".*"), dirs_exist_ok=True)
+    _unet_with(unet_config, weights).save_pretrained(folder / "unet")
     return folder_content_hash(folder)
 
 

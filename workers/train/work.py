@@ -240,7 +240,7 @@ class TrainWork(Work):
         except BaseException:
             training.close()
             raise
-        snapshot = training.checkpoint()
+        snapshot = training.checkpoint(spec)
         self.live.keep(training, spec.next_after(training.state.step))
         return steps, write_checkpoint(spec, snapshot, self.store, self.files)
 
