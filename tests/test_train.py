@@ -333,8 +333,9 @@ def test_a_killed_train_worker_resumes_to_the_same_weights(
 
 def test_phases_checkpoints_and_the_recipe_on_one_machine(tmp_path: Path) -> None:
     """A pre-training's shape, embedded: phase 1 at 64 px on 2 data-parallel ranks with the
-    recipe's options, phase 2 going on from it at 128 px, a U-Net from scratch; the
-    checkpoints each keeps, and the lineage from an image back through both phases."""
+    recipe's options and its state sharded over them (each rank writes its part of every
+    checkpoint), phase 2 going on from it at 128 px, a U-Net from scratch; the checkpoints
+    each keeps, and the lineage from an image back through both phases."""
     env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT)}
     with HostileServer() as server:
         listing = write_list(tmp_path / "toy.csv", server.base, 12)
@@ -353,7 +354,7 @@ def test_phases_checkpoints_and_the_recipe_on_one_machine(tmp_path: Path) -> Non
 
     phase1 = sdq_json(
         env, "train", "toy", "--base", "tiny", "--resolution", "64", "--batch-size", "4",
-        "--steps", "6", "--checkpoint-every", "2", "--world-size", "2",
+        "--steps", "6", "--checkpoint-every", "2", "--world-size", "2", "--sharding", "full",
         "--grad-accumulation", "2", "--max-grad-norm", "1", "--lr-schedule", "cosine",
         "--lr-warmup", "2", "--caption-dropout", "0.2", "--noise-offset", "0.05",
         "--keep-checkpoints", "2", "--export-every", "4", "--into", "phase1", cwd=tmp_path,
@@ -374,6 +375,8 @@ def test_phases_checkpoints_and_the_recipe_on_one_machine(tmp_path: Path) -> Non
     assert stored == {
         (kept, part) for kept in ("00000004", "00000006") for part in ("model", "state")
     }
+    parts = sorted(path.name for path in (checkpoints / "00000006/state/sharded").iterdir())
+    assert parts == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
     prompts = tmp_path / "prompts.csv"
     prompts.write_text("prompt,seed\na picture,1\n")
