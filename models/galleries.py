@@ -11,16 +11,14 @@ its images the same way; a local copy (`sdq gallery RUN -o DIR`) carries its own
 import html
 from collections import defaultdict
 from collections.abc import Callable
-from datetime import datetime
 from typing import Any
 
 from sqlalchemy import RowMapping, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.jobs.kinds import GENERATE
 from sdq.models.specs import SAMPLER_NAMES, image_key
 from sdq.models.store import LINK_SECONDS, ObjectStore, S3Store
-from sdq.models.tables import Job, Run
+from sdq.models.tables import Job
 from sdq.models.tables.generate import Generation
 
 PAGE = """<!doctype html>
@@ -152,15 +150,3 @@ def write_gallery(
     page = gallery_html(run_id, jobs, store_image_link(store)).encode()
     uri = store.put_bytes(key, page, content_type="text/html; charset=utf-8")
     return {"gallery": uri, "gallery_link": store.link(key, expires_seconds=LINK_SECONDS)}
-
-
-def write_finished(sessions: sessionmaker[Session], store: ObjectStore, since: datetime) -> int:
-    """Writes the gallery of every generation run that finished since `since`; returns how
-    many. Writing one twice only writes the same page again."""
-    with sessions() as session:
-        finished = session.scalars(
-            select(Run.id).where(Run.kind == GENERATE.name, Run.finished_at >= since)
-        ).all()
-    for run_id in finished:
-        write_gallery(sessions, store, run_id)
-    return len(finished)

@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import IO
 
-from sdq.models.jobs.kinds import POOL_QUEUES, TRAIN, Pool
+from sdq.models.jobs.kinds import KINDS, POOL_QUEUES, Pool
 
 CELERY_APP = "sdq.workers.main"
 # A dead worker is started again after 2, 4, 8... seconds, at most RESTART_BACKOFF_CAP; one
@@ -81,6 +81,11 @@ def celery_worker(
     ]  # fmt: skip
 
 
+# The kinds whose jobs run on rank processes over GPUs of their own, and their worker's name.
+RANKED_QUEUES = tuple(kind.queue for kind in KINDS.values() if kind.on_ranks)
+RANKED_WORKER = "-".join(kind.name for kind in KINDS.values() if kind.on_ranks)
+
+
 def gpu_workers(
     gpus: list[str],
     *,
@@ -98,7 +103,7 @@ def gpu_workers(
     if train_ranks:
         group, gpus = gpus[:train_ranks], gpus[train_ranks:]
         argv = celery_worker(
-            (TRAIN.queue,), name="train", concurrency=1, prefetch=1, loglevel=loglevel
+            RANKED_QUEUES, name=RANKED_WORKER, concurrency=1, prefetch=1, loglevel=loglevel
         )
         environment = {
             **os.environ,
@@ -106,7 +111,7 @@ def gpu_workers(
             "SDQ_TRAIN_RANKS": str(train_ranks),
         }
         commands.append(WorkerCommand(argv, environment))
-        queues = tuple(queue for queue in queues if queue != TRAIN.queue)
+        queues = tuple(queue for queue in queues if queue not in RANKED_QUEUES)
         if not queues or (group and not gpus):
             return commands
     if not gpus:

@@ -119,8 +119,7 @@ class SdqCollector:
         )
         made = GaugeMetricFamily(
             "sdq_units_per_second",
-            f"Images (generate) or samples (download, encode, train) made per second over "
-            f"{RATE_WINDOW}",
+            f"What each kind makes (images, samples) per second over {RATE_WINDOW}",
             labels=["kind"],
         )
         since = utcnow() - RATE_WINDOW

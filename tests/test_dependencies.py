@@ -105,6 +105,47 @@ def test_the_layer_guards_see_internal_imports(tmp_path: Path) -> None:
     assert imports(module)[3] == ("sdq.workers.train.work", False)
 
 
+# The generic layers: a kind is found from its row (models/jobs/kinds.py), never named here.
+GENERIC_MODULES = (
+    *(path for path in sources("models/jobs") if path.name != "kinds.py"),
+    *sources("producer/cli"),
+    *(ROOT / "producer" / name for name in ("kinds.py", "lookups.py", "launch.py", "metrics.py")),
+    *(ROOT / "workers" / name for name in ("app.py", "main.py", "maintenance.py", "delivery.py")),
+)
+
+
+def kinds_named(path: Path) -> list[str]:
+    """The kinds a module names: by importing a kind's own module or its row's constant, or
+    by a string that is a kind's name or queue."""
+    from sdq.models.jobs.kinds import KINDS
+
+    kind_packages = {f"sdq.{side}.{kind}" for side in ("producer", "workers") for kind in KINDS}
+    constants = {kind.upper() for kind in KINDS}
+    names = {word for kind in KINDS.values() for word in (kind.name, kind.queue)}
+    tree = ast.parse(path.read_text())
+    named = [module for module, _ in imports(path) if within(module, kind_packages)]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            named += [alias.name for alias in node.names if alias.name in constants]
+        elif isinstance(node, ast.Constant) and node.value in names:
+            named.append(repr(node.value))
+    return named
+
+
+def test_generic_modules_never_name_a_kind(tmp_path: Path) -> None:
+    for path in GENERIC_MODULES:
+        assert not kinds_named(path), f"{path.relative_to(ROOT)} names {kinds_named(path)}"
+    # The guard itself sees each way of naming one.
+    module = write(
+        tmp_path / "naming.py",
+        "from sdq.models.jobs.kinds import TRAIN, KINDS\n"
+        "from sdq.producer.generate.cli import report_run\n"
+        "def later():\n"
+        "    return KINDS['encode']\n",
+    )
+    assert kinds_named(module) == ["sdq.producer.generate.cli", "TRAIN", "'encode'"]
+
+
 def test_heavy_libraries_only_in_gpu_modules() -> None:
     for package in PACKAGES:
         for path in sources(package):

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from sdq.models.jobs.kinds import POOL_QUEUES, Pool
+from sdq.models.jobs.kinds import KINDS, MAINTENANCE_QUEUE, POOL_QUEUES, Pool
 from sdq.producer.cli.main import main
 from tests.conftest import ROOT
 
@@ -189,9 +189,10 @@ def test_the_kubernetes_deployment_hangs_together() -> None:
             assert_sdq_command(container["args"])
             sources = {next(iter(ref.values()))["name"] for ref in container["envFrom"]}
             assert sources == {"sdq-settings", "sdq-secrets"}
-    # Each pool scales on exactly the queues it consumes; the GPU pool leaves training to the
-    # train machines.
-    assert gpu["args"][gpu["args"].index("--queues") + 1] == "generate,encode"
+    # Each pool scales on exactly the queues it consumes; the GPU pool leaves the kinds that
+    # run on ranks (training) to machines of their own.
+    pooled = [kind.queue for kind in KINDS.values() if kind.pool is Pool.gpu and not kind.on_ranks]
+    assert gpu["args"][gpu["args"].index("--queues") + 1] == ",".join(pooled)
     scaled = {
         document["spec"]["scaleTargetRef"]["name"]: {
             trigger["metadata"]["listName"] for trigger in document["spec"]["triggers"]
@@ -199,8 +200,8 @@ def test_the_kubernetes_deployment_hangs_together() -> None:
         for document in by_kind["ScaledObject"].values()
     }
     assert scaled == {
-        "sdq-worker-gpu": set(POOL_QUEUES[Pool.gpu]) - {"train"},
-        "sdq-worker-cpu": set(POOL_QUEUES[Pool.cpu]) - {"maintenance"},
+        "sdq-worker-gpu": set(pooled),
+        "sdq-worker-cpu": set(POOL_QUEUES[Pool.cpu]) - {MAINTENANCE_QUEUE},
     }
     # The CPU pool also serves beat's maintenance queue: never scaled to nothing.
     cpu = next(d for d in by_kind["ScaledObject"].values()

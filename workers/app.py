@@ -113,8 +113,8 @@ def quiet_libraries() -> None:
 
 class QueueLimits:
     """Celery's annotation of each task with the time limits of its kind's queue: the
-    kind's task, and the tasks named under it (train's join: a node runs as long as the
-    job it joins)."""
+    kind's task, and the tasks named under it (`sdq.<kind>.<part>`: a part of a job runs
+    as long as the job)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings

@@ -4,7 +4,7 @@ from importlib import import_module
 
 from celery.signals import celeryd_after_setup
 
-from sdq.models.jobs.kinds import POOL_QUEUES, Pool
+from sdq.models.jobs.kinds import KINDS
 from sdq.models.settings import Settings
 from sdq.workers import (
     memory,  # noqa: F401  (registers the device_memory control command)
@@ -12,23 +12,22 @@ from sdq.workers import (
 )
 from sdq.workers.app import create_app, quiet_libraries
 
-# The GPU work's modules: torch, diffusers and transformers come with them.
-GPU_MODULES = ("sdq.workers.generate.pipelines", "sdq.workers.encode.encoders")
-
 quiet_libraries()
 app = create_app(Settings.from_env())
 
 
 @celeryd_after_setup.connect
 def load_gpu_libraries(sender, instance, **_) -> None:
-    """A worker that serves GPU queues imports the GPU libraries once, in its main process
-    before the pool forks (importing makes no CUDA context): never inside a task, where a
-    time limit could cut an import short and leave the process unable to import them again,
-    nor on the first task's clock. A CPU pool's worker never imports them."""
-    consumed = instance.app.amqp.queues.consume_from or instance.app.amqp.queues
-    if set(consumed) & set(POOL_QUEUES[Pool.gpu]):
-        for module in GPU_MODULES:
-            import_module(module)
+    """A worker imports what the kinds it serves preload (the GPU libraries come with them)
+    once, in its main process before the pool forks (importing makes no CUDA context):
+    never inside a task, where a time limit could cut an import short and leave the process
+    unable to import them again, nor on the first task's clock. A CPU pool's worker never
+    imports them."""
+    consumed = set(instance.app.amqp.queues.consume_from or instance.app.amqp.queues)
+    for kind in KINDS.values():
+        if kind.queue in consumed:
+            for module in kind.preload:
+                import_module(module)
 
 
 @celeryd_after_setup.connect

@@ -6,8 +6,9 @@ from typing import Any
 
 from celery import shared_task
 
-from sdq.models import galleries, rollups
+from sdq.models import rollups
 from sdq.models.jobs import maintenance
+from sdq.models.jobs.kinds import kind_named
 from sdq.models.jobs.lifecycle import utcnow
 from sdq.workers.app import MAINTENANCE_TASKS, SdqCelery
 
@@ -35,16 +36,20 @@ def relay(self) -> dict[str, Any]:
 
 @shared_task(bind=True, name=FINISH_RUNS)
 def finish_runs(self) -> dict[str, Any]:
-    """Closes finished runs, then writes the gallery of every generation run that finished
-    since this task last ran (or in the last hour, the first time): a run submitted without
-    --wait has its page without anyone asking. A tick that fails is covered by the next."""
+    """Closes finished runs, then does each kind's run-end work (its `at_run_end`) for every
+    run that finished since this task last ran (or in the last hour, the first time). A
+    tick that fails is covered by the next."""
     app = self.app
     last = maintenance.last_tick(app.sessions, self.name)
     # Back a little from the last tick: a run closed while that tick was writing is not missed.
     since = last - timedelta(minutes=1) if last else utcnow() - timedelta(hours=1)
     closed = maintenance.finish_runs(app.sessions)
-    written = galleries.write_finished(app.sessions, app.store, since)
-    return ticked(self, {"closed": closed, "galleries": written})
+    ended = maintenance.runs_finished_since(app.sessions, since)
+    for kind, run_id in ended:
+        at_run_end = kind_named(kind).task_hook("at_run_end")
+        if at_run_end is not None:
+            at_run_end(app.sessions, app.store, run_id)
+    return ticked(self, {"closed": closed, "ended": len(ended)})
 
 
 @shared_task(bind=True, name=ROLL_UP)

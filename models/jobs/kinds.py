@@ -1,11 +1,27 @@
 """The table of kinds: each kind of work, the queue it travels on and the pool that runs it.
 
-Adding a kind is a row here, its folder under workers/ (its `task` module: the work and a
-Celery task of a few lines) and its folder under producer/ (its input and planning).
+A row here is the only place a kind is registered. Everything else is found from it by
+convention, under the kind's name:
+
+- `sdq.producer.<name>.cli`: COMMANDS, the kind's command groups (`sdq <name> ...`); and,
+  optionally, `report_run(app, run_id, as_json)`, what `sdq resume` prints once a run of
+  the kind is done here (else the run's status).
+- `sdq.producer.<name>.lookups`: `job_fields(session, job_ids)`, the kind's own columns of
+  its jobs (a prompt and seed, a URL...) for the generic listings.
+- `sdq.workers.<name>.task`: the kind's Celery task and its work; and, optionally,
+  `at_run_end(sessions, store, run_id)`, what beat does once a run of the kind finishes (a
+  generation run's gallery).
+
+Generic code (models/jobs/, producer/cli/, producer/lookups.py, producer/launch.py,
+workers/app.py, workers/main.py, workers/maintenance.py, workers/delivery.py) never names a
+kind: tests/test_dependencies.py checks it.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from importlib import import_module
+from types import ModuleType
 
 
 class Pool(StrEnum):
@@ -13,23 +29,21 @@ class Pool(StrEnum):
     cpu = "cpu"  # many processes; never imports torch
 
 
-# Every queue, with the pool that consumes it; beat's periodic tasks use `maintenance`.
-POOL_QUEUES = {
-    Pool.gpu: ("generate", "encode", "train"),
-    Pool.cpu: ("download", "maintenance"),
-}
-QUEUES = tuple(queue for queues in POOL_QUEUES.values() for queue in queues)
-MAINTENANCE_QUEUE = "maintenance"
+MAINTENANCE_QUEUE = "maintenance"  # beat's periodic tasks, on the CPU pool
 
 
 @dataclass(frozen=True)
 class Kind:
     name: str
     queue: str
-
-    @property
-    def pool(self) -> Pool:
-        return next(pool for pool, queues in POOL_QUEUES.items() if self.queue in queues)
+    pool: Pool
+    unit: str  # what one job makes, in words: "images", "shards"...
+    # Modules a worker serving the kind imports once, in its main process before the pool
+    # forks (the GPU libraries come with them), never inside a task.
+    preload: tuple[str, ...] = ()
+    # Its jobs run on rank processes over GPUs of their own: `sdq worker gpu --train-ranks
+    # N` gives the kind a worker of N GPUs, which serve nothing else.
+    on_ranks: bool = False
 
     @property
     def task_name(self) -> str:
@@ -40,13 +54,35 @@ class Kind:
         """Where the kind's Celery task and work live; only workers import it."""
         return f"sdq.workers.{self.name}.task"
 
+    def producer_module(self, part: str) -> ModuleType:
+        """The kind's `cli` or `lookups` module (see above)."""
+        return import_module(f"sdq.producer.{self.name}.{part}")
 
-GENERATE = Kind("generate", queue="generate")
-DOWNLOAD = Kind("download", queue="download")
-ENCODE = Kind("encode", queue="encode")
-TRAIN = Kind("train", queue="train")
+    def cli_hook(self, name: str) -> Callable | None:
+        """The kind's optional hook `name` in its `cli` module (see above), or None."""
+        return getattr(self.producer_module("cli"), name, None)
+
+    def task_hook(self, name: str) -> Callable | None:
+        """The kind's optional hook `name` in its `task` module (see above), or None."""
+        return getattr(import_module(self.task_module), name, None)
+
+
+GENERATE = Kind(
+    "generate", "generate", Pool.gpu, "images", preload=("sdq.workers.generate.pipelines",)
+)
+DOWNLOAD = Kind("download", "download", Pool.cpu, "shards")
+ENCODE = Kind("encode", "encode", Pool.gpu, "shards", preload=("sdq.workers.encode.encoders",))
+TRAIN = Kind("train", "train", Pool.gpu, "train-shards", on_ranks=True)
 
 KINDS = {kind.name: kind for kind in (GENERATE, DOWNLOAD, ENCODE, TRAIN)}
+
+# Every queue, with the pool that consumes it.
+POOL_QUEUES = {
+    pool: tuple(kind.queue for kind in KINDS.values() if kind.pool is pool)
+    + ((MAINTENANCE_QUEUE,) if pool is Pool.cpu else ())
+    for pool in Pool
+}
+QUEUES = tuple(queue for queues in POOL_QUEUES.values() for queue in queues)
 
 
 class UnknownKind(Exception):

@@ -158,6 +158,13 @@ def _lost_jobs(session: Session, lost: ColumnElement[bool]) -> dict[int, list[in
     return by_run
 
 
+def runs_finished_since(sessions: sessionmaker[Session], since: datetime) -> list[tuple[str, int]]:
+    """The kind and id of every run that finished since `since`."""
+    with sessions() as session:
+        finished = select(Run.kind, Run.id).where(Run.finished_at >= since).order_by(Run.id)
+        return [(kind, run_id) for kind, run_id in session.execute(finished)]
+
+
 def finish_runs(sessions: sessionmaker[Session]) -> int:
     """Stamps every open run whose jobs have all finished (one whose last job was settled
     by a path that did not close it, or by hand in SQL); returns how many."""

@@ -124,8 +124,8 @@ def _gpu_queues(_ctx, _param, value: str | None) -> tuple[str, ...]:
 @click.option(
     "--queues",
     callback=_gpu_queues,
-    help="Comma-separated queues these GPUs serve, of generate, encode and train: a GPU "
-    "keeps only those kinds' models. [default: all three]",
+    help=f"Comma-separated queues these GPUs serve, of {', '.join(POOL_QUEUES[Pool.gpu])}: a "
+    "GPU keeps only those kinds' models. [default: all of them]",
 )
 @click.option(
     "--train-ranks",
@@ -143,7 +143,7 @@ def gpu(
     train_ranks: int | None,
     loglevel: str,
 ) -> None:
-    """One process per GPU for generate, encode and train; one CPU process if there is no GPU."""
+    """One process per GPU for the GPU queues; one CPU process if there is no GPU."""
     from sdq.producer.launch import gpu_workers, supervise, torch_gpu_view, visible_gpus
 
     require_broker(app, "a worker")

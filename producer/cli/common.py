@@ -21,8 +21,7 @@ from sdq.models.jobs.outbox import EnqueueFailed, Sent, enqueue, messages
 from sdq.models.store import StoreError
 from sdq.models.tables import FINISHED, Job, JobStatus, Run
 from sdq.producer import display, lookups
-from sdq.producer.errors import NotFound
-from sdq.producer.generate.prompts import InvalidInput
+from sdq.producer.errors import InvalidInput, NotFound
 from sdq.workers.app import SdqCelery, worker_identity
 
 BAD_INPUT = 2

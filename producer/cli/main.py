@@ -14,12 +14,9 @@ from sqlalchemy.exc import DBAPIError
 
 from sdq.models.db import missing_sqlite
 from sdq.models.faults import free_space, full_disk
+from sdq.models.jobs.kinds import KINDS
 from sdq.models.settings import Settings
 from sdq.producer.cli import admin, runs, sql
-from sdq.producer.download import cli as download
-from sdq.producer.encode import cli as encode
-from sdq.producer.generate import cli as generate
-from sdq.producer.train import cli as train
 from sdq.workers.app import create_app, quiet_libraries
 
 # \b keeps Click from re-wrapping the list.
@@ -106,6 +103,7 @@ def main(ctx: click.Context, verbose: bool) -> None:
     ctx.obj = create_app(settings)
 
 
-for group in (generate, download, encode, train, runs, sql, admin):
+kinds = [kind.producer_module("cli") for kind in KINDS.values()]
+for group in (*kinds, runs, sql, admin):
     for command in group.COMMANDS:
         main.add_command(command)

@@ -5,7 +5,7 @@ import socket
 
 import click
 
-from sdq.models.jobs.kinds import GENERATE
+from sdq.models.jobs.kinds import kind_named
 from sdq.models.jobs.lifecycle import cancel_jobs, retry_jobs
 from sdq.models.tables import JobStatus
 from sdq.producer import display, lookups
@@ -20,7 +20,6 @@ from sdq.producer.cli.common import (
     send_run,
     table,
 )
-from sdq.producer.generate.cli import report_run
 from sdq.workers.app import SdqCelery
 
 
@@ -96,7 +95,8 @@ def resume(app: SdqCelery, run_id: int, wait: bool, as_json: bool) -> None:
         else:
             click.echo(f"run {run_id}: sent {sent.jobs} jobs not done in {sent.messages} tasks")
         return
-    if run.kind == GENERATE.name:  # as `sdq run` ends: with the run's gallery written
+    report_run = kind_named(run.kind).cli_hook("report_run")
+    if report_run is not None:  # as the kind's own command ends
         report_run(app, run_id, as_json)
         return
     lookup(app, lambda session: lookups.run_status(session, run_id, with_jobs=False),

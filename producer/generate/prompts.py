@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from sdq.producer.errors import InputError, InvalidInput
+
 COLUMNS = (
     "prompt",
     "negative_prompt",
@@ -32,26 +34,6 @@ MAX_IMAGES_PER_ROW = 10_000
 MAX_GUIDANCE = 100.0
 # Past this many problems a file is clearly not what was meant; the rest are only counted.
 MAX_REPORTED_ERRORS = 1000
-
-
-@dataclass(frozen=True)
-class InputError:
-    file: str
-    line: int | None
-    column: str | None
-    reason: str
-
-    def __str__(self) -> str:
-        where = self.file if self.line is None else f"{self.file}:{self.line}"
-        return (
-            f"{where}: {self.column}: {self.reason}" if self.column else f"{where}: {self.reason}"
-        )
-
-
-class InvalidInput(Exception):
-    def __init__(self, errors: list[InputError]) -> None:
-        super().__init__("\n".join(map(str, errors)))
-        self.errors = errors
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,6 +5,7 @@ from typing import Any
 
 from celery import shared_task
 
+from sdq.models import galleries
 from sdq.models.jobs.kinds import GENERATE
 from sdq.workers.app import SdqCelery
 from sdq.workers.delivery import JobTask, deliver_task
@@ -27,6 +28,11 @@ def generate(self, job_ids: list[int], batch_size: int | None = None) -> dict[st
         )
 
     return deliver_task(self, GENERATE, job_ids, work)
+
+
+# Once a generation run finishes, beat writes its gallery: a run submitted without --wait
+# has its page without anyone asking.
+at_run_end = galleries.write_gallery
 
 
 @cache
