@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from sdq.producer.cli.main import main
-from sdq.producer.generate.prompts import COLUMNS
+from sdq.producer.prompts import COLUMNS
 
 # Commands that start a long-running service report nothing to parse.
 SERVICES = {"sdq worker gpu", "sdq worker cpu", "sdq beat", "sdq flower", "sdq metrics"}

@@ -146,6 +146,19 @@ def test_generic_modules_never_name_a_kind(tmp_path: Path) -> None:
     assert kinds_named(module) == ["sdq.producer.generate.cli", "TRAIN", "'encode'"]
 
 
+def test_kind_folders_never_import_one_another() -> None:
+    """A kind stands on the generic layers and the shared nouns (producer/datasets/,
+    producer/prompts.py, workers/shards/, models/) alone, never on another kind's folder."""
+    from sdq.models.jobs.kinds import KINDS
+
+    for side in ("producer", "workers"):
+        for kind in KINDS:
+            others = {f"sdq.{side}.{other}" for other in KINDS if other != kind}
+            for path in sources(f"{side}/{kind}"):
+                reached = [module for module, _ in imports(path) if within(module, others)]
+                assert not reached, f"{path.relative_to(ROOT)} imports {reached}"
+
+
 def test_heavy_libraries_only_in_gpu_modules() -> None:
     for package in PACKAGES:
         for path in sources(package):

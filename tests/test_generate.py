@@ -26,8 +26,8 @@ from sdq.models.specs import GenerationSpec
 from sdq.models.tables import Job, JobEvent, JobStatus
 from sdq.models.tables.generate import Generation
 from sdq.producer.generate.plan import Defaults, plan_jobs
-from sdq.producer.generate.prompts import read_prompts
 from sdq.producer.generate.submit import CHUNK, Batching, record_run
+from sdq.producer.prompts import read_prompts
 from sdq.workers.app import create_app
 from tests.conftest import BUCKET, ROOT, write
 from tests.services import wait_for

@@ -6,7 +6,7 @@ from sdq.models.generations import SharedSettings
 from sdq.models.registry import tiny_identity
 from sdq.models.specs import batches, image_key
 from sdq.producer.generate.plan import Defaults, plan_jobs
-from sdq.producer.generate.prompts import PromptRow
+from sdq.producer.prompts import PromptRow
 
 MODEL = tiny_identity()
 

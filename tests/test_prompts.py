@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from sdq.producer.generate.prompts import (
+from sdq.producer.prompts import (
     InvalidInput,
     check_template,
     parse_size,

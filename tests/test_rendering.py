@@ -26,8 +26,8 @@ from sdq.models.specs import SAMPLERS, GenerationSpec
 from sdq.models.store import LocalStore, S3Store
 from sdq.models.tables import Job, JobEvent, JobStatus, Run
 from sdq.producer.generate.plan import Defaults, plan_jobs
-from sdq.producer.generate.prompts import PromptRow
 from sdq.producer.generate.submit import Batching, record_run
+from sdq.producer.prompts import PromptRow
 from sdq.workers.generate.pipelines import PipelineCache, render
 from sdq.workers.generate.work import GenerateWork
 from sdq.workers.holding import hold

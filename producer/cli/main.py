@@ -17,6 +17,7 @@ from sdq.models.faults import free_space, full_disk
 from sdq.models.jobs.kinds import KINDS
 from sdq.models.settings import Settings
 from sdq.producer.cli import admin, runs, sql
+from sdq.producer.datasets import cli as datasets
 from sdq.workers.app import create_app, quiet_libraries
 
 # \b keeps Click from re-wrapping the list.
@@ -104,6 +105,6 @@ def main(ctx: click.Context, verbose: bool) -> None:
 
 
 kinds = [kind.producer_module("cli") for kind in KINDS.values()]
-for group in (*kinds, runs, sql, admin):
+for group in (*kinds, datasets, runs, sql, admin):
     for command in group.COMMANDS:
         main.add_command(command)

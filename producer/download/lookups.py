@@ -1,56 +1,14 @@
-"""Questions about datasets, answered from the database: what each holds, what failed
-and why, where its shards are."""
+"""The download jobs' own fields, for the generic listings."""
 
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from sdq.models.datasets import BLOCKED_ADDRESS, SampleStatus
 from sdq.models.db import chunked
 from sdq.models.jobs.kinds import DOWNLOAD
-from sdq.models.jobs.lifecycle import as_utc
-from sdq.models.tables import Job, Run
-from sdq.models.tables.download import Dataset, Sample, Shard
-from sdq.producer.encode.lookups import latent_summary
-from sdq.producer.errors import NotFound
-
-
-def dataset_named(session: Session, name: str) -> Dataset:
-    dataset = session.scalars(select(Dataset).where(Dataset.name == name)).one_or_none()
-    if dataset is None:
-        raise NotFound(f"no dataset named {name!r}; `sdq dataset list` shows them")
-    return dataset
-
-
-def _blocked_by(session: Session, dataset_id: int) -> list[str]:
-    """The networks opened (SDQ_DOWNLOAD_ALLOW_NETWORKS) on the workers that refused the
-    dataset's blocked hosts: the setting that refused them, as those workers had it."""
-    refused_in = select(Sample.shard_id).where(
-        Sample.dataset_id == dataset_id, Sample.reason == BLOCKED_ADDRESS
-    )
-    opened = session.scalars(select(Shard.allowed_networks).where(Shard.id.in_(refused_in)))
-    return sorted({network for networks in opened for network in networks or ()})
-
-
-def no_usable_samples(session: Session, dataset: Dataset) -> str | None:
-    """Why the dataset cannot be encoded or trained on, when none of its downloaded
-    samples was kept (every one failed or was a duplicate); None when some were."""
-    by_status = dict(
-        session.execute(
-            select(Sample.status, func.count()).where(Sample.dataset_id == dataset.id)
-            .group_by(Sample.status)
-        ).all()
-    )  # fmt: skip
-    if by_status.get(SampleStatus.success):
-        return None
-    samples = sum(by_status.values())
-    return (
-        f"dataset {dataset.name!r} has no usable samples: all {samples} downloaded so far "
-        f"failed or were duplicates. `sdq dataset show {dataset.name}` says why; a list of "
-        "reachable images makes a dataset to train on"
-    )
+from sdq.models.tables import Job
 
 
 def job_fields(session: Session, job_ids: Sequence[int]) -> dict[int, dict[str, Any]]:
@@ -66,92 +24,3 @@ def job_fields(session: Session, job_ids: Sequence[int]) -> dict[int, dict[str, 
                 "rows": f"{spec['first_row']}-{spec['first_row'] + spec['row_count'] - 1}",
             }
     return found
-
-
-def list_datasets(session: Session) -> list[dict[str, Any]]:
-    samples = (
-        select(
-            Sample.dataset_id,
-            func.count().label("samples"),
-            func.count().filter(Sample.status == SampleStatus.success).label("ok"),
-        )
-        .group_by(Sample.dataset_id)
-        .subquery()
-    )
-    shards = (
-        select(Shard.dataset_id, func.count().label("shards")).group_by(Shard.dataset_id).subquery()
-    )
-    rows = session.execute(
-        select(
-            Dataset.name,
-            Dataset.created_at,
-            func.coalesce(shards.c.shards, 0),
-            func.coalesce(samples.c.samples, 0),
-            func.coalesce(samples.c.ok, 0),
-        )
-        .outerjoin(shards, shards.c.dataset_id == Dataset.id)
-        .outerjoin(samples, samples.c.dataset_id == Dataset.id)
-        .order_by(Dataset.id)
-    )
-    return [
-        {"name": name, "created_at": created.isoformat(), "shards": n, "samples": s, "ok": ok}
-        for name, created, n, s, ok in rows
-    ]
-
-
-def dataset_summary(session: Session, name: str) -> dict[str, Any]:
-    dataset = dataset_named(session, name)
-    of_dataset = Sample.dataset_id == dataset.id
-    by_status = dict(
-        session.execute(
-            select(Sample.status, func.count()).where(of_dataset).group_by(Sample.status)
-        ).all()
-    )
-    reasons = dict(
-        session.execute(
-            select(Sample.reason, func.count())
-            .where(of_dataset, Sample.status == SampleStatus.failed)
-            .group_by(Sample.reason)
-            .order_by(func.count().desc(), Sample.reason)
-        ).all()
-    )
-    shards = session.scalars(
-        select(Shard).where(Shard.dataset_id == dataset.id).order_by(Shard.number)
-    ).all()
-    ok = by_status.get(SampleStatus.success, 0)
-    seconds = _wall_seconds(session, name)
-    return {
-        "name": dataset.name,
-        "options": dataset.options,
-        "samples": sum(by_status.values()),
-        "by_status": by_status,
-        "reasons": reasons,
-        "bytes": sum(shard.bytes or 0 for shard in shards),
-        "images_per_second": round(ok / seconds, 2) if seconds else None,
-        "latents": latent_summary(session, dataset.id, dataset.name),
-        "blocked_by": _blocked_by(session, dataset.id) if BLOCKED_ADDRESS in reasons else None,
-        "shards": [
-            {
-                "number": shard.number,
-                "uri": shard.uri,
-                "rows": shard.row_count,
-                "ok": (shard.counts or {}).get(SampleStatus.success, 0),
-                "done": shard.finished_at is not None,
-            }
-            for shard in shards
-        ],
-    }
-
-
-def _wall_seconds(session: Session, name: str) -> float | None:
-    """From the first download job's start to the last one's end, across the dataset's
-    runs: what a person waited, whatever the number of workers."""
-    started, finished = session.execute(
-        select(func.min(Job.started_at), func.max(Job.finished_at))
-        .join(Run, Run.id == Job.run_id)
-        .where(Run.kind == DOWNLOAD.name, Run.options["dataset"].as_string() == name)
-        .where(Job.cached.is_(False), Job.started_at.is_not(None))
-    ).one()
-    if started is None or finished is None:
-        return None
-    return (as_utc(finished) - as_utc(started)).total_seconds()

@@ -14,8 +14,8 @@ from sdq.models.jobs.kinds import DOWNLOAD
 from sdq.models.jobs.outbox import add_jobs
 from sdq.models.tables import Job, JobStatus, Run
 from sdq.models.tables.download import Dataset, Sample, Shard
+from sdq.producer.datasets.lookups import dataset_named
 from sdq.producer.download.lists import PlannedList, Slice, slices
-from sdq.producer.download.lookups import dataset_named
 from sdq.producer.errors import NotFound
 
 

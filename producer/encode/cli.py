@@ -11,7 +11,7 @@ from sdq.producer.cli.common import (
     ready_to_submit,
     report_submission,
 )
-from sdq.producer.download.cli import carry_out_dataset_run
+from sdq.producer.datasets.cli import carry_out_dataset_run
 from sdq.producer.encode.submit import (
     VAE_SCALE,
     EncodeSubmission,

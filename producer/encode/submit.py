@@ -14,7 +14,7 @@ from sdq.models.registry import record_model
 from sdq.models.specs import ModelIdentity
 from sdq.models.tables import Run
 from sdq.models.tables.download import Dataset, Shard
-from sdq.producer.download.lookups import dataset_named, no_usable_samples
+from sdq.producer.datasets.lookups import dataset_named, no_usable_samples
 
 # The VAE halves the image three times: sides must divide by 8.
 VAE_SCALE = 8

@@ -32,7 +32,9 @@ from sdq.producer.generate import lookups as generate_lookups
 from sdq.producer.generate.export import FORMATS, export_run
 from sdq.producer.generate.gallery import copy_gallery
 from sdq.producer.generate.plan import DEFAULT_TEMPLATE, Defaults, plan_jobs
-from sdq.producer.generate.prompts import (
+from sdq.producer.generate.submit import Batching, Submission, record_run
+from sdq.producer.launch import visible_gpus
+from sdq.producer.prompts import (
     InvalidInput,
     check_template,
     parse_count,
@@ -43,8 +45,6 @@ from sdq.producer.generate.prompts import (
     read_prompts,
     read_styles,
 )
-from sdq.producer.generate.submit import Batching, Submission, record_run
-from sdq.producer.launch import visible_gpus
 from sdq.workers.app import SdqCelery
 
 

@@ -11,7 +11,7 @@ from sdq.models.specs import (
     ModelIdentity,
     sampler_scheduler,
 )
-from sdq.producer.generate.prompts import MAX_SEED, PromptRow
+from sdq.producer.prompts import MAX_SEED, PromptRow
 
 DEFAULT_TEMPLATE = "{prompt}, {style}"
 

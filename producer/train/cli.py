@@ -39,7 +39,7 @@ from sdq.producer.cli.common import (
     work_here,
 )
 from sdq.producer.errors import InvalidInput
-from sdq.producer.generate.prompts import read_prompts
+from sdq.producer.prompts import read_prompts
 from sdq.producer.train import lookups as train_lookups
 from sdq.producer.train.page import page_key, training_html
 from sdq.producer.train.plan import DEFAULT_GPU_MEMORY, CannotPlan, can_plan, memory_size, refusal

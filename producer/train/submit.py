@@ -27,7 +27,7 @@ from sdq.models.training import (
     inputs_key,
     inputs_manifest,
 )
-from sdq.producer.download.lookups import dataset_named, no_usable_samples
+from sdq.producer.datasets.lookups import dataset_named, no_usable_samples
 
 
 class CannotTrain(Exception):

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
-import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from sdq.models.datasets import ImageOptions
 from sdq.workers.download.budget import PixelBudget
+from sdq.workers.shards.pixels import resize, to_rgb
 
 # Pillow's own bomb guard warns, then raises at twice its limit; sdq checks its own cap
 # before decoding instead, so Pillow's is lifted to that cap's job.
@@ -23,7 +23,6 @@ Image.MAX_IMAGE_PIXELS = None
 # downloader meets millions, and the row's outcome says what matters.
 warnings.filterwarnings("ignore", module=r"PIL\.")
 SAVE_FORMATS = {"jpg": "JPEG", "webp": "WEBP", "png": "PNG"}
-BACKGROUND = (255, 255, 255)  # what transparent pixels become
 ORIENTATION = 0x0112  # the EXIF tag
 # What Pillow's decoders raise on a damaged file, anywhere from the header to the last
 # pixel (a PNG's EXIF is read by decoding the whole image, for one).
@@ -112,63 +111,6 @@ def _upright_size(image: Image.Image, stored_size: tuple[int, int]) -> tuple[int
     if image.getexif().get(ORIENTATION, 1) in (5, 6, 7, 8):
         return height, width
     return width, height
-
-
-def to_rgb(image: Image.Image) -> Image.Image:
-    """Palette, alpha, CMYK, 16-bit and the rest to plain 8-bit RGB; transparency becomes
-    white, not the black that a bare convert() leaves."""
-    if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
-        pixels = np.asarray(image, dtype=np.float64)
-        top = 65535.0 if image.mode.startswith("I;16") or pixels.max() > 255 else 255.0
-        image = Image.fromarray(np.clip(pixels / top * 255 + 0.5, 0, 255).astype(np.uint8), "L")
-    elif image.mode == "F":
-        image = Image.fromarray(np.clip(np.asarray(image), 0, 255).astype(np.uint8), "L")
-    if image.mode == "RGB":
-        return image
-    if (image.mode == "P" and "transparency" in image.info) or image.mode in ("PA", "LA", "La"):
-        image = image.convert("RGBA")
-    if image.mode in ("RGBA", "RGBa"):
-        background = Image.new("RGB", image.size, BACKGROUND)
-        background.paste(image, mask=image.getchannel("A"))
-        return background
-    return image.convert("RGB")
-
-
-def resize(image: Image.Image, options: ImageOptions) -> Image.Image:
-    """img2dataset's modes. center_crop: the short side to the resolution, then the middle
-    square; keep_ratio: the short side to the resolution; border: the long side to the
-    resolution, padded to a square with black; no: as it came."""
-    size = options.resolution
-    width, height = image.size
-    if options.resize_mode == "no":
-        return image
-    if options.resize_mode == "border":
-        fitted = _scaled(image, size / max(width, height))
-        square = Image.new("RGB", (size, size))
-        square.paste(fitted, ((size - fitted.width) // 2, (size - fitted.height) // 2))
-        return square
-    if options.resize_mode == "keep_ratio":
-        return _scaled(image, size / min(width, height))
-    # Only the middle square is resampled, straight to the resolution: the same picture as
-    # resizing all of it and cropping, without the work on the sides that are cut off.
-    side = min(width, height)
-    left, top = (width - side) // 2, (height - side) // 2
-    return _scaled(image, size / side, box=(left, top, left + side, top + side))
-
-
-def _scaled(
-    image: Image.Image, scale: float, box: tuple[int, int, int, int] | None = None
-) -> Image.Image:
-    """The image, or the `box` of it, resized by `scale`."""
-    left, top, right, bottom = box or (0, 0, image.width, image.height)
-    if scale == 1:
-        return image.crop(box) if box else image
-    target = (max(1, round((right - left) * scale)), max(1, round((bottom - top) * scale)))
-    # img2dataset's filters: area averaging down (cv2's INTER_AREA is Pillow's BOX), which
-    # does not alias and costs a third of Lanczos; Lanczos up, where area has nothing to
-    # average.
-    resample = Image.Resampling.BOX if scale < 1 else Image.Resampling.LANCZOS
-    return image.resize(target, resample, box=box)
 
 
 def encode(image: Image.Image, options: ImageOptions) -> bytes:

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from sdq.models.datasets import ImageOptions, SampleStatus
-from sdq.workers.download.images import resize, to_rgb
+from sdq.workers.shards.pixels import resize, to_rgb
 
 
 @dataclass(frozen=True)

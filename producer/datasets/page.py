@@ -47,7 +47,7 @@ def page_key(name: str) -> str:
 
 def first_samples(store: ObjectStore, summary: dict[str, Any]) -> list[dict[str, Any]]:
     """Up to SAMPLES_SHOWN kept samples, from the first shards written, in key order."""
-    import pyarrow.parquet as pq  # only here: see producer/download/cli.py
+    import pyarrow.parquet as pq  # only here: its import slows every `sdq` command's start
 
     image_format = summary["options"]["format"]
     samples: list[dict[str, Any]] = []
