@@ -22,6 +22,7 @@ GPU_MODULES = {
     "workers/train/rank.py",
     "workers/train/statefile.py",
     "workers/train/sharding.py",
+    "workers/train/state.py",
     "workers/train/plan.py",
 }
 PACKAGES = ("producer", "workers", "models", "migrations")
@@ -157,6 +158,44 @@ def test_kind_folders_never_import_one_another() -> None:
             for path in sources(f"{side}/{kind}"):
                 reached = [module for module, _ in imports(path) if within(module, others)]
                 assert not reached, f"{path.relative_to(ROOT)} imports {reached}"
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Each of sdq's modules -> the sdq modules it imports, anywhere in it."""
+    modules = {
+        ".".join(["sdq", package, *path.relative_to(ROOT / package).with_suffix("").parts])
+        .removesuffix(".__init__"): path
+        for package in PACKAGES
+        for path in sources(package)
+    }  # fmt: skip
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        graph[module] = set()
+        for name, _ in imports(path):
+            while name and name not in modules:  # `from sdq.models.db import x` -> sdq.models.db
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                graph[module].add(name)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The groups of modules that reach one another (more than one module each)."""
+    reach = {module: set() for module in graph}
+    for module in graph:
+        frontier = list(graph[module])
+        while frontier:
+            found = frontier.pop()
+            if found not in reach[module]:
+                reach[module].add(found)
+                frontier += graph.get(found, ())
+    groups = {frozenset({m} | {o for o in reach[m] if m in reach[o]}) for m in graph}
+    return [set(group) for group in groups if len(group) > 1]
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    assert circles(module_graph()) == []
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
 
 
 def test_heavy_libraries_only_in_gpu_modules() -> None:

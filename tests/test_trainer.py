@@ -17,8 +17,8 @@ from sdq.models.registry import tiny_identity
 from sdq.models.training import TrainOptions, TrainShardSpec
 from sdq.workers.gpu import peak_flops, peak_flops_of
 from sdq.workers.tiny import build_unet
+from sdq.workers.train.state import Ranks
 from sdq.workers.train.trainer import (
-    Ranks,
     base_unet,
     draw,
     load_checkpoint,

@@ -12,6 +12,10 @@ from sdq.models import registry, tiny
 from sdq.models.store import ObjectStore, S3Store
 
 
+class PipelineError(Exception):
+    """A model cannot be loaded or run as a spec asks; retrying will not change that."""
+
+
 class ModelUnavailable(Exception):
     """The model cannot be had on this worker as the job names it; retrying will not help."""
 

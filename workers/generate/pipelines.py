@@ -22,10 +22,9 @@ from transformers import CLIPImageProcessor
 from sdq.models import tiny
 from sdq.models.specs import TILED_DECODE_PIXELS, GenerationSpec
 from sdq.workers.generate.shared_prompts import EncoderPrompts, SharedPrompts, text_encoder_digest
-from sdq.workers.generate.work import PipelineError
 from sdq.workers.gpu import device_name, release_device_memory, torch_dtype
 from sdq.workers.tiny import build_pipeline
-from sdq.workers.weights import ModelFiles, check_tiny_revision
+from sdq.workers.weights import ModelFiles, PipelineError, check_tiny_revision
 
 
 class PromptEmbeddings:

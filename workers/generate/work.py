@@ -18,16 +18,12 @@ from sdq.models.store import ObjectStore
 from sdq.models.tables import Job
 from sdq.models.tables.generate import Generation
 from sdq.workers.generate.images import encode_png, sha256
-from sdq.workers.weights import ModelUnavailable
+from sdq.workers.weights import ModelUnavailable, PipelineError
 
 if TYPE_CHECKING:
     from sdq.workers.generate.pipelines import PipelineCache
 
 UPLOAD_THREADS = 8
-
-
-class PipelineError(Exception):
-    """The spec's model cannot be loaded or run as asked; retrying will not change that."""
 
 
 class GenerateWork(Work):

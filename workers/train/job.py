@@ -47,11 +47,10 @@ from sdq.workers.train.sharding import (
     sharded_snapshot,
     unet_weights,
 )
+from sdq.workers.train.state import Ranks, TrainState
 from sdq.workers.train.trainer import (
-    Ranks,
     Snapshot,
     StepInputs,
-    TrainState,
     base_folder,
     base_unet,
     export_model,

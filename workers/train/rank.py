@@ -43,7 +43,8 @@ from sdq.workers.train.job import (
 from sdq.workers.train.ranks import DONE_FILE, JOB_FILE, RESULT_FILE, STOP_FILE
 from sdq.workers.train.records import LiveSteps
 from sdq.workers.train.sharding import ShardedSnapshot
-from sdq.workers.train.trainer import Ranks, Snapshot, TrainState
+from sdq.workers.train.state import Ranks, TrainState
+from sdq.workers.train.trainer import Snapshot
 from sdq.workers.weights import ModelFiles
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,9 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from sdq.models.registry import file_sha256
-
-if TYPE_CHECKING:
-    from sdq.workers.train.trainer import TrainState
+from sdq.workers.train.state import TrainState
 
 SHARDED_FOLDER = "sharded"
 CONFIG_FILE = "unet/config.json"
@@ -113,7 +111,7 @@ def state_group():
     return dist.new_group(backend="gloo")
 
 
-def sharded_snapshot(state: "TrainState", exports: bool) -> ShardedSnapshot:
+def sharded_snapshot(state: TrainState, exports: bool) -> ShardedSnapshot:
     """The rank's part of `state` copied to host memory and handed to DCP's writer; with
     `exports`, the whole U-Net gathered to rank 0 as well (every rank takes part)."""
     started = perf_counter()
@@ -141,7 +139,7 @@ def sharded_snapshot(state: "TrainState", exports: bool) -> ShardedSnapshot:
     )
 
 
-def restore(state: "TrainState", folder: Path) -> None:
+def restore(state: TrainState, folder: Path) -> None:
     """`state` (new, on this job's ranks) given a sharded checkpoint's values, resharded
     by DCP when it was written at another world size."""
     state_dict = _state_dict(state)
@@ -174,7 +172,7 @@ def unet_weights(folder: Path) -> UNet2DConditionModel:
     return unet
 
 
-def _state_dict(state: "TrainState") -> dict[str, Any]:
+def _state_dict(state: TrainState) -> dict[str, Any]:
     """What a sharded checkpoint holds, keyed as DCP reads it back: the U-Net's and the
     optimizer's shards by parameter name, the EMA's shards by the same names, and the rest
     of the training state (the same on every rank)."""
@@ -200,7 +198,7 @@ def _ema_counters(ema: EMAModel | None) -> dict[str, Any] | None:
     return {key: value for key, value in ema.state_dict().items() if key != "shadow_params"}
 
 
-def _whole_unet(state: "TrainState") -> dict[str, torch.Tensor] | None:
+def _whole_unet(state: TrainState) -> dict[str, torch.Tensor] | None:
     """The U-Net's weights gathered from every rank (its EMA's, when kept), on rank 0's
     host; None on the others."""
     weights = dict(state.unet.state_dict())

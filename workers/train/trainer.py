@@ -44,77 +44,16 @@ from sdq.models import tiny
 from sdq.models.registry import folder_content_hash
 from sdq.models.training import TrainShardSpec
 from sdq.workers.ahead import run_ahead
-from sdq.workers.gpu import device_name
 from sdq.workers.tiny import build_pipeline, build_unet
 from sdq.workers.train.data import Batch
 from sdq.workers.train.sharding import is_sharded, restore, shard, state_group
+from sdq.workers.train.state import ALONE, Ranks, TrainState
 from sdq.workers.train.statefile import load_state, save_state
 from sdq.workers.weights import ModelFiles, check_tiny_revision
 
 AUTOCAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # diffusers' schedule names for --lr-schedule, each with --lr-warmup steps first.
 LR_SCHEDULERS = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """This process's place in the job's data-parallel group (torchrun's RANK, WORLD_SIZE
-    and LOCAL_RANK)."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def writes(self) -> bool:
-        """Whether this rank writes the checkpoint (and keeps the EMA weights it holds)."""
-        return self.rank == 0
-
-    def device(self) -> torch.device:
-        name = device_name()
-        return torch.device(f"{name}:{self.local_rank}" if name == "cuda" else name)
-
-    def part(self, global_batch: int) -> slice:
-        """This rank's samples of a global batch."""
-        share = global_batch // self.world_size
-        return slice(self.rank * share, (self.rank + 1) * share)
-
-    def lanes(self, data_lanes: int) -> range:
-        """This rank's data lanes, whose samples are its part of every global batch."""
-        share = data_lanes // self.world_size
-        return range(self.rank * share, (self.rank + 1) * share)
-
-
-@dataclass
-class TrainState:
-    run: int
-    step: int
-    unet: UNet2DConditionModel
-    # The unet, wrapped in DDP across ranks and compiled when asked: what the steps call.
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
-    ema: EMAModel | None
-    scaler: torch.amp.GradScaler | None
-    noise_scheduler: DDPMScheduler
-    device: torch.device
-    ranks: Ranks
-    # The text encoder's output for the empty prompt, for caption dropout.
-    empty_prompt: torch.Tensor | None = None
-    # The U-Net's training FLOPs per sample, counted once for a state that lives on from
-    # job to job (on a GPU, for MFU).
-    flops_per_sample: float | None = None
-    # A sharded state's process group for its checkpoints (sharding.state_group); None:
-    # rank 0 writes the whole state.
-    checkpoint_group: Any = None
-
-    @property
-    def sharded(self) -> bool:
-        return self.checkpoint_group is not None
 
 
 def base_unet(spec: TrainShardSpec, files: ModelFiles) -> UNet2DConditionModel:
@@ -158,9 +97,7 @@ def use_fast_kernels(device: torch.device) -> None:
         torch.backends.cudnn.benchmark = True
 
 
-def new_state(
-    spec: TrainShardSpec, unet: UNet2DConditionModel, ranks: Ranks = Ranks()
-) -> TrainState:
+def new_state(spec: TrainShardSpec, unet: UNet2DConditionModel, ranks: Ranks = ALONE) -> TrainState:
     """The state before step 1, around the base model's U-Net (one laid out on the meta
     device takes this rank's memory only for what it holds, to be restored into)."""
     options = spec.options
@@ -542,7 +479,7 @@ def save_checkpoint(snapshot: Snapshot, folder: Path) -> None:
     save_state({"step": snapshot.step, **snapshot.training}, folder)
 
 
-def load_checkpoint(spec: TrainShardSpec, folder: Path, ranks: Ranks = Ranks()) -> TrainState:
+def load_checkpoint(spec: TrainShardSpec, folder: Path, ranks: Ranks = ALONE) -> TrainState:
     """The state a checkpoint folder holds, as it was when written."""
     if is_sharded(folder):
         state = new_state(spec, _laid_out(folder), ranks)

@@ -225,7 +225,7 @@ class TrainWork(Work):
         """Steps on this process's device, then the checkpoint written while the next
         job's steps are taken on a thread."""
         from sdq.workers.train.job import Training, restore_state, until_time, write_checkpoint
-        from sdq.workers.train.trainer import Ranks
+        from sdq.workers.train.state import Ranks
 
         share_cores()
         training = self.live.take(spec)
