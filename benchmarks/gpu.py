@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from sd15 import SD15_SCHEDULER, sd15_pipeline  # noqa: E402  (beside this script)
 
-from sdq.models.specs import GenerationSpec  # noqa: E402
+from sdq.models.generate.specs import GenerationSpec  # noqa: E402
 from sdq.workers.generate.pipelines import (  # noqa: E402
     Loaded,
     PromptEmbeddings,

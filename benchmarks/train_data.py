@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sdq.models.store import LocalStore, ObjectStore, S3Store  # noqa: E402
-from sdq.models.training import LatentInput  # noqa: E402
+from sdq.models.train.specs import LatentInput  # noqa: E402
 from sdq.workers.shards.latents import Encoded, latent_shard_bytes  # noqa: E402
 from sdq.workers.train.data import LatentStream, load_shards  # noqa: E402
 from tests.old_shards import list_layout_bytes  # noqa: E402

@@ -1,19 +1,16 @@
 """Alembic environment: the schema is built by these migrations everywhere, tests included."""
 
-import importlib
-import pkgutil
-
 from alembic import context
 from sqlalchemy import Connection
 
-from sdq.models import tables
+from sdq.models.datasets import tables as dataset_tables  # noqa: F401  (registers them)
 from sdq.models.db import make_engine
+from sdq.models.jobs.kinds import import_tables
 from sdq.models.tables import Base
 
-# Each kind's tables live in a module of their own beside the generic ones; all of them
-# belong to the schema that autogenerate and `alembic check` compare against.
-for module in pkgutil.iter_modules(tables.__path__):
-    importlib.import_module(f"{tables.__name__}.{module.name}")
+# The datasets' tables (models/datasets/tables.py) and each kind's own (models/<kind>/
+# tables.py) belong to the schema that autogenerate and `alembic check` compare against.
+import_tables()
 
 
 def run_migrations(connection: Connection) -> None:

@@ -6,7 +6,6 @@ hash, or a hub commit), so the spec hash of an image changes when the weights ch
 
 import hashlib
 import json
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -17,11 +16,10 @@ from sqlalchemy.orm import Session
 
 from sdq.models import tiny
 from sdq.models.db import upsert
-from sdq.models.jobs.kinds import TRAIN
+from sdq.models.jobs.kinds import KINDS
 from sdq.models.specs import AUTO_DTYPE, ModelIdentity
 from sdq.models.store import MissingObject, ObjectStore, S3Store
-from sdq.models.tables import ModelRecord, Run
-from sdq.models.tables.train import Checkpoint
+from sdq.models.tables import ModelRecord
 
 SCHEDULER_CONFIG_FILE = "scheduler/scheduler_config.json"
 MODEL_INDEX = "model_index.json"
@@ -32,7 +30,6 @@ PATH_PREFIXES = ("./", "../", "/", "~", ".\\")
 UNET_CONFIG_FILE = "unet/config.json"
 STORE_SOURCE = "store:"
 # A training checkpoint: the run id or its `--into` name, then the step.
-CHECKPOINT_REF = re.compile(r"(?P<owner>[^/@\s]+)@(?P<step>\d+)")
 HUB_SOURCE = "hub:"
 
 
@@ -112,12 +109,13 @@ def resolve_model(ref: str, *, store: ObjectStore, session: Session) -> ModelIde
         return _resolve_folder(Path(ref))
     if ref.startswith(PATH_PREFIXES):
         raise ModelNotFound(f"no folder {ref} ({Path(ref).expanduser().absolute()})")
-    if (checkpoint := _checkpoint(session, ref)) is not None:
+    if (made := _made_by_a_run(session, ref)) is not None:
+        prefix, revision = made
         return _identity(
             name=ref,
-            source=f"{STORE_SOURCE}{checkpoint.model_prefix}",
-            revision=checkpoint.model_revision,
-            read=_store_reader(store, f"{checkpoint.model_prefix}/"),
+            source=f"{STORE_SOURCE}{prefix}",
+            revision=revision,
+            read=_store_reader(store, f"{prefix}/"),
         )
     if (record := _latest_pushed(session, ref)) is not None:
         return _resolve_pushed(record, store)
@@ -193,54 +191,14 @@ def _resolve_s3(uri: str) -> ModelIdentity:
     )
 
 
-def _checkpoint(session: Session, ref: str) -> Checkpoint | None:
-    """`RUN@STEP` or `NAME@STEP` (a run's `--into` name): that step's checkpoint, when it
-    is a model in the store. A step of a known run with no such model is an error that
-    lists the steps that have one."""
-    match = CHECKPOINT_REF.fullmatch(ref)
-    if match is None:
-        return None
-    owner, step = match["owner"], int(match["step"])
-    runs = select(Run.id).where(Run.kind == TRAIN.name)
-    if owner.isdigit():
-        runs = runs.where(Run.id == int(owner))
-    else:
-        runs = runs.where(Run.options["into"].as_string() == owner)
-    checkpoints = session.scalars(
-        select(Checkpoint)
-        .where(Checkpoint.run_id == session.scalar(runs.order_by(Run.id.desc()).limit(1)))
-        .order_by(Checkpoint.step)
-    ).all()
-    if not checkpoints:
-        return None
-    models = [c for c in checkpoints if c.model_prefix is not None and c.deleted_at is None]
-    found = next((c for c in models if c.step == step), None)
-    if found is None:
-        raise ModelNotFound(
-            f"{ref}: no model at step {step} (a checkpoint holds the training state only "
-            f"unless it is the run's last, renders validation prompts or --export-every asks "
-            f"for it; old ones go with --keep-checkpoints); models at steps: "
-            f"{', '.join(str(c.step) for c in models) or 'none yet'}"
-        )
-    return found
-
-
-def encoders_lineage(session: Session, revision: str) -> list[str]:
-    """The model revision, then the base its train run started from if it is a checkpoint's
-    model, and so on back: a checkpoint's model holds its base's VAE, text encoder and
-    tokenizer files as they were (the export copies them), so latents any of these models
-    made are the ones it would make."""
-    lineage = [revision]
-    while True:
-        base = session.scalar(
-            select(Run.options["base_revision"].as_string())
-            .join(Checkpoint, Checkpoint.run_id == Run.id)
-            .where(Checkpoint.model_revision == lineage[-1])
-            .limit(1)
-        )
-        if base is None or base in lineage:
-            return lineage
-        lineage.append(base)
+def _made_by_a_run(session: Session, ref: str) -> tuple[str, str] | None:
+    """A model a run made (a training checkpoint, RUN@STEP or NAME@STEP): its prefix in the
+    store and its revision, from the kind whose runs make models (its `made_model` hook)."""
+    for kind in KINDS.values():
+        made_model = kind.model_hook("made_model")
+        if made_model is not None and (made := made_model(session, ref)) is not None:
+            return made
+    return None
 
 
 def _resolve_pushed(record: ModelRecord, store: ObjectStore) -> ModelIdentity:

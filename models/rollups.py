@@ -2,8 +2,8 @@
 what they made, where their time went and how often jobs failed. Beat recomputes the
 recent hours; Grafana (ops/grafana/) and SQL read the table instead of scanning jobs.
 
-Generation is the one kind with a model per job (its generations row); the others roll
-up under model ''.
+A job's model is the one its spec names (`model_name`: what a render or an encode uses,
+what a train run's checkpoints are registered as); a kind without one rolls up under ''.
 """
 
 from datetime import datetime, timedelta
@@ -15,13 +15,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from sdq.models.jobs.lifecycle import as_utc
 from sdq.models.jobs.maintenance import Lock, holds_lock
 from sdq.models.tables import HourlyRollup, Job, JobEvent, JobStatus
-from sdq.models.tables.generate import Generation
 
 # By the first four columns, the key (hour, kind, model, worker): by position, since each
 # rendering of a COALESCE binds its '' anew and Postgres cannot tell two of them equal.
 BY_KEY = text("1, 2, 3, 4")
-# A job's model in the key: generation's, or '' for the kinds without one.
-MODEL = func.coalesce(Generation.model, "")
+# A job's model in the key: its spec's, or '' for the kinds without one.
+MODEL = func.coalesce(Job.spec["model_name"].as_string(), "")
 
 
 def roll_up(sessions: sessionmaker[Session]) -> int:
@@ -71,7 +70,6 @@ def successes_by_hour(session: Session, since: datetime | None) -> Select[Any]:
             func.coalesce(func.sum(Job.setup_seconds), 0.0),
             func.coalesce(func.sum(Job.work_seconds), 0.0),
         )
-        .outerjoin(Generation, Generation.job_id == Job.id)
         .where(Job.status == JobStatus.succeeded, Job.finished_at.is_not(None))
         .group_by(BY_KEY)
     )
@@ -90,7 +88,6 @@ def failures_by_hour(session: Session, since: datetime | None) -> Select[Any]:
             func.count(),
         )
         .join(Job, Job.id == JobEvent.job_id)
-        .outerjoin(Generation, Generation.job_id == Job.id)
         .where(JobEvent.status.in_([JobStatus.failed, JobStatus.dead]))
         .group_by(BY_KEY)
     )

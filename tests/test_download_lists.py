@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sdq.models.datasets import ImageOptions, ListColumns, SliceSpec
+from sdq.models.datasets import ImageOptions, ListColumns
+from sdq.models.download.specs import SliceSpec
 from sdq.models.store import LocalStore
 from sdq.producer.download.lists import ListError, plan_list, slices
 from sdq.workers.download.shards import read_slice

@@ -6,7 +6,8 @@ from collections import Counter
 
 import pytest
 
-from sdq.models.datasets import ImageOptions, ListColumns, SampleStatus, SliceSpec
+from sdq.models.datasets import ImageOptions, ListColumns, SampleStatus
+from sdq.models.download.specs import SliceSpec
 from sdq.models.settings import DownloadSettings
 from sdq.workers.download.fetch import Fetched, Fetcher
 from sdq.workers.download.images import ImageRejected, make_image

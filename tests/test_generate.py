@@ -18,13 +18,13 @@ from PIL import Image
 from sqlalchemy import func, select
 
 from sdq.models.db import make_engine, session_factory
+from sdq.models.generate.specs import GenerationSpec
+from sdq.models.generate.tables import Generation
 from sdq.models.jobs.kinds import GENERATE
 from sdq.models.jobs.lifecycle import cancel_jobs
 from sdq.models.registry import tiny_identity
 from sdq.models.settings import Settings
-from sdq.models.specs import GenerationSpec
 from sdq.models.tables import Job, JobEvent, JobStatus
-from sdq.models.tables.generate import Generation
 from sdq.producer.generate.plan import Defaults, plan_jobs
 from sdq.producer.generate.submit import CHUNK, Batching, record_run
 from sdq.producer.prompts import read_prompts

@@ -14,7 +14,7 @@ import psycopg
 import pytest
 import redis
 
-from sdq.models.galleries import gallery_key
+from sdq.models.generate.galleries import gallery_key
 from sdq.models.jobs.maintenance import EXPIRED
 from tests.conftest import (
     BUCKET,

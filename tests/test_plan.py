@@ -2,9 +2,9 @@
 
 from dataclasses import replace
 
-from sdq.models.generations import SharedSettings
+from sdq.models.generate.generations import SharedSettings
+from sdq.models.generate.specs import batches, image_key
 from sdq.models.registry import tiny_identity
-from sdq.models.specs import batches, image_key
 from sdq.producer.generate.plan import Defaults, plan_jobs
 from sdq.producer.prompts import PromptRow
 

@@ -16,7 +16,7 @@ from diffusers import UNet2DConditionModel
 from safetensors.torch import load_file
 
 from sdq.models.registry import content_hash, file_sha256
-from sdq.models.training import checkpoint_prefix
+from sdq.models.train.specs import checkpoint_prefix
 from sdq.workers.train.sharding import is_sharded, unet_weights
 from sdq.workers.train.state import Ranks
 from sdq.workers.train.trainer import load_checkpoint

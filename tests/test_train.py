@@ -19,7 +19,7 @@ import torch
 from selenium.webdriver.common.by import By
 
 from sdq.models.jobs.lifecycle import OUTAGE
-from sdq.models.training import read_inputs_manifest
+from sdq.models.train.specs import read_inputs_manifest
 from sdq.workers.tiny import build_pipeline
 from tests.browser import chromium, open_page, texts
 from tests.conftest import BUCKET, ROOT, WorkerProcess, sdq_json

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from sdq.models.training import LatentInput, TrainOptions, default_lanes
+from sdq.models.train.specs import LatentInput, TrainOptions, default_lanes
 from sdq.workers.shards.latents import (
     Encoded,
     latent_shard_bytes,

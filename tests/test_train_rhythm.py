@@ -17,7 +17,7 @@ import torch
 from sdq.models.registry import tiny_identity
 from sdq.models.settings import TrainSettings
 from sdq.models.store import LocalStore
-from sdq.models.training import LatentInput, TrainOptions, TrainShardSpec
+from sdq.models.train.specs import LatentInput, TrainOptions, TrainShardSpec
 from sdq.workers.shards.latents import latent_shard_bytes
 from sdq.workers.tiny import build_unet
 from sdq.workers.train.job import Training, downloaded

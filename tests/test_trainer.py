@@ -14,7 +14,7 @@ from diffusers import UNet2DConditionModel
 from sdq.models import tiny
 from sdq.models.architectures import UNET_ARCHITECTURES, InvalidArchitecture, check_fits
 from sdq.models.registry import tiny_identity
-from sdq.models.training import TrainOptions, TrainShardSpec
+from sdq.models.train.specs import TrainOptions, TrainShardSpec
 from sdq.workers.gpu import peak_flops, peak_flops_of
 from sdq.workers.tiny import build_unet
 from sdq.workers.train.state import Ranks

@@ -8,6 +8,9 @@ convention, under the kind's name:
   the kind is done here (else the run's status).
 - `sdq.producer.<name>.lookups`: `job_fields(session, job_ids)`, the kind's own columns of
   its jobs (a prompt and seed, a URL...) for the generic listings.
+- `sdq.models.<name>.tables`, if the kind has rows of its own (keyed by job), and
+  `.specs`, its jobs' specification; optionally `.models`, whose `made_model(session,
+  ref)` resolves a model the kind's runs made (its prefix in the store and revision).
 - `sdq.workers.<name>.task`: the kind's Celery task and its work; and, optionally,
   `at_run_end(sessions, store, run_id)`, what beat does once a run of the kind finishes (a
   generation run's gallery).
@@ -21,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from importlib import import_module
+from importlib.util import find_spec
 from types import ModuleType
 
 
@@ -62,6 +66,11 @@ class Kind:
         """The kind's optional hook `name` in its `cli` module (see above), or None."""
         return getattr(self.producer_module("cli"), name, None)
 
+    def model_hook(self, name: str) -> Callable | None:
+        """The kind's optional hook `name` in `sdq.models.<kind>.models`, or None."""
+        module = f"sdq.models.{self.name}.models"
+        return getattr(import_module(module), name, None) if find_spec(module) else None
+
     def task_hook(self, name: str) -> Callable | None:
         """The kind's optional hook `name` in its `task` module (see above), or None."""
         return getattr(import_module(self.task_module), name, None)
@@ -83,6 +92,13 @@ POOL_QUEUES = {
     for pool in Pool
 }
 QUEUES = tuple(queue for queues in POOL_QUEUES.values() for queue in queues)
+
+
+def import_tables() -> None:
+    """Every kind's own tables, into the schema's metadata (for migrations to compare)."""
+    for kind in KINDS:
+        if find_spec(f"sdq.models.{kind}.tables") is not None:
+            import_module(f"sdq.models.{kind}.tables")
 
 
 class UnknownKind(Exception):

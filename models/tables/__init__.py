@@ -1,7 +1,7 @@
 """Tables: the record of truth for runs, jobs, their history and the models they used.
 
 These are kind-neutral; what only one kind of work has lives in a table of its own keyed
-by job, one module per kind beside this one (generate.py: prompts, styles, seeds).
+by job, in the kind's folder (models/<kind>/tables.py).
 """
 
 import enum

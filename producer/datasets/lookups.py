@@ -7,11 +7,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from sdq.models.datasets import BLOCKED_ADDRESS, SampleStatus, latent_prefix
+from sdq.models.datasets.tables import Dataset, LatentShard, Sample, Shard
 from sdq.models.jobs.kinds import DOWNLOAD
 from sdq.models.jobs.lifecycle import as_utc
 from sdq.models.tables import Job, Run
-from sdq.models.tables.download import Dataset, Sample, Shard
-from sdq.models.tables.encode import LatentShard
 from sdq.producer.errors import NotFound
 
 

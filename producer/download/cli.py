@@ -4,13 +4,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from sdq.models.datasets import (
-    IMAGE_FORMATS,
-    RESIZE_MODES,
-    ImageOptions,
-    ListColumns,
-    check_name,
-)
+from sdq.models.datasets import IMAGE_FORMATS, RESIZE_MODES, ImageOptions, ListColumns, check_name
 from sdq.producer.cli.common import (
     found,
     json_option,

@@ -9,11 +9,12 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.datasets import ImageOptions, ListColumns, SampleStatus, SliceSpec, is_transient
+from sdq.models.datasets import ImageOptions, ListColumns, SampleStatus, is_transient
+from sdq.models.datasets.tables import Dataset, Sample, Shard
+from sdq.models.download.specs import SliceSpec
 from sdq.models.jobs.kinds import DOWNLOAD
 from sdq.models.jobs.outbox import add_jobs
 from sdq.models.tables import Job, JobStatus, Run
-from sdq.models.tables.download import Dataset, Sample, Shard
 from sdq.producer.datasets.lookups import dataset_named
 from sdq.producer.download.lists import PlannedList, Slice, slices
 from sdq.producer.errors import NotFound

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.datasets import EncodeSpec
+from sdq.models.datasets.tables import Dataset, Shard
+from sdq.models.encode.specs import EncodeSpec
 from sdq.models.jobs.kinds import ENCODE
 from sdq.models.jobs.outbox import add_jobs
 from sdq.models.registry import record_model
 from sdq.models.specs import ModelIdentity
 from sdq.models.tables import Run
-from sdq.models.tables.download import Dataset, Shard
 from sdq.producer.datasets.lookups import dataset_named, no_usable_samples
 
 # The VAE halves the image three times: sides must divide by 8.

@@ -7,9 +7,10 @@ from typing import Any
 
 import click
 
-from sdq.models import galleries
+from sdq.models.generate import galleries
+from sdq.models.generate.specs import SAMPLERS
 from sdq.models.registry import ModelNotFound, resolve_model
-from sdq.models.specs import DTYPES, SAMPLERS
+from sdq.models.specs import DTYPES
 from sdq.models.store import StoreError
 from sdq.models.tables import JobStatus
 from sdq.producer import display, lookups

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from sdq.models.specs import image_key
+from sdq.models.generate.specs import image_key
 from sdq.models.store import ObjectStore, atomic_file
 
 FORMATS = ("folder", "parquet", "webdataset")

@@ -1,12 +1,12 @@
 """A gallery to take anywhere: `sdq gallery RUN -o DIR` copies the page and its images.
-The page itself is models/galleries.py's, shared with beat's run finisher."""
+The page itself is models/generate/galleries.py's, shared with beat's run finisher."""
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from sdq.models.galleries import gallery_html
-from sdq.models.specs import image_key
+from sdq.models.generate.galleries import gallery_html
+from sdq.models.generate.specs import image_key
 from sdq.models.store import ObjectStore, atomic_file
 
 COPY_THREADS = 16

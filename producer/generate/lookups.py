@@ -7,10 +7,10 @@ from sqlalchemy import RowMapping, select
 from sqlalchemy.orm import Session
 
 from sdq.models.db import chunked
+from sdq.models.generate.specs import image_key
+from sdq.models.generate.tables import Generation
 from sdq.models.jobs.kinds import GENERATE
-from sdq.models.specs import image_key
 from sdq.models.tables import Job, JobStatus, Run
-from sdq.models.tables.generate import Generation
 from sdq.producer.errors import NotFound
 
 FIELDS = (Generation.prompt, Generation.style, Generation.model, Generation.seed)

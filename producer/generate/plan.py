@@ -4,13 +4,9 @@ import secrets
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from sdq.models.generations import PlannedJob
-from sdq.models.specs import (
-    TILED_DECODE_PIXELS,
-    GenerationSpec,
-    ModelIdentity,
-    sampler_scheduler,
-)
+from sdq.models.generate.generations import PlannedJob
+from sdq.models.generate.specs import TILED_DECODE_PIXELS, GenerationSpec, sampler_scheduler
+from sdq.models.specs import ModelIdentity
 from sdq.producer.prompts import MAX_SEED, PromptRow
 
 DEFAULT_TEMPLATE = "{prompt}, {style}"

@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.db import chunked
-from sdq.models.generations import (
+from sdq.models.generate.generations import (
     Chunk,
     PlannedJob,
     SharedSettings,

@@ -11,12 +11,12 @@ import click
 from sqlalchemy.orm import Session
 
 from sdq.models.architectures import UNET_ARCHITECTURES, InvalidArchitecture, unet_architecture
-from sdq.models.galleries import store_image_link
+from sdq.models.generate.galleries import store_image_link
 from sdq.models.jobs.kinds import TRAIN
 from sdq.models.registry import ModelNotFound, resolve_model
 from sdq.models.store import LINK_SECONDS
 from sdq.models.tables import Run
-from sdq.models.training import (
+from sdq.models.train.specs import (
     GRAD_COMMS,
     LR_SCHEDULES,
     MIXED_PRECISION,

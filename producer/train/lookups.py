@@ -9,14 +9,14 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from sdq.models.db import chunked
+from sdq.models.generate.tables import Generation
 from sdq.models.jobs.kinds import GENERATE, TRAIN
 from sdq.models.jobs.lifecycle import as_utc
 from sdq.models.registry import ModelNotFound, resolve_model
 from sdq.models.specs import ModelIdentity
 from sdq.models.store import ObjectStore
 from sdq.models.tables import FINISHED, Job, JobEvent, JobStatus, Run
-from sdq.models.tables.generate import Generation
-from sdq.models.tables.train import Checkpoint, TrainStep
+from sdq.models.train.tables import Checkpoint, TrainStep
 from sdq.producer.errors import NotFound
 
 # Steps whose speed makes the ETA: the recent ones, not the first (compilation, loading).

@@ -9,7 +9,7 @@ import html
 from collections import defaultdict
 from typing import Any
 
-from sdq.models.galleries import ImageLink
+from sdq.models.generate.galleries import ImageLink
 
 WIDTH, HEIGHT = 640, 200
 PAGE = """<!doctype html>

@@ -9,16 +9,15 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.architectures import check_fits
 from sdq.models.datasets import empty_prompt_key, latent_key
+from sdq.models.datasets.tables import LatentShard, Shard
 from sdq.models.jobs.kinds import TRAIN
 from sdq.models.jobs.outbox import add_jobs
-from sdq.models.registry import encoders_lineage, same_encoders
+from sdq.models.registry import same_encoders
 from sdq.models.specs import ModelIdentity
 from sdq.models.store import PARQUET, ObjectStore
 from sdq.models.tables import Run
-from sdq.models.tables.download import Shard
-from sdq.models.tables.encode import LatentShard
-from sdq.models.tables.train import Checkpoint, TrainInput
-from sdq.models.training import (
+from sdq.models.train.models import encoders_lineage
+from sdq.models.train.specs import (
     LatentInput,
     TrainOptions,
     TrainShardSpec,
@@ -27,6 +26,7 @@ from sdq.models.training import (
     inputs_key,
     inputs_manifest,
 )
+from sdq.models.train.tables import Checkpoint, TrainInput
 from sdq.producer.datasets.lookups import dataset_named, no_usable_samples
 
 

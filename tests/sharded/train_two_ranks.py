@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from sdq.models import tiny
 from sdq.models.registry import tiny_identity
 from sdq.models.store import LocalStore
-from sdq.models.training import TrainOptions, TrainShardSpec, checkpoint_prefix
+from sdq.models.train.specs import TrainOptions, TrainShardSpec, checkpoint_prefix
 from sdq.workers.tiny import build_unet
 from sdq.workers.train.job import Training, downloaded, write_checkpoint
 from sdq.workers.train.rank import ranks_from_env

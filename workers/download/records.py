@@ -9,10 +9,11 @@ from datetime import datetime
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from sdq.models.datasets import SliceSpec
+from sdq.models.datasets.tables import Dataset, Sample, Shard
 from sdq.models.db import chunked, copy_rows, upsert
+from sdq.models.download.specs import SliceSpec
+from sdq.models.download.tables import SampleClaim
 from sdq.models.jobs.lifecycle import Output
-from sdq.models.tables.download import Dataset, Sample, SampleClaim, Shard
 from sdq.workers.download.shards import ShardRow
 
 # Three bound parameters a claim: well under psycopg's and SQLite's limits.

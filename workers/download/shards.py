@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.fs
 import pyarrow.parquet as pq
 
-from sdq.models.datasets import SliceSpec
+from sdq.models.download.specs import SliceSpec
 
 
 def open_list(uri: str) -> pq.ParquetFile:

@@ -10,7 +10,8 @@ from time import perf_counter
 import pyarrow as pa
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.datasets import SampleStatus, SliceSpec
+from sdq.models.datasets import SampleStatus
+from sdq.models.download.specs import SliceSpec
 from sdq.models.jobs.delivery import Work
 from sdq.models.jobs.lifecycle import Output, utcnow
 from sdq.models.settings import DownloadSettings

@@ -12,7 +12,8 @@ from diffusers import AutoencoderKL
 from transformers import CLIPTextModel, CLIPTokenizer
 
 from sdq.models import tiny
-from sdq.models.datasets import EncodeSpec, latent_seed
+from sdq.models.datasets import latent_seed
+from sdq.models.encode.specs import EncodeSpec
 from sdq.workers.encode.shards import ImageShard, pixels
 from sdq.workers.gpu import device_name, release_device_memory, torch_dtype
 from sdq.workers.shards.latents import Encoded

@@ -19,14 +19,14 @@ import pyarrow as pa
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.datasets import EncodeSpec, shard_key
+from sdq.models.datasets import shard_key
+from sdq.models.datasets.tables import Dataset, LatentShard, Shard
 from sdq.models.db import upsert
+from sdq.models.encode.specs import EncodeSpec
 from sdq.models.jobs.delivery import Work
 from sdq.models.jobs.lifecycle import Output, utcnow
 from sdq.models.store import PARQUET, MissingObject, ObjectStore
 from sdq.models.tables import Job
-from sdq.models.tables.download import Dataset, Shard
-from sdq.models.tables.encode import LatentShard
 from sdq.workers.ahead import run_ahead
 from sdq.workers.encode.shards import ImageShard, read_image_shard
 from sdq.workers.shards.latents import describe, latent_shard_bytes

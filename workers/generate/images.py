@@ -7,7 +7,7 @@ import json
 from PIL.Image import Image
 from PIL.PngImagePlugin import PngInfo
 
-from sdq.models.specs import SAMPLER_NAMES, GenerationSpec
+from sdq.models.generate.specs import SAMPLER_NAMES, GenerationSpec
 
 
 def parameters_text(spec: GenerationSpec) -> str:

@@ -20,7 +20,7 @@ from PIL.Image import Image
 from transformers import CLIPImageProcessor
 
 from sdq.models import tiny
-from sdq.models.specs import TILED_DECODE_PIXELS, GenerationSpec
+from sdq.models.generate.specs import TILED_DECODE_PIXELS, GenerationSpec
 from sdq.workers.generate.shared_prompts import EncoderPrompts, SharedPrompts, text_encoder_digest
 from sdq.workers.gpu import device_name, release_device_memory, torch_dtype
 from sdq.workers.tiny import build_pipeline

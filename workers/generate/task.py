@@ -5,7 +5,7 @@ from typing import Any
 
 from celery import shared_task
 
-from sdq.models import galleries
+from sdq.models.generate import galleries
 from sdq.models.jobs.kinds import GENERATE
 from sdq.workers.app import SdqCelery
 from sdq.workers.delivery import JobTask, deliver_task

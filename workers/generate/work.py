@@ -11,12 +11,12 @@ from PIL.Image import Image
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
+from sdq.models.generate.specs import GenerationSpec, batches, image_key
+from sdq.models.generate.tables import Generation
 from sdq.models.jobs.delivery import Work
 from sdq.models.jobs.lifecycle import Output
-from sdq.models.specs import GenerationSpec, batches, image_key
 from sdq.models.store import ObjectStore
 from sdq.models.tables import Job
-from sdq.models.tables.generate import Generation
 from sdq.workers.generate.images import encode_png, sha256
 from sdq.workers.weights import ModelUnavailable, PipelineError
 

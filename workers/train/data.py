@@ -25,7 +25,7 @@ from itertools import count
 
 import numpy as np
 
-from sdq.models.training import LatentInput
+from sdq.models.train.specs import LatentInput
 from sdq.workers.shards.latents import read_training_tensors
 
 # Fetches one shard's latents and text embeddings, by its place in the run's inputs.

@@ -28,8 +28,8 @@ from sdq.models.db import upsert
 from sdq.models.jobs.delivery import check_lease
 from sdq.models.settings import TrainSettings
 from sdq.models.tables import Job, JobStatus
-from sdq.models.tables.train import TrainGang
-from sdq.models.training import TrainShardSpec
+from sdq.models.train.specs import TrainShardSpec
+from sdq.models.train.tables import TrainGang
 from sdq.workers.train.ranks import WATCH_SECONDS, Node, RankFailed, free_port, run_ranks
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from diffusers import UNet2DConditionModel
 from sdq.models.registry import content_hash, folder_content_hash
 from sdq.models.settings import TrainSettings
 from sdq.models.store import ObjectStore
-from sdq.models.training import (
+from sdq.models.train.specs import (
     LatentInput,
     TrainShardSpec,
     checkpoint_prefix,

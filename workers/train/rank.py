@@ -31,7 +31,7 @@ import torch.distributed as dist
 from sdq.models.db import make_engine, session_factory
 from sdq.models.settings import Settings
 from sdq.models.store import ObjectStore, open_store
-from sdq.models.training import TrainShardSpec
+from sdq.models.train.specs import TrainShardSpec
 from sdq.workers.train.job import (
     Stop,
     Training,

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from sdq.models.store import StoreUnavailable
-from sdq.models.training import TrainOptions, TrainShardSpec
+from sdq.models.train.specs import TrainOptions, TrainShardSpec
 from sdq.workers.weights import ModelUnavailable
 
 RANK_MODULE = "sdq.workers.train.rank_start"

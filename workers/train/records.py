@@ -13,20 +13,20 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.db import insert_rows, upsert
-from sdq.models.generations import (
+from sdq.models.generate.generations import (
     PlannedJob,
     SharedSettings,
     insert_generation_jobs,
     prepare_chunk,
 )
+from sdq.models.generate.specs import GenerationSpec
 from sdq.models.jobs.kinds import GENERATE, TRAIN
 from sdq.models.jobs.lifecycle import record_events, utcnow
 from sdq.models.jobs.outbox import job_row, record_submitted
 from sdq.models.registry import STORE_SOURCE, record_stored_model
-from sdq.models.specs import GenerationSpec
 from sdq.models.tables import Job, JobStatus, Run
-from sdq.models.tables.train import Checkpoint, TrainStep
-from sdq.models.training import TrainShardSpec, checkpoint_prefix
+from sdq.models.train.specs import TrainShardSpec, checkpoint_prefix
+from sdq.models.train.tables import Checkpoint, TrainStep
 
 logger = logging.getLogger(__name__)
 

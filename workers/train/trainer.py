@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sdq.models import tiny
 from sdq.models.registry import folder_content_hash
-from sdq.models.training import TrainShardSpec
+from sdq.models.train.specs import TrainShardSpec
 from sdq.workers.ahead import run_ahead
 from sdq.workers.tiny import build_pipeline, build_unet
 from sdq.workers.train.data import Batch

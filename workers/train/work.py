@@ -25,7 +25,7 @@ from sdq.models.jobs.lifecycle import Output, utcnow
 from sdq.models.settings import TrainSettings
 from sdq.models.store import ObjectStore
 from sdq.models.tables import Job
-from sdq.models.training import TrainShardSpec, training_seconds
+from sdq.models.train.specs import TrainShardSpec, training_seconds
 from sdq.workers.train import gang
 from sdq.workers.train.ranks import RankGroup, share_cores
 from sdq.workers.train.records import (

@@ -9,12 +9,13 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from sdq.models.db import copy_rows, insert_rows
+from sdq.models.generate.specs import GenerationSpec
+from sdq.models.generate.tables import Generation
 from sdq.models.jobs.kinds import GENERATE
 from sdq.models.jobs.lifecycle import stored_outputs
 from sdq.models.jobs.outbox import job_row, record_first_events
-from sdq.models.specs import CanonicalTemplate, GenerationSpec
+from sdq.models.specs import CanonicalTemplate
 from sdq.models.tables import Job
-from sdq.models.tables.generate import Generation
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,10 +16,10 @@ from typing import Any
 from sqlalchemy import RowMapping, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.specs import SAMPLER_NAMES, image_key
+from sdq.models.generate.specs import SAMPLER_NAMES, image_key
+from sdq.models.generate.tables import Generation
 from sdq.models.store import LINK_SECONDS, ObjectStore, S3Store
 from sdq.models.tables import Job
-from sdq.models.tables.generate import Generation
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>sdq run {run_id}</title>

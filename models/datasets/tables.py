@@ -1,8 +1,8 @@
-"""What only the download kind has: datasets, their shards and every sample's fate.
-
-A dataset is made of shards; each shard is one slice of an input list (file and row
-range), done by one download job and written as one parquet file. Every row of every
-slice becomes a sample, kept or not, with the reason in words.
+"""Datasets, as every kind that reads or adds to one sees them: a dataset is made of image
+shards; each shard is one slice of an input list (file and row range), done by one download
+job and written as one parquet file. Every row of every slice becomes a sample, kept or
+not, with the reason in words. Latent shards are a shard's VAE latents and text embeddings
+made by one model at one resolution, which training reads.
 """
 
 from datetime import datetime
@@ -101,15 +101,28 @@ class Sample(Base):
     )
 
 
-class SampleClaim(Base):
-    """The first sample of a dataset to bring a URL or a picture claims it; later ones are
-    duplicates of it. A claim is a row, so workers on many machines agree on "first"."""
+class LatentShard(Base):
+    __tablename__ = "latent_shards"
 
-    __tablename__ = "sample_claims"
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    dataset_id: Mapped[int] = mapped_column(ForeignKey("datasets.id", ondelete="CASCADE"))
+    # The image shard it was made of, and that file's hash as it was read.
+    shard_id: Mapped[int] = mapped_column(ForeignKey("shards.id", ondelete="CASCADE"))
+    image_sha256: Mapped[str] = mapped_column(String(64))
+    model_name: Mapped[str] = mapped_column(Text)
+    model_revision: Mapped[str] = mapped_column(String(64))
+    resolution: Mapped[int] = mapped_column(Integer)
+    uri: Mapped[str] = mapped_column(Text)
+    sha256: Mapped[str] = mapped_column(String(64))
+    samples: Mapped[int] = mapped_column(Integer)
+    # Shapes and dtypes of the stored tensors, as the file's schema metadata has them.
+    tensors: Mapped[dict[str, Any]] = mapped_column(JsonDocument)
+    seconds: Mapped[float] = mapped_column(Float)
+    finished_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
-    dataset_id: Mapped[int] = mapped_column(
-        ForeignKey("datasets.id", ondelete="CASCADE"), primary_key=True
+    __table_args__ = (
+        UniqueConstraint(
+            "shard_id", "model_revision", "resolution", name="uq_latent_shards_shard_id_model"
+        ),
+        Index("ix_latent_shards_dataset_id", "dataset_id"),
     )
-    # "url:<sha256 of the URL>" or "image:<sha256 of the bytes>".
-    digest: Mapped[str] = mapped_column(String(80), primary_key=True)
-    key: Mapped[str] = mapped_column(String(32))

@@ -1,0 +1,44 @@
+"""An encode job's specification: one image shard, one model, one resolution."""
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sdq.models.datasets import SPEC_VERSION, empty_prompt_key, latent_key
+from sdq.models.specs import canonical_sha256
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncodeSpec:
+    """One encode job: image shard `shard` of the dataset, as the file whose hash is
+    `shard_sha256`, made into VAE latents and text embeddings by one model."""
+
+    dataset: str
+    shard: int
+    shard_sha256: str
+    image_format: str  # the shard's image column
+    model_name: str
+    model_source: str
+    model_revision: str
+    resolution: int
+    dtype: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "EncodeSpec":
+        return cls(**data)
+
+    def hash(self) -> str:
+        # As for images: where the model was found does not change what it computes.
+        identity = self.to_dict()
+        del identity["model_name"], identity["model_source"]
+        return canonical_sha256({**identity, "version": SPEC_VERSION})
+
+    @property
+    def latent_key(self) -> str:
+        return latent_key(self.dataset, self.model_revision, self.resolution, self.shard)
+
+    @property
+    def empty_prompt_key(self) -> str:
+        return empty_prompt_key(self.dataset, self.model_revision)

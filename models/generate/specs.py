@@ -1,0 +1,132 @@
+"""A generation's specification: everything that decides an image, and the hash that names
+it; the samplers people know by name; and how jobs are batched into calls."""
+
+from dataclasses import dataclass
+from typing import Any
+
+from sdq.models.specs import SPEC_VERSION, canonical_sha256
+
+# Images of more pixels than this are decoded by the VAE in tiles: a whole 2048x2048
+# decode alone takes more memory than most GPUs have.
+TILED_DECODE_PIXELS = 1536 * 1536
+
+
+# The sampler names common Stable Diffusion tools print in their `parameters` text.
+SAMPLER_NAMES = {
+    "EulerDiscreteScheduler": "Euler",
+    "EulerAncestralDiscreteScheduler": "Euler a",
+    "DPMSolverMultistepScheduler": "DPM++ 2M",
+    "DDIMScheduler": "DDIM",
+    "PNDMScheduler": "PLMS",
+    "LMSDiscreteScheduler": "LMS",
+    "HeunDiscreteScheduler": "Heun",
+    "UniPCMultistepScheduler": "UniPC",
+    "DDPMScheduler": "DDPM",
+}
+
+
+# `--sampler NAME`: the diffusers scheduler it is, and what it sets in the model's
+# scheduler config (the names A1111 and ComfyUI users know). The class and the config are
+# in the spec, and so in its hash: each sampler makes other images.
+DPMPP_2M = {"algorithm_type": "dpmsolver++", "solver_order": 2}
+SAMPLERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "euler": ("EulerDiscreteScheduler", {}),
+    "euler_a": ("EulerAncestralDiscreteScheduler", {}),
+    "heun": ("HeunDiscreteScheduler", {}),
+    "ddim": ("DDIMScheduler", {}),
+    "ddpm": ("DDPMScheduler", {}),
+    "pndm": ("PNDMScheduler", {"skip_prk_steps": True}),
+    "dpmpp_2m": ("DPMSolverMultistepScheduler", DPMPP_2M),
+    "dpmpp_2m_karras": ("DPMSolverMultistepScheduler", {**DPMPP_2M, "use_karras_sigmas": True}),
+    "unipc": ("UniPCMultistepScheduler", {}),
+}
+
+
+def sampler_scheduler(name: str, model_config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The scheduler class and config of sampler NAME for a model: the model's own noise
+    schedule (betas, prediction type, timestep spacing) with the sampler's settings. Keys
+    of the model's own scheduler that the sampler's class does not take, it ignores."""
+    scheduler, settings = SAMPLERS[name]
+    return scheduler, {**model_config, **settings}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationSpec:
+    model_name: str
+    model_source: str
+    model_revision: str
+    scheduler: str
+    scheduler_config: dict[str, Any]
+    prompt: str
+    negative_prompt: str
+    seed: int
+    steps: int
+    guidance: float
+    width: int
+    height: int
+    dtype: str
+    # The VAE decodes in overlapping tiles, blended: memory bounded whatever the size, and
+    # slightly other pixels than a whole decode, so it is in the spec (TILED_DECODE_PIXELS).
+    vae_tiling: bool = False
+    # Each image through the model's safety checker (`--safety-check`); a flagged one is
+    # recorded as flagged and never stored. Off by default, as most serving runs it.
+    safety_check: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        # Not dataclasses.asdict (a recursive deep copy), nor fields() (a quarter of a
+        # second per 100k specs): the instance's __dict__ holds exactly its fields, in
+        # order. Only scheduler_config is mutable, so only it is copied.
+        data = dict(vars(self))
+        data["scheduler_config"] = dict(self.scheduler_config)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "GenerationSpec":
+        return cls(**data)
+
+    def identity(self) -> dict[str, Any]:
+        """What the hash is taken of. The name and source say where a model was found, not
+        what it is: two names for one revision render identical images, so only the
+        revision is part of it."""
+        identity = self.to_dict()
+        del identity["model_name"], identity["model_source"]
+        # As specs were before these fields: their hashes stay theirs.
+        if not self.vae_tiling:
+            del identity["vae_tiling"]
+        if not self.safety_check:
+            del identity["safety_check"]
+        identity["version"] = SPEC_VERSION
+        return identity
+
+    def hash(self) -> str:
+        return canonical_sha256(self.identity())
+
+    def batch_key(self) -> str:
+        """Specs with equal keys can share one pipeline call."""
+        return canonical_sha256(
+            [
+                self.model_revision,
+                self.model_source,
+                self.scheduler,
+                self.scheduler_config,
+                self.steps,
+                self.guidance,
+                self.width,
+                self.height,
+                self.dtype,
+            ]
+        )[:32]
+
+
+def batches(planned: list[tuple[int, str]], size: int) -> list[list[int]]:
+    """Groups (job id, batch key) pairs into lists of at most `size` ids sharing a batch key."""
+    groups: dict[str, list[int]] = {}
+    for job_id, key in planned:
+        groups.setdefault(key, []).append(job_id)
+    return [
+        ids[start : start + size] for ids in groups.values() for start in range(0, len(ids), size)
+    ]
+
+
+def image_key(spec_hash: str) -> str:
+    return f"images/{spec_hash}.png"

@@ -1,0 +1,74 @@
+"""The models training makes: a checkpoint written as a whole pipeline is a model that
+generation uses, named RUN@STEP or NAME@STEP (a run's `--into` name), and each knows the
+base its run started from."""
+
+import re
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from sdq.models.jobs.kinds import TRAIN
+from sdq.models.registry import ModelNotFound
+from sdq.models.tables import Run
+from sdq.models.train.tables import Checkpoint
+
+CHECKPOINT_REF = re.compile(r"(?P<owner>[^/@\s]+)@(?P<step>\d+)")
+
+
+def made_model(session: Session, ref: str) -> tuple[str, str] | None:
+    """The registry's hook (models/jobs/kinds.py): the checkpoint `ref` names, as its model's
+    prefix in the store and revision."""
+    checkpoint = checkpoint_named(session, ref)
+    if checkpoint is None:
+        return None
+    return checkpoint.model_prefix, checkpoint.model_revision
+
+
+def checkpoint_named(session: Session, ref: str) -> Checkpoint | None:
+    """`RUN@STEP` or `NAME@STEP` (a run's `--into` name): that step's checkpoint, when it
+    is a model in the store. A step of a known run with no such model is an error that
+    lists the steps that have one."""
+    match = CHECKPOINT_REF.fullmatch(ref)
+    if match is None:
+        return None
+    owner, step = match["owner"], int(match["step"])
+    runs = select(Run.id).where(Run.kind == TRAIN.name)
+    if owner.isdigit():
+        runs = runs.where(Run.id == int(owner))
+    else:
+        runs = runs.where(Run.options["into"].as_string() == owner)
+    checkpoints = session.scalars(
+        select(Checkpoint)
+        .where(Checkpoint.run_id == session.scalar(runs.order_by(Run.id.desc()).limit(1)))
+        .order_by(Checkpoint.step)
+    ).all()
+    if not checkpoints:
+        return None
+    models = [c for c in checkpoints if c.model_prefix is not None and c.deleted_at is None]
+    found = next((c for c in models if c.step == step), None)
+    if found is None:
+        raise ModelNotFound(
+            f"{ref}: no model at step {step} (a checkpoint holds the training state only "
+            f"unless it is the run's last, renders validation prompts or --export-every asks "
+            f"for it; old ones go with --keep-checkpoints); models at steps: "
+            f"{', '.join(str(c.step) for c in models) or 'none yet'}"
+        )
+    return found
+
+
+def encoders_lineage(session: Session, revision: str) -> list[str]:
+    """The model revision, then the base its train run started from if it is a checkpoint's
+    model, and so on back: a checkpoint's model holds its base's VAE, text encoder and
+    tokenizer files as they were (the export copies them), so latents any of these models
+    made are the ones it would make."""
+    lineage = [revision]
+    while True:
+        base = session.scalar(
+            select(Run.options["base_revision"].as_string())
+            .join(Checkpoint, Checkpoint.run_id == Run.id)
+            .where(Checkpoint.model_revision == lineage[-1])
+            .limit(1)
+        )
+        if base is None or base in lineage:
+            return lineage
+        lineage.append(base)
