@@ -319,3 +319,17 @@ def test_every_package_installs_under_the_sdq_namespace() -> None:
     script = Path(sys.executable).with_name("sdq")
     done = subprocess.run([script, "--help"], cwd="/", capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "submit" in done.stdout and "requeue" in done.stdout
+
+
+def test_celery_tasks_stay_thin() -> None:
+    """A task reads its message and hands the work to plain functions: ten lines at most."""
+    tasks = []
+    for path in sources("workers"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and any(
+                "shared_task" in ast.unparse(decorator) for decorator in node.decorator_list
+            ):
+                body = node.body[1:] if ast.get_docstring(node) else node.body
+                tasks.append((path.name, node.name, body[-1].end_lineno - body[0].lineno + 1))
+    assert len(tasks) >= 9  # every kind's, train's join and beat's
+    assert [task for task in tasks if task[2] > 10] == []

@@ -1,7 +1,7 @@
 """Beat's periodic tasks on the `maintenance` queue (CPU pool): thin wrappers over the
 plain functions in models/jobs/maintenance.py and models/rollups.py."""
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from celery import shared_task
@@ -44,12 +44,17 @@ def finish_runs(self) -> dict[str, Any]:
     # Back a little from the last tick: a run closed while that tick was writing is not missed.
     since = last - timedelta(minutes=1) if last else utcnow() - timedelta(hours=1)
     closed = maintenance.finish_runs(app.sessions)
+    return ticked(self, {"closed": closed, "ended": end_runs(app, since)})
+
+
+def end_runs(app: SdqCelery, since: datetime) -> int:
+    """Each run finished since `since` given its kind's run-end work; returns how many."""
     ended = maintenance.runs_finished_since(app.sessions, since)
     for kind, run_id in ended:
         at_run_end = kind_named(kind).task_hook("at_run_end")
         if at_run_end is not None:
             at_run_end(app.sessions, app.store, run_id)
-    return ticked(self, {"closed": closed, "ended": len(ended)})
+    return len(ended)
 
 
 @shared_task(bind=True, name=ROLL_UP)

@@ -1,6 +1,6 @@
 """The download task: a message of download job ids, one list slice each."""
 
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 from celery import shared_task
@@ -14,17 +14,15 @@ from sdq.workers.download.work import DownloadWork
 
 @shared_task(bind=True, base=JobTask, name=DOWNLOAD.task_name)
 def download(self, job_ids: list[int]) -> dict[str, Any]:
-    app = self.app
+    return deliver_task(self, DOWNLOAD, job_ids, partial(download_work, self.app))
 
-    def work() -> DownloadWork:
-        return DownloadWork(
-            store=app.store,
-            sessions=app.sessions,
-            fetcher=fetcher(app),
-            settings=app.settings.download,
-        )
 
-    return deliver_task(self, DOWNLOAD, job_ids, work)
+def download_work(app: SdqCelery) -> DownloadWork:
+    """The work of a message, made once its jobs are claimed (deliver_task)."""
+    settings = app.settings.download
+    return DownloadWork(
+        store=app.store, sessions=app.sessions, fetcher=fetcher(app), settings=settings
+    )
 
 
 @cache

@@ -1,6 +1,6 @@
 """The encode task: a message of encode job ids, one image shard each."""
 
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 from celery import shared_task
@@ -15,15 +15,15 @@ from sdq.workers.weights import ModelFiles
 
 @shared_task(bind=True, base=JobTask, name=ENCODE.task_name)
 def encode(self, job_ids: list[int], batch_size: int) -> dict[str, Any]:
-    app = self.app
+    return deliver_task(self, ENCODE, job_ids, partial(encode_work, self.app, batch_size))
 
-    def work() -> EncodeWork:
-        hold(ENCODE.name, encoders(app).clear)
-        return EncodeWork(
-            store=app.store, sessions=app.sessions, encoders=encoders(app), batch_size=batch_size
-        )
 
-    return deliver_task(self, ENCODE, job_ids, work)
+def encode_work(app: SdqCelery, batch_size: int) -> EncodeWork:
+    """The work of a message, made once its jobs are claimed (deliver_task)."""
+    hold(ENCODE.name, encoders(app).clear)
+    return EncodeWork(
+        store=app.store, sessions=app.sessions, encoders=encoders(app), batch_size=batch_size
+    )
 
 
 @cache

@@ -1,6 +1,6 @@
 """The generate task: a message of job ids, rendered `batch_size` images per call."""
 
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 from celery import shared_task
@@ -16,18 +16,18 @@ from sdq.workers.weights import ModelFiles
 
 @shared_task(bind=True, base=JobTask, name=GENERATE.task_name)
 def generate(self, job_ids: list[int], batch_size: int | None = None) -> dict[str, Any]:
-    app = self.app
+    return deliver_task(self, GENERATE, job_ids, partial(generate_work, self.app, batch_size))
 
-    def work() -> GenerateWork:
-        hold(GENERATE.name, pipelines(app).clear)
-        return GenerateWork(
-            store=app.store,
-            sessions=app.sessions,
-            pipelines=pipelines(app),
-            batch_size=batch_size or app.settings.generate.batch_size,
-        )
 
-    return deliver_task(self, GENERATE, job_ids, work)
+def generate_work(app: SdqCelery, batch_size: int | None) -> GenerateWork:
+    """The work of a message, made once its jobs are claimed (deliver_task)."""
+    hold(GENERATE.name, pipelines(app).clear)
+    return GenerateWork(
+        store=app.store,
+        sessions=app.sessions,
+        pipelines=pipelines(app),
+        batch_size=batch_size or app.settings.generate.batch_size,
+    )
 
 
 # Once a generation run finishes, beat writes its gallery: a run submitted without --wait

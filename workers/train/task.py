@@ -2,7 +2,7 @@
 job over several nodes, as one of its nodes."""
 
 import atexit
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 from celery import shared_task
@@ -21,24 +21,25 @@ JOIN_TASK = f"{TRAIN.task_name}.join"
 
 @shared_task(bind=True, base=JobTask, name=TRAIN.task_name)
 def train(self, job_ids: list[int]) -> dict[str, Any]:
-    app = self.app
+    return deliver_task(self, TRAIN, job_ids, partial(train_work, self))
 
-    def work() -> TrainWork:
-        hold(TRAIN.name, live_states().clear)
-        return TrainWork(
-            store=app.store,
-            sessions=app.sessions,
-            files=ModelFiles(app.store, app.settings.model_cache_dir),
-            live=live_states(),
-            # In-process runs (`sdq train` embedded) go on to the next job by themselves.
-            send_next=(lambda _run: None) if self.request.is_eager else send_next(app),
-            settings=app.settings.train,
-            worker=worker_identity(TRAIN.pool).host,
-            call_nodes=None if self.request.is_eager else call_nodes(app),
-            time_limit_seconds=time_limit(self),
-        )
 
-    return deliver_task(self, TRAIN, job_ids, work)
+def train_work(task) -> TrainWork:
+    """The work of a message, made once its job is claimed (deliver_task)."""
+    app = task.app
+    hold(TRAIN.name, live_states().clear)
+    return TrainWork(
+        store=app.store,
+        sessions=app.sessions,
+        files=ModelFiles(app.store, app.settings.model_cache_dir),
+        live=live_states(),
+        # In-process runs (`sdq train` embedded) go on to the next job by themselves.
+        send_next=(lambda _run: None) if task.request.is_eager else send_next(app),
+        settings=app.settings.train,
+        worker=worker_identity(TRAIN.pool).host,
+        call_nodes=None if task.request.is_eager else call_nodes(app),
+        time_limit_seconds=time_limit(task),
+    )
 
 
 def time_limit(task) -> float | None:
@@ -53,18 +54,12 @@ def time_limit(task) -> float | None:
 @shared_task(bind=True, base=JobTask, name=JOIN_TASK, max_job_ids=1)
 def join(self, job_ids: list[int], gathering: int) -> dict[str, Any]:
     """This worker as one more node of that gathering of the job's gang (gang.py)."""
-    app = self.app
     [job_id] = job_ids
     # The ranks it starts need the device: whatever this worker trained, it lets go.
     hold(TRAIN.name, live_states().clear)
     live_states().clear()
-    outcome = gang.take_part(
-        app.sessions,
-        job_id,
-        gathering,
-        worker=worker_identity(Pool.gpu).host,
-        settings=app.settings.train,
-    )
+    worker, settings = worker_identity(Pool.gpu).host, self.app.settings.train
+    outcome = gang.take_part(self.app.sessions, job_id, gathering, worker=worker, settings=settings)
     return {"outcome": outcome}
 
 
