@@ -1,14 +1,21 @@
 """What the generic commands (`status`, `show`, `runs`...) show of each kind of work: its
-unit, from its row, and its jobs' own fields, from its `lookups` module."""
+unit, from its row, and its jobs' own fields, from its `lookups` module: `job_fields(session,
+job_ids)` where they live in the kind's table, else `spec_fields(spec)` from each job's
+spec."""
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from sdq.models.db import chunked
 from sdq.models.jobs.kinds import KINDS
+from sdq.models.tables import Job
+
+JobFields = Callable[[Session, Sequence[int]], dict[int, dict[str, Any]]]
 
 
 @dataclass(frozen=True)
@@ -16,7 +23,7 @@ class KindViews:
     # What one job makes, in words: "images", "samples"...
     unit: str
     # Job id -> the kind's own fields for each job (a prompt and seed, a URL...).
-    job_fields: Callable[[Session, Sequence[int]], dict[int, dict[str, Any]]]
+    job_fields: JobFields
 
 
 GENERIC = KindViews(unit="jobs", job_fields=lambda _session, _ids: {})
@@ -27,4 +34,18 @@ def views_of(kind: str) -> KindViews:
     if kind not in KINDS:
         return GENERIC
     row = KINDS[kind]
-    return KindViews(unit=row.unit, job_fields=row.producer_module("lookups").job_fields)
+    lookups = row.producer_module("lookups")
+    fields = getattr(lookups, "job_fields", None) or _from_specs(kind, lookups.spec_fields)
+    return KindViews(unit=row.unit, job_fields=fields)
+
+
+def _from_specs(kind: str, spec_fields: Callable[[dict[str, Any]], dict[str, Any]]) -> JobFields:
+    def job_fields(session: Session, job_ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+        found: dict[int, dict[str, Any]] = {}
+        for chunk in chunked(job_ids):
+            query = select(Job.id, Job.spec).where(Job.id.in_(chunk), Job.kind == kind)
+            for job_id, spec in session.execute(query):
+                found[job_id] = spec_fields(spec)
+        return found
+
+    return job_fields

@@ -72,6 +72,15 @@ class GenerationSpec:
     # recorded as flagged and never stored. Off by default, as most serving runs it.
     safety_check: bool = False
 
+    @classmethod
+    def by_model(cls, name: str, source: str, revision: str, **render: Any) -> "GenerationSpec":
+        """A render by the model named so, of the `render` fields (prompt, seed, size...):
+        how every spec is made, a submit's and a training's validation alike, so that what
+        follows from them (tiling a large decode) is decided once."""
+        tiled = render["width"] * render["height"] > TILED_DECODE_PIXELS
+        return cls(model_name=name, model_source=source, model_revision=revision,
+                   vae_tiling=tiled, **render)  # fmt: skip
+
     def to_dict(self) -> dict[str, Any]:
         # Not dataclasses.asdict (a recursive deep copy), nor fields() (a quarter of a
         # second per 100k specs): the instance's __dict__ holds exactly its fields, in

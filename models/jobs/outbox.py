@@ -101,6 +101,32 @@ def record_submitted(session: Session, run_id: int, *, cached: int) -> None:
         close_runs(session, [run_id])
 
 
+def open_run(
+    session: Session,
+    kind: Kind,
+    *,
+    source: str,
+    options: dict[str, Any],
+    jobs_per_message: int = 1,
+    task_options: dict[str, Any] | None = None,
+    job_count: int = 0,
+) -> Run:
+    """A new run of the kind, in the session with its id: its jobs are written next. How its
+    jobs travel (ids per message, the task's keyword arguments) is kept with it, so a
+    re-send makes the same messages."""
+    run = Run(
+        kind=kind.name,
+        source=source,
+        options=options,
+        job_count=job_count,
+        jobs_per_message=jobs_per_message,
+        task_options=task_options or {},
+    )
+    session.add(run)
+    session.flush()
+    return run
+
+
 class Spec(Protocol):
     def to_dict(self) -> dict[str, Any]: ...
     def hash(self) -> str: ...

@@ -13,7 +13,7 @@ from sdq.models.datasets import ImageOptions, ListColumns, SampleStatus, is_tran
 from sdq.models.datasets.tables import Dataset, Sample, Shard
 from sdq.models.download.specs import SliceSpec
 from sdq.models.jobs.kinds import DOWNLOAD
-from sdq.models.jobs.outbox import add_jobs
+from sdq.models.jobs.outbox import add_jobs, open_run
 from sdq.models.tables import Job, JobStatus, Run
 from sdq.producer.datasets.lookups import dataset_named
 from sdq.producer.download.lists import PlannedList, Slice, slices
@@ -53,16 +53,13 @@ def record_download(
 ) -> DownloadSubmission:
     with sessions.begin() as session:
         dataset = _dataset(session, name, options)
-        run = Run(
-            kind=DOWNLOAD.name,
+        run = open_run(
+            session,
+            DOWNLOAD,
             source=", ".join(planned.location for planned in lists),
             options={"dataset": name, **options.to_dict(), "columns": asdict(columns)},
-            job_count=0,
             jobs_per_message=1,  # a slice is minutes of work: one per message
-            task_options={},
         )
-        session.add(run)
-        session.flush()
         specs = [
             _spec(name, number, piece, columns, options)
             for number, piece in _numbered(session, dataset.id, lists, options.rows_per_shard)
@@ -89,16 +86,12 @@ def record_retry(
         ):
             if wanted(reason):
                 failed.setdefault(shard_id, []).append(key)
-        run = Run(
-            kind=DOWNLOAD.name,
+        run = open_run(
+            session,
+            DOWNLOAD,
             source=name,
             options={"dataset": name, "retry_failed": True, "reasons": list(reasons)},
-            job_count=0,
-            jobs_per_message=1,
-            task_options={},
         )
-        session.add(run)
-        session.flush()
         specs = [
             replace(
                 spec,

@@ -10,10 +10,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from sdq.models.datasets.tables import Dataset, Shard
 from sdq.models.encode.specs import EncodeSpec
 from sdq.models.jobs.kinds import ENCODE
-from sdq.models.jobs.outbox import add_jobs
+from sdq.models.jobs.outbox import add_jobs, open_run
 from sdq.models.registry import record_model
 from sdq.models.specs import ModelIdentity
-from sdq.models.tables import Run
 from sdq.producer.datasets.lookups import dataset_named, no_usable_samples
 
 # The VAE halves the image three times: sides must divide by 8.
@@ -61,8 +60,9 @@ def record_encode(
         if unusable := no_usable_samples(session, dataset):
             raise NothingToEncode(unusable)
         record_model(session, model)
-        run = Run(
-            kind=ENCODE.name,
+        run = open_run(
+            session,
+            ENCODE,
             source=name,
             options={
                 "dataset": name,
@@ -70,12 +70,9 @@ def record_encode(
                 "revision": model.revision,
                 "resolution": resolution,
             },
-            job_count=0,
             jobs_per_message=1,  # a shard is a minute of GPU work: one per message
             task_options={"batch_size": batch_size},
         )
-        session.add(run)
-        session.flush()
         specs = [_spec(dataset, shard, model, resolution) for shard in downloaded]
         cached = add_jobs(session, run, ENCODE, specs)
     return EncodeSubmission(

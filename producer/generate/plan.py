@@ -5,7 +5,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from sdq.models.generate.generations import PlannedJob
-from sdq.models.generate.specs import TILED_DECODE_PIXELS, GenerationSpec, sampler_scheduler
+from sdq.models.generate.specs import GenerationSpec, sampler_scheduler
 from sdq.models.specs import ModelIdentity
 from sdq.producer.prompts import MAX_SEED, PromptRow
 
@@ -64,10 +64,10 @@ def _spec(
         scheduler, scheduler_config = sampler_scheduler(defaults.sampler, scheduler_config)
     width = row.width or defaults.width or model.default_size
     height = row.height or defaults.height or model.default_size
-    return GenerationSpec(
-        model_name=model.name,
-        model_source=model.source,
-        model_revision=model.revision,
+    return GenerationSpec.by_model(
+        model.name,
+        model.source,
+        model.revision,
         scheduler=scheduler,
         scheduler_config=scheduler_config,
         prompt=prompt,
@@ -78,6 +78,5 @@ def _spec(
         width=width,
         height=height,
         dtype=defaults.dtype or model.default_dtype,
-        vae_tiling=width * height > TILED_DECODE_PIXELS,
         safety_check=defaults.safety_check,
     )

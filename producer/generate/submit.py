@@ -23,10 +23,9 @@ from sdq.models.generate.generations import (
 )
 from sdq.models.jobs.kinds import GENERATE
 from sdq.models.jobs.lifecycle import utcnow
-from sdq.models.jobs.outbox import record_submitted
+from sdq.models.jobs.outbox import open_run, record_submitted
 from sdq.models.registry import record_model
 from sdq.models.specs import ModelIdentity
-from sdq.models.tables import Run
 
 CHUNK = 5_000
 
@@ -74,16 +73,14 @@ def record_run(
     now = utcnow()
     with sessions.begin() as session:
         record_model(session, model)
-        run = Run(
-            kind=GENERATE.name,
+        run = open_run(
+            session,
+            GENERATE,
             source=source,
             options=options,
-            job_count=0,
             jobs_per_message=batching.jobs_per_message,
             task_options={"batch_size": batching.batch_size},
         )
-        session.add(run)
-        session.flush()
         jobs = cached = 0
         settings = SharedSettings()
         chunks = (prepare_chunk(chunk, settings) for chunk in chunked(planned, CHUNK))

@@ -8,7 +8,6 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from sdq.models.db import chunked
 from sdq.models.generate.tables import Generation
 from sdq.models.jobs.kinds import GENERATE, TRAIN
 from sdq.models.jobs.lifecycle import as_utc
@@ -23,15 +22,9 @@ from sdq.producer.errors import NotFound
 RECENT_STEPS = 50
 
 
-def job_fields(session: Session, job_ids: Sequence[int]) -> dict[int, dict[str, Any]]:
-    """Job id -> the steps it covers, from the job's spec."""
-    found: dict[int, dict[str, Any]] = {}
-    for chunk in chunked(job_ids):
-        for job_id, spec in session.execute(
-            select(Job.id, Job.spec).where(Job.id.in_(chunk), Job.kind == TRAIN.name)
-        ):
-            found[job_id] = {"steps": f"{spec['first_step'] + 1}-{spec['last_step']}"}
-    return found
+def spec_fields(spec: dict[str, Any]) -> dict[str, Any]:
+    """A job's steps, from its spec."""
+    return {"steps": f"{spec['first_step'] + 1}-{spec['last_step']}"}
 
 
 def train_status(session: Session, run_id: int) -> dict[str, Any]:

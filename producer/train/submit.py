@@ -11,11 +11,10 @@ from sdq.models.architectures import check_fits
 from sdq.models.datasets import empty_prompt_key, latent_key
 from sdq.models.datasets.tables import LatentShard, Shard
 from sdq.models.jobs.kinds import TRAIN
-from sdq.models.jobs.outbox import add_jobs
+from sdq.models.jobs.outbox import add_jobs, open_run
 from sdq.models.registry import same_encoders
 from sdq.models.specs import ModelIdentity
 from sdq.models.store import PARQUET, ObjectStore
-from sdq.models.tables import Run
 from sdq.models.train.models import encoders_lineage
 from sdq.models.train.specs import (
     LatentInput,
@@ -78,8 +77,9 @@ def record_train(
             )
         encoded_with = shards[0][0].model_revision
         empty_prompt = _empty_prompt(store, name, encoded_with) if options.caption_dropout else None
-        run = Run(
-            kind=TRAIN.name,
+        run = open_run(
+            session,
+            TRAIN,
             source=name,
             options={
                 "dataset": name,
@@ -92,12 +92,7 @@ def record_train(
                 "start_step": start_from.step if start_from else None,
                 **asdict(options),
             },
-            job_count=0,
-            jobs_per_message=1,
-            task_options={},
         )
-        session.add(run)
-        session.flush()
         session.add_all(TrainInput(run_id=run.id, latent_shard_id=shard.id) for shard, _ in shards)
         # Before the run is committed: a run never names a manifest that is not there.
         inputs = [_input(name, shard, number) for shard, number in shards]

@@ -22,7 +22,7 @@ from sdq.models.generate.generations import (
 from sdq.models.generate.specs import GenerationSpec
 from sdq.models.jobs.kinds import GENERATE, TRAIN
 from sdq.models.jobs.lifecycle import record_events, utcnow
-from sdq.models.jobs.outbox import job_row, record_submitted
+from sdq.models.jobs.outbox import job_row, open_run, record_submitted
 from sdq.models.registry import STORE_SOURCE, record_stored_model
 from sdq.models.tables import Job, JobStatus, Run
 from sdq.models.train.specs import TrainShardSpec, checkpoint_prefix
@@ -185,10 +185,10 @@ def _validation_run(
     name, source, revision = model
     planned = [
         PlannedJob(
-            spec=GenerationSpec(
-                model_name=name,
-                model_source=source,
-                model_revision=revision,
+            spec=GenerationSpec.by_model(
+                name,
+                source,
+                revision,
                 scheduler=validation.scheduler,
                 scheduler_config=spec.scheduler_config,
                 prompt=prompt,
@@ -206,16 +206,15 @@ def _validation_run(
         )
         for line, (prompt, seed) in enumerate(validation.prompts, start=1)
     ]
-    run = Run(
-        kind=GENERATE.name,
+    run = open_run(
+        session,
+        GENERATE,
         source=f"validation of train run {spec.run} at step {step}",
         options={"validation_of": spec.run, "step": step},
         job_count=len(planned),
         jobs_per_message=len(planned),
         task_options={"batch_size": len(planned)},
     )
-    session.add(run)
-    session.flush()
     now = utcnow()
     cached = insert_generation_jobs(session, run.id, prepare_chunk(planned, SharedSettings()), now)
     record_submitted(session, run.id, cached=cached)
