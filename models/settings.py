@@ -8,15 +8,135 @@ generation batch.
 import ipaddress
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from sdq.models.jobs.kinds import QUEUES
 
 N = TypeVar("N", int, float)
+G = TypeVar("G")
 
 EMBEDDED_HOME = Path("sdq-data")
+# torch.compile's modes (no torch import here to list them).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def setting(
+    name: str,
+    default: object,
+    *,
+    minimum: int = 1,
+    read: Callable[[Mapping[str, str], str, object], object] | None = None,
+) -> Any:
+    """A setting, declared once: its environment variable, default and lower bound (for a
+    whole number), or how it is read when its type says too little (`read(env, name,
+    default)`). A float is a duration in seconds above 0; text is taken as it is."""
+    return field(default=default, metadata={"env": name, "minimum": minimum, "read": read})
+
+
+def read_group(group: type[G], env: Mapping[str, str]) -> G:
+    """A group of settings, each read from its variable (its default when unset)."""
+    values = {}
+    for declared in fields(group):  # type: ignore[arg-type]
+        name, default = declared.metadata["env"], declared.default
+        read = declared.metadata["read"]
+        if read is not None:
+            values[declared.name] = read(env, name, default)
+        elif declared.type is int:
+            values[declared.name] = _int(env, name, default, minimum=declared.metadata["minimum"])
+        elif declared.type is float:
+            values[declared.name] = _seconds(env, name, default)
+        else:
+            values[declared.name] = env.get(name) or default
+    return group(**values)
+
+
+def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 1) -> int:
+    return _number(env, name, default, int, "an integer", lambda value: value >= minimum,
+                   f"at least {minimum}")  # fmt: skip
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    """A duration in seconds, fractions allowed (`2.5`), more than 0."""
+    return _number(env, name, default, float, "a number of seconds",
+                   lambda value: 0 < value < float("inf"), "above 0")  # fmt: skip
+
+
+def _count_or_none(env: Mapping[str, str], name: str, default: Any) -> int | None:
+    """A count of at least 1; unset or 0: none (no bound)."""
+    return _int(env, name, 0, minimum=0) or default
+
+
+def _number(
+    env: Mapping[str, str],
+    name: str,
+    default: N,
+    parse: Callable[[str], N],
+    what: str,
+    fits: Callable[[N], bool],
+    bound: str,
+) -> N:
+    """A number read from the environment: `default` when unset, else `what`, within `bound`."""
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = parse(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be {what}, got {raw!r}") from None
+    if not fits(value):
+        raise ValueError(f"{name} must be {what} {bound}, got {raw!r}")
+    return value
+
+
+def _compile_mode(env: Mapping[str, str], name: str, default: object) -> str | None:
+    """SDQ_COMPILE=1 compiles, in SDQ_COMPILE_MODE (torch.compile's modes)."""
+    if env.get("SDQ_COMPILE", "0") not in ("1", "true", "yes"):
+        return None
+    mode = env.get(name) or "max-autotune"
+    if mode not in COMPILE_MODES:
+        choices = ", ".join(COMPILE_MODES)
+        raise ValueError(f"{name} must be one of {choices}, got {mode!r}")
+    return mode
+
+
+def _batches(env: Mapping[str, str], name: str, default: Any) -> tuple[int, ...]:
+    """`1,2,4,8,16`: batch sizes, ascending."""
+    raw = env.get(name)
+    if not raw:
+        return default
+    try:
+        sizes = sorted({int(part) for part in raw.split(",") if part.strip()})
+    except ValueError:
+        raise ValueError(f"{name} must be batch sizes such as 1,2,4,8,16, got {raw!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"{name} must be batch sizes of at least 1, got {raw!r}")
+    return tuple(sizes)
+
+
+def _shapes(env: Mapping[str, str], name: str, default: Any) -> tuple[tuple[int, int], ...]:
+    """`512x512,768x768`: (width, height) pairs, multiples of 8."""
+    shapes = []
+    for part in (part.strip() for part in env.get(name, "").split(",")):
+        width, _, height = part.partition("x")
+        if not part:
+            continue
+        if not (width.isdigit() and height.isdigit()) or int(width) % 8 or int(height) % 8:
+            raise ValueError(f"{name}: {part!r} is not WIDTHxHEIGHT in multiples of 8")
+        shapes.append((int(width), int(height)))
+    return tuple(shapes)
+
+
+def _networks(env: Mapping[str, str], name: str, default: Any) -> tuple[str, ...]:
+    """Comma-separated CIDRs, each checked now so a typo stops the process at start."""
+    networks = tuple(part.strip() for part in env.get(name, "").split(",") if part.strip())
+    for network in networks:
+        try:
+            ipaddress.ip_network(network, strict=False)
+        except ValueError:
+            raise ValueError(f"{name}: {network!r} is not a network (e.g. 127.0.0.0/8)") from None
+    return networks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,19 +152,19 @@ class TimeLimits:
 class JobSettings:
     """What every kind of work shares: leases, attempts and retries."""
 
-    lease_seconds: int = 120
-    max_attempts: int = 3
-    retry_backoff_seconds: int = 5
+    lease_seconds: int = setting("SDQ_LEASE_SECONDS", 120)
+    max_attempts: int = setting("SDQ_MAX_ATTEMPTS", 3)
+    retry_backoff_seconds: int = setting("SDQ_RETRY_BACKOFF_SECONDS", 5)
     # Doubling, with full jitter, up to this: a database outage of hours is retried every
     # ten minutes at most. A job back from a long outage may wait up to this long.
-    retry_backoff_max_seconds: int = 600
+    retry_backoff_max_seconds: int = setting("SDQ_RETRY_BACKOFF_MAX_SECONDS", 600)
     # An outage of a dependency (the object store unreachable) does not use up attempts,
     # which are for crashes and poison: it is retried, with backoff, for this long after
     # the job's first failure.
-    outage_budget_seconds: int = 900
+    outage_budget_seconds: int = setting("SDQ_OUTAGE_BUDGET_SECONDS", 900, minimum=0)
     # A GPU worker whose device fails this many tasks in a row (out of memory, CUDA
     # errors) on jobs other workers then do is taken out of rotation.
-    sick_after: int = 3
+    sick_after: int = setting("SDQ_SICK_AFTER", 3)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,62 +172,61 @@ class MaintenanceSettings:
     """Beat's healing: how often it runs, and how long a queued job may wait unclaimed in
     an empty queue before it is taken for lost and sent again."""
 
-    interval_seconds: int = 15
-    relay_after_seconds: int = 60
+    interval_seconds: int = setting("SDQ_MAINTENANCE_INTERVAL_SECONDS", 15)
+    relay_after_seconds: int = setting("SDQ_RELAY_AFTER_SECONDS", 60)
     # The hourly rollups are recomputed this often: dashboards need minutes, not seconds.
-    rollup_interval_seconds: int = 60
-
-
-# torch.compile's modes (no torch import here to list them).
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+    rollup_interval_seconds: int = setting("SDQ_ROLLUP_INTERVAL_SECONDS", 60)
 
 
 @dataclass(frozen=True, kw_only=True)
 class GenerateSettings:
-    batch_size: int = 8
+    batch_size: int = setting("SDQ_BATCH_SIZE", 8)
     # A task message carries this many pipeline calls, so a worker uploads one call's
     # images while it renders the next.
-    calls_per_task: int = 4
+    calls_per_task: int = setting("SDQ_CALLS_PER_TASK", 4)
     # A worker keeps this many loaded pipelines; each one costs GPU memory.
-    pipeline_cache_size: int = 1
+    pipeline_cache_size: int = setting("SDQ_PIPELINE_CACHE_SIZE", 1)
     # Texts (prompts, negative prompts) whose text-encoder output each loaded pipeline
     # keeps: 118 kB each for Stable Diffusion 1.5 in float16; 0 encodes every call anew.
-    prompt_cache_size: int = 1024
+    prompt_cache_size: int = setting("SDQ_PROMPT_CACHE_SIZE", 1024, minimum=0)
     # A Redis (redis://host:6379/3) that every generate worker shares text embeddings in,
     # in front of their own: a text is encoded once for all GPUs, and for every model with
     # the same text encoder. Holds at most shared_prompt_cache_size texts (158 kB each for
     # SD 2 in float16), the least recently used dropped first. None: each its own.
-    prompt_cache_url: str | None = None
-    shared_prompt_cache_size: int = 10_000
+    prompt_cache_url: str | None = setting("SDQ_PROMPT_CACHE_URL", None)
+    shared_prompt_cache_size: int = setting("SDQ_SHARED_PROMPT_CACHE_SIZE", 10_000)
     # torch.compile's mode for the U-Net and the VAE decoder, compiled once per process
     # (with fused QKV projections, channels-last, static shapes; "max-autotune" and
     # "reduce-overhead" replay CUDA graphs); None: not compiled. Each new shape compiles
     # on first use (minutes): calls are padded up to the next of compile_batches, and
     # every one of them at each of warm_shapes (width, height) compiles when the pipeline
     # loads, before it renders a job.
-    compile_mode: str | None = None
-    compile_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
-    warm_shapes: tuple[tuple[int, int], ...] = ()
+    compile_mode: str | None = setting("SDQ_COMPILE_MODE", None, read=_compile_mode)
+    compile_batches: tuple[int, ...] = setting(
+        "SDQ_COMPILE_BATCHES", (1, 2, 4, 8, 16), read=_batches
+    )
+    warm_shapes: tuple[tuple[int, int], ...] = setting("SDQ_WARM_SHAPES", (), read=_shapes)
 
 
 @dataclass(frozen=True, kw_only=True)
 class DownloadSettings:
     # Fetches at once per worker process: downloading waits on the network, not the CPU.
-    threads: int = 32
-    connect_timeout: float = 10
-    read_timeout: float = 20  # also the cap on one fetch: redirects, headers and body
+    threads: int = setting("SDQ_DOWNLOAD_THREADS", 32)
+    connect_timeout: float = setting("SDQ_DOWNLOAD_CONNECT_TIMEOUT", 10.0)
+    # Also the cap on one fetch: redirects, headers and body.
+    read_timeout: float = setting("SDQ_DOWNLOAD_TIMEOUT", 20.0)
     # Further tries of a fetch that failed for a passing reason (timeout, reset, 429, 5xx).
-    retries: int = 2
-    max_bytes: int = 32 * 1024 * 1024
-    max_redirects: int = 5
+    retries: int = setting("SDQ_DOWNLOAD_RETRIES", 2, minimum=0)
+    max_bytes: int = setting("SDQ_DOWNLOAD_MAX_BYTES", 32 * 1024 * 1024)
+    max_redirects: int = setting("SDQ_DOWNLOAD_MAX_REDIRECTS", 5, minimum=0)
     # Images with more pixels are refused before decoding: a few bytes can claim gigapixels.
-    max_pixels: int = 90_000_000
+    max_pixels: int = setting("SDQ_DOWNLOAD_MAX_PIXELS", 90_000_000)
     # Decoded pixels a worker process's threads hold at once: an image waits until its
     # pixels fit, so a slice of huge images takes its memory in turns, not all at once.
     # Three bytes (RGB) a pixel, plus a working copy while it is resized.
-    pixel_budget: int = 180_000_000
+    pixel_budget: int = setting("SDQ_DOWNLOAD_PIXEL_BUDGET", 180_000_000)
     # CIDRs that may be fetched although private or local (e.g. 127.0.0.0/8 for tests).
-    allow_networks: tuple[str, ...] = ()
+    allow_networks: tuple[str, ...] = setting("SDQ_DOWNLOAD_ALLOW_NETWORKS", (), read=_networks)
 
     def __post_init__(self) -> None:
         if self.pixel_budget < self.max_pixels:
@@ -122,26 +241,26 @@ class DownloadSettings:
 class TrainSettings:
     # A collective that waits longer than this fails the job, which is sent again and goes
     # on from its last checkpoint: a dead or stuck rank never hangs the others.
-    collective_timeout_seconds: int = 600
+    collective_timeout_seconds: int = setting("SDQ_TRAIN_COLLECTIVE_TIMEOUT", 600)
     # A job over several nodes waits this long for its gang to gather before it gives up
     # (for now: an outage, not a spent attempt) and is sent again.
-    gang_timeout_seconds: int = 300
+    gang_timeout_seconds: int = setting("SDQ_TRAIN_GANG_TIMEOUT", 300)
     # A node of a gang not seen for this long (each notes itself every second) is lost:
     # its gathering fails as an outage, and the job gathers a new gang.
-    node_timeout_seconds: int = 15
+    node_timeout_seconds: int = setting("SDQ_TRAIN_NODE_TIMEOUT", 15)
     # Where this machine's rank 0 is reached by the other nodes of a gang; None: the
     # address its host name resolves to.
-    node_address: str | None = None
+    node_address: str | None = setting("SDQ_TRAIN_NODE_ADDRESS", None)
     # Losses stay on the device and are read this many steps at a time: each read waits
     # for the device to finish its queued work.
-    loss_every: int = 25
+    loss_every: int = setting("SDQ_TRAIN_LOSS_EVERY", 25)
     # Each lane's next shards fetched while its current one trains, and the threads that
     # fetch and decode them (each fetch is itself several ranged GETs at once on S3).
-    shards_ahead: int = 1
-    fetch_threads: int = 4
+    shards_ahead: int = setting("SDQ_TRAIN_SHARDS_AHEAD", 1)
+    fetch_threads: int = setting("SDQ_TRAIN_FETCH_THREADS", 4)
     # The most ranks a job may start on this machine (`sdq worker gpu --train-ranks N`
     # sets it for its train worker); None: as many as a job asks for.
-    ranks: int | None = None
+    ranks: int | None = setting("SDQ_TRAIN_RANKS", None, read=_count_or_none)
 
     def too_many_ranks(self, run: int, ranks_per_node: int) -> str | None:
         """Why this machine cannot take a node of a job of that many ranks a node."""
@@ -191,97 +310,13 @@ class Settings:
             store_url=env.get("SDQ_STORE_URL") or str(home / "store"),
             broker_url=env.get("SDQ_BROKER_URL") or None,
             model_cache_dir=Path(env.get("SDQ_MODEL_CACHE") or home / "model-cache"),
-            jobs=JobSettings(
-                lease_seconds=_int(env, "SDQ_LEASE_SECONDS", 120),
-                max_attempts=_int(env, "SDQ_MAX_ATTEMPTS", 3),
-                retry_backoff_seconds=_int(env, "SDQ_RETRY_BACKOFF_SECONDS", 5),
-                retry_backoff_max_seconds=_int(env, "SDQ_RETRY_BACKOFF_MAX_SECONDS", 600),
-                outage_budget_seconds=_int(env, "SDQ_OUTAGE_BUDGET_SECONDS", 900, minimum=0),
-                sick_after=_int(env, "SDQ_SICK_AFTER", 3),
-            ),
-            maintenance=MaintenanceSettings(
-                interval_seconds=_int(env, "SDQ_MAINTENANCE_INTERVAL_SECONDS", 15),
-                relay_after_seconds=_int(env, "SDQ_RELAY_AFTER_SECONDS", 60),
-                rollup_interval_seconds=_int(env, "SDQ_ROLLUP_INTERVAL_SECONDS", 60),
-            ),
-            generate=GenerateSettings(
-                batch_size=_int(env, "SDQ_BATCH_SIZE", 8),
-                calls_per_task=_int(env, "SDQ_CALLS_PER_TASK", 4),
-                pipeline_cache_size=_int(env, "SDQ_PIPELINE_CACHE_SIZE", 1),
-                prompt_cache_size=_int(env, "SDQ_PROMPT_CACHE_SIZE", 1024, minimum=0),
-                prompt_cache_url=env.get("SDQ_PROMPT_CACHE_URL") or None,
-                shared_prompt_cache_size=_int(env, "SDQ_SHARED_PROMPT_CACHE_SIZE", 10_000),
-                compile_mode=_compile_mode(env),
-                compile_batches=_batches(env, "SDQ_COMPILE_BATCHES"),
-                warm_shapes=_shapes(env, "SDQ_WARM_SHAPES"),
-            ),
-            download=DownloadSettings(
-                threads=_int(env, "SDQ_DOWNLOAD_THREADS", 32),
-                connect_timeout=_seconds(env, "SDQ_DOWNLOAD_CONNECT_TIMEOUT", 10),
-                read_timeout=_seconds(env, "SDQ_DOWNLOAD_TIMEOUT", 20),
-                retries=_int(env, "SDQ_DOWNLOAD_RETRIES", 2, minimum=0),
-                max_bytes=_int(env, "SDQ_DOWNLOAD_MAX_BYTES", 32 * 1024 * 1024),
-                max_redirects=_int(env, "SDQ_DOWNLOAD_MAX_REDIRECTS", 5, minimum=0),
-                max_pixels=_int(env, "SDQ_DOWNLOAD_MAX_PIXELS", 90_000_000),
-                pixel_budget=_int(env, "SDQ_DOWNLOAD_PIXEL_BUDGET", 180_000_000),
-                allow_networks=_networks(env, "SDQ_DOWNLOAD_ALLOW_NETWORKS"),
-            ),
-            train=TrainSettings(
-                collective_timeout_seconds=_int(env, "SDQ_TRAIN_COLLECTIVE_TIMEOUT", 600),
-                gang_timeout_seconds=_int(env, "SDQ_TRAIN_GANG_TIMEOUT", 300),
-                node_timeout_seconds=_int(env, "SDQ_TRAIN_NODE_TIMEOUT", 15),
-                node_address=env.get("SDQ_TRAIN_NODE_ADDRESS") or None,
-                loss_every=_int(env, "SDQ_TRAIN_LOSS_EVERY", TrainSettings.loss_every),
-                shards_ahead=_int(env, "SDQ_TRAIN_SHARDS_AHEAD", TrainSettings.shards_ahead),
-                fetch_threads=_int(env, "SDQ_TRAIN_FETCH_THREADS", TrainSettings.fetch_threads),
-                ranks=_int(env, "SDQ_TRAIN_RANKS", 0, minimum=0) or None,
-            ),
+            jobs=read_group(JobSettings, env),
+            maintenance=read_group(MaintenanceSettings, env),
+            generate=read_group(GenerateSettings, env),
+            download=read_group(DownloadSettings, env),
+            train=read_group(TrainSettings, env),
             time_limits={queue: _time_limits(env, queue) for queue in QUEUES},
         )
-
-
-def _compile_mode(env: Mapping[str, str]) -> str | None:
-    """SDQ_COMPILE=1 compiles, in SDQ_COMPILE_MODE (torch.compile's modes)."""
-    if env.get("SDQ_COMPILE", "0") not in ("1", "true", "yes"):
-        return None
-    mode = env.get("SDQ_COMPILE_MODE") or "max-autotune"
-    if mode not in COMPILE_MODES:
-        choices = ", ".join(COMPILE_MODES)
-        raise ValueError(f"SDQ_COMPILE_MODE must be one of {choices}, got {mode!r}")
-    return mode
-
-
-def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
-    """A duration in seconds, fractions allowed (`2.5`), more than 0."""
-    return _number(env, name, default, float, "a number of seconds",
-                   lambda value: 0 < value < float("inf"), "above 0")  # fmt: skip
-
-
-def _batches(env: Mapping[str, str], name: str) -> tuple[int, ...]:
-    """`1,2,4,8,16`: batch sizes, ascending."""
-    raw = env.get(name)
-    if not raw:
-        return GenerateSettings.compile_batches
-    try:
-        sizes = sorted({int(part) for part in raw.split(",") if part.strip()})
-    except ValueError:
-        raise ValueError(f"{name} must be batch sizes such as 1,2,4,8,16, got {raw!r}") from None
-    if not sizes or sizes[0] < 1:
-        raise ValueError(f"{name} must be batch sizes of at least 1, got {raw!r}")
-    return tuple(sizes)
-
-
-def _shapes(env: Mapping[str, str], name: str) -> tuple[tuple[int, int], ...]:
-    """`512x512,768x768`: (width, height) pairs, multiples of 8."""
-    shapes = []
-    for part in (part.strip() for part in env.get(name, "").split(",")):
-        width, _, height = part.partition("x")
-        if not part:
-            continue
-        if not (width.isdigit() and height.isdigit()) or int(width) % 8 or int(height) % 8:
-            raise ValueError(f"{name}: {part!r} is not WIDTHxHEIGHT in multiples of 8")
-        shapes.append((int(width), int(height)))
-    return tuple(shapes)
 
 
 def _time_limits(env: Mapping[str, str], queue: str) -> TimeLimits:
@@ -301,41 +336,3 @@ def _time_limits(env: Mapping[str, str], queue: str) -> TimeLimits:
 def _first_set(env: Mapping[str, str], *names: str) -> str:
     """The first of the names the environment sets, else the last (the general one)."""
     return next((name for name in names if env.get(name)), names[-1])
-
-
-def _networks(env: Mapping[str, str], name: str) -> tuple[str, ...]:
-    """Comma-separated CIDRs, each checked now so a typo stops the process at start."""
-    networks = tuple(part.strip() for part in env.get(name, "").split(",") if part.strip())
-    for network in networks:
-        try:
-            ipaddress.ip_network(network, strict=False)
-        except ValueError:
-            raise ValueError(f"{name}: {network!r} is not a network (e.g. 127.0.0.0/8)") from None
-    return networks
-
-
-def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 1) -> int:
-    return _number(env, name, default, int, "an integer", lambda value: value >= minimum,
-                   f"at least {minimum}")  # fmt: skip
-
-
-def _number(
-    env: Mapping[str, str],
-    name: str,
-    default: N,
-    parse: Callable[[str], N],
-    what: str,
-    fits: Callable[[N], bool],
-    bound: str,
-) -> N:
-    """A number read from the environment: `default` when unset, else `what`, within `bound`."""
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = parse(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be {what}, got {raw!r}") from None
-    if not fits(value):
-        raise ValueError(f"{name} must be {what} {bound}, got {raw!r}")
-    return value

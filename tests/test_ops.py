@@ -3,9 +3,11 @@ ops/Dockerfile copies what the package needs, ops/k8s/ passes the Kubernetes sch
 ScaledObject: the keys its CRD requires), and every command they start is one sdq has."""
 
 import os
+import re
 import shlex
 import subprocess
 import tomllib
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -217,3 +219,21 @@ def test_systemd_units_run_sdq_commands_beat_included() -> None:
         program, *args = shlex.split(start.removeprefix("ExecStart="))
         assert program.endswith("/sdq")
         assert_sdq_command(args)
+
+
+def test_the_environment_example_lists_every_setting_with_its_default() -> None:
+    """Each setting is declared once (models/settings.py); the example lists them all, a
+    number with the default the declaration gives it."""
+    from sdq.models import settings
+
+    example = (OPS / "sdq.env.example").read_text()
+    groups = (settings.JobSettings, settings.MaintenanceSettings, settings.GenerateSettings,
+              settings.DownloadSettings, settings.TrainSettings)  # fmt: skip
+    declared = [field for group in groups for field in fields(group)]
+    names = [field.metadata["env"] for field in declared]
+    assert len(names) == len(set(names)) > 30
+    for field in declared:
+        listed = re.search(rf"^(?:# )?{field.metadata['env']}=(\S*)", example, re.MULTILINE)
+        assert listed, f"{field.metadata['env']} is not in ops/sdq.env.example"
+        if isinstance(field.default, int | float):
+            assert float(listed.group(1)) == field.default, field.metadata["env"]
