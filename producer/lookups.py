@@ -1,6 +1,7 @@
 """Read-only questions about runs and jobs of any kind, answered as plain dicts for JSON."""
 
 from collections import Counter
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import PurePosixPath
 from typing import Any
@@ -47,27 +48,14 @@ def run_counts(session: Session, run: Run) -> Counter[str]:
 
 
 def run_status(session: Session, run_id: int, *, with_jobs: bool = True) -> dict[str, Any]:
+    """Where a run stands: its jobs by status, its speed and time left, what failed."""
     run = get_run(session, run_id)
     counts = run_counts(session, run)
-    done = sum(counts[str(status)] for status in FINISHED)
-    # One pass over the run's succeeded jobs: throughput counts only work actually done.
-    worked = Job.cached.is_(False)
-    first_start, last_finish, finished_work, cached, setup, work = session.execute(
-        select(
-            func.min(Job.started_at).filter(worked),
-            func.max(Job.finished_at).filter(worked),
-            func.count().filter(worked),
-            func.count().filter(Job.cached.is_(True)),
-            func.sum(Job.setup_seconds),
-            func.sum(Job.work_seconds),
-        ).where(Job.run_id == run_id, Job.status == JobStatus.succeeded)
-    ).one()
-    throughput = None
-    if finished_work and first_start and last_finish and last_finish > first_start:
-        throughput = finished_work / (as_utc(last_finish) - as_utc(first_start)).total_seconds()
-    remaining = run.job_count - done
+    remaining = run.job_count - sum(counts[str(status)] for status in FINISHED)
+    done = _work_done(session, run_id)
     # Time left only while something works on the run: a stopped run has none.
     working = counts[JobStatus.running] > 0
+    per_second = done.per_second
     status: dict[str, Any] = {
         "run_id": run.id,
         "kind": run.kind,
@@ -80,19 +68,46 @@ def run_status(session: Session, run_id: int, *, with_jobs: bool = True) -> dict
         "finished_at": time_text(run.finished_at),
         "succeeded": counts[JobStatus.succeeded],
         "dead": counts[JobStatus.dead],
-        "cached": cached,
-        "per_second": round(throughput, 3) if throughput else None,
+        "cached": done.cached,
+        "per_second": round(per_second, 3) if per_second else None,
         "eta_seconds": (
-            round(remaining / throughput, 1) if throughput and remaining and working else None
+            round(remaining / per_second, 1) if per_second and remaining and working else None
         ),
         # Summed over the workers: loading what the work needed (models), and the work.
-        "setup_seconds": round(setup, 3) if setup else None,
-        "work_seconds": round(work, 3) if work else None,
+        "setup_seconds": round(done.setup, 3) if done.setup else None,
+        "work_seconds": round(done.work, 3) if done.work else None,
         "failures": failures(session, run_id),
     }
     if with_jobs:
         status["jobs"] = run_jobs(session, run)
     return status
+
+
+@dataclass(frozen=True)
+class WorkDone:
+    per_second: float | None  # jobs worked on (not served from cache) over their wall time
+    cached: int
+    setup: float | None
+    work: float | None
+
+
+def _work_done(session: Session, run_id: int) -> WorkDone:
+    """One pass over the run's succeeded jobs: throughput counts only work actually done."""
+    worked = Job.cached.is_(False)
+    first_start, last_finish, finished_work, cached, setup, work = session.execute(
+        select(
+            func.min(Job.started_at).filter(worked),
+            func.max(Job.finished_at).filter(worked),
+            func.count().filter(worked),
+            func.count().filter(Job.cached.is_(True)),
+            func.sum(Job.setup_seconds),
+            func.sum(Job.work_seconds),
+        ).where(Job.run_id == run_id, Job.status == JobStatus.succeeded)
+    ).one()
+    per_second = None
+    if finished_work and first_start and last_finish and last_finish > first_start:
+        per_second = finished_work / (as_utc(last_finish) - as_utc(first_start)).total_seconds()
+    return WorkDone(per_second, cached, setup, work)
 
 
 def failures(session: Session, run_id: int) -> list[dict[str, Any]]:

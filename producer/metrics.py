@@ -55,6 +55,8 @@ class SdqCollector:
 
     def _memory(self) -> Iterator[Metric]:
         """Each live worker's memory, as it answers the device_memory control command."""
+        # 1. The families: the worker's own memory, then each GPU's as the worker and as
+        #    NVML see it.
         resident = GaugeMetricFamily(
             "sdq_worker_memory_bytes",
             "Resident memory of a worker's processes (main and pool)",
@@ -78,6 +80,7 @@ class SdqCollector:
             key: GaugeMetricFamily(f"sdq_gpu_{key}", text, labels=["worker", "gpu", "name"])
             for key, text in GPU_READINGS.items()
         }
+        # 2. Every live worker asked at once; one that does not answer in time is left out.
         replies = self.app.control.broadcast(
             DEVICE_MEMORY_COMMAND, reply=True, timeout=REPLY_SECONDS
         )

@@ -74,6 +74,30 @@ def read_prompts(path: Path) -> Iterator[PromptRow]:
     # Strict: a quote never closed is an error at the end of the file, instead of a last
     # prompt that has swallowed every row after it.
     reader = csv.reader(text_lines(path), strict=True)
+    # 1. The header: known columns, each once, a prompt among them.
+    columns = _columns(reader, name)
+    # 2. Each row checked; good rows are yielded until a problem is found, then only read
+    #    for their problems.
+    problems = Problems(name)
+    rows = 0
+    for line, fields in _records(reader, problems):
+        if len(fields) != len(columns):
+            problems.report(
+                InputError(name, line, None, f"expected {len(columns)} fields, got {len(fields)}")
+            )
+            continue
+        row, row_errors = parse_row(name, line, dict(zip(columns, fields, strict=True)))
+        problems.report(*row_errors)
+        if row is not None and not problems.errors:
+            rows += 1
+            yield row
+    # 3. Every problem at once, or a file that held no prompt.
+    problems.raise_any()
+    if not rows:
+        raise InvalidInput([InputError(name, None, None, "no prompts: the file has only a header")])
+
+
+def _columns(reader, name: str) -> list[str]:
     try:
         header = next(reader)
     except StopIteration:
@@ -83,45 +107,47 @@ def read_prompts(path: Path) -> Iterator[PromptRow]:
     except csv.Error as error:
         raise InvalidInput([InputError(name, 1, None, f"malformed CSV: {error}")]) from None
     columns = [column.strip().lower() for column in header]
-    errors = _check_header(name, columns)
-    if errors:
+    if errors := _check_header(name, columns):
         raise InvalidInput(errors)
-    rows = unreported = 0
+    return columns
 
-    def report(*problems: InputError) -> None:
-        nonlocal unreported
-        room = MAX_REPORTED_ERRORS - len(errors)
-        errors.extend(problems[:room])
-        unreported += len(problems[room:])
 
+def _records(reader, problems: "Problems") -> Iterator[tuple[int, list[str]]]:
+    """The file's records that are not blank, each with the line it starts on; a record
+    the CSV reader cannot read ends the file, reported."""
     start = reader.line_num + 1
     while True:
         try:
             fields = next(reader)
         except StopIteration:
-            break
+            return
         except csv.Error as error:
-            report(InputError(name, start, None, _malformed(error)))
-            break
+            problems.report(InputError(problems.name, start, None, _malformed(error)))
+            return
         line, start = start, reader.line_num + 1
-        if not any(field.strip() for field in fields):
-            continue
-        if len(fields) != len(columns):
-            report(
-                InputError(name, line, None, f"expected {len(columns)} fields, got {len(fields)}")
-            )
-            continue
-        row, row_errors = parse_row(name, line, dict(zip(columns, fields, strict=True)))
-        report(*row_errors)
-        if row is not None and not errors:
-            rows += 1
-            yield row
-    if unreported:
-        errors.append(InputError(name, None, None, f"and {unreported} more problem(s)"))
-    if errors:
-        raise InvalidInput(errors)
-    if not rows:
-        raise InvalidInput([InputError(name, None, None, "no prompts: the file has only a header")])
+        if any(field.strip() for field in fields):
+            yield line, fields
+
+
+class Problems:
+    """A file's problems, the first MAX_REPORTED_ERRORS of them kept, the rest counted."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.errors: list[InputError] = []
+        self.unreported = 0
+
+    def report(self, *problems: InputError) -> None:
+        room = MAX_REPORTED_ERRORS - len(self.errors)
+        self.errors.extend(problems[:room])
+        self.unreported += len(problems[room:])
+
+    def raise_any(self) -> None:
+        if self.unreported:
+            more = f"and {self.unreported} more problem(s)"
+            self.errors.append(InputError(self.name, None, None, more))
+        if self.errors:
+            raise InvalidInput(self.errors)
 
 
 def _malformed(error: csv.Error) -> str:

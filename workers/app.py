@@ -128,6 +128,7 @@ class QueueLimits:
 
 
 def create_app(settings: Settings) -> SdqCelery:
+    """The Celery app every process uses: sdq's queues, routes, limits and beat."""
     app = SdqCelery(
         "sdq",
         broker=settings.broker_url or "memory://",
@@ -160,14 +161,19 @@ def create_app(settings: Settings) -> SdqCelery:
         task_default_queue=MAINTENANCE_QUEUE,
         task_routes={kind.task_name: {"queue": kind.queue} for kind in KINDS.values()},
         worker_send_task_events=True,
-        beat_schedule={
-            name: {
-                "task": name,
-                "schedule": getattr(settings.maintenance, interval),
-                # A tick nobody ran in time is dropped, not piled up behind a stopped pool.
-                "options": {"expires": getattr(settings.maintenance, interval)},
-            }
-            for name, interval in MAINTENANCE_TASKS.items()
-        },
+        beat_schedule=beat_schedule(settings),
     )
     return app
+
+
+def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
+    """Beat's periodic tasks, each at its interval."""
+    return {
+        name: {
+            "task": name,
+            "schedule": getattr(settings.maintenance, interval),
+            # A tick nobody ran in time is dropped, not piled up behind a stopped pool.
+            "options": {"expires": getattr(settings.maintenance, interval)},
+        }
+        for name, interval in MAINTENANCE_TASKS.items()
+    }

@@ -103,48 +103,68 @@ def deliver(
     worker: Worker,
     settings: JobSettings,
 ) -> Outcome:
+    """A message's jobs, delivered once in effect, whatever fails and wherever."""
     outcome = Outcome()
+    # 1. Claim the message's jobs of this kind: those another worker holds, or that are
+    #    done, are left alone.
     jobs = _claim(job_ids, kind, outcome, sessions=sessions, worker=worker, settings=settings)
     if not jobs:
         return outcome
+    # 2. Jobs whose outputs are stored already (a twin's, an earlier attempt's) are done.
     with sessions.begin() as session:
         reused = work.reuse(session, jobs)
         succeed(session, reused, worker=worker)
     reused_ids = {output.job_id for output in reused}
     outcome.reused = sorted(reused_ids)
     todo = [job for job in jobs if job.id not in reused_ids]
+    # 3. Work on the rest under kept leases, each output recorded as it comes.
     record = Recorder(sessions, worker)
     try:
         with keep_leases(sessions, [job.id for job in todo], worker=worker, settings=settings):
             for output in work.run(todo):
                 record.add(output)
     except LeaseLost as lost:
-        # Nothing more is written: the database may be down still, and the jobs not ours.
+        # 4a. The jobs may be another worker's now and the database down: nothing is written.
         outcome.error = f"{type(lost).__name__}: {lost}"
-        outcome.done = sorted(record.done)
         logger.warning("stopped work on jobs %s: %s", [job.id for job in todo], lost)
-        return outcome
     except Exception as error:
-        outcome.error = f"{type(error).__name__}: {error}"
-        outcome.outage = error if work.is_outage(error) else None
+        # 4b. What was stored before the failure stays done; the rest fails with the error.
+        _fail_the_rest(error, work, todo, record, outcome, sessions=sessions, worker=worker,
+                       settings=settings)  # fmt: skip
+    else:
+        # 4c. Every job done: the last outputs recorded.
         with sessions.begin() as session:
-            # What was stored before the failure stays done; the rest fails with the error.
             record.flush(session)
-            outcome.retry = fail(
-                session,
-                [job.id for job in todo if job.id not in record.done],
-                error=outcome.error,
-                permanent=work.is_permanent(error),
-                outage=outcome.outage is not None,
-                settings=settings,
-                worker=worker,
-            )
-        outcome.done = sorted(record.done)
-        return outcome
-    with sessions.begin() as session:
-        record.flush(session)
     outcome.done = sorted(record.done)
     return outcome
+
+
+def _fail_the_rest(
+    error: Exception,
+    work: Work,
+    todo: Sequence[Job],
+    record: "Recorder",
+    outcome: Outcome,
+    *,
+    sessions: sessionmaker[Session],
+    worker: Worker,
+    settings: JobSettings,
+) -> None:
+    """The jobs a failure left undone, failed: retried, dead (a permanent error, or out of
+    attempts), or waiting out an outage without spending an attempt."""
+    outcome.error = f"{type(error).__name__}: {error}"
+    outcome.outage = error if work.is_outage(error) else None
+    with sessions.begin() as session:
+        record.flush(session)
+        outcome.retry = fail(
+            session,
+            [job.id for job in todo if job.id not in record.done],
+            error=outcome.error,
+            permanent=work.is_permanent(error),
+            outage=outcome.outage is not None,
+            settings=settings,
+            worker=worker,
+        )
 
 
 class Recorder:

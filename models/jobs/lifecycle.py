@@ -264,17 +264,7 @@ def succeed(session: Session, outputs: Sequence[Output], *, worker: Worker) -> N
     """Records the outputs of the jobs this worker still holds, and only theirs: a worker
     whose lease lapsed and was taken over must not overwrite the new owner's record (its
     image bytes are identical), nor give a job it no longer holds a success in its history."""
-    held = session.scalars(
-        select(Job.id)
-        .where(
-            Job.id.in_([output.job_id for output in outputs]),
-            Job.status == JobStatus.running,
-            Job.worker_host == worker.host,
-        )
-        .order_by(Job.id)
-        .with_for_update()  # held until the transaction ends (Postgres; SQLite has one writer)
-    ).all()
-    outputs = [output for output in outputs if output.job_id in set(held)]
+    outputs = _held(session, outputs, worker)
     if not outputs:
         return
     now = utcnow()
@@ -302,6 +292,22 @@ def succeed(session: Session, outputs: Sequence[Output], *, worker: Worker) -> N
     finished = [output.job_id for output in outputs]
     record_events(session, finished, JobStatus.succeeded, worker=worker, at=now)
     close_finished_runs(session, finished)
+
+
+def _held(session: Session, outputs: Sequence[Output], worker: Worker) -> list[Output]:
+    """The outputs of jobs the worker holds, those jobs locked until the transaction ends
+    (Postgres; SQLite has one writer)."""
+    held = session.scalars(
+        select(Job.id)
+        .where(
+            Job.id.in_([output.job_id for output in outputs]),
+            Job.status == JobStatus.running,
+            Job.worker_host == worker.host,
+        )
+        .order_by(Job.id)
+        .with_for_update()
+    ).all()
+    return [output for output in outputs if output.job_id in set(held)]
 
 
 def fail(

@@ -77,12 +77,29 @@ class TrainOptions:
     unet_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        """Refuses options that cannot train, naming them: choices, counts, how the batch
+        splits over ranks, lanes and micro-batches, and the recipe's ranges."""
         if self.data_lanes is None:
             object.__setattr__(self, "data_lanes", default_lanes(self.batch_size, self.world_size))
+        self._check_choices()
+        self._check_split()
+        self._check_ranges()
+
+    def _check_choices(self) -> None:
         if self.mixed_precision not in MIXED_PRECISION:
             raise ValueError(f"mixed precision must be one of {', '.join(MIXED_PRECISION)}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}")
+        if self.sharding not in SHARDINGS or self.grad_comm not in GRAD_COMMS:
+            raise ValueError(
+                f"--sharding must be one of {', '.join(SHARDINGS)}, --grad-comm one of "
+                f"{', '.join(GRAD_COMMS)}"
+            )
+        if self.unet_config is not None and not self.from_scratch:
+            raise ValueError("--unet-config sets the architecture of a U-Net --from-scratch")
+
+    def _check_split(self) -> None:
+        """The global batch splits evenly over nodes, ranks, lanes and micro-batches."""
         positive = (
             *(self.steps, self.batch_size, self.checkpoint_every, self.world_size, self.nodes),
             *(self.grad_accumulation, self.keep_checkpoints or 1, self.export_every or 1),
@@ -111,24 +128,19 @@ class TrainOptions:
                 f"--data-lanes {self.data_lanes} must divide --batch-size {self.batch_size} "
                 f"and be a multiple of --world-size {self.world_size} (each rank reads whole lanes)"
             )
-        if self.sharding not in SHARDINGS or self.grad_comm not in GRAD_COMMS:
-            raise ValueError(
-                f"--sharding must be one of {', '.join(SHARDINGS)}, --grad-comm one of "
-                f"{', '.join(GRAD_COMMS)}"
-            )
         if self.sharded and self.world_size == 1:
             raise ValueError(
                 f"--sharding {self.sharding} spreads the state over ranks: give --world-size 2 "
                 f"or more, or --sharding none"
             )
+
+    def _check_ranges(self) -> None:
         if self.checkpoint_minutes is not None and self.checkpoint_minutes <= 0:
             raise ValueError("--checkpoint-minutes must be positive")
         if self.ema is not None and not 0 < self.ema < 1:
             raise ValueError("--ema must be between 0 and 1")
         if not 0 <= self.caption_dropout < 1:
             raise ValueError(f"--caption-dropout must be in [0, 1), got {self.caption_dropout}")
-        if self.unet_config is not None and not self.from_scratch:
-            raise ValueError("--unet-config sets the architecture of a U-Net --from-scratch")
         if self.noise_offset < 0 or (self.max_grad_norm is not None and self.max_grad_norm <= 0):
             raise ValueError("--noise-offset must not be negative, --max-grad-norm positive")
 

@@ -82,21 +82,10 @@ def list_datasets(session: Session) -> list[dict[str, Any]]:
 
 
 def dataset_summary(session: Session, name: str) -> dict[str, Any]:
+    """What a dataset holds (`sdq dataset show`): its samples by status, the reasons the
+    failed ones failed, its shards, bytes and speed, and its latents."""
     dataset = dataset_named(session, name)
-    of_dataset = Sample.dataset_id == dataset.id
-    by_status = dict(
-        session.execute(
-            select(Sample.status, func.count()).where(of_dataset).group_by(Sample.status)
-        ).all()
-    )
-    reasons = dict(
-        session.execute(
-            select(Sample.reason, func.count())
-            .where(of_dataset, Sample.status == SampleStatus.failed)
-            .group_by(Sample.reason)
-            .order_by(func.count().desc(), Sample.reason)
-        ).all()
-    )
+    by_status, reasons = _fates(session, dataset.id)
     shards = session.scalars(
         select(Shard).where(Shard.dataset_id == dataset.id).order_by(Shard.number)
     ).all()
@@ -123,6 +112,25 @@ def dataset_summary(session: Session, name: str) -> dict[str, Any]:
             for shard in shards
         ],
     }
+
+
+def _fates(session: Session, dataset_id: int) -> tuple[dict[str, int], dict[str, int]]:
+    """A dataset's samples by status, and its failed samples by reason, most common first."""
+    of_dataset = Sample.dataset_id == dataset_id
+    by_status = dict(
+        session.execute(
+            select(Sample.status, func.count()).where(of_dataset).group_by(Sample.status)
+        ).all()
+    )
+    reasons = dict(
+        session.execute(
+            select(Sample.reason, func.count())
+            .where(of_dataset, Sample.status == SampleStatus.failed)
+            .group_by(Sample.reason)
+            .order_by(func.count().desc(), Sample.reason)
+        ).all()
+    )
+    return by_status, reasons
 
 
 def _wall_seconds(session: Session, name: str) -> float | None:

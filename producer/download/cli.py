@@ -118,12 +118,7 @@ def download(
     Without a broker (SDQ_BROKER_URL unset) the work runs here, in this process."""
     ready_to_submit(app)
     if retry_name:
-        if lists or name:
-            raise click.UsageError("--retry-failed NAME takes no LIST and no --dataset")
-        from sdq.producer.download.submit import record_retry
-
-        with found():
-            submission = record_retry(app.sessions, retry_name, reasons)
+        submission = _retry(app, retry_name, reasons, given=bool(lists or name))
     else:
         if not (lists and name):
             raise click.UsageError("give LIST... and --dataset NAME, or --retry-failed NAME")
@@ -142,6 +137,18 @@ def download(
         as_json=as_json,
         report_sent=lambda tasks: _report_submission(submission, tasks, as_json),
     )
+
+
+def _retry(
+    app: SdqCelery, name: str, reasons: tuple[str, ...], *, given: bool
+) -> "DownloadSubmission":
+    """`--retry-failed NAME`: the dataset's failed rows (of these reasons) fetched again."""
+    if given:
+        raise click.UsageError("--retry-failed NAME takes no LIST and no --dataset")
+    from sdq.producer.download.submit import record_retry
+
+    with found():
+        return record_retry(app.sessions, name, reasons)
 
 
 def _options(name: str, image: dict[str, Any], rows_per_shard: int) -> "DatasetOptions":

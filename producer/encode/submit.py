@@ -46,7 +46,10 @@ def record_encode(
     resolution: int,
     batch_size: int,
 ) -> EncodeSubmission:
+    """The encode run of the dataset's downloaded shards, one job each, in one transaction
+    (nothing is written when the dataset has nothing to encode)."""
     with sessions.begin() as session:
+        # 1. The dataset's downloaded shards, or why there is nothing to encode.
         dataset = dataset_named(session, name)
         shards = session.scalars(
             select(Shard).where(Shard.dataset_id == dataset.id).order_by(Shard.number)
@@ -59,6 +62,7 @@ def record_encode(
             )
         if unusable := no_usable_samples(session, dataset):
             raise NothingToEncode(unusable)
+        # 2. The run and its jobs; a shard encoded already by this model is done as written.
         record_model(session, model)
         run = open_run(
             session,
@@ -75,6 +79,7 @@ def record_encode(
         )
         specs = [_spec(dataset, shard, model, resolution) for shard in downloaded]
         cached = add_jobs(session, run, ENCODE, specs)
+    # 3. What was submitted, and whether the images are smaller than the resolution.
     return EncodeSubmission(
         run_id=run.id,
         dataset=name,

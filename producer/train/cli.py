@@ -323,6 +323,35 @@ def start(
     """Train on dataset NAME's latents made with the base model at the resolution.
 
     Without a broker (SDQ_BROKER_URL unset) the work runs here, in this process."""
+    # 1. Options that cannot go together, a configuration that cannot fit: refused before
+    #    anything is written.
+    train_options = _checked_options(app, base, resume_from, into, options)
+    prompts = _validation_prompts(validation_prompts) if validation_prompts else ()
+    if train_options.unet_config is not None and can_plan():
+        _check_fits(train_options, resolution, gpu_memory)
+    _check_job_length(train_options, app.settings.time_limits[TRAIN.queue].soft)
+    # 2. The run and its first job.
+    ready_to_submit(app)
+    submission = _submit(app, name, base, resume_from, resolution, train_options, into, prompts)
+    # 3. Trained here, with its validation renders, or sent to the workers (and watched).
+    if app.settings.embedded:
+        _train_here(app, submission, train_options.steps)
+    else:
+        sent = send_run(app, submission.run_id)
+        if not wait:
+            _report_submission(submission, sent.messages, as_json)
+            return
+        _watch(app, submission.run_id, train_options.steps, show=not as_json)
+    _report_status(app, submission.run_id, as_json)
+
+
+def _checked_options(
+    app: SdqCelery,
+    base: str | None,
+    resume_from: tuple[int, int | None] | None,
+    into: str | None,
+    options: dict[str, Any],
+) -> TrainOptions:
     if into is not None and ("@" in into or "/" in into):
         raise click.UsageError(f"--into {into!r}: a model name has no '@' or '/'")
     if (base is None) == (resume_from is None):
@@ -333,26 +362,17 @@ def start(
                                "it needs a broker (SDQ_BROKER_URL) and workers")  # fmt: skip
     if resume_from and train_options.from_scratch:
         raise click.UsageError("--resume-from starts from trained weights; --from-scratch does not")
-    prompts = _validation_prompts(validation_prompts) if validation_prompts else ()
-    if train_options.unet_config is not None and can_plan():
-        _check_fits(train_options, resolution, gpu_memory)
-    _check_job_length(train_options, app.settings.time_limits[TRAIN.queue].soft)
-    ready_to_submit(app)
-    submission = _submit(app, name, base, resume_from, resolution, train_options, into, prompts)
-    if app.settings.embedded:
-        steps = (train_options.steps, steps_done(app, submission.run_id))
-        work_here(app, submission.run_id, jobs=submission.jobs, progress=steps)
-        with app.sessions() as session:
-            validations = train_lookups.validation_runs(session, submission.run_id)
-        for run_id, jobs in validations:
-            work_here(app, run_id, jobs=jobs)
-    else:
-        sent = send_run(app, submission.run_id)
-        if not wait:
-            _report_submission(submission, sent.messages, as_json)
-            return
-        _watch(app, submission.run_id, train_options.steps, show=not as_json)
-    _report_status(app, submission.run_id, as_json)
+    return train_options
+
+
+def _train_here(app: SdqCelery, submission: TrainSubmission, steps: int) -> None:
+    """The run's jobs in this process, then its checkpoints' validation renders."""
+    work_here(app, submission.run_id, jobs=submission.jobs,
+              progress=(steps, steps_done(app, submission.run_id)))  # fmt: skip
+    with app.sessions() as session:
+        validations = train_lookups.validation_runs(session, submission.run_id)
+    for run_id, jobs in validations:
+        work_here(app, run_id, jobs=jobs)
 
 
 def _train_options(

@@ -28,6 +28,9 @@ def spec_fields(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def train_status(session: Session, run_id: int) -> dict[str, Any]:
+    """Where a train run stands: its step, speed and time left, its loss curve and its
+    checkpoints (`sdq train status`)."""
+    # 1. The run, its steps as they were taken, and its checkpoints.
     run = session.get(Run, run_id)
     if run is None or run.kind != TRAIN.name:
         raise NotFound(f"no train run {run_id}")
@@ -45,6 +48,7 @@ def train_status(session: Session, run_id: int) -> dict[str, Any]:
     checkpoints = session.scalars(
         select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.step)
     ).all()
+    # 2. How far it is, and how fast its recent steps went.
     steps = run.options["steps"]
     checkpointed = checkpoints[-1].step if checkpoints else 0
     # Steps reach the database as they are taken, ahead of the last checkpoint.
@@ -54,6 +58,7 @@ def train_status(session: Session, run_id: int) -> dict[str, Any]:
     mfus = [row[4] for row in recent if row[4] is not None]
     left = (steps - step) * run.options["batch_size"]
     status = _status(session, run_id, done=checkpointed >= steps)
+    # 3. All of it, with the shares of its wall time lost to data waits, gaps and checkpoints.
     return {
         "run_id": run_id,
         "status": status,

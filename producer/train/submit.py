@@ -66,7 +66,10 @@ def record_train(
     validation: Validation | None = None,
     start_from: StartFrom | None = None,
 ) -> TrainSubmission:
+    """The train run, its inputs and its first job, in one transaction: the database drives
+    the chain from there (each job's checkpoint writes the next job)."""
     with sessions.begin() as session:
+        # 1. The latent shards it trains on; an architecture from scratch must take them.
         shards = _latent_shards(session, name, base, resolution)
         if options.unet_config is not None:
             tensors = shards[0][0].tensors
@@ -77,6 +80,7 @@ def record_train(
             )
         encoded_with = shards[0][0].model_revision
         empty_prompt = _empty_prompt(store, name, encoded_with) if options.caption_dropout else None
+        # 2. The run, with everything that decides its weights.
         run = open_run(
             session,
             TRAIN,
@@ -93,10 +97,12 @@ def record_train(
                 **asdict(options),
             },
         )
+        # 3. Its inputs, once: rows for SQL's lineage, a manifest in the store for the ranks
+        #    (before the run is committed: a run never names a manifest that is not there).
         session.add_all(TrainInput(run_id=run.id, latent_shard_id=shard.id) for shard, _ in shards)
-        # Before the run is committed: a run never names a manifest that is not there.
         inputs = [_input(name, shard, number) for shard, number in shards]
         store.put_bytes(inputs_key(run.id), inputs_manifest(inputs), content_type=PARQUET)
+        # 4. Its first job; the others follow from each checkpoint.
         first = TrainShardSpec(
             run=run.id,
             first_step=0,

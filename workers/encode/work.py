@@ -88,9 +88,11 @@ class EncodeWork(Work):
     def _encode(
         self, job_id: int, spec: EncodeSpec, shard: ImageShard, decoders: ThreadPoolExecutor
     ) -> Output:
-        from sdq.workers.encode.encoders import empty_prompt, encode_batch, join, prepare_batches
+        """One image shard's latents and text embeddings, stored and recorded."""
+        from sdq.workers.encode.encoders import encode_batch, join, prepare_batches
 
         started = perf_counter()
+        # 1. The shard's batches, decoded and tokenized ahead of the device, then encoded.
         encoders = self.encoders.get(spec)
         batches = prepare_batches(
             shard,
@@ -102,6 +104,7 @@ class EncodeWork(Work):
         )
         parts = [encode_batch(encoders, batch) for batch in run_ahead(batches, BATCHES_AHEAD)]
         encoded = join(encoders, parts, spec.resolution)
+        # 2. The latent shard, with what it was made from; the empty prompt's embedding too.
         about = {
             "dataset": spec.dataset,
             "shard": spec.shard,
@@ -111,14 +114,9 @@ class EncodeWork(Work):
             "scaling_factor": encoders.vae.config.scaling_factor,
         }
         data = latent_shard_bytes(shard.lineage(), encoded, about)
-        # Training needs it whichever shard comes first: each worker process stores it once
-        # per dataset and model (the same bytes whoever writes it).
-        if spec.empty_prompt_key not in self.encoders.stored:
-            self.store.put_bytes(
-                spec.empty_prompt_key, npy_bytes(empty_prompt(encoders)), content_type=NPY
-            )
-            self.encoders.stored.add(spec.empty_prompt_key)
+        self._store_empty_prompt(spec, encoders)
         uri = self.store.put_bytes(spec.latent_key, data, content_type=PARQUET)
+        # 3. Done: its output, and its row for the dataset's latents.
         output = Output(
             job_id,
             uri,
@@ -129,6 +127,17 @@ class EncodeWork(Work):
         with self.sessions.begin() as session:
             _record(session, spec, output, samples=len(shard), tensors=describe(encoded))
         return output
+
+    def _store_empty_prompt(self, spec: EncodeSpec, encoders) -> None:
+        """Training needs it whichever shard comes first: each worker process stores it
+        once per dataset and model (the same bytes whoever writes it)."""
+        from sdq.workers.encode.encoders import empty_prompt
+
+        if spec.empty_prompt_key not in self.encoders.stored:
+            self.store.put_bytes(
+                spec.empty_prompt_key, npy_bytes(empty_prompt(encoders)), content_type=NPY
+            )
+            self.encoders.stored.add(spec.empty_prompt_key)
 
 
 def npy_bytes(array) -> bytes:

@@ -181,30 +181,14 @@ def _validation_run(
     session: Session, spec: TrainShardSpec, step: int, model: tuple[str, str, str]
 ) -> int:
     """A generation run of the validation prompts from this checkpoint's model."""
-    validation = spec.validation
-    name, source, revision = model
     planned = [
         PlannedJob(
-            spec=GenerationSpec.by_model(
-                name,
-                source,
-                revision,
-                scheduler=validation.scheduler,
-                scheduler_config=spec.scheduler_config,
-                prompt=prompt,
-                negative_prompt="",
-                seed=seed,
-                steps=validation.steps,
-                guidance=validation.guidance,
-                width=validation.size,
-                height=validation.size,
-                dtype=validation.dtype,
-            ),
+            spec=_validation_spec(spec, model, prompt, seed),
             style=None,
             source_line=line,
             subject=prompt,
         )
-        for line, (prompt, seed) in enumerate(validation.prompts, start=1)
+        for line, (prompt, seed) in enumerate(spec.validation.prompts, start=1)
     ]
     run = open_run(
         session,
@@ -219,3 +203,24 @@ def _validation_run(
     cached = insert_generation_jobs(session, run.id, prepare_chunk(planned, SharedSettings()), now)
     record_submitted(session, run.id, cached=cached)
     return run.id
+
+
+def _validation_spec(
+    spec: TrainShardSpec, model: tuple[str, str, str], prompt: str, seed: int
+) -> GenerationSpec:
+    """One validation render by the checkpoint's model: the same prompt, seed and settings
+    at every checkpoint, so that its images show what training changed."""
+    validation = spec.validation
+    return GenerationSpec.by_model(
+        *model,
+        scheduler=validation.scheduler,
+        scheduler_config=spec.scheduler_config,
+        prompt=prompt,
+        negative_prompt="",
+        seed=seed,
+        steps=validation.steps,
+        guidance=validation.guidance,
+        width=validation.size,
+        height=validation.size,
+        dtype=validation.dtype,
+    )

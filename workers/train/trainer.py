@@ -103,6 +103,7 @@ def new_state(spec: TrainShardSpec, unet: UNet2DConditionModel, ranks: Ranks = A
     options = spec.options
     device = ranks.device()
     use_fast_kernels(device)
+    # 1. The U-Net on this rank's device: whole, or sharded over the ranks.
     unet = _placed(_without_origin(unet), device, channels_last=not options.sharded)
     if options.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
@@ -111,18 +112,10 @@ def new_state(spec: TrainShardSpec, unet: UNet2DConditionModel, ranks: Ranks = A
         shard(unet, options.sharding, options.grad_comm, device)
     if unet.device.type == "meta":
         unet.to_empty(device=device)
-    # Fused: one kernel for every parameter's update, where foreach needs several.
+    # 2. What trains it: AdamW (fused: one kernel for every parameter's update), the EMA.
     optimizer = torch.optim.AdamW(unet.parameters(), lr=options.lr, fused=device.type == "cuda")
-    ema = None
-    # Sharded, every rank keeps the EMA of its own shards; else rank 0 keeps all of it.
-    if options.ema is not None and (ranks.writes or sharded):
-        ema = EMAModel(
-            unet.parameters(),
-            decay=options.ema,
-            foreach=True,
-            model_cls=UNet2DConditionModel,
-            model_config=unet.config,
-        )
+    ema = _ema(unet, options.ema) if options.ema is not None and (ranks.writes or sharded) else None
+    # 3. What the steps call: DDP's wrapper over several unsharded ranks, compiled if asked.
     model = unet if sharded or not ranks.distributed else _data_parallel(unet, options, device)
     return TrainState(
         run=spec.run,
@@ -144,6 +137,18 @@ def new_state(spec: TrainShardSpec, unet: UNet2DConditionModel, ranks: Ranks = A
         device=device,
         ranks=ranks,
         checkpoint_group=state_group() if sharded else None,
+    )
+
+
+def _ema(unet: UNet2DConditionModel, decay: float) -> EMAModel:
+    """EMA weights of the U-Net's parameters (this rank's shards, when sharded: every rank
+    keeps its own; else rank 0 keeps them all), updated with foreach ops."""
+    return EMAModel(
+        unet.parameters(),
+        decay=decay,
+        foreach=True,
+        model_cls=UNet2DConditionModel,
+        model_config=unet.config,
     )
 
 
