@@ -14,8 +14,8 @@ from transformers import CLIPTextModel, CLIPTokenizer
 from sdq.models import tiny
 from sdq.models.datasets import latent_seed
 from sdq.models.encode.specs import EncodeSpec
-from sdq.workers.encode.shards import ImageShard, pixels
 from sdq.workers.gpu import device_name, release_device_memory, torch_dtype
+from sdq.workers.shards.images import ImageShard, pixels
 from sdq.workers.shards.latents import Encoded
 from sdq.workers.tiny import build_text_encoder, build_tokenizer, build_vae
 from sdq.workers.weights import ModelFiles, check_tiny_revision

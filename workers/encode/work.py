@@ -28,7 +28,7 @@ from sdq.models.jobs.lifecycle import Output, utcnow
 from sdq.models.store import PARQUET, MissingObject, ObjectStore
 from sdq.models.tables import Job
 from sdq.workers.ahead import run_ahead
-from sdq.workers.encode.shards import ImageShard, read_image_shard
+from sdq.workers.shards.images import ImageShard, read_image_shard
 from sdq.workers.shards.latents import describe, latent_shard_bytes
 from sdq.workers.weights import ModelUnavailable
 

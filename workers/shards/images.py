@@ -1,5 +1,5 @@
-"""Image shards as encoding reads them, on the CPU: the kept samples of a shard and their
-pixels at the encoding resolution. No torch here."""
+"""Image shards as the kinds that read images see them (encode, curate), on the CPU: the
+kept samples of a shard and their pixels at a resolution. No torch here."""
 
 import io
 from dataclasses import dataclass
