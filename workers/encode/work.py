@@ -15,20 +15,18 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pyarrow as pa
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.datasets import shard_key
 from sdq.models.datasets.tables import Dataset, LatentShard, Shard
 from sdq.models.db import upsert
 from sdq.models.encode.specs import EncodeSpec
 from sdq.models.jobs.delivery import Work
 from sdq.models.jobs.lifecycle import Output, utcnow
-from sdq.models.store import PARQUET, MissingObject, ObjectStore
+from sdq.models.store import PARQUET, ObjectStore
 from sdq.models.tables import Job
 from sdq.workers.ahead import run_ahead
-from sdq.workers.shards.images import ImageShard, read_image_shard
+from sdq.workers.shards.images import ImageShard, ShardUnreadable, fetch_image_shard
 from sdq.workers.shards.latents import describe, latent_shard_bytes
 from sdq.workers.weights import ModelUnavailable
 
@@ -41,11 +39,6 @@ NPY = "application/octet-stream"
 BATCHES_AHEAD = 2
 # Decoding threads; Pillow decodes without the GIL, so these use the CPU's cores.
 DECODE_THREADS = min(8, os.cpu_count() or 1)
-
-
-class ShardUnreadable(Exception):
-    """The image shard is not the file the job was planned for: download it again, then
-    encode again."""
 
 
 class EncodeWork(Work):
@@ -72,18 +65,9 @@ class EncodeWork(Work):
                 yield self._encode(job.id, spec, shard, decoders)
 
     def _read(self, spec: EncodeSpec) -> ImageShard:
-        try:
-            data = self.store.get_bytes(shard_key(spec.dataset, spec.shard))
-        except MissingObject as error:
-            raise ShardUnreadable(str(error)) from None
-        if hashlib.sha256(data).hexdigest() != spec.shard_sha256:
-            raise ShardUnreadable(
-                f"image shard {spec.shard} of {spec.dataset} changed since it was planned"
-            )
-        try:
-            return read_image_shard(data, spec.image_format)
-        except (KeyError, pa.ArrowException) as error:
-            raise ShardUnreadable(f"image shard {spec.shard}: {error}") from error
+        return fetch_image_shard(
+            self.store, spec.dataset, spec.shard, spec.shard_sha256, spec.image_format
+        )
 
     def _encode(
         self, job_id: int, spec: EncodeSpec, shard: ImageShard, decoders: ThreadPoolExecutor

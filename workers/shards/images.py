@@ -1,16 +1,24 @@
 """Image shards as the kinds that read images see them (encode, curate), on the CPU: the
 kept samples of a shard and their pixels at a resolution. No torch here."""
 
+import hashlib
 import io
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from PIL import Image
 
-from sdq.models.datasets import ImageOptions, SampleStatus
+from sdq.models.datasets import ImageOptions, SampleStatus, shard_key
+from sdq.models.store import MissingObject, ObjectStore
 from sdq.workers.shards.pixels import resize, to_rgb
+
+
+class ShardUnreadable(Exception):
+    """The image shard is not the file the job was planned for: download it again, then
+    run the job again."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,22 @@ class ImageShard:
             "caption": self.captions,
             "sha256": self.sha256s,
         }
+
+
+def fetch_image_shard(
+    store: ObjectStore, dataset: str, shard: int, sha256: str, image_column: str
+) -> ImageShard:
+    """A dataset's image shard from the store, as the file a job was planned for."""
+    try:
+        data = store.get_bytes(shard_key(dataset, shard))
+    except MissingObject as error:
+        raise ShardUnreadable(str(error)) from None
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise ShardUnreadable(f"image shard {shard} of {dataset} changed since it was planned")
+    try:
+        return read_image_shard(data, image_column)
+    except (KeyError, pa.ArrowException) as error:
+        raise ShardUnreadable(f"image shard {shard}: {error}") from error
 
 
 def read_image_shard(data: bytes, image_column: str) -> ImageShard:
