@@ -20,6 +20,10 @@ class ModelUnavailable(Exception):
     """The model cannot be had on this worker as the job names it; retrying will not help."""
 
 
+# What the file that names a folder's contents says it is.
+MARKED = {registry.MODEL_INDEX: "a diffusers pipeline", "config.json": "a transformers model"}
+
+
 @dataclass(frozen=True)
 class Location:
     """What diffusers' and transformers' `from_pretrained` take: a hub id at a commit, or
@@ -34,7 +38,9 @@ class ModelFiles:
     store: ObjectStore
     cache_dir: Path
 
-    def locate(self, source: str, revision: str) -> Location:
+    def locate(self, source: str, revision: str, marker: str = registry.MODEL_INDEX) -> Location:
+        """Where the model's files are: `marker` names the file that says what they are
+        (a diffusers pipeline's model_index.json, a transformers model's config.json)."""
         if source.startswith(registry.HUB_SOURCE):
             return Location(source.removeprefix(registry.HUB_SOURCE), revision)
         if source.startswith("s3://"):
@@ -46,11 +52,10 @@ class ModelFiles:
             folder = Path(source)
             if not folder.is_dir():
                 raise ModelUnavailable(f"model folder {source} does not exist on this worker")
-        if not (folder / registry.MODEL_INDEX).is_file():
-            # diffusers would fail on it with an error that another attempt cannot mend.
-            raise ModelUnavailable(
-                f"model folder {source} is not a diffusers pipeline: no {registry.MODEL_INDEX}"
-            )
+        if not (folder / marker).is_file():
+            # The loader would fail on it with an error that another attempt cannot mend.
+            what = MARKED.get(marker, "a model")
+            raise ModelUnavailable(f"model folder {source} is not {what}: no {marker}")
         return Location(str(folder))
 
     def _pull(self, store: ObjectStore, prefix: str, revision: str) -> Path:

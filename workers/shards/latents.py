@@ -53,7 +53,7 @@ def latent_shard_bytes(
         "seed": pa.array(encoded.seeds, pa.int64()),
     }
     tensors = encoded.tensors()
-    columns.update({name: _fixed_size_binary(array) for name, array in tensors.items()})
+    columns.update({name: fixed_size_binary(array) for name, array in tensors.items()})
     metadata = {**about, "tensors": describe(encoded)}
     table = pa.table(columns).replace_schema_metadata({METADATA_KEY: json.dumps(metadata)})
     small = [name for name in columns if name not in tensors]
@@ -77,7 +77,7 @@ def describe(encoded: Encoded) -> dict[str, dict[str, Any]]:
     }
 
 
-def _fixed_size_binary(array: np.ndarray) -> pa.FixedSizeBinaryArray:
+def fixed_size_binary(array: np.ndarray) -> pa.FixedSizeBinaryArray:
     rows = np.ascontiguousarray(array)
     width = rows.nbytes // len(rows) if len(rows) else rows.dtype.itemsize
     return pa.FixedSizeBinaryArray.from_buffers(
