@@ -17,6 +17,8 @@ GPU_MODULES = {
     "workers/generate/pipelines.py",
     "workers/generate/shared_prompts.py",
     "workers/encode/encoders.py",
+    "workers/curate/heads.py",
+    "workers/curate/scoring.py",
     "workers/train/trainer.py",
     "workers/train/job.py",
     "workers/train/rank.py",

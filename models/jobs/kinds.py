@@ -82,8 +82,9 @@ GENERATE = Kind(
 DOWNLOAD = Kind("download", "download", Pool.cpu, "shards")
 ENCODE = Kind("encode", "encode", Pool.gpu, "shards", preload=("sdq.workers.encode.encoders",))
 TRAIN = Kind("train", "train", Pool.gpu, "train-shards", on_ranks=True)
+CURATE = Kind("curate", "curate", Pool.gpu, "shards", preload=("sdq.workers.curate.scoring",))
 
-KINDS = {kind.name: kind for kind in (GENERATE, DOWNLOAD, ENCODE, TRAIN)}
+KINDS = {kind.name: kind for kind in (GENERATE, DOWNLOAD, CURATE, ENCODE, TRAIN)}
 
 # Every queue, with the pool that consumes it.
 POOL_QUEUES = {

@@ -1,0 +1,52 @@
+"""A curate job's specification: one image shard, scored by one CLIP model and the heads
+given, and where its CLIP image embeddings go."""
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sdq.models.datasets import SPEC_VERSION
+from sdq.models.specs import canonical_sha256
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurateSpec:
+    """Image shard `shard` of the dataset, as the file whose hash is `shard_sha256`: each
+    kept sample's CLIP image embedding, its CLIP score against its caption, and the heads'
+    scores of the embedding. Heads are stored by their content (`heads/<sha256>...`)."""
+
+    dataset: str
+    shard: int
+    shard_sha256: str
+    image_format: str  # the shard's image column
+    model_name: str
+    model_source: str
+    model_revision: str
+    aesthetic_head: str | None = None
+    nsfw_head: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CurateSpec":
+        return cls(**data)
+
+    def hash(self) -> str:
+        # Where the model was found does not change what it computes; its revision does.
+        identity = self.to_dict()
+        del identity["model_name"], identity["model_source"]
+        return canonical_sha256({**identity, "version": SPEC_VERSION})
+
+    @property
+    def embeddings_key(self) -> str:
+        return embeddings_key(self.dataset, self.model_revision, self.shard)
+
+
+def embeddings_key(dataset: str, model_revision: str, shard: int) -> str:
+    """A shard's CLIP image embeddings, beside its images, one file per model."""
+    return f"datasets/{dataset}/clip/{model_revision[:16]}/{shard:05d}.parquet"
+
+
+def head_key(sha256: str, suffix: str) -> str:
+    """A scoring head in the store, named by its content: the spec's hash covers it."""
+    return f"heads/{sha256}{suffix}"

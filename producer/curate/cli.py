@@ -1,0 +1,132 @@
+"""The curate command: every kept sample of a dataset scored by CLIP (its image against its
+caption), an aesthetic head and an NSFW head, on the GPU workers."""
+
+from pathlib import Path
+
+import click
+
+from sdq.models.curate.clip import resolve_clip
+from sdq.models.registry import ModelNotFound
+from sdq.producer.cli.common import (
+    found,
+    json_option,
+    pass_app,
+    ready_to_submit,
+    report_submission,
+)
+from sdq.producer.curate.submit import (
+    CannotCurate,
+    CurateSubmission,
+    Heads,
+    checked_head,
+    downloaded_shards,
+    record_curate,
+    store_head,
+)
+from sdq.producer.datasets.cli import carry_out_dataset_run
+from sdq.workers.app import SdqCelery
+
+HEAD_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
+
+
+@click.command()
+@click.argument("name")
+@click.option(
+    "--model",
+    required=True,
+    help="The CLIP model: a transformers CLIPModel folder, s3://... or a hub id "
+    "(openai/clip-vit-large-patch14).",
+)
+@click.option(
+    "--aesthetic-head",
+    type=HEAD_FILE,
+    help="LAION's improved aesthetic predictor for this CLIP (a .pth or .safetensors state "
+    "dict, as published): an aesthetic score, about 1 to 10, per image.",
+)
+@click.option(
+    "--nsfw-head",
+    type=HEAD_FILE,
+    help="An NSFW detector on this CLIP's embedding (linear layers, ReLU between, a "
+    "sigmoid at the end, as a state dict): a probability per image.",
+)
+@click.option(
+    "--batch-size", default=64, show_default=True, type=click.IntRange(min=1),
+    help="Images per CLIP call.",
+)  # fmt: skip
+@click.option("--wait", is_flag=True, help="Show progress until every shard is scored.")
+@json_option
+@pass_app
+def curate(
+    app: SdqCelery,
+    name: str,
+    model: str,
+    aesthetic_head: Path | None,
+    nsfw_head: Path | None,
+    batch_size: int,
+    wait: bool,
+    as_json: bool,
+) -> None:
+    """Score dataset NAME's kept samples, one job per image shard on the GPU workers: each
+    image's CLIP embedding (stored beside the images), its CLIP score against its caption
+    (100 x cosine, as torchmetrics' CLIPScore), and the heads' scores. The SQL view
+    sample_quality shows them by sample.
+
+    Without a broker (SDQ_BROKER_URL unset) the work runs here, in this process."""
+    ready_to_submit(app)
+    submission = _submit(app, name, model, {"--aesthetic-head": aesthetic_head,
+                                            "--nsfw-head": nsfw_head}, batch_size)  # fmt: skip
+    carry_out_dataset_run(
+        app,
+        submission,
+        wait=wait,
+        as_json=as_json,
+        report_sent=lambda tasks: _report_submission(submission, tasks, as_json),
+    )
+
+
+def _submit(
+    app: SdqCelery, name: str, model: str, heads: dict[str, Path | None], batch_size: int
+) -> CurateSubmission:
+    """Everything checked before anything is written: the model, the heads against it, the
+    dataset; then the heads stored and the run recorded."""
+    with found():
+        try:
+            clip = resolve_clip(model)
+            for option, path in heads.items():
+                if path is not None:
+                    checked_head(path, option, clip)
+            with app.sessions() as session:
+                downloaded_shards(session, name)
+            return record_curate(app.sessions, name, clip, _stored(app, heads), batch_size)
+        except (ModelNotFound, CannotCurate) as error:
+            raise click.UsageError(str(error)) from None
+
+
+def _stored(app: SdqCelery, heads: dict[str, Path | None]) -> Heads:
+    aesthetic, nsfw = heads["--aesthetic-head"], heads["--nsfw-head"]
+    return Heads(
+        aesthetic=store_head(app.store, aesthetic) if aesthetic else None,
+        nsfw=store_head(app.store, nsfw) if nsfw else None,
+    )
+
+
+def _report_submission(submission: CurateSubmission, tasks: int, as_json: bool) -> None:
+    waiting = f"; {submission.waiting} not downloaded yet" if submission.waiting else ""
+    report_submission(
+        {
+            "run_id": submission.run_id,
+            "dataset": submission.dataset,
+            "model": submission.model,
+            "revision": submission.revision,
+            "jobs": submission.jobs,
+            "cached": submission.cached,
+            "waiting": submission.waiting,
+            "tasks": tasks,
+        },
+        f"{submission.jobs} shards to score, {submission.cached} done before{waiting}; "
+        f"`sdq dataset show {submission.dataset}` follows it",
+        as_json=as_json,
+    )
+
+
+COMMANDS = (curate,)

@@ -1,0 +1,159 @@
+"""Writing a curate run: one job per downloaded image shard of the dataset, scored by one
+CLIP model and the heads given. A shard scored so already (the same file, model revision
+and heads) is served from the store, as images are."""
+
+import json
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from sdq.models.curate.clip import ClipIdentity
+from sdq.models.curate.specs import CurateSpec, head_key
+from sdq.models.datasets.tables import Dataset, Shard
+from sdq.models.jobs.kinds import CURATE
+from sdq.models.jobs.outbox import add_jobs, open_run
+from sdq.models.registry import file_sha256
+from sdq.models.store import ObjectStore
+from sdq.producer.datasets.lookups import dataset_named, no_usable_samples
+
+HEAD_READER = "sdq.workers.curate.heads"
+SAFETENSORS = ".safetensors"
+
+
+class CannotCurate(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class CurateSubmission:
+    run_id: int
+    dataset: str
+    model: str
+    revision: str
+    jobs: int
+    cached: int
+    waiting: int  # shards planned but not downloaded yet: a later `sdq curate` takes them
+
+
+@dataclass(frozen=True)
+class Heads:
+    """The heads' files in the store (their keys), or None where none was given."""
+
+    aesthetic: str | None = None
+    nsfw: str | None = None
+
+
+def checked_head(path: Path, option: str, clip: ClipIdentity) -> list[int]:
+    """The head's layer widths, refused when it is not a stack of linear layers ending in
+    one output, or does not take the CLIP model's embedding."""
+    widths = head_widths(path, option)
+    if widths[0] != clip.embedding_width:
+        raise CannotCurate(
+            f"{option} {path}: the head takes {widths[0]}-wide embeddings; CLIP model "
+            f"{clip.name} makes {clip.embedding_width}-wide ones"
+        )
+    return widths
+
+
+def head_widths(path: Path, option: str) -> list[int]:
+    """Each layer's input width and the last one's output width: from a safetensors file's
+    header here, from a torch file in a child process (the CLI itself never loads torch)."""
+    if path.suffix == SAFETENSORS:
+        return _safetensors_widths(path, option)
+    done = subprocess.run([sys.executable, "-m", HEAD_READER, str(path)],
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    try:
+        answer = json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise CannotCurate(
+            f"{option} {path}: cannot read it as a torch state dict "
+            f"(torch is needed here for a {path.suffix} head): {last}"
+        ) from None
+    if "error" in answer:
+        raise CannotCurate(f"{option} {answer['error']}")
+    return answer["widths"]
+
+
+def _safetensors_widths(path: Path, option: str) -> list[int]:
+    try:
+        with path.open("rb") as handle:
+            (size,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(size))
+        weights = {key: value["shape"] for key, value in header.items() if key.endswith(".weight")}
+        indices = sorted(int(key.split(".")[1]) for key in weights)
+        shapes = [weights[f"layers.{index}.weight"] for index in indices]
+    except (OSError, struct.error, ValueError, KeyError, IndexError, TypeError) as error:
+        raise CannotCurate(f"{option} {path}: not a head of linear layers keyed "
+                           f"layers.<i>.weight ({error})") from None  # fmt: skip
+    if not shapes or any(len(shape) != 2 for shape in shapes) or shapes[-1][0] != 1:
+        raise CannotCurate(f"{option} {path}: not a stack of linear layers ending in one output")
+    return [shape[1] for shape in shapes] + [1]
+
+
+def store_head(store: ObjectStore, path: Path) -> str:
+    """The head's file in the store, named by its content (stored once)."""
+    key = head_key(file_sha256(path), path.suffix)
+    if not store.exists(key):
+        store.put_file(key, path)
+    return key
+
+
+def downloaded_shards(session: Session, name: str) -> tuple[Dataset, list[Shard], int]:
+    """The dataset's downloaded shards, and how many are planned but not downloaded yet;
+    refused when there is nothing to curate."""
+    dataset = dataset_named(session, name)
+    shards = session.scalars(
+        select(Shard).where(Shard.dataset_id == dataset.id).order_by(Shard.number)
+    ).all()
+    downloaded = [shard for shard in shards if shard.sha256 is not None]
+    if not downloaded:
+        raise CannotCurate(f"dataset {name!r} has no downloaded shard yet: "
+                           f"`sdq dataset show {name}` follows the download")  # fmt: skip
+    if unusable := no_usable_samples(session, dataset):
+        raise CannotCurate(unusable)
+    return dataset, downloaded, len(shards) - len(downloaded)
+
+
+def record_curate(
+    sessions: sessionmaker[Session], name: str, clip: ClipIdentity, heads: Heads, batch_size: int
+) -> CurateSubmission:
+    """The curate run and its jobs, one per downloaded shard, in one transaction."""
+    with sessions.begin() as session:
+        dataset, shards, waiting = downloaded_shards(session, name)
+        run = open_run(
+            session,
+            CURATE,
+            source=name,
+            options={
+                "dataset": name,
+                "model": clip.name,
+                "revision": clip.revision,
+                "aesthetic_head": heads.aesthetic,
+                "nsfw_head": heads.nsfw,
+            },
+            jobs_per_message=1,  # a shard is a minute of GPU work: one per message
+            task_options={"batch_size": batch_size},
+        )
+        specs = [_spec(dataset, shard, clip, heads) for shard in shards]
+        cached = add_jobs(session, run, CURATE, specs)
+    return CurateSubmission(run.id, name, clip.name, clip.revision, len(specs), cached, waiting)
+
+
+def _spec(dataset: Dataset, shard: Shard, clip: ClipIdentity, heads: Heads) -> CurateSpec:
+    return CurateSpec(
+        dataset=dataset.name,
+        shard=shard.number,
+        shard_sha256=shard.sha256,
+        image_format=dataset.options["format"],
+        model_name=clip.name,
+        model_source=clip.source,
+        model_revision=clip.revision,
+        aesthetic_head=heads.aesthetic,
+        nsfw_head=heads.nsfw,
+    )

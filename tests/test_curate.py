@@ -1,0 +1,178 @@
+"""sdq curate end to end, embedded: a tiny random CLIP built in code and saved as a
+transformers folder, an aesthetic head in the LAION predictor's own key layout (a torch
+.pth) and an NSFW head (safetensors). Every kept sample's scores in SQL and its embedding in
+the store equal a plain transformers loop's; bad inputs are refused by name with nothing
+written."""
+
+import io
+import itertools
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPTokenizer
+
+from sdq.models import tiny
+from sdq.workers.shards.embeddings import read_embeddings
+from tests.conftest import ROOT, sdq_json
+from tests.hostile_server import HostileServer
+from tests.netns_download import DOWNLOAD_ENV
+from tests.services import clean_env
+from tests.test_encode import write_list
+
+pytestmark = pytest.mark.timeout(300)
+WIDTH = 16  # the tiny CLIP's embedding
+
+
+def tiny_clip(folder: Path) -> Path:
+    """A CLIPModel of random weights, its tokenizer and image processor, as a folder."""
+    vocab = tiny.tokenizer_vocab()
+    end = vocab["<|endoftext|>"]
+    text = {
+        "vocab_size": len(vocab),
+        "hidden_size": 32,
+        "intermediate_size": 37,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 77,
+        "bos_token_id": vocab["<|startoftext|>"],
+        "eos_token_id": end,
+        "pad_token_id": end,
+    }
+    vision = {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "image_size": 32, "patch_size": 8}  # fmt: skip
+    torch.manual_seed(0)
+    CLIPModel(
+        CLIPConfig(text_config=text, vision_config=vision, projection_dim=WIDTH)
+    ).save_pretrained(folder)
+    CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77).save_pretrained(folder)
+    processor = CLIPImageProcessorPil(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+    )
+    processor.save_pretrained(folder)
+    return folder
+
+
+def head_state(widths: list[int], indices: list[int], seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for index, (inputs, outputs) in zip(indices, itertools.pairwise(widths), strict=True):
+        state[f"layers.{index}.weight"] = torch.randn((outputs, inputs), generator=generator) * 0.3
+        state[f"layers.{index}.bias"] = torch.randn((outputs,), generator=generator) * 0.1
+    return state
+
+
+# LAION's improved aesthetic predictor: Linear(D,1024), Linear(1024,128), Linear(128,64),
+# Linear(64,16), Linear(16,1), with dropouts between at indices 1, 3 and 5.
+AESTHETIC = ([WIDTH, 1024, 128, 64, 16, 1], [0, 2, 4, 6, 7])
+NSFW = ([WIDTH, 64, 32, 1], [0, 2, 4])
+
+
+@torch.inference_mode()
+def plain_scores(clip: Path, jpg: bytes, caption: str, aesthetic, nsfw) -> tuple[float, ...]:
+    """A plain transformers loop, one sample at a time: CLIPScore, the heads' outputs."""
+    model = CLIPModel.from_pretrained(clip).eval()
+    processor = CLIPImageProcessorPil.from_pretrained(clip)
+    tokenizer = CLIPTokenizer.from_pretrained(clip)
+    image = Image.open(io.BytesIO(jpg)).convert("RGB")
+    tokens = tokenizer([caption], padding="max_length", max_length=77, truncation=True,
+                       return_tensors="pt")  # fmt: skip
+    out = model(**tokens, pixel_values=processor(images=image, return_tensors="pt").pixel_values)
+    embedding = out.image_embeds / out.image_embeds.norm(dim=-1, keepdim=True)
+    text = out.text_embeds / out.text_embeds.norm(dim=-1, keepdim=True)
+    clip_score = max(100 * float((embedding * text).sum()), 0.0)
+
+    def mlp(state, relu: bool) -> float:
+        x = embedding[0]
+        layers = sorted({int(key.split(".")[1]) for key in state})
+        for position, index in enumerate(layers):
+            x = x @ state[f"layers.{index}.weight"].T + state[f"layers.{index}.bias"]
+            if relu and position < len(layers) - 1:
+                x = x.clamp(min=0)
+        return float(torch.sigmoid(x)) if relu else float(x)
+
+    return clip_score, mlp(aesthetic, relu=False), mlp(nsfw, relu=True), embedding[0].numpy()
+
+
+def test_curate_embedded_scores_as_a_plain_clip_loop_and_refuses_bad_inputs(
+    tmp_path: Path,
+) -> None:
+    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT)}
+    clip = tiny_clip(tmp_path / "tiny-clip")
+    aesthetic, nsfw = head_state(*AESTHETIC, seed=1), head_state(*NSFW, seed=2)
+    torch.save(aesthetic, tmp_path / "aesthetic.pth")
+    save_file(nsfw, tmp_path / "nsfw.safetensors")
+    with HostileServer() as server:
+        listing = write_list(tmp_path / "list.csv", server.base, 10)
+        sdq_json(env, "download", str(listing), "--dataset", "pets", "--resolution", "64",
+                 "--rows-per-shard", "4", cwd=tmp_path)  # fmt: skip
+
+    def curate(*options: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "sdq.producer.cli", "curate", *options, "--json"],
+            env=env, cwd=tmp_path, capture_output=True, text=True,
+        )  # fmt: skip
+
+    # Bad inputs: refused by name, exit 2, nothing written.
+    narrow = head_state([WIDTH * 2, 8, 1], [0, 2], seed=3)
+    save_file(narrow, tmp_path / "narrow.safetensors")
+    refusals = [
+        (("pets", "--model", str(clip), "--aesthetic-head", str(tmp_path / "narrow.safetensors")),
+         f"--aesthetic-head {tmp_path / 'narrow.safetensors'}: the head takes 32-wide embeddings; "
+         f"CLIP model tiny-clip makes {WIDTH}-wide ones"),
+        (("nowhere", "--model", str(clip)), "no dataset named 'nowhere'"),
+        (("pets", "--model", str(tmp_path / "sdq-data")), "is not a CLIP model"),
+    ]  # fmt: skip
+    for options, message in refusals:
+        refused = curate(*options)
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr
+    with sqlite3.connect(tmp_path / "sdq-data/sdq.db") as db:
+        assert db.execute("SELECT count(*) FROM runs WHERE kind = 'curate'").fetchone() == (0,)
+    assert not (tmp_path / "sdq-data/store/heads").exists()
+
+    heads = ("--aesthetic-head", str(tmp_path / "aesthetic.pth"),
+             "--nsfw-head", str(tmp_path / "nsfw.safetensors"))  # fmt: skip
+    done = curate("pets", "--model", str(clip), *heads, "--batch-size", "3")
+    assert done.returncode == 0, done.stderr
+    with sqlite3.connect(tmp_path / "sdq-data/sdq.db") as db:
+        rows = db.execute(
+            "SELECT key, caption, clip_score, aesthetic, nsfw, kept FROM sample_quality "
+            "WHERE dataset = 'pets' ORDER BY key"
+        ).fetchall()
+        statuses = db.execute("SELECT status, count(*) FROM jobs WHERE kind = 'curate' "
+                              "GROUP BY status").fetchall()  # fmt: skip
+    assert statuses == [("succeeded", 3)]
+    scored = [row for row in rows if row[5]]
+    assert len(rows) == 10 and len(scored) == 9  # the broken row kept no image, no score
+    assert all(row[2] is None for row in rows if not row[5])
+    store = tmp_path / "sdq-data/store"
+    images = {
+        row["key"]: row
+        for path in sorted((store / "datasets/pets/images").glob("*.parquet"))
+        for row in pq.read_table(path).to_pylist()
+    }
+    embeddings = {}
+    for path in sorted((store / "datasets/pets/clip").rglob("*.parquet")):
+        keys, vectors = read_embeddings(path.read_bytes())
+        embeddings.update(zip(keys, vectors, strict=True))
+    assert sorted(embeddings) == [row[0] for row in scored]
+    for key, caption, clip_score, aesthetic_score, nsfw_score, _ in scored:
+        want = plain_scores(clip, images[key]["jpg"], caption, aesthetic, nsfw)
+        assert (clip_score, aesthetic_score, nsfw_score) == pytest.approx(
+            want[:3], rel=1e-4, abs=1e-4
+        )
+        assert 0 < nsfw_score < 1
+        np.testing.assert_allclose(embeddings[key].astype(np.float32), want[3], atol=2e-3)
+    # Scoring again with the same model and heads: served from the store, nothing redone.
+    again = curate("pets", "--model", str(clip), *heads)
+    assert again.returncode == 0, again.stderr
+    with sqlite3.connect(tmp_path / "sdq-data/sdq.db") as db:
+        cached = db.execute("SELECT count(*) FROM jobs WHERE kind = 'curate' AND cached").fetchone()
+    assert cached == (3,)

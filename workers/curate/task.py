@@ -1,0 +1,34 @@
+"""The curate task: a message of curate job ids, one image shard each."""
+
+from functools import cache, partial
+from typing import Any
+
+from celery import shared_task
+
+from sdq.models.jobs.kinds import CURATE
+from sdq.workers.app import SdqCelery
+from sdq.workers.curate.work import CurateWork
+from sdq.workers.delivery import JobTask, deliver_task
+from sdq.workers.holding import hold
+from sdq.workers.weights import ModelFiles
+
+
+@shared_task(bind=True, base=JobTask, name=CURATE.task_name)
+def curate(self, job_ids: list[int], batch_size: int) -> dict[str, Any]:
+    return deliver_task(self, CURATE, job_ids, partial(curate_work, self.app, batch_size))
+
+
+def curate_work(app: SdqCelery, batch_size: int) -> CurateWork:
+    """The work of a message, made once its jobs are claimed (deliver_task)."""
+    hold(CURATE.name, scorers(app).clear)
+    return CurateWork(
+        store=app.store, sessions=app.sessions, scorers=scorers(app), batch_size=batch_size
+    )
+
+
+@cache
+def scorers(app: SdqCelery):
+    """This process's loaded CLIP model and heads, made on the first task, after any fork."""
+    from sdq.workers.curate.scoring import LoadedScorers
+
+    return LoadedScorers(ModelFiles(app.store, app.settings.model_cache_dir), app.store)
