@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import psycopg
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -21,7 +22,7 @@ from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPToken
 
 from sdq.models import tiny
 from sdq.workers.shards.embeddings import read_embeddings
-from tests.conftest import ROOT, sdq_json
+from tests.conftest import BUCKET, ROOT, WorkerProcess, sdq_json
 from tests.hostile_server import HostileServer
 from tests.netns_download import DOWNLOAD_ENV
 from tests.services import clean_env
@@ -176,3 +177,41 @@ def test_curate_embedded_scores_as_a_plain_clip_loop_and_refuses_bad_inputs(
     with sqlite3.connect(tmp_path / "sdq-data/sdq.db") as db:
         cached = db.execute("SELECT count(*) FROM jobs WHERE kind = 'curate' AND cached").fetchone()
     assert cached == (3,)
+
+
+def test_curate_on_services_scores_in_postgres_and_stores_embeddings_in_s3(
+    download_env: dict[str, str],
+    cpu_worker: WorkerProcess,
+    worker: WorkerProcess,
+    s3_client,
+    tmp_path: Path,
+) -> None:
+    """A real GPU-pool worker takes the curate queue like any other: the scores land in
+    Postgres, one row per kept sample, and the embeddings in S3, keyed as the rows are."""
+    clip = tiny_clip(tmp_path / "tiny-clip")
+    save_file(head_state(*AESTHETIC, seed=1), tmp_path / "aesthetic.safetensors")
+    with HostileServer() as server:
+        listing = write_list(tmp_path / "list.csv", server.base, 7)
+        sdq_json(download_env, "download", str(listing), "--dataset", "owls", "--resolution",
+                 "64", "--rows-per-shard", "4", "--wait", cwd=ROOT)  # fmt: skip
+    run = sdq_json(download_env, "curate", "owls", "--model", str(clip), "--aesthetic-head",
+                   str(tmp_path / "aesthetic.safetensors"), "--wait", cwd=ROOT)  # fmt: skip
+    assert run["by_status"] == {"failed": 1, "success": 6}
+    with psycopg.connect(download_env["SDQ_DATABASE_URL"]) as connection:
+        scored = connection.execute(
+            "SELECT key, clip_score, aesthetic, nsfw FROM sample_quality "
+            "WHERE dataset = 'owls' AND clip_score IS NOT NULL ORDER BY key"
+        ).fetchall()
+        uris = [uri for (uri,) in connection.execute(
+            "SELECT output_uri FROM jobs WHERE kind = 'curate' AND status = 'succeeded' "
+            "ORDER BY id"
+        )]  # fmt: skip
+    assert len(scored) == 6 and all(nsfw is None and aesthetic is not None
+                                    for _, _, aesthetic, nsfw in scored)  # fmt: skip
+    keys = []
+    for uri in uris:
+        body = s3_client.get_object(Bucket=BUCKET, Key=uri.removeprefix(f"s3://{BUCKET}/"))
+        shard_keys, vectors = read_embeddings(body["Body"].read())
+        assert vectors.shape == (len(shard_keys), WIDTH) and vectors.dtype == np.float16
+        keys += shard_keys
+    assert sorted(keys) == [key for key, *_ in scored]
