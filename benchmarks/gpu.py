@@ -1,6 +1,6 @@
 """Generation as fast as the device allows: sdq's render against a plain diffusers loop.
 
-A Stable Diffusion 1.5-shaped pipeline with random weights, built in code (workers/sd15.py:
+A Stable Diffusion 1.5-shaped pipeline with random weights, built in code (benchmarks/sd15.py:
 the 860M U-Net, the VAE, CLIP ViT-L/14's text tower), at --size with --steps, for each
 batch size, in --dtype, first as loaded and then compiled (SDQ_COMPILE's recipe):
   plain: `pipeline(prompt=[...], negative_prompt=[...], generator=[...])`, as a script does;

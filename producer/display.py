@@ -172,6 +172,11 @@ def show_dataset(summary: dict[str, Any]) -> None:
     if summary["latents"]:
         columns = ["model", "resolution", "shards", "samples", "samples_per_second", "prefix"]
         stdout.print(rows_table(summary["latents"], columns, title="latents"))
+    if summary.get("scores"):
+        scores = summary["scores"]
+        rows = [{"score": name, **figures} for name, figures in scores.items() if name != "samples"]
+        title = f"scores of {scores['samples']} samples (sdq curate)"
+        stdout.print(rows_table(rows, ["score", "min", "mean", "max"], title=title))
 
 
 def show_training(status: dict[str, Any], *, render_command: str = "sdq submit") -> None:

@@ -171,6 +171,11 @@ def test_curate_embedded_scores_as_a_plain_clip_loop_and_refuses_bad_inputs(
         )
         assert 0 < nsfw_score < 1
         np.testing.assert_allclose(embeddings[key].astype(np.float32), want[3], atol=2e-3)
+    # The dataset's summary shows the scores' ranges.
+    shown = sdq_json(env, "dataset", "show", "pets", cwd=tmp_path)["scores"]
+    assert shown["samples"] == 9
+    assert shown["clip_score"]["min"] == pytest.approx(min(row[2] for row in scored), abs=1e-3)
+    assert shown["nsfw"]["max"] == pytest.approx(max(row[4] for row in scored), abs=1e-3)
     # Scoring again with the same model and heads: served from the store, nothing redone.
     again = curate("pets", "--model", str(clip), *heads)
     assert again.returncode == 0, again.stderr

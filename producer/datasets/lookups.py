@@ -3,7 +3,7 @@ the latents encoded from them), what failed and why, where its shards are."""
 
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from sdq.models.datasets import BLOCKED_ADDRESS, SampleStatus, latent_prefix
@@ -100,6 +100,7 @@ def dataset_summary(session: Session, name: str) -> dict[str, Any]:
         "bytes": sum(shard.bytes or 0 for shard in shards),
         "images_per_second": round(ok / seconds, 2) if seconds else None,
         "latents": latent_summary(session, dataset.id, dataset.name),
+        "scores": score_summary(session, dataset.name),
         "blocked_by": _blocked_by(session, dataset.id) if BLOCKED_ADDRESS in reasons else None,
         "shards": [
             {
@@ -112,6 +113,27 @@ def dataset_summary(session: Session, name: str) -> dict[str, Any]:
             for shard in shards
         ],
     }
+
+
+SCORES = ("clip_score", "aesthetic", "nsfw")
+
+
+def score_summary(session: Session, name: str) -> dict[str, Any] | None:
+    """The range and mean of each score of the dataset's samples, as the view
+    sample_quality has their latest (None before any curate run scored them)."""
+    figures = ", ".join(f"min({score}), avg({score}), max({score})" for score in SCORES)
+    row = session.execute(
+        text(f"SELECT count(clip_score), {figures} FROM sample_quality WHERE dataset = :name"),
+        {"name": name},
+    ).one()
+    if not row[0]:
+        return None
+    summary: dict[str, Any] = {"samples": row[0]}
+    for index, score in enumerate(SCORES):
+        low, mean, high = row[1 + 3 * index : 4 + 3 * index]
+        if mean is not None:
+            summary[score] = {"min": round(low, 3), "mean": round(mean, 3), "max": round(high, 3)}
+    return summary
 
 
 def _fates(session: Session, dataset_id: int) -> tuple[dict[str, int], dict[str, int]]:

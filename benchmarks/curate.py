@@ -1,0 +1,200 @@
+"""Curation at scale: `sdq curate` against a plain batched CLIP loop on the same image
+shards, with a width-reduced CLIP (random weights, built here and saved as a transformers
+folder) and a LAION-layout aesthetic head.
+
+The image shards are made once, untimed: N generated JPEGs of mixed sizes served over local
+HTTP, through `sdq download`. Then, in interleaved rounds, the same shards go through
+  - sdq: `sdq curate --wait` end to end, one `sdq worker gpu` process (Redis, Postgres,
+    shards read from and embeddings written to an S3 server over HTTP, scores in SQL);
+  - plain: one process, the loop a curation script is: each shard read from the same S3
+    server, its images decoded and preprocessed by CLIP's image processor, batch after
+    batch through the same CLIP and head, embeddings and scores written to local parquet.
+The plain loop imports nothing of sdq. Each round scores afresh (the earlier round's curate
+runs are deleted, so nothing is served from the cache). Prints one JSON object with
+samples/s of each (medians over rounds) and `sdq_vs_plain` (the median per-round ratio).
+
+    python benchmarks/curate.py [--images 1024] [--rounds 3] [--batch-size 64]
+"""
+
+import argparse
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import boto3
+import numpy as np
+import psycopg
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.download import COMMAND_TIMEOUT, download_dataset  # noqa: E402
+from tests.conftest import WorkerProcess, sdq_json  # noqa: E402
+from tests.services import BENCH_BUCKET, deployment  # noqa: E402
+
+DATASET = "curate-bench"
+ROWS_PER_SHARD = 256
+RESOLUTION = 128
+# A width-reduced ViT-B-like CLIP: the shape of the work, a fraction of its FLOPs.
+VISION = {"hidden_size": 192, "intermediate_size": 768, "num_hidden_layers": 4,
+          "num_attention_heads": 4, "image_size": 112, "patch_size": 16}  # fmt: skip
+TEXT = {"vocab_size": 1000, "hidden_size": 128, "intermediate_size": 512,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "max_position_embeddings": 77,
+        "bos_token_id": 998, "eos_token_id": 999, "pad_token_id": 999}  # fmt: skip
+WIDTH = 128
+
+
+def build_clip(folder: Path) -> Path:
+    """The benchmark's CLIP, its tokenizer (a byte-level vocabulary) and image processor."""
+    torch.manual_seed(0)
+    config = CLIPConfig(text_config=TEXT, vision_config=VISION, projection_dim=WIDTH)
+    CLIPModel(config).save_pretrained(folder)
+    letters = [chr(code) for code in range(33, 127)] + [
+        f"{chr(code)}</w>" for code in range(97, 123)
+    ]
+    vocab = {token: index for index, token in enumerate(letters)}
+    vocab.update({"<|startoftext|>": 998, "<|endoftext|>": 999})
+    CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77).save_pretrained(folder)
+    size = VISION["image_size"]
+    crop = {"height": size, "width": size}
+    CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size=crop).save_pretrained(folder)
+    return folder
+
+
+def build_head(path: Path) -> Path:
+    """LAION's improved aesthetic predictor's layout (layers.0, 2, 4, 6, 7) on WIDTH."""
+    torch.manual_seed(1)
+    widths, indices = [WIDTH, 1024, 128, 64, 16, 1], [0, 2, 4, 6, 7]
+    state = {}
+    for index, inputs, outputs in zip(indices, widths, widths[1:], strict=False):
+        layer = torch.nn.Linear(inputs, outputs)
+        state[f"layers.{index}.weight"], state[f"layers.{index}.bias"] = layer.weight, layer.bias
+    save_file({name: tensor.detach().contiguous() for name, tensor in state.items()}, path)
+    return path
+
+
+def forget_curation(database_url: str) -> None:
+    """As if the dataset had never been scored: the next curate does all the work."""
+    with psycopg.connect(database_url) as connection:
+        connection.execute("DELETE FROM runs WHERE kind = 'curate'")
+        connection.execute("DELETE FROM sample_scores")
+
+
+def through_sdq(env: dict[str, str], clip: Path, head: Path, args) -> float:
+    forget_curation(env["SDQ_DATABASE_URL"])
+    started = time.perf_counter()
+    sdq_json(
+        env, "curate", DATASET, "--model", str(clip), "--aesthetic-head", str(head),
+        "--batch-size", str(args.batch_size), "--wait", timeout=COMMAND_TIMEOUT,
+    )  # fmt: skip
+    seconds = time.perf_counter() - started
+    with psycopg.connect(env["SDQ_DATABASE_URL"]) as connection:
+        [scored] = connection.execute("SELECT count(*) FROM sample_scores").fetchone()
+    return scored / seconds
+
+
+class PlainLoop:
+    """The way a curation script does it: read a shard, score it batch by batch, save."""
+
+    def __init__(self, keys: list[str], clip: Path, head: Path, args) -> None:
+        self.bucket = boto3.resource("s3").Bucket(BENCH_BUCKET)
+        self.keys, self.args = keys, args
+        self.model = CLIPModel.from_pretrained(clip).eval()
+        self.processor = CLIPImageProcessorPil.from_pretrained(clip)
+        self.tokenizer = CLIPTokenizer.from_pretrained(clip)
+        state = load_file(head)
+        layers = []
+        for index in (0, 2, 4, 6, 7):
+            weight, bias = state[f"layers.{index}.weight"], state[f"layers.{index}.bias"]
+            layer = torch.nn.Linear(weight.shape[1], weight.shape[0])
+            layer.load_state_dict({"weight": weight, "bias": bias})
+            layers.append(layer)
+        self.head = torch.nn.Sequential(*layers).eval()
+        self.output = Path(tempfile.mkdtemp(prefix="sdq-plain-curate-"))
+
+    @torch.inference_mode()
+    def run(self) -> float:
+        started = time.perf_counter()
+        samples = 0
+        for number, key in enumerate(self.keys):
+            table = pq.read_table(io.BytesIO(self.bucket.Object(key).get()["Body"].read()))
+            table = table.filter(pc.equal(table["status"], "success"))
+            parts = [self._score(table.slice(start, self.args.batch_size))
+                     for start in range(0, len(table), self.args.batch_size)]  # fmt: skip
+            if parts:
+                columns = {
+                    name: np.concatenate([part[name] for part in parts]) for name in parts[0]
+                }
+                embeddings = pa.FixedSizeListArray.from_arrays(
+                    pa.array(columns.pop("embedding").reshape(-1)), WIDTH
+                )
+                pq.write_table(pa.table({"key": table["key"], "embedding": embeddings, **columns}),
+                               self.output / f"{number:05d}.parquet")  # fmt: skip
+            samples += len(table)
+        return samples / (time.perf_counter() - started)
+
+    def _score(self, batch: pa.Table) -> dict[str, np.ndarray]:
+        images = [Image.open(io.BytesIO(data)).convert("RGB") for data in batch["jpg"].to_pylist()]
+        pixels = self.processor(images=images, return_tensors="pt").pixel_values
+        tokens = self.tokenizer(batch["caption"].to_pylist(), padding="max_length",
+                                max_length=77, truncation=True, return_tensors="pt")  # fmt: skip
+        out = self.model(**tokens, pixel_values=pixels)
+        clip_score = (100 * (out.image_embeds * out.text_embeds).sum(-1)).clamp(min=0)
+        return {
+            "embedding": out.image_embeds.half().numpy(),
+            "clip_score": clip_score.numpy(),
+            "aesthetic": self.head(out.image_embeds).squeeze(-1).numpy(),
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument(
+        "--image-dir", type=Path, default=Path(tempfile.gettempdir()) / "sdq-bench-images"
+    )
+    args = parser.parse_args()
+    rates: dict[str, list[float]] = {"sdq": [], "plain": []}
+    with deployment(broker_db=14) as env:
+        os.environ.update(env)  # boto3 in this process reads AWS_* like the worker does
+        home = Path(env["SDQ_HOME"])
+        clip, head = build_clip(home / "bench-clip"), build_head(home / "aesthetic.safetensors")
+        download_dataset(env, args.image_dir, images=args.images, name=DATASET,
+                         resolution=RESOLUTION, rows_per_shard=ROWS_PER_SHARD)  # fmt: skip
+        worker = WorkerProcess(env, home / "gpu.log").start()
+        try:
+            through_sdq(env, clip, head, args)  # warm-up: the worker loads CLIP
+            keys = [f"bench/datasets/{DATASET}/images/{n:05d}.parquet"
+                    for n in range(-(-args.images // ROWS_PER_SHARD))]  # fmt: skip
+            plain = PlainLoop(keys, clip, head, args)
+            for _ in range(args.rounds):
+                rates["sdq"].append(through_sdq(env, clip, head, args))
+                rates["plain"].append(plain.run())
+        finally:
+            worker.stop()
+    ratios = [s / p for s, p in zip(rates["sdq"], rates["plain"], strict=True)]
+    print(json.dumps({
+        "images": args.images,
+        "batch_size": args.batch_size,
+        "samples_per_second": {name: round(statistics.median(v), 2) for name, v in rates.items()},
+        "rounds": {name: [round(rate, 2) for rate in values] for name, values in rates.items()},
+        "sdq_vs_plain": round(statistics.median(ratios), 3),
+    }, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
