@@ -92,7 +92,8 @@ def forget_curation(database_url: str) -> None:
         connection.execute("DELETE FROM sample_scores")
 
 
-def through_sdq(env: dict[str, str], clip: Path, head: Path, args) -> float:
+def through_sdq(env: dict[str, str], clip: Path, head: Path, args) -> tuple[float, float]:
+    """Samples/s end to end, and the share of the time the worker spent in its jobs."""
     forget_curation(env["SDQ_DATABASE_URL"])
     started = time.perf_counter()
     sdq_json(
@@ -102,7 +103,11 @@ def through_sdq(env: dict[str, str], clip: Path, head: Path, args) -> float:
     seconds = time.perf_counter() - started
     with psycopg.connect(env["SDQ_DATABASE_URL"]) as connection:
         [scored] = connection.execute("SELECT count(*) FROM sample_scores").fetchone()
-    return scored / seconds
+        [working] = connection.execute(
+            "SELECT sum(extract(epoch FROM finished_at - started_at)) FROM jobs "
+            "WHERE kind = 'curate'"
+        ).fetchone()
+    return scored / seconds, float(working) / seconds
 
 
 class PlainLoop:
@@ -169,6 +174,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     rates: dict[str, list[float]] = {"sdq": [], "plain": []}
+    in_jobs: list[float] = []
     with deployment(broker_db=14) as env:
         os.environ.update(env)  # boto3 in this process reads AWS_* like the worker does
         home = Path(env["SDQ_HOME"])
@@ -182,7 +188,9 @@ def main() -> None:
                     for n in range(-(-args.images // ROWS_PER_SHARD))]  # fmt: skip
             plain = PlainLoop(keys, clip, head, args)
             for _ in range(args.rounds):
-                rates["sdq"].append(through_sdq(env, clip, head, args))
+                rate, working = through_sdq(env, clip, head, args)
+                rates["sdq"].append(rate)
+                in_jobs.append(working)
                 rates["plain"].append(plain.run())
         finally:
             worker.stop()
@@ -192,6 +200,8 @@ def main() -> None:
         "batch_size": args.batch_size,
         "samples_per_second": {name: round(statistics.median(v), 2) for name, v in rates.items()},
         "rounds": {name: [round(rate, 2) for rate in values] for name, values in rates.items()},
+        # The rest of sdq's time: starting the command, planning, the queue, polling.
+        "sdq_share_in_jobs": round(statistics.median(in_jobs), 3),
         "sdq_vs_plain": round(statistics.median(ratios), 3),
     }, indent=2))  # fmt: skip
 
