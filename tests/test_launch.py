@@ -11,9 +11,14 @@ from dataclasses import replace
 
 import pytest
 
+from sdq.models.jobs.kinds import POOL_QUEUES, TRAIN, Pool
 from sdq.producer.launch import Supervised, WorkerCommand, cpu_workers, gpu_workers
 from tests.conftest import WorkerProcess
 from tests.services import wait_for
+
+GPU_QUEUES = POOL_QUEUES[Pool.gpu]
+# What a GPU serves when training has GPUs of its own: every other GPU queue.
+RENDERING = tuple(queue for queue in GPU_QUEUES if queue != TRAIN.queue)
 
 
 def option(argv: list[str], name: str) -> str:
@@ -25,7 +30,7 @@ def test_one_worker_per_gpu_each_with_its_own_device() -> None:
     assert [command.env["CUDA_VISIBLE_DEVICES"] for command in commands] == ["0", "3"]
     for command, gpu in zip(commands, ["0", "3"], strict=True):
         assert command.argv[1:6] == ["-m", "celery", "-A", "sdq.workers.main", "worker"]
-        assert option(command.argv, "--queues") == "generate,encode,train"
+        assert option(command.argv, "--queues") == ",".join(GPU_QUEUES)
         assert option(command.argv, "--concurrency") == "1"
         assert option(command.argv, "--prefetch-multiplier") == "1"
         assert option(command.argv, "--hostname") == f"gpu{gpu}@%h"
@@ -48,7 +53,7 @@ def test_training_gpus_serve_training_only_and_queues_narrow_the_others() -> Non
     assert option(train.argv, "--queues") == "train"
     assert option(train.argv, "--hostname") == "train@%h"
     assert render.env["CUDA_VISIBLE_DEVICES"] == "4"
-    assert option(render.argv, "--queues") == "generate,encode"
+    assert option(render.argv, "--queues") == ",".join(RENDERING)
     # Every GPU trains: no other worker; the others serve only the queues asked for.
     [only] = gpu_workers(["0", "1"], loglevel="info", train_ranks=2)
     assert option(only.argv, "--queues") == "train"
@@ -57,13 +62,13 @@ def test_training_gpus_serve_training_only_and_queues_narrow_the_others() -> Non
     # Without GPUs: a train worker of its own (CPU ranks) beside the one that renders.
     train, render = gpu_workers([], loglevel="info", train_ranks=2)
     assert (option(train.argv, "--queues"), train.env["CUDA_VISIBLE_DEVICES"]) == ("train", "")
-    assert option(render.argv, "--queues") == "generate,encode"
+    assert option(render.argv, "--queues") == ",".join(RENDERING)
 
 
 def test_the_worker_command_checks_its_queues_and_ranks(sdq) -> None:
     unknown = sdq("worker", "gpu", "--queues", "generate,download")
     assert unknown.exit_code == 2
-    assert "the GPU queues are generate, encode, train" in unknown.output
+    assert f"the GPU queues are {', '.join(GPU_QUEUES)}" in unknown.output
     too_many = sdq("worker", "gpu", "--gpus", "0,1", "--train-ranks", "3")
     assert too_many.exit_code == 2 and "--train-ranks 3: there are 2 GPUs" in too_many.output
 

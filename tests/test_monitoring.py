@@ -14,6 +14,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from sdq.models.jobs.kinds import POOL_QUEUES, QUEUES, Pool
 from tests.conftest import ROOT, sdq_json
 from tests.services import free_port, listening, wait_for
 
@@ -72,7 +73,7 @@ def test_flower_lists_the_gpu_worker_and_its_queues(worker, flower: str) -> None
     wait_for(listed, what="the worker in flower's list", timeout=30)
     info = next(value for name, value in found.items() if name.startswith("cpu-render@"))
     queues = {queue["name"] for queue in info["active_queues"]}
-    assert queues == {"generate", "encode", "train"}
+    assert queues == set(POOL_QUEUES[Pool.gpu])
     assert "sdq.generate" in info["registered"]
     assert info["stats"]["prefetch_count"] == 1
 
@@ -118,7 +119,7 @@ def test_sdq_metrics_serves_what_flower_does_not(
         for sample in family.samples
     }
     queues = {dict(labels)["queue"] for name, labels in samples if name == "sdq_queue_messages"}
-    assert queues == {"generate", "encode", "train", "download", "maintenance"}
+    assert queues == set(QUEUES)
     succeeded = (("kind", "generate"), ("status", "succeeded"))
     assert samples[("sdq_jobs", succeeded)] >= 1
     assert samples[("sdq_outputs_per_second", (("kind", "generate"),))] > 0
