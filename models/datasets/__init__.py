@@ -32,6 +32,15 @@ class SampleStatus:
     success = "success"
     failed = "failed"
     duplicate = "duplicate"
+    # Left out of a dataset made of another's samples; the reason starts with the rule
+    # ("aesthetic 3.9 < 5.0", "near-duplicate of KEY (cosine 0.97)").
+    filtered = "filtered"
+
+
+def derived_from(options: dict) -> str | None:
+    """The dataset whose image files a dataset made of another's samples reads (the one
+    that downloaded them), or None for a dataset that downloaded its own."""
+    return options.get("images_of")
 
 
 @dataclass(frozen=True, kw_only=True)

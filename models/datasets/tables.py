@@ -1,8 +1,12 @@
 """Datasets, as every kind that reads or adds to one sees them: a dataset is made of image
 shards; each shard is one slice of an input list (file and row range), done by one download
 job and written as one parquet file. Every row of every slice becomes a sample, kept or
-not, with the reason in words. Latent shards are a shard's VAE latents and text embeddings
-made by one model at one resolution, which training reads.
+not, with the reason in words. A dataset made of another's samples (a filtered one) has a
+shard row for each of its parent's files and a sample row for each of its kept samples,
+with no image copied: its options name the dataset whose files hold the images.
+
+Latent shards are a shard's VAE latents and text embeddings made by one model at one
+resolution, which training reads.
 """
 
 from datetime import datetime
@@ -83,7 +87,7 @@ class Sample(Base):
     key: Mapped[str] = mapped_column(String(32))
     url: Mapped[str] = mapped_column(Text)
     caption: Mapped[str | None] = mapped_column(Text)
-    status: Mapped[str] = mapped_column(String(16))  # success | failed | duplicate
+    status: Mapped[str] = mapped_column(String(16))  # success | failed | duplicate | filtered
     reason: Mapped[str | None] = mapped_column(Text)
     # Of the bytes as downloaded, before any resizing: what names the picture.
     sha256: Mapped[str | None] = mapped_column(String(64))
@@ -91,6 +95,9 @@ class Sample(Base):
     height: Mapped[int | None] = mapped_column(Integer)
     original_width: Mapped[int | None] = mapped_column(Integer)
     original_height: Mapped[int | None] = mapped_column(Integer)
+    # In a dataset made of another's samples (`sdq dataset filter`): the sample of the
+    # dataset that downloaded it, whose image file and scores it shares.
+    origin_id: Mapped[int | None] = mapped_column(ForeignKey("samples.id", ondelete="CASCADE"))
 
     __table_args__ = (
         UniqueConstraint("dataset_id", "key", name="uq_samples_dataset_id_key"),
@@ -98,6 +105,8 @@ class Sample(Base):
         Index("ix_samples_dataset_id_status", "dataset_id", "status"),
         # "Where did this picture come from": from an image's hash to its URL and caption.
         Index("ix_samples_sha256", "sha256"),
+        # Its copies in datasets made of its dataset's samples.
+        Index("ix_samples_origin_id", "origin_id"),
     )
 
 

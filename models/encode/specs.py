@@ -21,6 +21,10 @@ class EncodeSpec:
     model_revision: str
     resolution: int
     dtype: str
+    # A dataset made of another's samples (`sdq dataset filter`) reads the images where
+    # they were downloaded, the dataset `images_of`, and encodes only its members `keys`.
+    images_of: str | None = None
+    keys: list[str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -31,7 +35,7 @@ class EncodeSpec:
 
     def hash(self) -> str:
         # As for images: where the model was found does not change what it computes.
-        identity = self.to_dict()
+        identity = {name: value for name, value in self.to_dict().items() if value is not None}
         del identity["model_name"], identity["model_source"]
         return canonical_sha256({**identity, "version": SPEC_VERSION})
 

@@ -3,11 +3,13 @@
 A row here is the only place a kind is registered. Everything else is found from it by
 convention, under the kind's name:
 
-- `sdq.producer.<name>.cli`: COMMANDS, the kind's command groups (`sdq <name> ...`); and,
+- `sdq.producer.<name>.cli`: COMMANDS, the kind's command groups (`sdq <name> ...`);
+  optionally DATASET_COMMANDS, its commands under `sdq dataset` (`sdq dataset filter`); and,
   optionally, `report_run(app, run_id, as_json)`, what `sdq resume` prints once a run of
   the kind is done here (else the run's status).
 - `sdq.producer.<name>.lookups`: `job_fields(session, job_ids)`, the kind's own columns of
-  its jobs (a prompt and seed, a URL...) for the generic listings.
+  its jobs (a prompt and seed, a URL...) for the generic listings, or `spec_fields(spec)`,
+  the same read from one job's spec.
 - `sdq.models.<name>.tables`, if the kind has rows of its own (keyed by job), and
   `.specs`, its jobs' specification; optionally `.models`, whose `made_model(session,
   ref)` resolves a model the kind's runs made (its prefix in the store and revision).

@@ -108,3 +108,7 @@ kinds = [kind.producer_module("cli") for kind in KINDS.values()]
 for group in (*kinds, datasets, runs, sql, admin):
     for command in group.COMMANDS:
         main.add_command(command)
+# What a kind does to datasets (`sdq dataset filter`) joins the dataset commands.
+for kind in kinds:
+    for command in getattr(kind, "DATASET_COMMANDS", ()):
+        datasets.dataset.add_command(command)

@@ -19,11 +19,12 @@ from sdq.producer.curate.submit import (
     CurateSubmission,
     Heads,
     checked_head,
-    downloaded_shards,
+    curatable,
     record_curate,
     store_head,
 )
 from sdq.producer.datasets.cli import carry_out_dataset_run
+from sdq.producer.datasets.lookups import NotReadable
 from sdq.workers.app import SdqCelery
 
 HEAD_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
@@ -96,9 +97,9 @@ def _submit(
                 if path is not None:
                     checked_head(path, option, clip)
             with app.sessions() as session:
-                downloaded_shards(session, name)
+                curatable(session, name)  # before the heads are stored
             return record_curate(app.sessions, name, clip, _stored(app, heads), batch_size)
-        except (ModelNotFound, CannotCurate) as error:
+        except (ModelNotFound, CannotCurate, NotReadable) as error:
             raise click.UsageError(str(error)) from None
 
 

@@ -9,17 +9,17 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.curate.clip import ClipIdentity
 from sdq.models.curate.specs import CurateSpec, head_key
+from sdq.models.datasets import derived_from
 from sdq.models.datasets.tables import Dataset, Shard
 from sdq.models.jobs.kinds import CURATE
 from sdq.models.jobs.outbox import add_jobs, open_run
 from sdq.models.registry import file_sha256
 from sdq.models.store import ObjectStore
-from sdq.producer.datasets.lookups import dataset_named, no_usable_samples
+from sdq.producer.datasets.lookups import downloaded_shards
 
 HEAD_READER = "sdq.workers.curate.heads"
 SAFETENSORS = ".safetensors"
@@ -104,20 +104,14 @@ def store_head(store: ObjectStore, path: Path) -> str:
     return key
 
 
-def downloaded_shards(session: Session, name: str) -> tuple[Dataset, list[Shard], int]:
-    """The dataset's downloaded shards, and how many are planned but not downloaded yet;
-    refused when there is nothing to curate."""
-    dataset = dataset_named(session, name)
-    shards = session.scalars(
-        select(Shard).where(Shard.dataset_id == dataset.id).order_by(Shard.number)
-    ).all()
-    downloaded = [shard for shard in shards if shard.sha256 is not None]
-    if not downloaded:
-        raise CannotCurate(f"dataset {name!r} has no downloaded shard yet: "
-                           f"`sdq dataset show {name}` follows the download")  # fmt: skip
-    if unusable := no_usable_samples(session, dataset):
-        raise CannotCurate(unusable)
-    return dataset, downloaded, len(shards) - len(downloaded)
+def curatable(session: Session, name: str) -> tuple[Dataset, list[Shard], int]:
+    """The dataset's downloaded shards (see downloaded_shards); a dataset made of another's
+    samples is refused: its samples carry the scores of the one that downloaded them."""
+    dataset, shards, waiting = downloaded_shards(session, name)
+    if origin := derived_from(dataset.options):
+        raise CannotCurate(f"dataset {name!r} is made of {origin!r}'s samples and shares "
+                           f"their scores: curate {origin!r}")  # fmt: skip
+    return dataset, shards, waiting
 
 
 def record_curate(
@@ -125,7 +119,7 @@ def record_curate(
 ) -> CurateSubmission:
     """The curate run and its jobs, one per downloaded shard, in one transaction."""
     with sessions.begin() as session:
-        dataset, shards, waiting = downloaded_shards(session, name)
+        dataset, shards, waiting = curatable(session, name)
         run = open_run(
             session,
             CURATE,

@@ -31,6 +31,49 @@ def _blocked_by(session: Session, dataset_id: int) -> list[str]:
     return sorted({network for networks in opened for network in networks or ()})
 
 
+class NotReadable(Exception):
+    """A dataset with nothing to read yet: nothing downloaded or kept, or still being made."""
+
+
+def downloaded_shards(session: Session, name: str) -> tuple[Dataset, list[Shard], int]:
+    """The dataset's downloaded shards, and how many are planned but not downloaded yet;
+    refused when there is nothing to read (what encode and curate start from)."""
+    dataset = dataset_named(session, name)
+    if (making := _still_making(session, dataset)) is not None:
+        raise NotReadable(f"dataset {name!r} is still being made by run {making}: "
+                          f"`sdq dataset show {name}` follows it")  # fmt: skip
+    shards = session.scalars(
+        select(Shard).where(Shard.dataset_id == dataset.id).order_by(Shard.number)
+    ).all()
+    downloaded = [shard for shard in shards if shard.sha256 is not None]
+    if not downloaded:
+        raise NotReadable(f"dataset {name!r} has no downloaded shard yet: "
+                          f"`sdq dataset show {name}` follows the download")  # fmt: skip
+    if unusable := no_usable_samples(session, dataset):
+        raise NotReadable(unusable)
+    return dataset, downloaded, len(shards) - len(downloaded)
+
+
+def _still_making(session: Session, dataset: Dataset) -> int | None:
+    """The run that makes a dataset of another's samples, while it has not finished."""
+    run_id = dataset.options.get("made_by_run")
+    if run_id is None or session.get_one(Run, run_id).finished_at is not None:
+        return None
+    return run_id
+
+
+def members_by_shard(session: Session, dataset: Dataset) -> dict[int, list[str]]:
+    """A dataset made of another's samples: the keys it keeps, by its shard rows' ids."""
+    members: dict[int, list[str]] = {}
+    for shard_id, key in session.execute(
+        select(Sample.shard_id, Sample.key)
+        .where(Sample.dataset_id == dataset.id, Sample.status == SampleStatus.success)
+        .order_by(Sample.shard_id, Sample.key)
+    ):
+        members.setdefault(shard_id, []).append(key)
+    return members
+
+
 def no_usable_samples(session: Session, dataset: Dataset) -> str | None:
     """Why the dataset cannot be encoded or trained on, when none of its downloaded
     samples was kept (every one failed or was a duplicate); None when some were."""
@@ -101,6 +144,10 @@ def dataset_summary(session: Session, name: str) -> dict[str, Any]:
         "images_per_second": round(ok / seconds, 2) if seconds else None,
         "latents": latent_summary(session, dataset.id, dataset.name),
         "scores": score_summary(session, dataset.name),
+        # A dataset made of another's samples: of which, by what rules, and what each left out.
+        "made_of": dataset.options.get("parent"),
+        "filter": dataset.options.get("filter"),
+        "removed": _removed_by_rule(session, dataset.id) if "parent" in dataset.options else None,
         "blocked_by": _blocked_by(session, dataset.id) if BLOCKED_ADDRESS in reasons else None,
         "shards": [
             {
@@ -153,6 +200,23 @@ def _fates(session: Session, dataset_id: int) -> tuple[dict[str, int], dict[str,
         ).all()
     )
     return by_status, reasons
+
+
+def _removed_by_rule(session: Session, dataset_id: int) -> dict[str, int]:
+    """The samples a filter left out, by the rule that did (a reason's first word)."""
+    reason = Sample.reason
+    if session.get_bind().dialect.name == "postgresql":
+        rule = func.split_part(reason, " ", 1)
+    else:
+        rule = func.substr(reason, 1, func.instr(reason + " ", " ") - 1)
+    return dict(
+        session.execute(
+            select(rule, func.count())
+            .where(Sample.dataset_id == dataset_id, Sample.status == SampleStatus.filtered)
+            .group_by(rule)
+            .order_by(func.count().desc())
+        ).all()
+    )
 
 
 def _wall_seconds(session: Session, name: str) -> float | None:

@@ -4,16 +4,16 @@ revision) is served from the store, as images are."""
 
 from dataclasses import dataclass
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from sdq.models.datasets import derived_from
 from sdq.models.datasets.tables import Dataset, Shard
 from sdq.models.encode.specs import EncodeSpec
 from sdq.models.jobs.kinds import ENCODE
 from sdq.models.jobs.outbox import add_jobs, open_run
 from sdq.models.registry import record_model
 from sdq.models.specs import ModelIdentity
-from sdq.producer.datasets.lookups import dataset_named, no_usable_samples
+from sdq.producer.datasets.lookups import NotReadable, downloaded_shards, members_by_shard
 
 # The VAE halves the image three times: sides must divide by 8.
 VAE_SCALE = 8
@@ -50,18 +50,11 @@ def record_encode(
     (nothing is written when the dataset has nothing to encode)."""
     with sessions.begin() as session:
         # 1. The dataset's downloaded shards, or why there is nothing to encode.
-        dataset = dataset_named(session, name)
-        shards = session.scalars(
-            select(Shard).where(Shard.dataset_id == dataset.id).order_by(Shard.number)
-        ).all()
-        downloaded = [shard for shard in shards if shard.sha256 is not None]
-        if not downloaded:
-            raise NothingToEncode(
-                f"dataset {name!r} has no downloaded shard yet: "
-                f"`sdq dataset show {name}` follows the download"
-            )
-        if unusable := no_usable_samples(session, dataset):
-            raise NothingToEncode(unusable)
+        try:
+            dataset, downloaded, waiting = downloaded_shards(session, name)
+        except NotReadable as error:
+            raise NothingToEncode(str(error)) from None
+        members = members_by_shard(session, dataset) if derived_from(dataset.options) else None
         # 2. The run and its jobs; a shard encoded already by this model is done as written.
         record_model(session, model)
         run = open_run(
@@ -77,7 +70,16 @@ def record_encode(
             jobs_per_message=1,  # a shard is a minute of GPU work: one per message
             task_options={"batch_size": batch_size},
         )
-        specs = [_spec(dataset, shard, model, resolution) for shard in downloaded]
+        specs = [
+            _spec(
+                dataset,
+                shard,
+                model,
+                resolution,
+                None if members is None else members.get(shard.id, []),
+            )
+            for shard in downloaded
+        ]
         cached = add_jobs(session, run, ENCODE, specs)
     # 3. What was submitted, and whether the images are smaller than the resolution.
     return EncodeSubmission(
@@ -88,12 +90,14 @@ def record_encode(
         resolution=resolution,
         jobs=len(specs),
         cached=cached,
-        waiting=len(shards) - len(downloaded),
+        waiting=waiting,
         images_at=images_at if (images_at := dataset.options["resolution"]) < resolution else None,
     )
 
 
-def _spec(dataset: Dataset, shard: Shard, model: ModelIdentity, resolution: int) -> EncodeSpec:
+def _spec(
+    dataset: Dataset, shard: Shard, model: ModelIdentity, resolution: int, keys: list[str] | None
+) -> EncodeSpec:
     return EncodeSpec(
         dataset=dataset.name,
         shard=shard.number,
@@ -104,4 +108,6 @@ def _spec(dataset: Dataset, shard: Shard, model: ModelIdentity, resolution: int)
         model_revision=model.revision,
         resolution=resolution,
         dtype=model.default_dtype,
+        images_of=derived_from(dataset.options),
+        keys=keys,
     )

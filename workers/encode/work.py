@@ -65,9 +65,11 @@ class EncodeWork(Work):
                 yield self._encode(job.id, spec, shard, decoders)
 
     def _read(self, spec: EncodeSpec) -> ImageShard:
-        return fetch_image_shard(
-            self.store, spec.dataset, spec.shard, spec.shard_sha256, spec.image_format
-        )
+        shard = fetch_image_shard(
+            self.store, spec.images_of or spec.dataset, spec.shard, spec.shard_sha256,
+            spec.image_format,
+        )  # fmt: skip
+        return shard if spec.keys is None else shard.only(spec.keys)
 
     def _encode(
         self, job_id: int, spec: EncodeSpec, shard: ImageShard, decoders: ThreadPoolExecutor

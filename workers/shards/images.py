@@ -34,6 +34,19 @@ class ImageShard:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def only(self, keys: list[str]) -> "ImageShard":
+        """The samples named, in key order: a dataset made of another's samples reads the
+        other's file and keeps its own members."""
+        wanted = set(keys)
+        rows = [index for index, key in enumerate(self.keys) if key in wanted]
+        return ImageShard(
+            keys=[self.keys[index] for index in rows],
+            urls=[self.urls[index] for index in rows],
+            captions=[self.captions[index] for index in rows],
+            sha256s=[self.sha256s[index] for index in rows],
+            images=[self.images[index] for index in rows],
+        )
+
     def lineage(self) -> dict[str, list[str]]:
         """The columns a latent shard keeps of each sample, to trace it to its source."""
         return {
