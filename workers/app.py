@@ -5,7 +5,7 @@ The producer imports this module to send tasks by name; it never imports the tas
 
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache, cached_property
 from typing import Any
@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sdq.models.db import make_engine, session_factory
 from sdq.models.jobs.kinds import KINDS, MAINTENANCE_QUEUE, QUEUES, Kind, Pool
 from sdq.models.jobs.lifecycle import Worker
-from sdq.models.jobs.outbox import Send
+from sdq.models.jobs.outbox import Send, enqueue
 from sdq.models.settings import Settings
 from sdq.models.store import ObjectStore, open_store
 
@@ -59,6 +59,20 @@ class SdqCelery(Celery):
                 queue.name: queue.bind(channel).queue_declare().message_count
                 for queue in self.conf.task_queues
             }
+
+    def send_added_jobs(self, task: Task) -> Callable[[int], None]:
+        """What a job that adds jobs to its run (the next train job, a dedup's clusters) calls
+        once they are committed: the outbox's send, which leaves a job it cannot send now
+        queued for `sdq requeue` and the relay. A run done in-process (embedded) goes on to
+        them by itself."""
+        if task.request.is_eager:
+            return lambda run_id: None
+
+        def send(run_id: int) -> None:
+            with self.sender() as sender:
+                enqueue(self.sessions, sender, run_id)
+
+        return send
 
     @contextmanager
     def sender(self) -> Iterator[Send]:

@@ -146,7 +146,7 @@ def add_jobs(session: Session, run: Run, kind: Kind, specs: Sequence[Spec]) -> i
             for spec, spec_hash in zip(specs, hashes, strict=True)
         ],
     )
-    run.job_count = len(specs)
+    run.job_count += len(specs)  # a job may add jobs to its own run (a dedup's clusters)
     cached = sum(spec_hash in known for spec_hash in hashes)
     if not specs:
         close_runs(session, [run.id])  # nothing to do (a retry with nothing failed): done

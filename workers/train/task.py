@@ -8,7 +8,6 @@ from typing import Any
 from celery import shared_task
 
 from sdq.models.jobs.kinds import TRAIN, Pool
-from sdq.models.jobs.outbox import enqueue
 from sdq.workers.app import SdqCelery, worker_identity
 from sdq.workers.delivery import JobTask, deliver_task
 from sdq.workers.holding import hold
@@ -33,8 +32,7 @@ def train_work(task) -> TrainWork:
         sessions=app.sessions,
         files=ModelFiles(app.store, app.settings.model_cache_dir),
         live=live_states(),
-        # In-process runs (`sdq train` embedded) go on to the next job by themselves.
-        send_next=(lambda _run: None) if task.request.is_eager else send_next(app),
+        send_next=app.send_added_jobs(task),
         settings=app.settings.train,
         worker=worker_identity(TRAIN.pool).host,
         call_nodes=None if task.request.is_eager else call_nodes(app),
@@ -84,13 +82,3 @@ def live_states() -> LiveStates:
     # Steps taken ahead on a thread stop before the interpreter goes.
     atexit.register(live.clear)
     return live
-
-
-def send_next(app: SdqCelery):
-    def send(run_id: int) -> None:
-        """Sends the run's job that the last checkpoint wrote (the outbox's send: a job it
-        cannot send now stays queued for `sdq requeue` and the relay)."""
-        with app.sender() as sender:
-            enqueue(app.sessions, sender, run_id)
-
-    return send
