@@ -20,7 +20,8 @@ depends_on: str | Sequence[str] | None = None
 
 FOREIGN_KEY = "fk_samples_origin_id_samples"
 
-# As 0017 made it, with a sample's scores found through the sample it stands for.
+# As 0017 made it, with a sample's scores found through the sample it stands for, and the
+# CLIP model that scored them (whose embeddings dedup reads).
 SAMPLE_QUALITY = """
 CREATE VIEW sample_quality AS
 SELECT
@@ -33,13 +34,18 @@ SELECT
     q.aesthetic AS aesthetic,
     q.nsfw AS nsfw,
     s.status = 'success' AS kept,
-    s.reason AS reason
+    s.reason AS reason,
+    q.model_revision AS model_revision
 FROM samples s
 JOIN datasets d ON d.id = s.dataset_id
 LEFT JOIN sample_scores q
     ON q.id = (SELECT max(latest.id) FROM sample_scores latest
                WHERE latest.sample_id = {scored})
 """
+
+SAMPLE_QUALITY_0017 = SAMPLE_QUALITY.replace(
+    ",\n    q.model_revision AS model_revision", ""
+).format(scored="s.id")
 
 
 def upgrade() -> None:
@@ -69,7 +75,7 @@ def downgrade() -> None:
     else:
         op.drop_constraint(FOREIGN_KEY, "samples", type_="foreignkey")
         op.drop_column("samples", "origin_id")
-    op.execute(SAMPLE_QUALITY.format(scored="s.id"))
+    op.execute(SAMPLE_QUALITY_0017)
 
 
 @contextmanager
@@ -77,9 +83,15 @@ def _views_set_aside() -> Iterator[None]:
     """SQLite adds a constraint only by rebuilding the table, which fails while a view
     reads it: the views that read samples are dropped meanwhile and made again as SQLite
     keeps them."""
-    views = op.get_bind().execute(
-        sa.text("SELECT name, sql FROM sqlite_master WHERE type = 'view' AND sql LIKE '%samples%'")
-    ).all()
+    views = (
+        op.get_bind()
+        .execute(
+            sa.text(
+                "SELECT name, sql FROM sqlite_master WHERE type = 'view' AND sql LIKE '%samples%'"
+            )
+        )
+        .all()
+    )
     for name, _ in views:
         op.execute(f"DROP VIEW {name}")
     yield

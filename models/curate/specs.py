@@ -50,3 +50,52 @@ def embeddings_key(dataset: str, model_revision: str, shard: int) -> str:
 def head_key(sha256: str, suffix: str) -> str:
     """A scoring head in the store, named by its content: the spec's hash covers it."""
     return f"heads/{sha256}{suffix}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DedupSpec:
+    """Near-duplicates among the members of a filtered dataset, by the cosine of their CLIP
+    image embeddings: over all of them in one job (`clusters` 0); or, at scale, the
+    SemDeDup way: one job (`cluster` None) runs k-means into `clusters` groups and adds a
+    job per group, which compares only the members of cluster `cluster`."""
+
+    dataset: str
+    # The filtered dataset as made this time: a dataset remade under its name is new work.
+    dataset_id: int
+    # Where the embeddings are: the dataset curate scored, under the CLIP model's revision.
+    images_of: str
+    model_revision: str
+    threshold: float
+    # The score that decides which sample of a group is kept (the highest).
+    rank_by: str
+    clusters: int = 0
+    cluster: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "DedupSpec":
+        return cls(**data)
+
+    def hash(self) -> str:
+        return canonical_sha256({**self.to_dict(), "version": SPEC_VERSION})
+
+    @property
+    def clusters_them(self) -> bool:
+        """Whether this is the job that makes the clusters (and their jobs)."""
+        return self.clusters > 0 and self.cluster is None
+
+    @property
+    def output_key(self) -> str:
+        """The job's record in the store: its near-duplicates, or the clusters' centroids."""
+        name = "centroids" if self.clusters_them else f"{self.cluster or 0:05d}"
+        return f"{self._prefix}/{name}.parquet"
+
+    def cluster_prefix(self, cluster: int) -> str:
+        """Where the clustering job leaves cluster `cluster`'s embeddings, in parts."""
+        return f"{self._prefix}/clusters/{cluster:05d}/"
+
+    @property
+    def _prefix(self) -> str:
+        return f"datasets/{self.dataset}/dedup-{self.dataset_id}"

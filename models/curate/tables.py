@@ -2,7 +2,16 @@
 
 from datetime import datetime
 
-from sqlalchemy import DateTime, Float, ForeignKey, Index, String, UniqueConstraint
+from sqlalchemy import (
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    String,
+    UniqueConstraint,
+    column,
+    table,
+)
 from sqlalchemy.orm import Mapped, mapped_column
 
 from sdq.models.tables import Base, Id
@@ -30,3 +39,17 @@ class SampleScore(Base):
         UniqueConstraint("sample_id", "scorer", name="uq_sample_scores_sample_id_scorer"),
         Index("ix_sample_scores_dataset_id", "dataset_id"),
     )
+
+
+# The view of every sample with its latest scores and fate (migrations 0017, 0018), as the
+# filter and the dedup jobs read it.
+SAMPLE_QUALITY = table(
+    "sample_quality",
+    column("sample_id"),
+    column("dataset"),
+    column("key"),
+    column("clip_score"),
+    column("aesthetic"),
+    column("nsfw"),
+    column("model_revision"),
+)

@@ -1,11 +1,14 @@
-"""The curate command: every kept sample of a dataset scored by CLIP (its image against its
-caption), an aesthetic head and an NSFW head, on the GPU workers."""
+"""The curate commands: `sdq curate`, every kept sample of a dataset scored by CLIP (its
+image against its caption), an aesthetic head and an NSFW head, on the GPU workers; and
+`sdq dataset filter`, a new dataset of the samples that pass rules on those scores, without
+near-duplicates."""
 
 from pathlib import Path
 
 import click
 
 from sdq.models.curate.clip import resolve_clip
+from sdq.models.datasets import check_name
 from sdq.models.registry import ModelNotFound
 from sdq.producer.cli.common import (
     found,
@@ -14,6 +17,7 @@ from sdq.producer.cli.common import (
     ready_to_submit,
     report_submission,
 )
+from sdq.producer.curate.filter import CannotFilter, FilterSubmission, Rules, record_filter
 from sdq.producer.curate.submit import (
     CannotCurate,
     CurateSubmission,
@@ -23,7 +27,7 @@ from sdq.producer.curate.submit import (
     record_curate,
     store_head,
 )
-from sdq.producer.datasets.cli import carry_out_dataset_run
+from sdq.producer.datasets.cli import carry_out_dataset_run, report_dataset
 from sdq.producer.datasets.lookups import NotReadable
 from sdq.workers.app import SdqCelery
 
@@ -130,4 +134,115 @@ def _report_submission(submission: CurateSubmission, tasks: int, as_json: bool) 
     )
 
 
+@click.command("filter")
+@click.argument("name")
+@click.option(
+    "--into",
+    "into",
+    required=True,
+    metavar="NEW",
+    help="The new dataset: NAME's kept samples that pass, with no image copied.",
+)
+@click.option(
+    "--min-clip-score",
+    type=click.FloatRange(0, 100),
+    help="Leave out samples whose CLIP score (100 x cosine) is under this.",
+)
+@click.option(
+    "--min-aesthetic",
+    type=click.FloatRange(0, 10),
+    help="Leave out samples whose aesthetic score (about 1 to 10) is under this.",
+)
+@click.option(
+    "--max-nsfw",
+    type=click.FloatRange(0, 1),
+    help="Leave out samples whose NSFW probability is over this.",
+)
+@click.option(
+    "--min-size",
+    type=click.IntRange(min=1),
+    metavar="PX",
+    help="Leave out images whose original width or height is under PX.",
+)
+@click.option(
+    "--dedup",
+    type=click.FloatRange(0, 1, min_open=True),
+    metavar="COSINE",
+    help="Leave out near-duplicates: of samples whose CLIP image embeddings have "
+    "this cosine or more, keep the best-scoring (aesthetic, else CLIP score).",
+)
+@click.option(
+    "--dedup-clusters",
+    type=click.IntRange(min=0),
+    metavar="K",
+    help="Find near-duplicates within K k-means clusters, a job each (0: all in one "
+    "job). By default one job up to 50,000 samples, else clusters of about 10,000.",
+)
+@click.option("--wait", is_flag=True, help="Show progress until the near-duplicates are out.")
+@json_option
+@pass_app
+def filter_command(
+    app: SdqCelery, name: str, into: str, wait: bool, as_json: bool, **rules: float | int | None
+) -> None:
+    """A new dataset NEW of dataset NAME's kept samples that pass the rules given, scored by
+    `sdq curate NAME`. No image is copied: NEW's shards are NAME's files, restricted to its
+    members. Every sample left out keeps its reason (`aesthetic 3.92 < 5`, `near-duplicate of
+    KEY (cosine 0.97)`) in SQL: the view sample_quality, dataset NEW.
+
+    Near-duplicates are found by jobs on the curate queue; without a broker (SDQ_BROKER_URL
+    unset) the work runs here, in this process. `sdq encode NEW` and `sdq train NEW` take
+    the dataset once they are done."""
+    ready_to_submit(app)
+    submission = _filter(app, name, into, Rules(**rules))
+    if submission.run_id is None:
+        report_dataset(app, into, as_json)
+        return
+    carry_out_dataset_run(
+        app,
+        submission,
+        wait=wait,
+        as_json=as_json,
+        report_sent=lambda tasks: _report_filter(submission, tasks, as_json),
+    )
+
+
+def _filter(app: SdqCelery, name: str, into: str, rules: Rules) -> FilterSubmission:
+    if not rules.to_dict().keys() - {"dedup_clusters"}:
+        raise click.UsageError(
+            "give at least one rule: --min-clip-score, --min-aesthetic, "
+            "--max-nsfw, --min-size or --dedup"
+        )
+    if rules.dedup_clusters is not None and rules.dedup is None:
+        raise click.UsageError("--dedup-clusters goes with --dedup COSINE")
+    try:
+        check_name(into)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--into") from None
+    with found():
+        try:
+            return record_filter(app.sessions, name, into, rules)
+        except CannotFilter as error:
+            raise click.UsageError(str(error)) from None
+
+
+def _report_filter(submission: FilterSubmission, tasks: int, as_json: bool) -> None:
+    report_submission(
+        {
+            "run_id": submission.run_id,
+            "dataset": submission.dataset,
+            "parent": submission.parent,
+            "samples": submission.samples,
+            "kept": submission.kept,
+            "removed": submission.removed,
+            "jobs": submission.jobs,
+            "tasks": tasks,
+        },
+        f"{submission.kept} of {submission.samples} samples kept by the score rules; "
+        f"near-duplicates next ({submission.jobs} job(s)); `sdq dataset show "
+        f"{submission.dataset}` follows it",
+        as_json=as_json,
+    )
+
+
 COMMANDS = (curate,)
+DATASET_COMMANDS = (filter_command,)

@@ -2,6 +2,7 @@
 (downloaded samples, their latents) is carried out and reported."""
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 import click
@@ -114,7 +115,8 @@ def show(app: SdqCelery, name: str, as_json: bool) -> None:
     def summary_and_page(session: Session) -> dict[str, Any]:
         summary = dataset_lookups.dataset_summary(session, name)
         try:
-            page = dataset_html(summary, first_samples(app.store, summary)).encode()
+            kept = partial(dataset_lookups.kept_keys, session, name)
+            page = dataset_html(summary, first_samples(app.store, summary, kept)).encode()
             key = page_key(name)
             app.store.put_bytes(key, page, content_type="text/html; charset=utf-8")
         except StoreError as error:

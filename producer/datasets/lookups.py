@@ -39,7 +39,7 @@ def downloaded_shards(session: Session, name: str) -> tuple[Dataset, list[Shard]
     """The dataset's downloaded shards, and how many are planned but not downloaded yet;
     refused when there is nothing to read (what encode and curate start from)."""
     dataset = dataset_named(session, name)
-    if (making := _still_making(session, dataset)) is not None:
+    if (making := still_making(session, dataset)) is not None:
         raise NotReadable(f"dataset {name!r} is still being made by run {making}: "
                           f"`sdq dataset show {name}` follows it")  # fmt: skip
     shards = session.scalars(
@@ -54,7 +54,7 @@ def downloaded_shards(session: Session, name: str) -> tuple[Dataset, list[Shard]
     return dataset, downloaded, len(shards) - len(downloaded)
 
 
-def _still_making(session: Session, dataset: Dataset) -> int | None:
+def still_making(session: Session, dataset: Dataset) -> int | None:
     """The run that makes a dataset of another's samples, while it has not finished."""
     run_id = dataset.options.get("made_by_run")
     if run_id is None or session.get_one(Run, run_id).finished_at is not None:
@@ -72,6 +72,23 @@ def members_by_shard(session: Session, dataset: Dataset) -> dict[int, list[str]]
     ):
         members.setdefault(shard_id, []).append(key)
     return members
+
+
+def kept_keys(session: Session, name: str, shard_number: int) -> set[str]:
+    """The keys of one shard's kept samples (for a dataset made of another's samples: its
+    members among the file's)."""
+    return set(
+        session.scalars(
+            select(Sample.key)
+            .join(Shard, Shard.id == Sample.shard_id)
+            .join(Dataset, Dataset.id == Sample.dataset_id)
+            .where(
+                Dataset.name == name,
+                Shard.number == shard_number,
+                Sample.status == SampleStatus.success,
+            )
+        )
+    )
 
 
 def no_usable_samples(session: Session, dataset: Dataset) -> str | None:
@@ -147,7 +164,7 @@ def dataset_summary(session: Session, name: str) -> dict[str, Any]:
         # A dataset made of another's samples: of which, by what rules, and what each left out.
         "made_of": dataset.options.get("parent"),
         "filter": dataset.options.get("filter"),
-        "removed": _removed_by_rule(session, dataset.id) if "parent" in dataset.options else None,
+        "removed": removed_by_rule(session, dataset.id) if "parent" in dataset.options else None,
         "blocked_by": _blocked_by(session, dataset.id) if BLOCKED_ADDRESS in reasons else None,
         "shards": [
             {
@@ -202,7 +219,7 @@ def _fates(session: Session, dataset_id: int) -> tuple[dict[str, int], dict[str,
     return by_status, reasons
 
 
-def _removed_by_rule(session: Session, dataset_id: int) -> dict[str, int]:
+def removed_by_rule(session: Session, dataset_id: int) -> dict[str, int]:
     """The samples a filter left out, by the rule that did (a reason's first word)."""
     reason = Sample.reason
     if session.get_bind().dialect.name == "postgresql":

@@ -6,9 +6,10 @@ opens from anywhere, a local file included, with no link to follow."""
 import base64
 import html
 import io
+from collections.abc import Callable, Container
 from typing import Any
 
-from sdq.models.datasets import SampleStatus, shard_key
+from sdq.models.datasets import derived_from, shard_key
 from sdq.models.store import ObjectStore
 
 SAMPLES_SHOWN = 48
@@ -45,8 +46,11 @@ def page_key(name: str) -> str:
     return f"datasets/{name}/index.html"
 
 
-def first_samples(store: ObjectStore, summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """Up to SAMPLES_SHOWN kept samples, from the first shards written, in key order."""
+def first_samples(
+    store: ObjectStore, summary: dict[str, Any], kept: Callable[[int], Container[str]]
+) -> list[dict[str, Any]]:
+    """Up to SAMPLES_SHOWN kept samples, from the first shards written, in key order: a
+    dataset made of another's samples shows its members, from the files that hold them."""
     import pyarrow.parquet as pq  # only here: its import slows every `sdq` command's start
 
     image_format = summary["options"]["format"]
@@ -56,10 +60,12 @@ def first_samples(store: ObjectStore, summary: dict[str, Any]) -> list[dict[str,
             break
         if not shard["done"]:
             continue
-        data = store.get_bytes(shard_key(summary["name"], shard["number"]))
-        table = pq.read_table(io.BytesIO(data), columns=["key", "caption", "status", image_format])
+        images_of = derived_from(summary["options"]) or summary["name"]
+        data = store.get_bytes(shard_key(images_of, shard["number"]))
+        table = pq.read_table(io.BytesIO(data), columns=["key", "caption", image_format])
+        members = kept(shard["number"])
         for row in table.to_pylist():
-            if row["status"] == SampleStatus.success and len(samples) < SAMPLES_SHOWN:
+            if row["key"] in members and len(samples) < SAMPLES_SHOWN:
                 samples.append({**row, "image": row.pop(image_format), "format": image_format})
     return samples
 

@@ -1,4 +1,5 @@
-"""The curate task: a message of curate job ids, one image shard each."""
+"""The curate task: a message of curate job ids, one image shard each, or one dedup job of
+a filtered dataset (all its members, or one cluster of them)."""
 
 from functools import cache, partial
 from typing import Any
@@ -7,6 +8,7 @@ from celery import shared_task
 
 from sdq.models.jobs.kinds import CURATE
 from sdq.workers.app import SdqCelery
+from sdq.workers.curate.dedup import DedupWork
 from sdq.workers.curate.work import CurateWork
 from sdq.workers.delivery import JobTask, deliver_task
 from sdq.workers.holding import hold
@@ -14,8 +16,15 @@ from sdq.workers.weights import ModelFiles
 
 
 @shared_task(bind=True, base=JobTask, name=CURATE.task_name)
-def curate(self, job_ids: list[int], batch_size: int) -> dict[str, Any]:
-    return deliver_task(self, CURATE, job_ids, partial(curate_work, self.app, batch_size))
+def curate(self, job_ids: list[int], batch_size: int = 64, dedup: bool = False) -> dict[str, Any]:
+    """Scores image shards; or, for a filtered dataset's run (`dedup`), finds near-duplicates."""
+    work = partial(dedup_work, self) if dedup else partial(curate_work, self.app, batch_size)
+    return deliver_task(self, CURATE, job_ids, work)
+
+
+def dedup_work(task) -> DedupWork:
+    app = task.app
+    return DedupWork(store=app.store, sessions=app.sessions, send_added=app.send_added_jobs(task))
 
 
 def curate_work(app: SdqCelery, batch_size: int) -> CurateWork:
