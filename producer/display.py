@@ -160,6 +160,11 @@ def show_dataset(summary: dict[str, Any]) -> None:
     if summary["reasons"]:
         reasons = [{"reason": reason, "rows": n} for reason, n in summary["reasons"].items()]
         stdout.print(rows_table(reasons, ["reason", "rows"], title="why samples failed"))
+    if summary.get("removed") is not None:
+        rules = ", ".join(f"{rule} {bound}" for rule, bound in summary["filter"].items())
+        stdout.print(f"made of {summary['made_of']}'s samples ({rules}), no image copied")
+        removed = [{"rule": rule, "samples": n} for rule, n in summary["removed"].items()]
+        stdout.print(rows_table(removed, ["rule", "samples"], title="left out by"))
     shards = summary["shards"]
     done = sum(shard["done"] for shard in shards)
     stdout.print(f"{done} of {len(shards)} shards done, {summary['bytes']:,} bytes")

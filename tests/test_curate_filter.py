@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from selenium.webdriver.common.by import By
 from sqlalchemy.orm import Session
 
 from sdq.migrations import upgrade
@@ -23,6 +24,7 @@ from sdq.models.db import make_engine
 from sdq.models.store import PARQUET, LocalStore
 from sdq.workers.curate.dedup import near_duplicates
 from sdq.workers.shards.embeddings import embedding_shard_bytes
+from tests.browser import chromium, open_page, texts
 from tests.conftest import ROOT, sdq_json
 from tests.hostile_server import HostileServer
 from tests.netns_download import DOWNLOAD_ENV
@@ -101,6 +103,23 @@ def test_a_filtered_dataset_is_encoded_trained_on_and_traced_to_the_urls_it_kept
     # No image was copied: the new dataset's shards are the parent's files.
     store = tmp_path / "sdq-data/store"
     assert not (store / "datasets/best").exists()
+    # Its page: each score's histogram with the cut, the samples at either end as images.
+    page = sdq_json(env, "dataset", "show", "best", cwd=tmp_path)
+    aesthetic = page["scores"]["aesthetic"]
+    assert sum(aesthetic["histogram"]) == 15 and aesthetic["histogram"][0] >= 1
+    assert [sample["key"] for sample in aesthetic["lowest"]] == [row[0] for row in scored[:4]]
+    assert [sample["key"] for sample in aesthetic["highest"]] == [row[0] for row in scored[:-5:-1]]
+    with chromium() as browser:
+        path = Path(page["page"].removeprefix("file://"))
+        shown = open_page(browser, path, tmp_path / "best.png")
+        assert shown == [True] * (4 * 2 * 2 + 9)  # 2 scores x both ends x 4, the members
+        assert texts(browser, "table.removed td") == ["aesthetic", "6"]
+        bars = sum(len(page["scores"][score]["histogram"]) for score in ("clip_score", "aesthetic"))
+        assert len(browser.find_elements(By.CSS_SELECTOR, "svg.histogram rect.bar")) == bars
+        cuts = browser.find_elements(By.CSS_SELECTOR, "svg.histogram rect.cut")
+        assert len(cuts) == 1 and cuts[0].is_displayed()
+        lowest = texts(browser, ".lowest figcaption")
+        assert [line.split()[0] for line in lowest[4:]] == [row[0] for row in scored[:4]]
 
     # Encode reads the parent's files and keeps the members; train and generate follow.
     sdq_json(env, "encode", "best", "--model", "tiny", "--resolution", "64", cwd=tmp_path)

@@ -61,6 +61,12 @@ class Rules:
     def to_dict(self) -> dict[str, Any]:
         return {name: value for name, value in asdict(self).items() if value is not None}
 
+    def cuts(self) -> dict[str, float]:
+        """Each score's bound, where a rule reads it: what the dataset's page marks."""
+        bounds = {"clip_score": self.min_clip_score, "aesthetic": self.min_aesthetic,
+                  "nsfw": self.max_nsfw}  # fmt: skip
+        return {score: bound for score, bound in bounds.items() if bound is not None}
+
     def scores_needed(self) -> dict[str, str]:
         """The scores the rules read, by the option that asks for them."""
         needed = {
@@ -183,10 +189,11 @@ def _options(parent: Dataset, rules: Rules) -> dict[str, Any]:
     inherited = {
         key: value
         for key, value in parent.options.items()
-        if key not in ("parent", "images_of", "filter", "made_by_run")
+        if key not in ("parent", "images_of", "filter", "cuts", "made_by_run")
     }
     images_of = derived_from(parent.options) or parent.name
-    return {**inherited, "parent": parent.name, "images_of": images_of, "filter": rules.to_dict()}
+    return {**inherited, "parent": parent.name, "images_of": images_of,
+            "filter": rules.to_dict(), "cuts": rules.cuts()}  # fmt: skip
 
 
 def _mirror_shards(session: Session, parent: Dataset, dataset: Dataset) -> None:

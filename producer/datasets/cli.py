@@ -13,7 +13,12 @@ from sdq.models.store import LINK_SECONDS, StoreError
 from sdq.producer import display
 from sdq.producer.cli.common import carry_out, json_option, lookup, pass_app, table
 from sdq.producer.datasets import lookups as dataset_lookups
-from sdq.producer.datasets.page import dataset_html, first_samples, page_key
+from sdq.producer.datasets.page import (
+    dataset_html,
+    extreme_samples,
+    first_samples,
+    page_key,
+)
 from sdq.workers.app import SdqCelery
 
 
@@ -116,7 +121,8 @@ def show(app: SdqCelery, name: str, as_json: bool) -> None:
         summary = dataset_lookups.dataset_summary(session, name)
         try:
             kept = partial(dataset_lookups.kept_keys, session, name)
-            page = dataset_html(summary, first_samples(app.store, summary, kept)).encode()
+            samples = first_samples(app.store, summary, kept)
+            page = dataset_html(summary, samples, extreme_samples(app.store, summary)).encode()
             key = page_key(name)
             app.store.put_bytes(key, page, content_type="text/html; charset=utf-8")
         except StoreError as error:

@@ -180,11 +180,14 @@ def dataset_summary(session: Session, name: str) -> dict[str, Any]:
 
 
 SCORES = ("clip_score", "aesthetic", "nsfw")
+HISTOGRAM_BINS = 20
+EXTREMES = 4  # samples shown at each end of each score
 
 
 def score_summary(session: Session, name: str) -> dict[str, Any] | None:
-    """The range and mean of each score of the dataset's samples, as the view
-    sample_quality has their latest (None before any curate run scored them)."""
+    """Each score of the dataset's samples, as the view sample_quality has their latest:
+    its range and mean, its histogram, and the samples at either end (None before any
+    curate run scored them)."""
     figures = ", ".join(f"min({score}), avg({score}), max({score})" for score in SCORES)
     row = session.execute(
         text(f"SELECT count(clip_score), {figures} FROM sample_quality WHERE dataset = :name"),
@@ -196,8 +199,47 @@ def score_summary(session: Session, name: str) -> dict[str, Any] | None:
     for index, score in enumerate(SCORES):
         low, mean, high = row[1 + 3 * index : 4 + 3 * index]
         if mean is not None:
-            summary[score] = {"min": round(low, 3), "mean": round(mean, 3), "max": round(high, 3)}
+            summary[score] = {
+                "min": round(low, 3),
+                "mean": round(mean, 3),
+                "max": round(high, 3),
+                "histogram": _histogram(session, name, score, low, high),
+                "lowest": _extreme(session, name, score, "ASC"),
+                "highest": _extreme(session, name, score, "DESC"),
+            }
     return summary
+
+
+def _histogram(session: Session, name: str, score: str, low: float, high: float) -> list[int]:
+    """Samples per bin, HISTOGRAM_BINS equal bins from the lowest score to the highest."""
+    if high <= low:
+        return [session.scalar(text(f"SELECT count({score}) FROM sample_quality "
+                                    "WHERE dataset = :name"), {"name": name})]  # fmt: skip
+    width = (high - low) / HISTOGRAM_BINS
+    if session.get_bind().dialect.name == "postgresql":
+        binned = f"width_bucket({score}, :low, :high, {HISTOGRAM_BINS}) - 1"
+    else:
+        binned = f"CAST(({score} - :low) / :width AS INTEGER)"
+    counts = [0] * HISTOGRAM_BINS
+    for number, samples in session.execute(
+        text(f"SELECT {binned} AS bin, count(*) FROM sample_quality "
+             f"WHERE dataset = :name AND {score} IS NOT NULL GROUP BY bin"),
+        {"name": name, "low": low, "high": high, "width": width},
+    ):  # fmt: skip
+        counts[min(max(number, 0), HISTOGRAM_BINS - 1)] += samples  # the top edge: the last
+    return counts
+
+
+def _extreme(session: Session, name: str, score: str, order: str) -> list[dict[str, Any]]:
+    """The samples with the lowest (ASC) or highest (DESC) score, and their shards."""
+    rows = session.execute(
+        text(f"SELECT q.key, q.{score}, h.number FROM sample_quality q "
+             "JOIN samples s ON s.id = q.sample_id JOIN shards h ON h.id = s.shard_id "
+             f"WHERE q.dataset = :name AND q.{score} IS NOT NULL "
+             f"ORDER BY q.{score} {order}, q.key LIMIT {EXTREMES}"),
+        {"name": name},
+    )  # fmt: skip
+    return [{"key": key, "score": round(value, 3), "shard": shard} for key, value, shard in rows]
 
 
 def _fates(session: Session, dataset_id: int) -> tuple[dict[str, int], dict[str, int]]:

@@ -1,7 +1,9 @@
-"""A dataset's page: what it holds, what failed and why, and a sheet of its first samples
-with their captions. Written into the store (datasets/<name>/index.html) by `sdq dataset
-show`; the sample images are taken out of the first shards and embedded in the page, so it
-opens from anywhere, a local file included, with no link to follow."""
+"""A dataset's page: what it holds, what failed and why, its scores (a histogram each, the
+filter's cut marked, the samples at either end), what a filter left out by which rule, and
+a sheet of its first samples with their captions. Written into the store
+(datasets/<name>/index.html) by `sdq dataset show`; the sample images are taken out of the
+shards and embedded in the page, so it opens from anywhere, a local file included, with no
+link to follow."""
 
 import base64
 import html
@@ -23,6 +25,7 @@ table {{ border-collapse: collapse; margin-bottom: 1rem; }}
 th, td {{ border: 1px solid #ddd; padding: .3rem .5rem; text-align: left; }}
 th {{ background: #f6f6f6; font-weight: 600; }}
 .samples {{ display: flex; flex-wrap: wrap; gap: .6rem; }}
+.histogram .bar {{ fill: #6b8cce; }} .histogram .cut {{ fill: #c0392b; }}
 figure {{ margin: 0; width: 160px; }} figure img {{ width: 160px; display: block; }}
 figcaption {{ font-size: 11px; color: #555; }}
 </style></head><body>
@@ -36,6 +39,7 @@ figcaption {{ font-size: 11px; color: #555; }}
 <table class="reasons"><thead><tr><th>reason</th><th>samples</th></tr></thead><tbody>
 {reasons}
 </tbody></table>
+{scores}
 <h2>First samples</h2>
 <div class="samples">{samples}</div>
 </body></html>
@@ -51,26 +55,48 @@ def first_samples(
 ) -> list[dict[str, Any]]:
     """Up to SAMPLES_SHOWN kept samples, from the first shards written, in key order: a
     dataset made of another's samples shows its members, from the files that hold them."""
-    import pyarrow.parquet as pq  # only here: its import slows every `sdq` command's start
-
-    image_format = summary["options"]["format"]
     samples: list[dict[str, Any]] = []
     for shard in summary["shards"]:
         if len(samples) >= SAMPLES_SHOWN:
             break
-        if not shard["done"]:
-            continue
-        images_of = derived_from(summary["options"]) or summary["name"]
-        data = store.get_bytes(shard_key(images_of, shard["number"]))
-        table = pq.read_table(io.BytesIO(data), columns=["key", "caption", image_format])
-        members = kept(shard["number"])
-        for row in table.to_pylist():
-            if row["key"] in members and len(samples) < SAMPLES_SHOWN:
-                samples.append({**row, "image": row.pop(image_format), "format": image_format})
-    return samples
+        if shard["done"]:
+            samples += shard_samples(store, summary, shard["number"], kept(shard["number"]))
+    return samples[:SAMPLES_SHOWN]
 
 
-def dataset_html(summary: dict[str, Any], samples: list[dict[str, Any]]) -> str:
+def extreme_samples(store: ObjectStore, summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The samples at either end of each score, with their images, by key."""
+    wanted: dict[int, set[str]] = {}
+    for figures in (summary.get("scores") or {}).values():
+        if isinstance(figures, dict):
+            for sample in figures["lowest"] + figures["highest"]:
+                wanted.setdefault(sample["shard"], set()).add(sample["key"])
+    return {sample["key"]: sample for number, keys in wanted.items()
+            for sample in shard_samples(store, summary, number, keys)}  # fmt: skip
+
+
+def shard_samples(
+    store: ObjectStore, summary: dict[str, Any], number: int, keys: Container[str]
+) -> list[dict[str, Any]]:
+    """The samples keyed of one of the dataset's shards, read from the file that holds them."""
+    import pyarrow.parquet as pq  # only here: its import slows every `sdq` command's start
+
+    image_format = summary["options"]["format"]
+    images_of = derived_from(summary["options"]) or summary["name"]
+    data = store.get_bytes(shard_key(images_of, number))
+    table = pq.read_table(io.BytesIO(data), columns=["key", "caption", image_format])
+    return [
+        {**row, "image": row.pop(image_format), "format": image_format}
+        for row in table.to_pylist()
+        if row["key"] in keys
+    ]
+
+
+def dataset_html(
+    summary: dict[str, Any],
+    samples: list[dict[str, Any]],
+    extremes: dict[str, dict[str, Any]],
+) -> str:
     done = sum(shard["done"] for shard in summary["shards"])
     line = (
         f"{summary['samples']:,} samples in {len(summary['shards'])} shards ({done} written, "
@@ -81,8 +107,53 @@ def dataset_html(summary: dict[str, Any], samples: list[dict[str, Any]]) -> str:
         summary=html.escape(line),
         statuses=_rows(summary["by_status"]),
         reasons=_rows(summary["reasons"]) or '<tr><td colspan="2">none</td></tr>',
+        scores=_scores(summary, extremes),
         samples="".join(_sample(sample) for sample in samples),
     )
+
+
+def _scores(summary: dict[str, Any], extremes: dict[str, dict[str, Any]]) -> str:
+    """Each score's histogram with the filter's cut, the samples at either end, and what
+    a filter left out by which rule."""
+    parts = []
+    if summary.get("removed") is not None:
+        said = ", ".join(f"{rule} {bound}" for rule, bound in summary["filter"].items())
+        parts += [f"<h2>Made of {html.escape(summary['made_of'])}: {html.escape(said)}</h2>",
+                  '<table class="removed"><thead><tr><th>left out by</th><th>samples</th>'
+                  f"</tr></thead><tbody>{_rows(summary['removed'])}</tbody></table>"]  # fmt: skip
+    cuts = summary["options"].get("cuts", {})
+    for score, figures in (summary.get("scores") or {}).items():
+        if not isinstance(figures, dict):
+            continue
+        parts += [f'<h2 class="score">{score}</h2>', _histogram(figures, cuts.get(score))]
+        for end in ("lowest", "highest"):
+            shown = [_scored(extremes[sample["key"]], sample["score"])
+                     for sample in figures[end] if sample["key"] in extremes]  # fmt: skip
+            parts.append(f'<h3>{end}</h3><div class="samples {end}">{"".join(shown)}</div>')
+    return "\n".join(parts)
+
+
+def _scored(sample: dict[str, Any], score: float) -> str:
+    return _sample({**sample, "key": f"{sample['key']} ({score})"})
+
+
+def _histogram(figures: dict[str, Any], cut: float | None) -> str:
+    """An SVG bar per bin from the lowest score to the highest, the cut as a red rule."""
+    counts, low, high = figures["histogram"], figures["min"], figures["max"]
+    width, height, bar = 400, 100, 400 / len(counts)
+    tallest = max(counts) or 1
+    bars = "".join(
+        f'<rect class="bar" x="{index * bar:.1f}" y="{height - count / tallest * height:.1f}" '
+        f'width="{bar - 1:.1f}" height="{count / tallest * height:.1f}">'
+        f"<title>{count}</title></rect>"
+        for index, count in enumerate(counts)
+    )
+    if cut is not None and high > low:
+        x = min(max((cut - low) / (high - low), 0), 1) * width
+        bars += f'<rect class="cut" x="{max(x - 1, 0):.1f}" y="0" width="2" height="{height}"/>'
+    return (f'<svg class="histogram" width="{width}" height="{height}">{bars}</svg>'
+            f"<p>{low} to {high}, mean {figures['mean']}"
+            f"{f', cut at {cut:g}' if cut is not None else ''}</p>")  # fmt: skip
 
 
 def _rows(counts: dict[str, int]) -> str:
