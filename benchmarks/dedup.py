@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sdq.producer.curate.filter import SAMPLES_PER_CLUSTER  # noqa: E402
-from sdq.workers.curate.dedup import Kmeans, near_duplicates  # noqa: E402
+from sdq.workers.curate.dedup import Kmeans, near_duplicates, reach  # noqa: E402
 
 THRESHOLD = 0.95
 BLOCK = 1024
@@ -60,20 +60,23 @@ def brute_force(vectors: np.ndarray, ranks: np.ndarray) -> set[int]:
     return out
 
 
-def clustered(vectors: np.ndarray, ranks: np.ndarray, clusters: int) -> set[int]:
+def clustered(vectors: np.ndarray, ranks: np.ndarray, clusters: int) -> tuple[set[int], float]:
     """sdq's path: k-means on a sample (as the clustering job trains it), every sample to
-    its nearest centroid, then near-duplicates within each cluster (a job each)."""
+    its nearest centroid and, near the edge, to the next ones as a guest; then each
+    cluster's own members judged against its members and guests (a job each)."""
     rng = np.random.default_rng(1)
     sample = vectors[rng.choice(len(vectors), min(len(vectors), clusters * 256), replace=False)]
     kmeans = Kmeans(sample, clusters, seed=1)
-    labels = kmeans.nearest(vectors)
+    rows, labels, home = kmeans.clusters_of(vectors, reach(THRESHOLD))
     keys = np.array([f"{row:09d}" for row in range(len(vectors))])
     out = set()
     for cluster in range(clusters):
-        rows = np.flatnonzero(labels == cluster)
-        found = near_duplicates(list(keys[rows]), vectors[rows], ranks[rows], THRESHOLD)
+        of_cluster = labels == cluster
+        members = rows[of_cluster]
+        found = near_duplicates(list(keys[members]), vectors[members], ranks[members],
+                                THRESHOLD, judged=home[of_cluster])  # fmt: skip
         out.update(int(key) for key in found)
-    return out
+    return out, (len(rows) - len(vectors)) / len(vectors)
 
 
 def main() -> None:
@@ -89,7 +92,7 @@ def main() -> None:
     truth = brute_force(vectors, ranks)
     brute_seconds = time.perf_counter() - started
     started = time.perf_counter()
-    found = clustered(vectors, ranks, clusters)
+    found, guests = clustered(vectors, ranks, clusters)
     clustered_seconds = time.perf_counter() - started
     both = len(found & truth)
     print(json.dumps({
@@ -98,6 +101,7 @@ def main() -> None:
         "planted_groups": args.groups,
         "threshold": THRESHOLD,
         "clusters": clusters,
+        "guests_per_sample": round(guests, 3),
         "near_duplicates": len(truth),
         "brute_force_seconds": round(brute_seconds, 2),
         "clustered_seconds": round(clustered_seconds, 2),

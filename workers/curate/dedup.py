@@ -8,8 +8,10 @@ so each group keeps its best sample. Up to some tens of thousands of members it 
 one job, a block of similarities at a time. Beyond that, the way SemDeDup and NeMo Curator
 scale it: one job trains k-means (faiss) on a sample of the embeddings, streams every
 member to its nearest centroid (each cluster's embeddings written in parts as they fill),
-and adds a job per cluster, which compares only its own members; no process ever holds
-all the embeddings.
+and adds a job per cluster, which judges only its own members; no process ever holds all
+the embeddings. Unlike SemDeDup, a member near a cluster's edge also joins the next
+clusters as a guest, compared with but not judged there, so a near-duplicate across the
+edge is still found (see `reach`).
 """
 
 import hashlib
@@ -44,6 +46,9 @@ POINTS_PER_CENTROID = 256
 KMEANS_ITERATIONS = 20
 # A cluster's embeddings are written in parts of this many rows while members stream in.
 PART_ROWS = 65_536
+# A sample also joins up to this many clusters beyond its own, as a guest (see reach).
+GUESTS = 2
+HOME = "home"  # the parts' column: a member of the cluster (else a guest)
 KEYS_PER_QUERY = 5_000
 
 
@@ -52,23 +57,29 @@ class MissingEmbeddings(Exception):
 
 
 def near_duplicates(
-    keys: Sequence[str], embeddings: np.ndarray, ranks: np.ndarray, threshold: float
+    keys: Sequence[str],
+    embeddings: np.ndarray,
+    ranks: np.ndarray,
+    threshold: float,
+    judged: np.ndarray | None = None,
 ) -> dict[str, tuple[str, float]]:
-    """Each near-duplicate's key -> (the better sample it duplicates, their cosine)."""
+    """Each near-duplicate's key -> (the better sample it duplicates, their cosine). With
+    `judged`, only those rows are judged; the others are compared with, not judged."""
     order = np.lexsort((np.asarray(keys), -np.nan_to_num(ranks, nan=-np.inf)))  # best first
-    vectors = embeddings[order].astype(np.float32)
-    vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    vectors = _unit(embeddings[order])
+    positions = np.arange(len(order)) if judged is None else np.flatnonzero(judged[order])
+    positions = positions[positions > 0]  # the best sample has no better one
     found: dict[str, tuple[str, float]] = {}
-    for start in range(1, len(order), BLOCK_ROWS):
-        stop = min(start + BLOCK_ROWS, len(order))
-        similar = vectors[start:stop] @ vectors[:stop].T
+    for start in range(0, len(positions), BLOCK_ROWS):
+        rows = positions[start : start + BLOCK_ROWS]
+        similar = vectors[rows] @ vectors[: rows[-1] + 1].T
         # Only better samples count: those before each row in the order.
-        similar[np.arange(stop)[None, :] >= np.arange(start, stop)[:, None]] = -np.inf
+        similar[np.arange(rows[-1] + 1)[None, :] >= rows[:, None]] = -np.inf
         nearest = similar.argmax(axis=1)
-        cosines = similar[np.arange(stop - start), nearest]
-        for row in np.flatnonzero(cosines >= threshold):
-            better = keys[order[nearest[row]]]
-            found[keys[order[start + row]]] = (better, float(cosines[row]))
+        cosines = similar[np.arange(len(rows)), nearest]
+        for index in np.flatnonzero(cosines >= threshold):
+            better = keys[order[nearest[index]]]
+            found[keys[order[rows[index]]]] = (better, float(cosines[index]))
     return found
 
 
@@ -84,43 +95,69 @@ class Kmeans:
         )  # fmt: skip
         self.model.train(_unit(sample))
 
-    def nearest(self, embeddings: np.ndarray) -> np.ndarray:
-        _, labels = self.model.index.search(_unit(embeddings), 1)
-        return labels[:, 0]
+    def clusters_of(
+        self, embeddings: np.ndarray, reach: float
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each row's nearest centroid, its home, and up to GUESTS next nearest within
+        `reach` further away, where it is a guest: (rows, clusters, is home) as arrays."""
+        distances, labels = self.model.index.search(_unit(embeddings), 1 + GUESTS)
+        distances = np.sqrt(np.maximum(distances, 0))
+        near = (distances <= distances[:, :1] + reach) & (labels >= 0)
+        rows, nth = np.nonzero(near)
+        return rows, labels[rows, nth], nth == 0
 
     @property
     def centroids(self) -> np.ndarray:
         return self.model.centroids
 
 
+def reach(threshold: float) -> float:
+    """How much further than its own centroid a sample's near-duplicate's can be: two unit
+    vectors at cosine t or more are sqrt(2 (1 - t)) apart at most, so by the triangle
+    inequality a sample's near-duplicate is at most twice that further from the sample's
+    centroid than from its own. Within it (and the GUESTS cap) a near-duplicate across a
+    cluster's edge is still compared."""
+    return 2 * np.sqrt(2 * (1 - threshold))
+
+
 class ClusterParts:
-    """Each cluster's members, written to the store in parts as they fill."""
+    """Each cluster's members and guests, written to the store in parts as they fill."""
 
     def __init__(self, store: ObjectStore, spec: DedupSpec) -> None:
         self.store, self.spec = store, spec
-        self.waiting: dict[int, list[tuple[list[str], np.ndarray]]] = {}
+        self.waiting: dict[int, list[tuple[list[str], np.ndarray, np.ndarray]]] = {}
         self.written: dict[int, int] = {}  # cluster -> parts written
+        self.homes: set[int] = set()  # clusters with members of their own
 
-    def add(self, labels: np.ndarray, keys: list[str], embeddings: np.ndarray) -> None:
-        for cluster in np.unique(labels):
-            rows = np.flatnonzero(labels == cluster)
-            batch = ([keys[row] for row in rows], embeddings[rows])
-            self.waiting.setdefault(int(cluster), []).append(batch)
-            if sum(len(part_keys) for part_keys, _ in self.waiting[int(cluster)]) >= PART_ROWS:
-                self._write(int(cluster))
+    def add(
+        self, assigned: tuple[np.ndarray, np.ndarray, np.ndarray], keys: list[str],
+        embeddings: np.ndarray,
+    ) -> None:  # fmt: skip
+        rows, clusters, home = assigned
+        for cluster in np.unique(clusters).tolist():
+            of_cluster = np.flatnonzero(clusters == cluster)
+            batch = ([keys[row] for row in rows[of_cluster]], embeddings[rows[of_cluster]],
+                     home[of_cluster])  # fmt: skip
+            self.waiting.setdefault(cluster, []).append(batch)
+            if home[of_cluster].any():
+                self.homes.add(cluster)
+            if sum(len(batch[0]) for batch in self.waiting[cluster]) >= PART_ROWS:
+                self._write(cluster)
 
     def close(self) -> list[int]:
-        """Writes what is left; the clusters that have members."""
+        """Writes what is left; the clusters that have members of their own."""
         for cluster in list(self.waiting):
             self._write(cluster)
-        return sorted(self.written)
+        return sorted(self.homes)
 
     def _write(self, cluster: int) -> None:
         batches = self.waiting.pop(cluster)
-        keys = [key for part_keys, _ in batches for key in part_keys]
-        embeddings = np.concatenate([vectors for _, vectors in batches])
+        keys = [key for part_keys, _, _ in batches for key in part_keys]
+        embeddings = np.concatenate([vectors for _, vectors, _ in batches])
+        home = pa.array(np.concatenate([flags for _, _, flags in batches]))
         part = self.written.get(cluster, 0)
-        data = embedding_shard_bytes(keys, embeddings, {"cluster": cluster, "part": part})
+        data = embedding_shard_bytes(keys, embeddings, {"cluster": cluster, "part": part},
+                                     columns={HOME: home})  # fmt: skip
         key = f"{self.spec.cluster_prefix(cluster)}{part:05d}.parquet"
         self.store.put_bytes(key, data, content_type=PARQUET)
         self.written[cluster] = part + 1
@@ -156,12 +193,12 @@ class DedupWork(Work):
         """All members (one job), or one cluster's: their near-duplicates left out."""
         # 1. The members' embeddings and the score that ranks them.
         if spec.cluster is None:
-            keys, embeddings = self._members_embeddings(spec)
+            (keys, embeddings), judged = self._members_embeddings(spec), None
         else:
-            keys, embeddings = self._cluster_embeddings(spec)
+            keys, embeddings, judged = self._cluster_embeddings(spec)
         ranks = self._ranks(spec, keys)
         # 2. Their near-duplicates, left out with the sample each duplicates.
-        found = near_duplicates(keys, embeddings, ranks, spec.threshold)
+        found = near_duplicates(keys, embeddings, ranks, spec.threshold, judged)
         with self.sessions.begin() as session:
             reasons = {key: f"near-duplicate of {better} (cosine {cosine:.2f})"
                        for key, (better, cosine) in found.items()}  # fmt: skip
@@ -180,11 +217,12 @@ class DedupWork(Work):
             if sum(map(len, sample)) >= wanted:
                 break
         kmeans = Kmeans(np.concatenate(sample), spec.clusters, seed=spec.dataset_id)
-        # 2. Every member to its nearest centroid, a shard at a time.
+        # 2. Every member to its nearest centroid, and near the edge to the next, a shard at
+        # a time.
         parts = ClusterParts(self.store, spec)
         for number in sorted(members):
             keys, embeddings = self._embeddings(spec, number, members[number])
-            parts.add(kmeans.nearest(embeddings), keys, embeddings)
+            parts.add(kmeans.clusters_of(embeddings, reach(spec.threshold)), keys, embeddings)
         clusters = parts.close()
         # 3. A job per cluster with members, added once (a retried job finds them).
         with self.sessions.begin() as session:
@@ -212,9 +250,14 @@ class DedupWork(Work):
         ]
         return _joined(read)
 
-    def _cluster_embeddings(self, spec: DedupSpec) -> tuple[list[str], np.ndarray]:
-        parts = sorted(self.store.list_keys(spec.cluster_prefix(spec.cluster)))
-        return _joined([read_embeddings(self.store.get_bytes(part)) for part in parts])
+    def _cluster_embeddings(self, spec: DedupSpec) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """The cluster's members and guests, and which are its members."""
+        read, home = [], []
+        for part in sorted(self.store.list_keys(spec.cluster_prefix(spec.cluster))):
+            data = self.store.get_bytes(part)
+            read.append(read_embeddings(data))
+            home.append(pq.read_table(pa.BufferReader(data), columns=[HOME])[HOME].to_numpy())
+        return *_joined(read), np.concatenate(home)
 
     def _embeddings(
         self, spec: DedupSpec, number: int, keys: list[str]

@@ -16,18 +16,30 @@ from sdq.workers.shards.latents import METADATA_KEY, fixed_size_binary, read_ten
 EMBEDDING = "embedding"
 
 
-def embedding_shard_bytes(keys: list[str], embeddings: np.ndarray, about: dict[str, Any]) -> bytes:
+def embedding_shard_bytes(
+    keys: list[str],
+    embeddings: np.ndarray,
+    about: dict[str, Any],
+    columns: dict[str, pa.Array] | None = None,
+) -> bytes:
+    """The shard's file; `columns`, any further per-row columns (a dedup cluster's part
+    marks its own members)."""
     tensors = {EMBEDDING: {"shape": list(embeddings.shape[1:]), "dtype": str(embeddings.dtype)}}
     table = pa.table(
-        {"key": pa.array(keys, pa.string()), EMBEDDING: fixed_size_binary(embeddings)}
+        {
+            "key": pa.array(keys, pa.string()),
+            EMBEDDING: fixed_size_binary(embeddings),
+            **(columns or {}),
+        }
     ).replace_schema_metadata({METADATA_KEY: json.dumps({**about, "tensors": tensors})})
     buffer = io.BytesIO()
-    pq.write_table(table, buffer, compression={"key": "zstd", EMBEDDING: "none"},
+    compression = {name: "zstd" for name in table.column_names} | {EMBEDDING: "none"}
+    pq.write_table(table, buffer, compression=compression,
                    use_dictionary=["key"], write_statistics=["key"])  # fmt: skip
     return buffer.getvalue()
 
 
 def read_embeddings(data: bytes) -> tuple[list[str], np.ndarray]:
     """A shard's keys and their embeddings (samples x width), a view of the file's pages."""
-    table = pq.read_table(pa.BufferReader(data))
+    table = pq.read_table(pa.BufferReader(data), columns=["key", EMBEDDING])
     return table.column("key").to_pylist(), read_tensor(table, EMBEDDING)
