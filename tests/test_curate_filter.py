@@ -3,6 +3,8 @@ curate scores, without near-duplicates, with no image copied; encoded, trained o
 traced back through, as any dataset is. Near-duplicates are planted in embeddings the
 curate way and found, by one job and by clusters, with recall and precision 1.0."""
 
+import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -10,6 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
+import psycopg
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -21,14 +24,15 @@ from sdq.models.curate.specs import embeddings_key
 from sdq.models.curate.tables import SampleScore
 from sdq.models.datasets.tables import Dataset, Sample, Shard
 from sdq.models.db import make_engine
+from sdq.models.jobs.lifecycle import OUTAGE
 from sdq.models.store import PARQUET, LocalStore
 from sdq.workers.curate.dedup import near_duplicates
 from sdq.workers.shards.embeddings import embedding_shard_bytes
 from tests.browser import chromium, open_page, texts
-from tests.conftest import ROOT, sdq_json
+from tests.conftest import BUCKET, ROOT, BeatProcess, WorkerProcess, sdq_json, wait_for_run
 from tests.hostile_server import HostileServer
 from tests.netns_download import DOWNLOAD_ENV
-from tests.services import clean_env
+from tests.services import OutageProxy, clean_env, wait_for
 from tests.test_curate import AESTHETIC, head_state, tiny_clip
 from tests.test_encode import write_list
 
@@ -256,3 +260,85 @@ def test_near_duplicates_are_the_exact_pairs_over_the_threshold() -> None:
             nearest = better[cosine[row, better].argmax()]
             expected[keys[row]] = (keys[nearest], pytest.approx(cosine[row, nearest], abs=1e-5))
     assert len(expected) > 20 and found == expected
+
+
+def _events(database_url: str, run_id: int) -> list[tuple[int, str, str | None, int]]:
+    with psycopg.connect(database_url) as connection:
+        return connection.execute(
+            "SELECT e.job_id, e.status, e.detail, j.attempts FROM job_events e "
+            "JOIN jobs j ON j.id = e.job_id WHERE j.run_id = %s ORDER BY e.id",
+            (run_id,),
+        ).fetchall()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_curate_and_dedup_on_services_survive_a_store_outage_and_a_killed_worker(
+    own_deployment: dict[str, str], s3: dict[str, str], tmp_path: Path
+) -> None:
+    """The faults every kind meets, met by curate as by the others: the store goes away
+    under its jobs (waited out, no attempt spent), and the GPU worker is killed with its
+    pool while one runs (its jobs done by a new worker once the lease runs out). Every kept
+    sample ends scored once. Then a clustered dedup on the services: the clustering job's
+    cluster jobs travel through the broker to the worker, and the run ends."""
+    clip = tiny_clip(tmp_path / "tiny-clip")
+    upstream = int(s3["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    with OutageProxy(upstream) as proxy:
+        env = {**own_deployment, **DOWNLOAD_ENV, "SDQ_STORE_URL": f"s3://{BUCKET}/curate-faults",
+               "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}", "SDQ_LEASE_SECONDS": "6",
+               "SDQ_MAINTENANCE_INTERVAL_SECONDS": "1", "SDQ_RETRY_BACKOFF_SECONDS": "1",
+               "SDQ_RETRY_BACKOFF_MAX_SECONDS": "3"}  # fmt: skip
+        database_url = env["SDQ_DATABASE_URL"]
+        gpu = WorkerProcess(env, tmp_path / "gpu.log").start()
+        helpers = [WorkerProcess(env, tmp_path / "cpu.log", pool="cpu").start(),
+                   BeatProcess(env, tmp_path / "beat.log").start()]  # fmt: skip
+        try:
+            with HostileServer() as server:
+                listing = write_list(tmp_path / "list.csv", server.base, 12)
+                sdq_json(env, "download", str(listing), "--dataset", "hens", "--resolution",
+                         "64", "--rows-per-shard", "4", "--wait", cwd=tmp_path)  # fmt: skip
+            proxy.outage()
+            # Submitted from a machine that still reaches the store; the workers do not.
+            submitting = {**env, "AWS_ENDPOINT_URL": s3["AWS_ENDPOINT_URL"]}
+            run_id = sdq_json(submitting, "curate", "hens", "--model", str(clip),
+                              "--batch-size", "1", cwd=tmp_path)["run_id"]  # fmt: skip
+            wait_for(lambda: any(OUTAGE in (detail or "") for _, _, detail, _ in
+                                 _events(database_url, run_id)),
+                     what="a curate job to meet the outage", timeout=120)  # fmt: skip
+            wait_for(lambda: any(status == "running" for _, status, *_ in
+                                 _events(database_url, run_id)[-1:]),
+                     what="a curate job to run again", timeout=60)  # fmt: skip
+            os.killpg(gpu.process.pid, signal.SIGKILL)  # the parent and every child at once
+            gpu.process.wait()
+            proxy.restore()
+            gpu = WorkerProcess(env, tmp_path / "gpu-2.log").start()
+            assert wait_for_run(database_url, run_id) == {"succeeded": 3}
+            with psycopg.connect(database_url) as connection:
+                scored = connection.execute(
+                    "SELECT count(*), count(DISTINCT sample_id) FROM sample_scores"
+                ).fetchone()
+                kept = connection.execute(
+                    "SELECT count(*) FROM samples WHERE status = 'success'"
+                ).fetchone()[0]
+            assert scored == (kept, kept) and kept == 11  # the list's broken row: no image
+            history = _events(database_url, run_id)
+            assert all(attempts <= 2 for *_, attempts in history)
+            # Setbacks: only the outage's, which spend no attempt.
+            setbacks = [detail for _, status, detail, _ in history if status in ("failed", "dead")]
+            assert setbacks and all(OUTAGE in detail for detail in setbacks)
+
+            shown = sdq_json(env, "dataset", "filter", "hens", "--into", "hens-unique",
+                             "--dedup", "0.999", "--dedup-clusters", "2", "--wait",
+                             cwd=tmp_path)  # fmt: skip
+            assert shown["made_of"] == "hens" and sum(shown["by_status"].values()) == kept
+        finally:
+            for process in [gpu, *helpers]:
+                process.stop()
+    with psycopg.connect(database_url) as connection:
+        jobs = connection.execute(
+            "SELECT j.status, j.spec->>'cluster' FROM jobs j JOIN runs r ON r.id = j.run_id "
+            "WHERE r.options->>'dataset' = 'hens-unique' ORDER BY j.id"
+        ).fetchall()
+    assert jobs[0] == ("succeeded", None) and len(jobs) in (2, 3)  # the clusters with members
+    assert all(status == "succeeded" for status, _ in jobs)
+    assert sorted(cluster for _, cluster in jobs[1:]) == [str(n) for n in range(len(jobs) - 1)]
