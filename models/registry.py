@@ -103,127 +103,66 @@ def resolve_model(ref: str, *, store: ObjectStore, session: Session) -> ModelIde
     NAME@STEP), a pushed or trained name (its newest revision), or a hub id."""
     if ref == tiny.TINY_NAME:
         return tiny_identity()
-    if ref.startswith("s3://"):
-        return _resolve_s3(ref)
-    if Path(ref).is_dir():
-        return _resolve_folder(Path(ref))
-    if ref.startswith(PATH_PREFIXES):
-        raise ModelNotFound(f"no folder {ref} ({Path(ref).expanduser().absolute()})")
+    if (files := stored_files(ref)) is not None:
+        return _pipeline(files)
     if (made := _made_by_a_run(session, ref)) is not None:
         prefix, revision = made
-        return _identity(
-            name=ref,
-            source=f"{STORE_SOURCE}{prefix}",
-            revision=revision,
-            read=_store_reader(store, f"{prefix}/"),
-        )
+        return _identity(FoundModel(ref, f"{STORE_SOURCE}{prefix}", revision,
+                                    _store_reader(store, f"{prefix}/")))  # fmt: skip
     if (record := _latest_pushed(session, ref)) is not None:
         return _resolve_pushed(record, store)
-    if ref.startswith(HUB_SOURCE) or ref.count("/") == 1:
-        return _resolve_hub(ref.removeprefix(HUB_SOURCE))
+    if is_hub_id(ref):
+        return _identity(hub_files(ref))
     raise ModelNotFound(
         f"unknown model {ref!r}: not 'tiny', a local folder, an s3:// URI, "
         "a name registered with `sdq model push`, or a hub id like org/name"
     )
 
 
-def _identity(
-    *,
-    name: str,
-    source: str,
-    revision: str,
-    read: Callable[[str], bytes | None],
-    encoders_hash: str | None = None,
-) -> ModelIdentity:
-    """Completes an identity from the pipeline's own config files, read through `read`."""
-    raw = read(SCHEDULER_CONFIG_FILE)
-    if raw is None:
-        raise ModelNotFound(f"{source} is not a diffusers pipeline: no {SCHEDULER_CONFIG_FILE}")
-    scheduler, scheduler_config = scheduler_from_config(raw, f"{source}/{SCHEDULER_CONFIG_FILE}")
-    return ModelIdentity(
-        name=name,
-        source=source,
-        revision=revision,
-        scheduler=scheduler,
-        scheduler_config=scheduler_config,
-        default_dtype=AUTO_DTYPE,
-        default_size=_native_size(read(UNET_CONFIG_FILE)),
-        encoders_hash=encoders_hash,
-    )
+@dataclass(frozen=True)
+class FoundModel:
+    """Where a model's files are, what its revision is, and a reader of its files by
+    relative name (None for a file it does not have)."""
+
+    name: str
+    source: str  # /local/folder | s3://bucket/prefix | hub:<id> | store:<prefix>
+    revision: str  # content hash or hub commit
+    read: Callable[[str], bytes | None]
+    encoders_hash: str | None = None
+    local: bool = False
 
 
-def _native_size(unet_config: bytes | None) -> int:
-    """The size a model was trained at: its U-Net's latent size times the VAE's factor 8."""
-    try:
-        return int(json.loads(unet_config)["sample_size"]) * 8 if unet_config else 512
-    except (ValueError, KeyError, TypeError):
-        return 512
+def stored_files(ref: str) -> FoundModel | None:
+    """A model's files in an s3:// URI or a local folder; None for a ref that is neither
+    (a name, a hub id). A path to no folder is refused by name."""
+    if ref.startswith("s3://"):
+        store = S3Store.from_uri(ref)
+        listing = store.object_digests("")
+        if not listing:
+            raise ModelNotFound(f"no objects under {ref}")
+        name = store.prefix.rsplit("/", 1)[-1] or store.bucket
+        return FoundModel(name, ref, content_hash(listing.items()), _store_reader(store, ""))
+    if Path(ref).is_dir():
+        folder = Path(ref)
 
+        def read(relative: str) -> bytes | None:
+            path = folder / relative
+            return path.read_bytes() if path.is_file() else None
 
-def _resolve_folder(folder: Path) -> ModelIdentity:
-    if not (folder / MODEL_INDEX).is_file():
-        raise ModelNotFound(f"{folder} is not a diffusers pipeline: no {MODEL_INDEX}")
-
-    def read(relative: str) -> bytes | None:
-        path = folder / relative
-        return path.read_bytes() if path.is_file() else None
-
-    revision, encoders = folder_hashes(folder)
-    return _identity(
-        name=folder.name,
-        source=str(folder.resolve()),
-        revision=revision,
-        read=read,
-        encoders_hash=encoders,
-    )
-
-
-def _resolve_s3(uri: str) -> ModelIdentity:
-    store = S3Store.from_uri(uri)
-    listing = store.object_digests("")
-    if not listing:
-        raise ModelNotFound(f"no objects under {uri}")
-    return _identity(
-        name=store.prefix.rsplit("/", 1)[-1] or store.bucket,
-        source=uri,
-        revision=content_hash(listing.items()),
-        read=_store_reader(store, ""),
-    )
-
-
-def _made_by_a_run(session: Session, ref: str) -> tuple[str, str] | None:
-    """A model a run made (a training checkpoint, RUN@STEP or NAME@STEP): its prefix in the
-    store and its revision, from the kind whose runs make models (its `made_model` hook)."""
-    for kind in KINDS.values():
-        made_model = kind.model_hook("made_model")
-        if made_model is not None and (made := made_model(session, ref)) is not None:
-            return made
+        revision, encoders = folder_hashes(folder)
+        return FoundModel(folder.name, str(folder.resolve()), revision, read, encoders, local=True)
+    if ref.startswith(PATH_PREFIXES):
+        raise ModelNotFound(f"no folder {ref} ({Path(ref).expanduser().absolute()})")
     return None
 
 
-def _resolve_pushed(record: ModelRecord, store: ObjectStore) -> ModelIdentity:
-    return _identity(
-        name=record.name,
-        source=f"{STORE_SOURCE}{record.store_prefix}",
-        revision=record.revision,
-        read=_store_reader(store, f"{record.store_prefix}/"),
-        encoders_hash=record.encoders_hash,
-    )
+def is_hub_id(ref: str) -> bool:
+    return ref.startswith(HUB_SOURCE) or ref.count("/") == 1
 
 
-def _store_reader(store: ObjectStore, prefix: str) -> Callable[[str], bytes | None]:
-    def read(relative: str) -> bytes | None:
-        try:
-            return store.get_bytes(f"{prefix}{relative}")
-        except MissingObject:
-            return None
-
-    return read
-
-
-def _resolve_hub(ref: str) -> ModelIdentity:
-    """Pins a hub id to its current commit, so later renders load exactly these weights."""
-    repo_id, _, revision = ref.partition("@")
+def hub_files(ref: str) -> FoundModel:
+    """A hub id pinned to its current commit, so later work loads exactly these weights."""
+    repo_id, _, revision = ref.removeprefix(HUB_SOURCE).partition("@")
     try:
         from huggingface_hub import HfApi, hf_hub_download
         from huggingface_hub.errors import EntryNotFoundError
@@ -242,7 +181,69 @@ def _resolve_hub(ref: str) -> ModelIdentity:
         except EntryNotFoundError:
             return None
 
-    return _identity(name=repo_id, source=f"{HUB_SOURCE}{repo_id}", revision=commit, read=read)
+    return FoundModel(repo_id, f"{HUB_SOURCE}{repo_id}", commit, read)
+
+
+def _pipeline(files: FoundModel) -> ModelIdentity:
+    """A folder or copy's identity, refused when it is not a diffusers pipeline."""
+    if files.local and files.read(MODEL_INDEX) is None:
+        raise ModelNotFound(f"{files.source} is not a diffusers pipeline: no {MODEL_INDEX}")
+    return _identity(files)
+
+
+def _identity(files: FoundModel) -> ModelIdentity:
+    """Completes an identity from the pipeline's own config files."""
+    raw = files.read(SCHEDULER_CONFIG_FILE)
+    if raw is None:
+        raise ModelNotFound(
+            f"{files.source} is not a diffusers pipeline: no {SCHEDULER_CONFIG_FILE}"
+        )
+    where = f"{files.source}/{SCHEDULER_CONFIG_FILE}"
+    scheduler, scheduler_config = scheduler_from_config(raw, where)
+    return ModelIdentity(
+        name=files.name,
+        source=files.source,
+        revision=files.revision,
+        scheduler=scheduler,
+        scheduler_config=scheduler_config,
+        default_dtype=AUTO_DTYPE,
+        default_size=_native_size(files.read(UNET_CONFIG_FILE)),
+        encoders_hash=files.encoders_hash,
+    )
+
+
+def _native_size(unet_config: bytes | None) -> int:
+    """The size a model was trained at: its U-Net's latent size times the VAE's factor 8."""
+    try:
+        return int(json.loads(unet_config)["sample_size"]) * 8 if unet_config else 512
+    except (ValueError, KeyError, TypeError):
+        return 512
+
+
+def _made_by_a_run(session: Session, ref: str) -> tuple[str, str] | None:
+    """A model a run made (a training checkpoint, RUN@STEP or NAME@STEP): its prefix in the
+    store and its revision, from the kind whose runs make models (its `made_model` hook)."""
+    for kind in KINDS.values():
+        made_model = kind.model_hook("made_model")
+        if made_model is not None and (made := made_model(session, ref)) is not None:
+            return made
+    return None
+
+
+def _resolve_pushed(record: ModelRecord, store: ObjectStore) -> ModelIdentity:
+    return _identity(FoundModel(record.name, f"{STORE_SOURCE}{record.store_prefix}",
+                                record.revision, _store_reader(store, f"{record.store_prefix}/"),
+                                record.encoders_hash))  # fmt: skip
+
+
+def _store_reader(store: ObjectStore, prefix: str) -> Callable[[str], bytes | None]:
+    def read(relative: str) -> bytes | None:
+        try:
+            return store.get_bytes(f"{prefix}{relative}")
+        except MissingObject:
+            return None
+
+    return read
 
 
 def _latest_pushed(session: Session, name: str) -> ModelRecord | None:
@@ -322,7 +323,9 @@ class Pushed:
 def push_model(folder: Path, name: str, *, store: ObjectStore, session: Session) -> Pushed:
     """Copies a pipeline folder into the store once per revision; the registry row, written
     last, marks the copy complete."""
-    identity = _resolve_folder(folder)
+    if (files := stored_files(str(folder))) is None or not files.local:
+        raise ModelNotFound(f"no folder {folder}")
+    identity = _pipeline(files)
     prefix = f"models/{name}/{identity.revision[:16]}"
     pushed = replace(identity, name=name, source=f"{STORE_SOURCE}{prefix}")
     known = _latest_pushed(session, name)
