@@ -150,6 +150,24 @@ def test_a_filtered_dataset_is_encoded_trained_on_and_traced_to_the_urls_it_kept
                                                        if kept)  # fmt: skip
 
 
+def test_curate_and_filter_name_a_dataset_with_no_usable_samples(tmp_path: Path) -> None:
+    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT)}
+    clip = tiny_clip(tmp_path / "tiny-clip")
+    with HostileServer() as server:
+        listing = tmp_path / "gone.csv"
+        listing.write_text("url,caption\n" + "".join(
+            f"{server.base}/missing-{n}.jpg,gone {n}\n" for n in range(3)))  # fmt: skip
+        sdq_json(env, "download", str(listing), "--dataset", "gone", cwd=tmp_path)
+    said = "dataset 'gone' has no usable samples: all 3 downloaded so far failed or were duplicates"
+    for args in (("curate", "gone", "--model", str(clip)),
+                 ("dataset", "filter", "gone", "--into", "kept", "--min-size", "8")):  # fmt: skip
+        refused = sdq(env, tmp_path, *args)
+        assert refused.returncode == 2 and said in " ".join(refused.stderr.split())
+    with sqlite3.connect(tmp_path / "sdq-data/sdq.db") as db:
+        assert db.execute("SELECT count(*) FROM datasets").fetchone() == (1,)
+        assert db.execute("SELECT count(*) FROM runs WHERE kind = 'curate'").fetchone() == (0,)
+
+
 def planted_dataset(tmp_path: Path, database_url: str, store: LocalStore) -> dict[str, set[str]]:
     """A curated dataset as curate leaves one, 1,600 samples over 8 shards of 32-wide CLIP
     embeddings around 8 centres, where 60 samples are near-duplicates (cosine > 0.99) of
@@ -331,14 +349,33 @@ def test_curate_and_dedup_on_services_survive_a_store_outage_and_a_killed_worker
                              "--dedup", "0.999", "--dedup-clusters", "2", "--wait",
                              cwd=tmp_path)  # fmt: skip
             assert shown["made_of"] == "hens" and sum(shown["by_status"].values()) == kept
+            # The rest of the chain on the services: encode, train, generate, lineage.
+            sdq_json(env, "encode", "hens-unique", "--model", "tiny", "--resolution", "64",
+                     "--wait", cwd=tmp_path)  # fmt: skip
+            sdq_json(env, "train", "hens-unique", "--base", "tiny", "--resolution", "64",
+                     "--batch-size", "4", "--steps", "2", "--into", "hens-model", "--wait",
+                     cwd=tmp_path)  # fmt: skip
+            prompts = tmp_path / "prompts.csv"
+            prompts.write_text("prompt,seed\na hen,1\n")
+            made = sdq_json(env, "submit", str(prompts), "--model", "hens-model", "--steps",
+                            "2", "--size", "64x64", "--wait", cwd=tmp_path)  # fmt: skip
         finally:
             for process in [gpu, *helpers]:
                 process.stop()
     with psycopg.connect(database_url) as connection:
         jobs = connection.execute(
             "SELECT j.status, j.spec->>'cluster' FROM jobs j JOIN runs r ON r.id = j.run_id "
-            "WHERE r.options->>'dataset' = 'hens-unique' ORDER BY j.id"
+            "WHERE r.kind = 'curate' AND r.options->>'dataset' = 'hens-unique' ORDER BY j.id"
         ).fetchall()
     assert jobs[0] == ("succeeded", None) and len(jobs) in (2, 3)  # the clusters with members
     assert all(status == "succeeded" for status, _ in jobs)
     assert sorted(cluster for _, cluster in jobs[1:]) == [str(n) for n in range(len(jobs) - 1)]
+    with psycopg.connect(database_url) as connection:
+        sources = connection.execute(
+            "SELECT q.url FROM image_sources q JOIN jobs j ON j.id = q.job_id WHERE j.run_id = %s",
+            (made["run_id"],),
+        ).fetchall()
+        members = connection.execute(
+            "SELECT url FROM sample_quality WHERE dataset = 'hens-unique' AND kept"
+        ).fetchall()
+    assert sorted(sources) == sorted(members) and members
