@@ -94,7 +94,11 @@ class DedupSpec:
 
     def cluster_prefix(self, cluster: int) -> str:
         """Where the clustering job leaves cluster `cluster`'s embeddings, in parts."""
-        return f"{self._prefix}/clusters/{cluster:05d}/"
+        return f"{self.clusters_prefix}{cluster:05d}/"
+
+    @property
+    def clusters_prefix(self) -> str:
+        return f"{self._prefix}/clusters/"
 
     @property
     def _prefix(self) -> str:

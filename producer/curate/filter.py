@@ -97,7 +97,7 @@ def record_filter(
     transaction: nothing is written when any check fails."""
     with sessions.begin() as session:
         # 1. The parent, readable and scored as the rules need; the name free.
-        parent = _filterable(session, parent_name, name, rules)
+        parent = _filterable(session, parent_name, name)
         revision = _scored_by(session, parent, rules)
         # 2. The new dataset: a shard row per parent file, a sample row per kept sample.
         dataset = Dataset(name=name, options=_options(parent, rules))
@@ -129,7 +129,7 @@ def record_filter(
         )
 
 
-def _filterable(session: Session, parent_name: str, name: str, rules: Rules) -> Dataset:
+def _filterable(session: Session, parent_name: str, name: str) -> Dataset:
     parent = dataset_named(session, parent_name)
     if session.scalar(select(Dataset.id).where(Dataset.name == name)) is not None:
         raise CannotFilter(f"--into {name}: a dataset of that name exists already")

@@ -206,7 +206,12 @@ class DedupWork(Work):
         return _found_bytes(found), len(keys)
 
     def _cluster(self, run_id: int, spec: DedupSpec) -> tuple[bytes, int]:
-        """k-means over the members, their embeddings by cluster, and a job per cluster."""
+        """k-means over the members, their embeddings by cluster, and a job per cluster.
+        A retry after the cluster jobs were added leaves their parts as they are."""
+        if _cluster_jobs_added(self.sessions, run_id):
+            return self.store.get_bytes(spec.output_key), 0
+        for stale in list(self.store.list_keys(spec.clusters_prefix)):
+            self.store.delete(stale)  # an earlier attempt's parts
         members = self._members(spec)
         # 1. k-means, trained on a seeded sample of whole shards.
         shards = sorted(members)
@@ -224,11 +229,13 @@ class DedupWork(Work):
             keys, embeddings = self._embeddings(spec, number, members[number])
             parts.add(kmeans.clusters_of(embeddings, reach(spec.threshold)), keys, embeddings)
         clusters = parts.close()
-        # 3. A job per cluster with members, added once (a retried job finds them).
+        centroids = _centroids_bytes(kmeans.centroids)
+        self.store.put_bytes(spec.output_key, centroids, content_type=PARQUET)
+        # 3. A job per cluster with members, added once.
         with self.sessions.begin() as session:
             _add_cluster_jobs(session, run_id, spec, clusters)
         self.send_added(run_id)
-        return _centroids_bytes(kmeans.centroids), sum(map(len, members.values()))
+        return centroids, sum(map(len, members.values()))
 
     def _members(self, spec: DedupSpec) -> dict[int, list[str]]:
         """The dataset's members by shard number."""
@@ -287,8 +294,13 @@ class DedupWork(Work):
         return np.array([np.nan if found.get(key) is None else found[key] for key in keys])
 
 
+def _cluster_jobs_added(sessions: sessionmaker[Session], run_id: int) -> bool:
+    with sessions() as session:
+        return session.scalar(select(func.count()).where(Job.run_id == run_id)) > 1
+
+
 def _add_cluster_jobs(session: Session, run_id: int, spec: DedupSpec, clusters: list[int]) -> None:
-    run = session.get_one(Run, run_id, with_for_update=True)
+    run = session.get_one(Run, run_id, with_for_update=True)  # one adder at a time
     if session.scalar(select(func.count()).where(Job.run_id == run_id)) > 1:
         return
     specs = [DedupSpec(**{**spec.to_dict(), "cluster": cluster}) for cluster in clusters]
