@@ -89,7 +89,10 @@ class DedupSpec:
     @property
     def output_key(self) -> str:
         """The job's record in the store: its near-duplicates, or the clusters' centroids."""
-        name = "centroids" if self.clusters_them else f"{self.cluster or 0:05d}"
+        if self.clusters_them:
+            name = "centroids"
+        else:
+            name = "all" if self.cluster is None else f"{self.cluster:05d}"
         return f"{self._prefix}/{name}.parquet"
 
     def cluster_prefix(self, cluster: int) -> str:

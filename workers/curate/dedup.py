@@ -185,7 +185,7 @@ class DedupWork(Work):
                 data, units = self._cluster(job.run_id, spec)
             else:
                 data, units = self._leave_out_duplicates(spec)
-            uri = self.store.put_bytes(spec.output_key, data, content_type=PARQUET)
+            uri = self.store.uri(spec.output_key)  # each stored its record itself
             yield Output(job.id, uri, hashlib.sha256(data).hexdigest(),
                          work_seconds=perf_counter() - started, units=units)  # fmt: skip
 
@@ -203,7 +203,9 @@ class DedupWork(Work):
             reasons = {key: f"near-duplicate of {better} (cosine {cosine:.2f})"
                        for key, (better, cosine) in found.items()}  # fmt: skip
             leave_out(session, spec.dataset_id, reasons)
-        return _found_bytes(found), len(keys)
+        data = _found_bytes(found)
+        self.store.put_bytes(spec.output_key, data, content_type=PARQUET)
+        return data, len(keys)
 
     def _cluster(self, run_id: int, spec: DedupSpec) -> tuple[bytes, int]:
         """k-means over the members, their embeddings by cluster, and a job per cluster.
@@ -229,9 +231,9 @@ class DedupWork(Work):
             keys, embeddings = self._embeddings(spec, number, members[number])
             parts.add(kmeans.clusters_of(embeddings, reach(spec.threshold)), keys, embeddings)
         clusters = parts.close()
+        # 3. The centroids stored, then a job per cluster with members, added once.
         centroids = _centroids_bytes(kmeans.centroids)
         self.store.put_bytes(spec.output_key, centroids, content_type=PARQUET)
-        # 3. A job per cluster with members, added once.
         with self.sessions.begin() as session:
             _add_cluster_jobs(session, run_id, spec, clusters)
         self.send_added(run_id)
