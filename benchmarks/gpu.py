@@ -32,12 +32,8 @@ sys.path.insert(0, str(ROOT))
 from sd15 import SD15_SCHEDULER, sd15_pipeline  # noqa: E402  (beside this script)
 
 from sdq.models.generate.specs import GenerationSpec  # noqa: E402
-from sdq.workers.generate.pipelines import (  # noqa: E402
-    Loaded,
-    PromptEmbeddings,
-    compile_pipeline,
-    render,
-)
+from sdq.workers.generate.conditioning import PromptEmbeddings, family_encoder  # noqa: E402
+from sdq.workers.generate.pipelines import Loaded, compile_pipeline, render  # noqa: E402
 from sdq.workers.gpu import device_name, peak_flops  # noqa: E402
 
 NEGATIVE = "blurry, low quality"
@@ -155,7 +151,7 @@ def main() -> None:
         if compiled:
             compile_pipeline(pipeline, args.compile_mode)
         # A fresh prompt cache per side of the table: each starts cold, as a worker does.
-        loaded = Loaded(pipeline, PromptEmbeddings(1024))
+        loaded = Loaded(pipeline, PromptEmbeddings(family_encoder(pipeline), 1024))
         rows += [{"compiled": compiled, **measure(pipeline, loaded, batch, args, flops)}
                  for batch in batches]  # fmt: skip
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from sd15 import sd15_text_encoder  # noqa: E402  (beside this script)
 
-from sdq.workers.generate.pipelines import PromptEmbeddings  # noqa: E402
+from sdq.workers.generate.conditioning import PromptEmbeddings, family_encoder  # noqa: E402
 from sdq.workers.tiny import build_pipeline  # noqa: E402
 
 NEGATIVE = "blurry, low quality, watermark"
@@ -67,7 +67,7 @@ def plain(pipeline, batches: list[list[str]]) -> tuple[float, int]:
 
 
 def cached(pipeline, batches: list[list[str]]) -> tuple[float, int]:
-    embeddings = PromptEmbeddings(1024)
+    embeddings = PromptEmbeddings(family_encoder(pipeline), 1024)
     started = time.perf_counter()
     with torch.inference_mode():
         for prompts in batches:
@@ -90,7 +90,7 @@ def worker_encodes(batches: list[list[str]], url: str | None) -> int:
     torch.set_num_threads(1)
     pipeline = sd15_text_pipeline()
     shared = url and SharedPrompts(url, 10_000).for_encoder(text_encoder_digest(pipeline))
-    embeddings = PromptEmbeddings(1024, shared or None)
+    embeddings = PromptEmbeddings(family_encoder(pipeline), 1024, shared or None)
     with torch.inference_mode():
         for prompts in batches:
             embeddings(pipeline, prompts)

@@ -23,14 +23,18 @@ from sdq.models.tables import ModelRecord
 
 SCHEDULER_CONFIG_FILE = "scheduler/scheduler_config.json"
 MODEL_INDEX = "model_index.json"
-# What makes a model's latents and text embeddings: the rest of it does not change them.
-ENCODER_FOLDERS = ("vae/", "text_encoder/", "tokenizer/")
+# What makes a model's latents and text embeddings: the rest of it does not change them
+# (SDXL has a second text encoder and tokenizer).
+ENCODER_FOLDERS = ("vae/", "text_encoder/", "tokenizer/", "text_encoder_2/", "tokenizer_2/")
 # A model named like a path is a folder, never a hub id: if it is not there, say so.
 PATH_PREFIXES = ("./", "../", "/", "~", ".\\")
 UNET_CONFIG_FILE = "unet/config.json"
 STORE_SOURCE = "store:"
 # A training checkpoint: the run id or its `--into` name, then the step.
 HUB_SOURCE = "hub:"
+# What a registry record is (ModelRecord.format).
+PIPELINE_FORMAT = "pipeline"
+LORA_FORMAT = "lora"
 
 
 class ModelNotFound(Exception):
@@ -109,10 +113,12 @@ def resolve_model(ref: str, *, store: ObjectStore, session: Session) -> ModelIde
         prefix, revision = made
         return _identity(FoundModel(ref, f"{STORE_SOURCE}{prefix}", revision,
                                     _store_reader(store, f"{prefix}/")))  # fmt: skip
-    if (record := _latest_pushed(session, ref)) is not None:
+    if (record := latest_pushed(session, ref)) is not None:
         return _resolve_pushed(record, store)
     if is_hub_id(ref):
         return _identity(hub_files(ref))
+    if latest_pushed(session, ref, LORA_FORMAT) is not None:
+        raise ModelNotFound(f"{ref!r} is a LoRA, not a pipeline: pass it with --lora")
     raise ModelNotFound(
         f"unknown model {ref!r}: not 'tiny', a local folder, an s3:// URI, "
         "a name registered with `sdq model push`, or a hub id like org/name"
@@ -246,10 +252,15 @@ def _store_reader(store: ObjectStore, prefix: str) -> Callable[[str], bytes | No
     return read
 
 
-def _latest_pushed(session: Session, name: str) -> ModelRecord | None:
+def latest_pushed(session: Session, name: str, format: str = PIPELINE_FORMAT) -> ModelRecord | None:
+    """The newest copy in the store of the pipeline (or LoRA) registered as `name`."""
     return session.scalars(
         select(ModelRecord)
-        .where(ModelRecord.name == name, ModelRecord.store_prefix.is_not(None))
+        .where(
+            ModelRecord.name == name,
+            ModelRecord.store_prefix.is_not(None),
+            ModelRecord.format == format,
+        )
         .order_by(ModelRecord.id.desc())
         .limit(1)
     ).first()
@@ -275,6 +286,11 @@ def record_stored_model(session: Session, name: str, prefix: str, revision: str)
     _record(session, name, f"{STORE_SOURCE}{prefix}", revision, prefix)
 
 
+def record_lora(session: Session, name: str, key: str, sha256: str) -> None:
+    """Registers a LoRA file in the store under a name: `--lora NAME` is then its newest."""
+    _record(session, name, f"{STORE_SOURCE}{key}", sha256, key, format=LORA_FORMAT)
+
+
 def _record(
     session: Session,
     name: str,
@@ -283,6 +299,7 @@ def _record(
     store_prefix: str | None,
     *,
     encoders_hash: str | None = None,
+    format: str = PIPELINE_FORMAT,
 ) -> None:
     statement = upsert(session, ModelRecord).values(
         name=name,
@@ -290,6 +307,7 @@ def _record(
         revision=revision,
         store_prefix=store_prefix,
         encoders_hash=encoders_hash,
+        format=format,
     )
     key = [ModelRecord.name, ModelRecord.revision]
     known = {"encoders_hash": func.coalesce(statement.excluded.encoders_hash,
@@ -328,7 +346,7 @@ def push_model(folder: Path, name: str, *, store: ObjectStore, session: Session)
     identity = _pipeline(files)
     prefix = f"models/{name}/{identity.revision[:16]}"
     pushed = replace(identity, name=name, source=f"{STORE_SOURCE}{prefix}")
-    known = _latest_pushed(session, name)
+    known = latest_pushed(session, name)
     if known is not None and known.revision == identity.revision:
         return Pushed(pushed, prefix, uploaded=False)
     for path in pipeline_files(folder):

@@ -230,6 +230,7 @@ def known_models(session: Session) -> list[dict[str, Any]]:
     return [
         {
             "name": record.name,
+            "format": record.format,
             "revision": record.revision,
             "source": record.source,
             "store_prefix": record.store_prefix,

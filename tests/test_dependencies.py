@@ -15,6 +15,7 @@ GPU_MODULES = {
     "workers/gpu.py",
     "workers/tiny.py",
     "workers/generate/pipelines.py",
+    "workers/generate/conditioning.py",
     "workers/generate/shared_prompts.py",
     "workers/encode/encoders.py",
     "workers/curate/heads.py",

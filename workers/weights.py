@@ -58,6 +58,34 @@ class ModelFiles:
             raise ModelUnavailable(f"model folder {source} is not {what}: no {marker}")
         return Location(str(folder))
 
+    def lora_file(self, source: str, sha256: str) -> Path:
+        """A LoRA's file as the spec names it (models/loras.py): a stored or s3:// one copied
+        here once per content, a local one checked to be the content the job was made for."""
+        if source.startswith(registry.STORE_SOURCE):
+            return self._pull_file(self.store, source.removeprefix(registry.STORE_SOURCE), sha256)
+        if source.startswith("s3://"):
+            bucket, _, key = source.removeprefix("s3://").partition("/")
+            return self._pull_file(S3Store(bucket), key, sha256)
+        path = Path(source)
+        if not path.is_file():
+            raise ModelUnavailable(f"LoRA file {source} does not exist on this worker")
+        if registry.file_sha256(path) != sha256:
+            raise ModelUnavailable(f"LoRA file {source} is not the one the job was made for")
+        return path
+
+    def _pull_file(self, store: ObjectStore, key: str, sha256: str) -> Path:
+        path = self.cache_dir / "loras" / f"{sha256}.safetensors"
+        if path.is_file():
+            return path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        store.get_file(key, partial)
+        if registry.file_sha256(partial) != sha256:
+            partial.unlink()
+            raise ModelUnavailable(f"LoRA {store.uri(key)} changed since the job was made")
+        os.replace(partial, path)  # another process may have finished first: the same bytes
+        return path
+
     def _pull(self, store: ObjectStore, prefix: str, revision: str) -> Path:
         """Copies a stored model to local disk once per machine, keyed by its revision."""
         folder = self.cache_dir / revision

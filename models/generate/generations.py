@@ -49,6 +49,7 @@ class SharedSettings:
             spec.height,
             spec.dtype,
             spec.safety_check,
+            tuple(tuple(lora) for lora in spec.lora_identity()),
         )
         if settings not in self._known:
             template = CanonicalTemplate(spec.identity(), self.PER_IMAGE)

@@ -1,7 +1,7 @@
 """A generation's specification: everything that decides an image, and the hash that names
 it; the samplers people know by name; and how jobs are batched into calls."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sdq.models.specs import SPEC_VERSION, canonical_sha256
@@ -71,6 +71,9 @@ class GenerationSpec:
     # Each image through the model's safety checker (`--safety-check`); a flagged one is
     # recorded as flagged and never stored. Off by default, as most serving runs it.
     safety_check: bool = False
+    # LoRA weights fused into the model at render time, in order (`--lora`, models/loras.py):
+    # each {"name", "source", "sha256", "scale"}; only the content and scale are the image's.
+    loras: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def by_model(cls, name: str, source: str, revision: str, **render: Any) -> "GenerationSpec":
@@ -84,9 +87,10 @@ class GenerationSpec:
     def to_dict(self) -> dict[str, Any]:
         # Not dataclasses.asdict (a recursive deep copy), nor fields() (a quarter of a
         # second per 100k specs): the instance's __dict__ holds exactly its fields, in
-        # order. Only scheduler_config is mutable, so only it is copied.
+        # order. Only scheduler_config and loras are mutable, so only they are copied.
         data = dict(vars(self))
         data["scheduler_config"] = dict(self.scheduler_config)
+        data["loras"] = [dict(lora) for lora in self.loras]
         return data
 
     @classmethod
@@ -104,11 +108,19 @@ class GenerationSpec:
             del identity["vae_tiling"]
         if not self.safety_check:
             del identity["safety_check"]
+        if self.loras:
+            identity["loras"] = self.lora_identity()
+        else:
+            del identity["loras"]
         identity["version"] = SPEC_VERSION
         return identity
 
     def hash(self) -> str:
         return canonical_sha256(self.identity())
+
+    def lora_identity(self) -> list[list[Any]]:
+        """What the LoRAs make of the model: each one's content and scale, in order."""
+        return [[lora["sha256"], float(lora["scale"])] for lora in self.loras]
 
     def batch_key(self) -> str:
         """Specs with equal keys can share one pipeline call."""
@@ -123,6 +135,8 @@ class GenerationSpec:
                 self.width,
                 self.height,
                 self.dtype,
+                # Only where there are: keys of specs without LoRAs stay as they were.
+                *([self.lora_identity()] if self.loras else []),
             ]
         )[:32]
 

@@ -180,6 +180,9 @@ class ModelRecord(Base):
     store_prefix: Mapped[str | None] = mapped_column(Text)
     # Its VAE, text encoder and tokenizer files' hash, where known (registry.py).
     encoders_hash: Mapped[str | None] = mapped_column(String(64))
+    # What the record is: a diffusers pipeline folder (`--model`), or a LoRA's weights in
+    # one safetensors file (`--lora`; its revision is the file's sha256).
+    format: Mapped[str] = mapped_column(String(16), server_default="pipeline")
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.current_timestamp()
     )

@@ -10,6 +10,7 @@ import click
 
 from sdq.models.db import make_engine
 from sdq.models.jobs.kinds import POOL_QUEUES, Pool
+from sdq.models.loras import push_lora
 from sdq.models.registry import ModelNotFound, push_model
 from sdq.models.store import StoreError
 from sdq.models.tables import SickWorker
@@ -64,29 +65,33 @@ def model() -> None:
 
 
 @model.command()
-@click.argument("source", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("source", type=click.Path(exists=True, path_type=Path))
 @click.argument("name")
 @json_option
 @pass_app
 def push(app: SdqCelery, source: Path, name: str, as_json: bool) -> None:
-    """Copy the pipeline folder SOURCE into the store, registered as NAME."""
+    """Copy SOURCE into the store, registered as NAME: a pipeline folder (`--model NAME`)
+    or a LoRA's .safetensors file (`--lora NAME`)."""
     ready_to_submit(app)
     try:
         with app.sessions.begin() as session:
-            pushed = push_model(source, name, store=app.store, session=session)
+            if source.is_file():
+                lora = push_lora(source, name, store=app.store, session=session)
+                revision, where, uploaded = lora.sha256, app.store.uri(lora.key), lora.uploaded
+            else:
+                pushed = push_model(source, name, store=app.store, session=session)
+                revision, uploaded = pushed.identity.revision, pushed.uploaded
+                where = app.store.uri(pushed.prefix)
     except ModelNotFound as error:
         raise InputError(str(error)) from None
     except StoreError as error:
         raise click.ClickException(str(error)) from None
-    where = app.store.uri(pushed.prefix)
     if as_json:
-        revision = pushed.identity.revision
-        display.print_json(
-            {"name": name, "revision": revision, "uri": where, "uploaded": pushed.uploaded}
-        )
+        display.print_json({"name": name, "revision": revision, "uri": where,
+                            "uploaded": uploaded})  # fmt: skip
         return
-    done = "pushed to" if pushed.uploaded else "already in the store at"
-    click.echo(f"{name}: revision {pushed.identity.revision[:16]} {done} {where}")
+    done = "pushed to" if uploaded else "already in the store at"
+    click.echo(f"{name}: revision {revision[:16]} {done} {where}")
 
 
 @model.command(name="list")
@@ -95,7 +100,7 @@ def push(app: SdqCelery, source: Path, name: str, as_json: bool) -> None:
 def list_models(app: SdqCelery, as_json: bool) -> None:
     """Every model identity sdq has seen or been given."""
     lookup(app, lookups.known_models, as_json=as_json,
-           show=rows_table(["name", "revision", "source", "created_at"]))  # fmt: skip
+           show=rows_table(["name", "format", "revision", "source", "created_at"]))  # fmt: skip
 
 
 LOGLEVEL = click.option("--loglevel", default="info", show_default=True,

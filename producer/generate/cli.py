@@ -9,6 +9,7 @@ import click
 
 from sdq.models.generate import galleries
 from sdq.models.generate.specs import SAMPLERS
+from sdq.models.loras import resolve_lora
 from sdq.models.registry import ModelNotFound, resolve_model
 from sdq.models.specs import DTYPES
 from sdq.models.store import StoreError
@@ -106,6 +107,10 @@ def generation_options(command):
         click.option("--safety-check", is_flag=True,
                      help="Run each image through the model's safety checker: a flagged "
                           "one is recorded as flagged, not stored [default: off]"),
+        click.option("--lora", "loras", multiple=True, metavar="FILE|s3://...|NAME[:SCALE]",
+                     help="LoRA weights fused into the model at SCALE [default: 1]: a "
+                          ".safetensors file, an s3:// URI, or a name given to `sdq model "
+                          "push`. Repeatable; in the spec by content."),
         click.option("--batch-size", type=click.IntRange(1, 256),
                      help="Images per pipeline call [default: SDQ_BATCH_SIZE or 8]"),
         json_option,
@@ -123,6 +128,7 @@ class Request:
     model: str
     defaults: Defaults
     batch_size: int | None
+    loras: tuple[str, ...] = ()  # as given; resolved into defaults.loras by prepare()
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "Request":
@@ -145,6 +151,7 @@ class Request:
                 safety_check=options["safety_check"],
             ),
             batch_size=options["batch_size"],
+            loras=options["loras"],
         )
 
     def options(self) -> dict[str, Any]:
@@ -156,6 +163,16 @@ class Request:
             "defaults": self.defaults.__dict__,
             "batch_size": self.batch_size,
         }
+
+
+def with_loras(app: SdqCelery, request: Request) -> Request:
+    """The request with its `--lora` values resolved to what the specs record."""
+    try:
+        with app.sessions() as session:
+            loras = tuple(resolve_lora(value, session=session) for value in request.loras)
+    except (ModelNotFound, StoreError) as error:
+        raise click.UsageError(f"--lora: {error}") from None
+    return replace(request, defaults=replace(request.defaults, loras=loras))
 
 
 def prepare(app: SdqCelery, request: Request, *, show: bool) -> Submission:
@@ -175,6 +192,7 @@ def prepare(app: SdqCelery, request: Request, *, show: bool) -> Submission:
             model = resolve_model(request.model, store=app.store, session=session)
     except (ModelNotFound, StoreError) as error:
         raise click.UsageError(f"--model: {error}") from None
+    request = with_loras(app, request)
     planned = plan_jobs(
         read_prompts(request.prompts),
         model=model,

@@ -3,6 +3,7 @@
 import secrets
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from sdq.models.generate.generations import PlannedJob
 from sdq.models.generate.specs import GenerationSpec, sampler_scheduler
@@ -26,6 +27,8 @@ class Defaults:
     dtype: str | None = None  # None: the model's preferred precision
     sampler: str | None = None  # None: the model's own scheduler
     safety_check: bool = False
+    # LoRAs as the spec records them (models/loras.resolve_lora), resolved once per run.
+    loras: tuple[dict[str, Any], ...] = ()
 
 
 def plan_jobs(
@@ -79,4 +82,5 @@ def _spec(
         height=height,
         dtype=defaults.dtype or model.default_dtype,
         safety_check=defaults.safety_check,
+        loras=list(defaults.loras),
     )

@@ -3,17 +3,21 @@
 A worker process serves one device (sdq starts one process per GPU with
 CUDA_VISIBLE_DEVICES set), loads a pipeline the first time a task needs it, after any
 fork, and keeps the last few loaded for the tasks that follow, each with the text
-encoder's outputs for its recent prompts: a run that crosses subjects with styles repeats
-its prompts and negative prompts, and a call encodes only the ones it has not seen.
+encoders' outputs for its recent prompts: a run that crosses subjects with styles repeats
+its prompts and negative prompts, and a call encodes only the ones it has not seen. A
+spec's LoRAs are fused into its pipeline's weights as it loads: the pipeline with them is
+one more loaded pipeline, as fast as the base.
 """
 
 from collections import OrderedDict
 from dataclasses import dataclass, replace
+from pathlib import Path
 from time import perf_counter
+from typing import Any
 
 import numpy as np
 import torch
-from diffusers import AutoPipelineForText2Image, DiffusionPipeline, StableDiffusionPipeline
+from diffusers import AutoPipelineForText2Image, DiffusionPipeline
 from diffusers import schedulers as diffusers_schedulers
 from diffusers.pipelines.stable_diffusion.safety_checker import StableDiffusionSafetyChecker
 from PIL.Image import Image
@@ -21,56 +25,21 @@ from transformers import CLIPImageProcessor
 
 from sdq.models import tiny
 from sdq.models.generate.specs import TILED_DECODE_PIXELS, GenerationSpec
+from sdq.workers.generate.conditioning import PromptEmbeddings, call_conditioning, family_encoder
 from sdq.workers.generate.shared_prompts import EncoderPrompts, SharedPrompts, text_encoder_digest
 from sdq.workers.gpu import device_name, release_device_memory, torch_dtype
 from sdq.workers.tiny import build_pipeline
 from sdq.workers.weights import ModelFiles, PipelineError, check_tiny_revision
 
 
-class PromptEmbeddings:
-    """The text encoder's output for the last `size` texts (prompts and negative prompts
-    alike) of one loaded pipeline, least recently used evicted first; in front of the
-    deployment's shared ones (`shared`), where there are.
-
-    Each text's row is a copy of its own: a view would keep its whole call's tensor on the
-    device for as long as any one of its texts is kept."""
-
-    def __init__(self, size: int, shared: "EncoderPrompts | None" = None) -> None:
-        self.size = size
-        self.shared = shared
-        self.encoded = 0  # texts the text encoder has run on, for the benchmarks and tests
-        self._kept: OrderedDict[str, torch.Tensor] = OrderedDict()
-
-    def __call__(self, pipeline: StableDiffusionPipeline, texts: list[str]) -> torch.Tensor:
-        """The embeddings of `texts`, in order; the ones neither kept here nor shared are
-        encoded in one call (and shared)."""
-        missing = [text for text in dict.fromkeys(texts) if text not in self._kept]
-        if missing and self.shared:
-            found = self.shared.get(missing)
-            self._kept.update((text, row.to(pipeline.device)) for text, row in found.items())
-            missing = [text for text in missing if text not in found]
-        if missing:
-            encoded, _ = pipeline.encode_prompt(missing, pipeline.device, 1, False)
-            rows = {text: row.clone() for text, row in zip(missing, encoded, strict=True)}
-            self._kept.update(rows)
-            self.encoded += len(missing)
-            if self.shared:
-                self.shared.put(rows)
-        for text in texts:
-            self._kept.move_to_end(text)
-        embeddings = torch.stack([self._kept[text] for text in texts])
-        while len(self._kept) > self.size:
-            self._kept.popitem(last=False)
-        return embeddings
-
-
 @dataclass(eq=False)
 class Loaded:
-    """A pipeline as a worker keeps it: loaded once, with its prompts' embeddings; when
-    compiled, the batch sizes its calls are padded to (the shapes it compiled for)."""
+    """A pipeline as a worker keeps it: loaded once, with its prompts' embeddings (None: a
+    pipeline of a family sdq does not encode for, given the texts); when compiled, the
+    batch sizes its calls are padded to (the shapes it compiled for)."""
 
     pipeline: DiffusionPipeline
-    prompts: PromptEmbeddings
+    prompts: PromptEmbeddings | None
     batches: tuple[int, ...] = ()
 
 
@@ -99,13 +68,14 @@ class PipelineCache:
         # torch.compile's backend: inductor for work; "eager" traces and guards as it
         # does, without code generation (the tests count recompilations with it).
         self.compile_backend = compile_backend
-        self._loaded: OrderedDict[tuple[str, str, torch.dtype], Loaded] = OrderedDict()
+        self._loaded: OrderedDict[tuple[Any, ...], Loaded] = OrderedDict()
         self._checkers: dict[tuple[str, str, torch.dtype], SafetyChecker] = {}
 
     def get(self, spec: GenerationSpec) -> tuple[Loaded, float | None]:
         """The spec's pipeline, and the seconds it took to load it now (None: it was
         loaded already)."""
-        key = (spec.model_source, spec.model_revision, torch_dtype(spec.dtype))
+        key = (spec.model_source, spec.model_revision, torch_dtype(spec.dtype),
+               *map(tuple, spec.lora_identity()))  # fmt: skip
         if key in self._loaded:
             self._loaded.move_to_end(key)
             return self._loaded[key], None
@@ -114,19 +84,21 @@ class PipelineCache:
             release_device_memory()
         started = perf_counter()
         pipeline = self._load(spec)
-        prompts = PromptEmbeddings(self.prompt_cache_size, self._shared(pipeline))
-        loaded = Loaded(pipeline, prompts, self.compile_batches)
+        loaded = Loaded(pipeline, self._prompts(pipeline), self.compile_batches)
         warm(loaded, spec, self.warm_shapes)
         self._loaded[key] = loaded
         return loaded, perf_counter() - started
 
-    def _shared(self, pipeline: DiffusionPipeline) -> "EncoderPrompts | None":
-        """The deployment's shared embeddings of the pipeline's text encoder, where there
-        are (Stable Diffusion pipelines: one text encoder, whose output is all a prompt
-        becomes)."""
-        if self.shared_prompts is None or not isinstance(pipeline, StableDiffusionPipeline):
+    def _prompts(self, pipeline: DiffusionPipeline) -> PromptEmbeddings | None:
+        """The pipeline's kept embeddings, in front of the deployment's shared ones for its
+        text encoders (as they run, LoRAs fused), where there are."""
+        encode = family_encoder(pipeline)
+        if encode is None:
             return None
-        return self.shared_prompts.for_encoder(text_encoder_digest(pipeline))
+        shared: EncoderPrompts | None = None
+        if self.shared_prompts is not None:
+            shared = self.shared_prompts.for_encoder(text_encoder_digest(pipeline))
+        return PromptEmbeddings(encode, self.prompt_cache_size, shared)
 
     def clear(self) -> None:
         self._loaded.clear()
@@ -178,6 +150,9 @@ class PipelineCache:
             pipeline = pipeline.to(dtype=dtype)
         pipeline = pipeline.to(device_name())
         pipeline.set_progress_bar_config(disable=True)
+        if spec.loras:
+            files = [self.files.lora_file(lora["source"], lora["sha256"]) for lora in spec.loras]
+            fuse_loras(pipeline, spec, files)
         if torch.cuda.is_available() or self.compile_mode:
             # Convolutions in channels-last layout run on tensor cores without transposes.
             pipeline.unet.to(memory_format=torch.channels_last)
@@ -203,6 +178,32 @@ class SafetyChecker:
         with torch.inference_mode():
             _, flags = self.model(clip_input=inputs, images=placeholders)
         return [bool(flag) for flag in flags]
+
+
+def fuse_loras(pipeline: DiffusionPipeline, spec: GenerationSpec, files: list[Path]) -> None:
+    """Fuses the spec's LoRAs into the pipeline's weights at their scales (diffusers'
+    load_lora_weights, set_adapters, fuse_lora), then lets their layers go: the fused
+    pipeline runs as fast as the base. Before compiling and fusing Q, K and V, whose
+    module names the LoRAs' keys are written against."""
+    names = [f"lora_{index}" for index in range(len(files))]
+    for name, path, lora in zip(names, files, spec.loras, strict=True):
+        try:
+            pipeline.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=name)
+        except torch.OutOfMemoryError:
+            raise
+        except (ValueError, KeyError, RuntimeError) as error:
+            raise PipelineError(
+                f"LoRA {lora['name']} cannot apply to model {spec.model_name}: {error}"
+            ) from error
+    applied = {name for adapters in pipeline.get_list_adapters().values() for name in adapters}
+    for name, lora in zip(names, spec.loras, strict=True):
+        if name not in applied:  # diffusers only warns of a LoRA that matches no module
+            raise PipelineError(
+                f"LoRA {lora['name']} has no weights for model {spec.model_name}'s modules"
+            )
+    pipeline.set_adapters(names, adapter_weights=[float(lora["scale"]) for lora in spec.loras])
+    pipeline.fuse_lora(adapter_names=names, lora_scale=1.0)
+    pipeline.unload_lora_weights()
 
 
 def compile_pipeline(pipeline: DiffusionPipeline, mode: str, *, backend: str = "inductor") -> None:
@@ -275,17 +276,13 @@ def _set_decoding(pipeline: DiffusionPipeline, spec: GenerationSpec, images: int
 
 
 def _prompts(loaded: Loaded, specs: list[GenerationSpec]) -> dict[str, object]:
-    """The call's prompts: as embeddings from the kept ones where the pipeline is a Stable
-    Diffusion one (one text encoder, whose output is all a prompt becomes), else as text
-    for the pipeline to encode."""
+    """The call's prompts: as the text encoders' outputs, from the kept ones, where sdq
+    knows the pipeline's family (conditioning.py), else as text for it to encode."""
     prompts = [spec.prompt for spec in specs]
     negatives = [spec.negative_prompt for spec in specs]
-    if not (isinstance(loaded.pipeline, StableDiffusionPipeline) and loaded.prompts.size):
+    if loaded.prompts is None:
         return {"prompt": prompts, "negative_prompt": negatives}
-    return {
-        "prompt_embeds": loaded.prompts(loaded.pipeline, prompts),
-        "negative_prompt_embeds": loaded.prompts(loaded.pipeline, negatives),
-    }
+    return call_conditioning(loaded.prompts, loaded.pipeline, prompts, negatives)
 
 
 def _scheduler(spec: GenerationSpec):
