@@ -20,6 +20,7 @@ G = TypeVar("G")
 EMBEDDED_HOME = Path("sdq-data")
 # torch.compile's modes (no torch import here to list them).
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_BACKENDS = ("inductor", "eager")
 
 
 def setting(
@@ -99,6 +100,13 @@ def _compile_mode(env: Mapping[str, str], name: str, default: object) -> str | N
         choices = ", ".join(COMPILE_MODES)
         raise ValueError(f"{name} must be one of {choices}, got {mode!r}")
     return mode
+
+
+def _compile_backend(env: Mapping[str, str], name: str, default: str) -> str:
+    backend = env.get(name) or default
+    if backend not in COMPILE_BACKENDS:
+        raise ValueError(f"{name} must be one of {', '.join(COMPILE_BACKENDS)}, got {backend!r}")
+    return backend
 
 
 def _batches(env: Mapping[str, str], name: str, default: Any) -> tuple[int, ...]:
@@ -206,6 +214,10 @@ class GenerateSettings:
         "SDQ_COMPILE_BATCHES", (1, 2, 4, 8, 16), read=_batches
     )
     warm_shapes: tuple[tuple[int, int], ...] = setting("SDQ_WARM_SHAPES", (), read=_shapes)
+    # torch.compile's backend: "inductor" generates the kernels; "eager" only traces and
+    # guards, without code generation: a deployment's shapes, warming and routing checked
+    # in seconds on a CPU, at uncompiled speed.
+    compile_backend: str = setting("SDQ_COMPILE_BACKEND", "inductor", read=_compile_backend)
 
 
 @dataclass(frozen=True, kw_only=True)

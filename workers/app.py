@@ -5,7 +5,7 @@ The producer imports this module to send tasks by name; it never imports the tas
 
 import os
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from functools import cache, cached_property
 from typing import Any
@@ -21,6 +21,7 @@ from sdq.models.jobs.lifecycle import Worker
 from sdq.models.jobs.outbox import Send, enqueue
 from sdq.models.settings import Settings
 from sdq.models.store import ObjectStore, open_store
+from sdq.workers.routing import Routes
 
 # Beat's periodic tasks (workers/maintenance.py), all on the maintenance queue, each with
 # the setting (of MaintenanceSettings) that says how often: healing often, rollups less.
@@ -50,15 +51,14 @@ class SdqCelery(Celery):
     def store(self) -> ObjectStore:
         return open_store(self.settings.store_url)
 
-    def queue_depths(self) -> dict[str, int]:
-        """Messages waiting in each of sdq's queues in the broker now (a message a worker has
-        taken but not yet acknowledged is not waiting)."""
+    def queue_depths(self, warm: Collection[str] = ()) -> dict[str, int]:
+        """Messages waiting in each of sdq's queues (and these warm ones) in the broker now
+        (a message a worker has taken but not yet acknowledged is not waiting)."""
+        queues = [*self.conf.task_queues, *map(Queue, warm)]
         with self.connection_for_read() as connection:
             channel = connection.default_channel
-            return {
-                queue.name: queue.bind(channel).queue_declare().message_count
-                for queue in self.conf.task_queues
-            }
+            return {queue.name: queue.bind(channel).queue_declare().message_count
+                    for queue in queues}  # fmt: skip
 
     def send_added_jobs(self, task: Task) -> Callable[[int], None]:
         """What a job that adds jobs to its run (the next train job, a dedup's clusters) calls
@@ -76,18 +76,22 @@ class SdqCelery(Celery):
 
     @contextmanager
     def sender(self) -> Iterator[Send]:
-        """Sends task messages over one broker connection, each to its kind's queue. On
-        Redis a call's messages go in one pipeline (kombu's publish batch): a round trip
-        per call instead of one per message, a third of the time for a big submit."""
+        """Sends task messages over one broker connection, each to its kind's queue or a
+        warm one (workers/routing.py). On Redis a call's messages go in one pipeline
+        (kombu's publish batch): a round trip per call instead of one per message, a third
+        of the time for a big submit."""
+        routes = Routes(self.settings, self.sessions, self.control)
         with self.producer_or_acquire() as producer:
 
             def send(kind: Kind, messages: list[list[int]], options: dict[str, Any]) -> None:
+                queues = routes(kind, messages)
                 with producer.batch(max_size=len(messages)):
-                    for job_ids in messages:
+                    for job_ids, queue in zip(messages, queues, strict=True):
                         self.send_task(
                             kind.task_name,
                             args=[job_ids],
                             kwargs=options,
+                            queue=queue,
                             producer=producer,
                             # None, said outright: Celery would otherwise stamp the
                             # sending process's limits for the task on the message, and a

@@ -8,9 +8,10 @@ from celery import shared_task
 
 from sdq.models import rollups
 from sdq.models.jobs import maintenance
-from sdq.models.jobs.kinds import kind_named
+from sdq.models.jobs.kinds import WARM, kind_named
 from sdq.models.jobs.lifecycle import utcnow
 from sdq.workers.app import MAINTENANCE_TASKS, SdqCelery
+from sdq.workers.routing import live_warm_queues
 
 SWEEP_LEASES, RELAY, FINISH_RUNS, ROLL_UP = MAINTENANCE_TASKS
 
@@ -68,5 +69,10 @@ def ticked(task, result: dict[str, Any]) -> dict[str, Any]:
 
 
 def idle_queues(app: SdqCelery) -> set[str]:
-    """The queues that hold no message in the broker now: what waits in one is not lost."""
-    return {queue for queue, depth in app.queue_depths().items() if depth == 0}
+    """The queues that hold no message in the broker now: what waits in one is not lost.
+    A kind's jobs wait in its live warm queues too (workers/routing.py): its queue counts
+    as idle only when they are empty as well."""
+    warm = live_warm_queues(app.settings, app.control)
+    idle = {queue for queue, depth in app.queue_depths(warm).items() if depth == 0}
+    return {queue for queue in idle
+            if all(w in idle for w in warm if w.startswith(f"{queue}{WARM}"))}  # fmt: skip

@@ -118,6 +118,12 @@ class GenerationSpec:
     def hash(self) -> str:
         return canonical_sha256(self.identity())
 
+    def warm_key(self) -> str:
+        """Names a compiled pipeline warm at this spec's size (models/generate/routing.py):
+        the model's revision, dtype and LoRAs make the pipeline, the size its shape."""
+        pipeline = canonical_sha256([self.model_revision, self.dtype, self.lora_identity()])
+        return f"{pipeline[:16]}.{self.width}x{self.height}"
+
     def lora_identity(self) -> list[list[Any]]:
         """What the LoRAs make of the model: each one's content and scale, in order."""
         return [[lora["sha256"], float(lora["scale"])] for lora in self.loras]

@@ -12,7 +12,11 @@ convention, under the kind's name:
   the same read from one job's spec.
 - `sdq.models.<name>.tables`, if the kind has rows of its own (keyed by job), and
   `.specs`, its jobs' specification; optionally `.models`, whose `made_model(session,
-  ref)` resolves a model the kind's runs made (its prefix in the store and revision).
+  ref)` resolves a model the kind's runs made (its prefix in the store and revision); and
+  optionally `.routing`, whose `warm_routing(settings)` gives the warm key of a job's spec
+  (None: no warm queue for it), or None where the deployment warms nothing: a message goes
+  to the kind's warm queue of its first job's key when a live worker consumes it
+  (workers/routing.py), else to the kind's queue.
 - `sdq.workers.<name>.task`: the kind's Celery task and its work; and, optionally,
   `at_run_end(sessions, store, run_id)`, what beat does once a run of the kind finishes (a
   generation run's gallery).
@@ -36,6 +40,8 @@ class Pool(StrEnum):
 
 
 MAINTENANCE_QUEUE = "maintenance"  # beat's periodic tasks, on the CPU pool
+# Between a kind's queue and a warm key: `generate.warm.<key>`.
+WARM = ".warm."
 
 
 @dataclass(frozen=True)
@@ -68,10 +74,14 @@ class Kind:
         """The kind's optional hook `name` in its `cli` module (see above), or None."""
         return getattr(self.producer_module("cli"), name, None)
 
-    def model_hook(self, name: str) -> Callable | None:
-        """The kind's optional hook `name` in `sdq.models.<kind>.models`, or None."""
-        module = f"sdq.models.{self.name}.models"
-        return getattr(import_module(module), name, None) if find_spec(module) else None
+    def warm_queue(self, key: str) -> str:
+        """The queue of the kind's jobs that a worker with `key` warm takes first."""
+        return f"{self.queue}{WARM}{key}"
+
+    def model_hook(self, name: str, module: str = "models") -> Callable | None:
+        """The kind's optional hook `name` in `sdq.models.<kind>.<module>`, or None."""
+        path = f"sdq.models.{self.name}.{module}"
+        return getattr(import_module(path), name, None) if find_spec(path) else None
 
     def task_hook(self, name: str) -> Callable | None:
         """The kind's optional hook `name` in its `task` module (see above), or None."""

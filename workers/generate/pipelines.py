@@ -41,6 +41,7 @@ class Loaded:
     pipeline: DiffusionPipeline
     prompts: PromptEmbeddings | None
     batches: tuple[int, ...] = ()
+    warm_keys: tuple[str, ...] = ()  # the shapes it compiled at load, by the specs' warm key
 
 
 class PipelineCache:
@@ -85,7 +86,7 @@ class PipelineCache:
         started = perf_counter()
         pipeline = self._load(spec)
         loaded = Loaded(pipeline, self._prompts(pipeline), self.compile_batches)
-        warm(loaded, spec, self.warm_shapes)
+        loaded.warm_keys = warm(loaded, spec, self.warm_shapes)
         self._loaded[key] = loaded
         return loaded, perf_counter() - started
 
@@ -99,6 +100,10 @@ class PipelineCache:
         if self.shared_prompts is not None:
             shared = self.shared_prompts.for_encoder(text_encoder_digest(pipeline))
         return PromptEmbeddings(encode, self.prompt_cache_size, shared)
+
+    def warm_keys(self) -> set[str]:
+        """The (pipeline, shape) pairs this process has compiled, by the specs' warm key."""
+        return {key for loaded in self._loaded.values() for key in loaded.warm_keys}
 
     def clear(self) -> None:
         self._loaded.clear()
@@ -220,14 +225,20 @@ def compile_pipeline(pipeline: DiffusionPipeline, mode: str, *, backend: str = "
     pipeline.vae.decoder = torch.compile(pipeline.vae.decoder, dynamic=False, **options)
 
 
-def warm(loaded: Loaded, spec: GenerationSpec, shapes: tuple[tuple[int, int], ...]) -> None:
+def warm(
+    loaded: Loaded, spec: GenerationSpec, shapes: tuple[tuple[int, int], ...]
+) -> tuple[str, ...]:
     """Compiles a compiled pipeline for every batch size it pads to at each shape, with
     classifier-free guidance (the U-Net's batch doubled) as a job has it: one step each,
-    before any job waits on it."""
+    before any job waits on it. Returns the warm keys of the shapes it compiled."""
     warming = replace(spec, prompt="", negative_prompt="", seed=0, steps=1, guidance=7.5)
+    keys = []
     for width, height in shapes if loaded.batches else ():
+        shaped = replace(warming, width=width, height=height)
         for size in loaded.batches:
-            render(loaded, [replace(warming, width=width, height=height)] * size)
+            render(loaded, [shaped] * size)
+        keys.append(shaped.warm_key())
+    return tuple(keys)
 
 
 def render(loaded: Loaded, specs: list[GenerationSpec]) -> list[Image]:

@@ -3,7 +3,7 @@
 from functools import cache, partial
 from typing import Any
 
-from celery import shared_task
+from celery import Task, shared_task
 
 from sdq.models.generate import galleries
 from sdq.models.jobs.kinds import GENERATE
@@ -16,7 +16,9 @@ from sdq.workers.weights import ModelFiles
 
 @shared_task(bind=True, base=JobTask, name=GENERATE.task_name)
 def generate(self, job_ids: list[int], batch_size: int | None = None) -> dict[str, Any]:
-    return deliver_task(self, GENERATE, job_ids, partial(generate_work, self.app, batch_size))
+    outcome = deliver_task(self, GENERATE, job_ids, partial(generate_work, self.app, batch_size))
+    follow_warm_queues(self)
+    return outcome
 
 
 def generate_work(app: SdqCelery, batch_size: int | None) -> GenerateWork:
@@ -28,6 +30,26 @@ def generate_work(app: SdqCelery, batch_size: int | None) -> GenerateWork:
         pipelines=pipelines(app),
         batch_size=batch_size or app.settings.generate.batch_size,
     )
+
+
+# The warm queues (models/generate/routing.py) this process has had its worker consume.
+_following: set[str] = set()
+
+
+def follow_warm_queues(task: Task) -> None:
+    """Has this worker take jobs from the queue of each pipeline and shape this process
+    has warm, where submits send those first, and from no warm queue of a pipeline it has
+    let go. Through Celery's control channel: the worker's consumer does it between tasks."""
+    if task.request.is_eager:  # done in-process (embedded): there is no worker
+        return
+    warm = {GENERATE.warm_queue(key) for key in pipelines(task.app).warm_keys()}
+    hostname = [task.request.hostname]
+    for queue in sorted(warm - _following):
+        task.app.control.add_consumer(queue, destination=hostname)
+    for queue in sorted(_following - warm):
+        task.app.control.cancel_consumer(queue, destination=hostname)
+    _following.clear()
+    _following.update(warm)
 
 
 # Once a generation run finishes, beat writes its gallery: a run submitted without --wait
@@ -53,4 +75,5 @@ def pipelines(app: SdqCelery):
         compile_mode=settings.compile_mode,
         compile_batches=settings.compile_batches,
         warm_shapes=settings.warm_shapes,
+        compile_backend=settings.compile_backend,
     )

@@ -1,0 +1,109 @@
+"""Routing generation jobs to the worker that has their pipeline and shape compiled: two
+worker processes (each with a host name of its own) warmed for different shapes, and a
+run of both shapes whose jobs each go to their warm worker; a warm worker that dies is
+passed by."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from sdq.models.db import make_engine, session_factory
+from sdq.models.jobs.kinds import WARM
+from sdq.models.settings import Settings
+from sdq.models.tables import Job
+from sdq.workers.app import create_app
+from sdq.workers.maintenance import idle_queues
+from sdq.workers.routing import live_warm_queues
+from tests.conftest import sdq_json, wait_for_run, write
+from tests.services import wait_for
+
+pytestmark = pytest.mark.slow
+
+
+class Warm:
+    """`sdq worker gpu --queues generate` compiling with SDQ_WARM_SHAPES=`shape`, on a host
+    of its own name (a UTS namespace): its node is cpu-render@NAME, its jobs NAME:pid."""
+
+    def __init__(self, env: dict[str, str], name: str, shape: str, log: Path) -> None:
+        self.node, self.log = f"cpu-render@{name}", log
+        self.process = subprocess.Popen(
+            ["unshare", "-u", "sh", "-c", f'hostname {name} && exec "$@"', "sh", sys.executable,
+             "-m", "sdq.producer.cli", "worker", "gpu", "--queues", "generate",
+             "--loglevel", "info"],
+            env={**env, "SDQ_WARM_SHAPES": shape}, stdout=log.open("ab"),
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        wait_for(lambda: "ready." in log.read_text(), what=f"worker {name}", timeout=90)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def test_each_shape_s_jobs_go_to_the_worker_that_has_it_warm(own_deployment, tmp_path) -> None:
+    env = {**own_deployment, "SDQ_COMPILE": "1", "SDQ_COMPILE_BACKEND": "eager",
+           "SDQ_COMPILE_BATCHES": "1,2", "SDQ_CALLS_PER_TASK": "1",
+           "SDQ_WARM_SHAPES": "64x64,96x64"}  # fmt: skip
+    app = create_app(Settings.from_env(env))
+    sessions = session_factory(make_engine(env["SDQ_DATABASE_URL"]))
+
+    def consumed(node: str) -> set[str]:
+        answered = app.control.inspect(timeout=1).active_queues() or {}
+        return {queue["name"] for queue in answered.get(node, [])}
+
+    def run(name: str, shapes: list[str]) -> dict[str, set[str]]:
+        """Submits a job per shape, in order; the hosts that did each shape's jobs."""
+        rows = "".join(f"{name} {n},{n},{shape.replace('x', ',')}\n"
+                       for n, shape in enumerate(shapes))  # fmt: skip
+        listing = write(tmp_path / f"{name}.csv", "prompt,seed,width,height\n" + rows)
+        submitted = sdq_json(env, "submit", str(listing), "--steps", "1", "--batch-size", "1")
+        done = wait_for_run(env["SDQ_DATABASE_URL"], submitted["run_id"])
+        assert done == {"succeeded": len(shapes)}
+        with sessions() as session:
+            jobs = session.execute(select(Job.spec, Job.worker_host)
+                                   .where(Job.run_id == submitted["run_id"])).all()  # fmt: skip
+        hosts: dict[str, set[str]] = {}
+        for spec, host in jobs:
+            hosts.setdefault(f"{spec['width']}x{spec['height']}", set()).add(host.split(":")[0])
+        return hosts
+
+    def warm_at(node: str, shape: str) -> bool:
+        return any(WARM in queue and queue.endswith(shape) for queue in consumed(node))
+
+    first = Warm(env, "warma", "64x64", tmp_path / "a.log")
+    second = None
+    try:
+        # Each worker's first job loads the pipeline, compiled at its warm shape; then it
+        # consumes that shape's queue too. The first stops taking from `generate` while
+        # the second gets its first job.
+        assert run("prime-a", ["64x64"]) == {"64x64": {"warma"}}
+        wait_for(lambda: warm_at(first.node, "64x64"), what="warma's warm queue", timeout=30)
+        app.control.cancel_consumer("generate", destination=[first.node])
+        wait_for(lambda: "generate" not in consumed(first.node), what="warma to leave generate")
+        second = Warm(env, "warmb", "96x64", tmp_path / "b.log")
+        assert run("prime-b", ["96x64"]) == {"96x64": {"warmb"}}
+        wait_for(lambda: warm_at(second.node, "96x64"), what="warmb's warm queue", timeout=30)
+        app.control.add_consumer("generate", destination=[first.node])
+        wait_for(lambda: "generate" in consumed(first.node), what="warma back on generate")
+
+        # Both consume `generate`; each shape's jobs go to the worker that has it warm.
+        assert run("both", ["64x64", "96x64"] * 6) == {"64x64": {"warma"}, "96x64": {"warmb"}}
+        # Beat's relay sees the warm queues, empty now, beside `generate`.
+        warm = live_warm_queues(app.settings, app.control)
+        assert len(warm) == 2 and warm <= set(app.queue_depths(warm))
+        assert "generate" in idle_queues(app)
+
+        # A warm worker that dies has no queue any more: its shape's jobs go to `generate`.
+        second.kill()
+        wait_for(lambda: not consumed(second.node), what="warmb gone", timeout=30)
+        assert run("fallback", ["96x64", "96x64"]) == {"96x64": {"warma"}}
+    finally:
+        for worker in (first, second):
+            if worker is not None:
+                worker.kill()

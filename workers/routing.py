@@ -1,0 +1,67 @@
+"""Where each task message goes: to a queue that a worker with the message's work warm
+consumes (a kind's `warm_routing` hook, models/jobs/kinds.py), where such a worker is
+consuming now, else to its kind's queue, which every worker of the kind consumes.
+
+Which queues live workers consume is asked over Celery's control channel, once per
+sending, and only where a kind routes to warm queues under the deployment's settings: a
+warm queue whose worker has died has no consumer, and its kind's queue is used instead."""
+
+from collections.abc import Callable, Collection
+from typing import Any
+
+from celery.app.control import Control
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from sdq.models.jobs.kinds import KINDS, WARM, Kind
+from sdq.models.settings import Settings
+from sdq.models.tables import Job
+
+# How long live workers have to say which queues they consume.
+REPLY_SECONDS = 1.0
+
+
+def warm_key(kind: Kind, settings: Settings) -> Callable[[dict[str, Any]], str | None] | None:
+    """The kind's warm key of a job's spec under these settings; None: it routes nothing."""
+    routing = kind.model_hook("warm_routing", module="routing")
+    return routing(settings) if routing is not None else None
+
+
+def live_warm_queues(settings: Settings, control: Control) -> set[str]:
+    """The warm queues live workers consume now; none asked for where no kind routes."""
+    if not any(warm_key(kind, settings) for kind in KINDS.values()):
+        return set()
+    answered = control.inspect(timeout=REPLY_SECONDS).active_queues() or {}
+    return {queue["name"] for queues in answered.values() for queue in queues
+            if WARM in queue["name"]}  # fmt: skip
+
+
+class Routes:
+    """The queue of each message one sending sends; live warm queues asked once."""
+
+    def __init__(
+        self, settings: Settings, sessions: sessionmaker[Session], control: Control
+    ) -> None:
+        self.settings, self.sessions, self.control = settings, sessions, control
+        self._warm: set[str] | None = None
+
+    def __call__(self, kind: Kind, messages: list[list[int]]) -> list[str]:
+        key = warm_key(kind, self.settings)
+        if key is None:
+            return [kind.queue] * len(messages)
+        first_specs = self._specs([job_ids[0] for job_ids in messages])
+        wanted = [key(first_specs[job_ids[0]]) for job_ids in messages]
+        live = self.warm() if any(wanted) else set()
+        return [
+            queue if warm and (queue := kind.warm_queue(warm)) in live else kind.queue
+            for warm in wanted
+        ]
+
+    def warm(self) -> set[str]:
+        if self._warm is None:
+            self._warm = live_warm_queues(self.settings, self.control)
+        return self._warm
+
+    def _specs(self, job_ids: Collection[int]) -> dict[int, dict[str, Any]]:
+        with self.sessions() as session:
+            return dict(session.execute(select(Job.id, Job.spec).where(Job.id.in_(job_ids))).all())
