@@ -9,7 +9,8 @@ from diffusers import (
     StableDiffusionPipeline,
     UNet2DConditionModel,
 )
-from transformers import CLIPTextConfig, CLIPTextModel
+from diffusers.pipelines.stable_diffusion.safety_checker import StableDiffusionSafetyChecker
+from transformers import CLIPConfig, CLIPTextConfig, CLIPTextModel
 
 from sdq.models import tiny
 from sdq.models.architectures import SD15_TEXT_ENCODER, SD15_VAE, UNET_ARCHITECTURES
@@ -29,6 +30,16 @@ def sd15_text_encoder() -> CLIPTextModel:
     config = CLIPTextConfig(vocab_size=len(vocab), bos_token_id=vocab["<|startoftext|>"],
                             eos_token_id=end, pad_token_id=end, **SD15_TEXT_ENCODER)  # fmt: skip
     return CLIPTextModel(config)
+
+
+def sd15_safety_checker() -> StableDiffusionSafetyChecker:
+    """SD 1.5's safety checker: CLIP ViT-L/14's vision tower and projection (its text tower
+    is not part of it), with the concept embeddings it compares each image to."""
+    vision = {"hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16,
+              "num_hidden_layers": 24, "patch_size": 14, "image_size": 224}  # fmt: skip
+    config = CLIPConfig(vision_config=vision, text_config={"hidden_size": 768},
+                        projection_dim=768)  # fmt: skip
+    return StableDiffusionSafetyChecker(config).eval()
 
 
 def sd15_pipeline(seed: int = 0) -> StableDiffusionPipeline:
