@@ -36,6 +36,12 @@ def live_warm_queues(settings: Settings, control: Control) -> set[str]:
             if WARM in queue["name"]}  # fmt: skip
 
 
+def queues_of(control: Control, node: str) -> list[str]:
+    """The queues worker `node` consumes now, warm ones included, as it answers."""
+    answered = control.inspect(destination=[node], timeout=REPLY_SECONDS).active_queues() or {}
+    return sorted(queue["name"] for queue in answered.get(node, []))
+
+
 class Routes:
     """The queue of each message one sending sends; live warm queues asked once."""
 

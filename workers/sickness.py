@@ -19,6 +19,7 @@ from sdq.models.faults import device_failure
 from sdq.models.jobs.delivery import Outcome
 from sdq.models.jobs.lifecycle import utcnow
 from sdq.models.tables import Job, JobStatus, SickWorker
+from sdq.workers.routing import queues_of
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,11 @@ def _done_elsewhere(task: Task, me: str) -> int:
 
 def take_out(task: Task, reason: str) -> None:
     app, name = task.app, task.request.hostname
-    queues = sorted(app.amqp.queues.consume_from or [task.request.delivery_info["routing_key"]])
+    # As the worker answers: its warm queues (workers/routing.py) came after this process
+    # forked, and its copy of the queues it consumes has none of them.
+    queues = queues_of(app.control, name) or sorted(
+        app.amqp.queues.consume_from or [task.request.delivery_info["routing_key"]]
+    )
     with app.sessions.begin() as session:
         row = {"worker": name, "queues": queues, "reason": reason, "since": utcnow()}
         statement = upsert(session, SickWorker).values(row)
