@@ -85,12 +85,12 @@ class PipelineCache:
             release_device_memory()
         started = perf_counter()
         pipeline = self._load(spec)
-        loaded = Loaded(pipeline, self._prompts(pipeline), self.compile_batches)
+        loaded = Loaded(pipeline, self._embeddings(pipeline), self.compile_batches)
         loaded.warm_keys = warm(loaded, spec, self.warm_shapes)
         self._loaded[key] = loaded
         return loaded, perf_counter() - started
 
-    def _prompts(self, pipeline: DiffusionPipeline) -> PromptEmbeddings | None:
+    def _embeddings(self, pipeline: DiffusionPipeline) -> PromptEmbeddings | None:
         """The pipeline's kept embeddings, in front of the deployment's shared ones for its
         text encoders (as they run, LoRAs fused), where there are."""
         encode = family_encoder(pipeline)
