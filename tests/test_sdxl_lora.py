@@ -96,9 +96,9 @@ def lora_file(tmp_path_factory) -> Path:
     return save_lora(build_pipeline(), tmp_path_factory.mktemp("lora"), seed=5)
 
 
-def cache(tmp_path: Path, **options) -> PipelineCache:
+def cache(tmp_path: Path, size: int = 1, **options) -> PipelineCache:
     files = ModelFiles(LocalStore(tmp_path / "store"), tmp_path / "cache")
-    return PipelineCache(files=files, size=1, **options)
+    return PipelineCache(files=files, size=size, **options)
 
 
 def planned(model, *prompts: str, **defaults) -> list[GenerationSpec]:
@@ -169,8 +169,7 @@ def test_a_lora_is_fused_at_its_scale_as_diffusers_applies_it(lora_file, tmp_pat
     """sdq fuses a LoRA into the weights; diffusers' pipeline with the LoRA loaded and
     scaled per call (unfused) makes the same images. Another scale or none, other images;
     the pipeline with a LoRA is one of its own, beside the base."""
-    pipelines = cache(tmp_path, prompt_cache_size=8)
-    pipelines.size = 2
+    pipelines = cache(tmp_path, size=2, prompt_cache_size=8)
     lora = {"name": "detail", "source": str(lora_file), "scale": 0.7,
             "sha256": resolve_lora(str(lora_file), session=None)["sha256"]}  # fmt: skip
     base = planned(tiny_identity(), "a lighthouse", "a harbour")
@@ -200,7 +199,7 @@ def test_a_lora_for_another_model_fails_its_jobs_by_name(sdxl_folder, tmp_path) 
     lora = {"name": "xl-detail", "source": str(sdxl_lora), "scale": 1.0,
             "sha256": resolve_lora(str(sdxl_lora), session=None)["sha256"]}  # fmt: skip
     [spec] = planned(tiny_identity(), "a lighthouse")
-    with pytest.raises(PipelineError, match="model tiny"):
+    with pytest.raises(PipelineError, match=r"LoRA xl-detail .*model tiny"):
         cache(tmp_path).get(replace(spec, loras=[lora]))
 
 

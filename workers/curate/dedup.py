@@ -210,7 +210,9 @@ class DedupWork(Work):
     def _cluster(self, run_id: int, spec: DedupSpec) -> tuple[bytes, int]:
         """k-means over the members, their embeddings by cluster, and a job per cluster.
         A retry after the cluster jobs were added leaves their parts as they are."""
-        if _cluster_jobs_added(self.sessions, run_id):
+        with self.sessions() as session:
+            added = _cluster_jobs_added(session, run_id)
+        if added:
             return self.store.get_bytes(spec.output_key), 0
         for stale in list(self.store.list_keys(spec.clusters_prefix)):
             self.store.delete(stale)  # an earlier attempt's parts
@@ -296,14 +298,14 @@ class DedupWork(Work):
         return np.array([np.nan if found.get(key) is None else found[key] for key in keys])
 
 
-def _cluster_jobs_added(sessions: sessionmaker[Session], run_id: int) -> bool:
-    with sessions() as session:
-        return session.scalar(select(func.count()).where(Job.run_id == run_id)) > 1
+def _cluster_jobs_added(session: Session, run_id: int) -> bool:
+    """Whether the clustering job's run holds its cluster jobs (any job besides it)."""
+    return session.scalar(select(func.count()).where(Job.run_id == run_id)) > 1
 
 
 def _add_cluster_jobs(session: Session, run_id: int, spec: DedupSpec, clusters: list[int]) -> None:
     run = session.get_one(Run, run_id, with_for_update=True)  # one adder at a time
-    if session.scalar(select(func.count()).where(Job.run_id == run_id)) > 1:
+    if _cluster_jobs_added(session, run_id):
         return
     specs = [DedupSpec(**{**spec.to_dict(), "cluster": cluster}) for cluster in clusters]
     add_jobs(session, run, CURATE, specs)
