@@ -123,6 +123,11 @@ def _batches(env: Mapping[str, str], name: str, default: Any) -> tuple[int, ...]
     return tuple(sizes)
 
 
+def _names(env: Mapping[str, str], name: str, default: Any) -> tuple[str, ...]:
+    """`a,b`: names, in order."""
+    return tuple(part.strip() for part in env.get(name, "").split(",") if part.strip()) or default
+
+
 def _shapes(env: Mapping[str, str], name: str, default: Any) -> tuple[tuple[int, int], ...]:
     """`512x512,768x768`: (width, height) pairs, multiples of 8."""
     shapes = []
@@ -214,6 +219,10 @@ class GenerateSettings:
         "SDQ_COMPILE_BATCHES", (1, 2, 4, 8, 16), read=_batches
     )
     warm_shapes: tuple[tuple[int, int], ...] = setting("SDQ_WARM_SHAPES", (), read=_shapes)
+    # Models (as --model names them) each generate worker process loads, and compiles at
+    # warm_shapes, when it starts: it consumes no queue until they are warm, so no job
+    # waits minutes behind a compilation.
+    warm_models: tuple[str, ...] = setting("SDQ_WARM_MODELS", (), read=_names)
     # torch.compile's backend: "inductor" generates the kernels; "eager" only traces and
     # guards, without code generation: a deployment's shapes, warming and routing checked
     # in seconds on a CPU, at uncompiled speed.

@@ -3,7 +3,10 @@ its credentials, the workers and their queues listed, Prometheus metrics served.
 
 import base64
 import json
+import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -144,3 +147,56 @@ def test_sdq_metrics_serves_what_flower_does_not(
         f"{family.name}_total" for family in families if family.type == "counter"
     }
     assert plotted and plotted <= served, plotted - served
+
+
+def test_gpu_workers_metrics_give_their_gpus_nvml_readings(service_env, tmp_path) -> None:
+    """The workers `sdq worker gpu --train-ranks 1` starts on a machine of two GPUs (the
+    train worker on the first, CUDA_VISIBLE_DEVICES=0; the other kinds' on the second),
+    with NVML standing in for the driver (tests/stand_in_nvml): each worker's metrics give
+    its own GPU alone, the memory its processes hold and the device's, its utilisation,
+    temperature and power draw, and no power draw for the board that cannot read it."""
+    from sdq.models.settings import Settings
+    from sdq.producer.launch import gpu_workers
+    from sdq.producer.metrics import SdqCollector
+    from sdq.workers.app import create_app
+
+    stand_in = os.pathsep.join(
+        [str(ROOT / "tests" / "stand_in_nvml"), os.environ.get("PYTHONPATH", "")]
+    )
+    processes, logs = [], []
+    for n, command in enumerate(gpu_workers(["0", "1"], loglevel="info", train_ranks=1)):
+        logs.append(tmp_path / f"worker{n}.log")
+        processes.append(subprocess.Popen(
+            command.argv, env={**command.env, **service_env, "PYTHONPATH": stand_in}, cwd=ROOT,
+            stdout=logs[-1].open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+        ))  # fmt: skip
+    host = socket.gethostname()
+    nodes = {f"train@{host}": "GPU-0a0a0a0a-0000-0000-0000-000000000000",
+             f"gpu1@{host}": "GPU-1b1b1b1b-1111-1111-1111-111111111111"}  # fmt: skip
+    app = create_app(Settings.from_env(service_env))
+    try:
+        for log in logs:
+            wait_for(lambda: "ready." in log.read_text(), what=f"log: {log}", timeout=90)  # noqa: B023
+        samples = {
+            (sample.labels["worker"], sample.name, sample.labels.get("gpu")): sample.value
+            for family in SdqCollector(app).collect()
+            for sample in family.samples
+            if sample.labels.get("worker") in nodes
+        }
+    finally:
+        for process in processes:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(60)
+    first, second = nodes.values()
+    for node, gpu in nodes.items():
+        assert {seen for worker, _, seen in samples if worker == node} == {None, gpu}
+        assert samples[(node, "sdq_worker_gpu_memory_bytes", gpu)] == 2**30  # its process's
+        assert samples[(node, "sdq_gpu_memory_used_bytes", gpu)] == 5 * 2**30  # everyone's
+        assert samples[(node, "sdq_gpu_memory_total_bytes", gpu)] == 80 * 2**30
+    train, other = nodes
+    assert samples[(train, "sdq_gpu_utilization_percent", first)] == 12
+    assert samples[(train, "sdq_gpu_temperature_celsius", first)] == 41
+    assert samples[(train, "sdq_gpu_power_watts", first)] == 96.5
+    assert samples[(other, "sdq_gpu_utilization_percent", second)] == 87
+    assert samples[(other, "sdq_gpu_temperature_celsius", second)] == 64
+    assert (other, "sdq_gpu_power_watts", second) not in samples

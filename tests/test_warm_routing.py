@@ -1,12 +1,13 @@
-"""Routing generation jobs to the worker that has their pipeline and shape compiled: two
-worker processes (each with a host name of its own) warmed for different shapes, and a
-run of both shapes whose jobs each go to their warm worker; a warm worker that dies is
-passed by."""
+"""Warming up at start and routing to the warm: two worker processes (each with a host
+name of its own) that compile the tiny model at different shapes before they take a job,
+and a run of both shapes whose jobs each go to their warm worker, none waiting for a load;
+a warm worker that dies is passed by."""
 
 import os
 import signal
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -26,8 +27,9 @@ pytestmark = pytest.mark.slow
 
 
 class Warm:
-    """`sdq worker gpu --queues generate` compiling with SDQ_WARM_SHAPES=`shape`, on a host
-    of its own name (a UTS namespace): its node is cpu-render@NAME, its jobs NAME:pid."""
+    """`sdq worker gpu --queues generate` warming the tiny model up at SDQ_WARM_SHAPES=`shape`,
+    on a host of its own name (a UTS namespace): its node is cpu-render@NAME, its jobs
+    NAME:pid."""
 
     def __init__(self, env: dict[str, str], name: str, shape: str, log: Path) -> None:
         self.node, self.log = f"cpu-render@{name}", log
@@ -35,7 +37,7 @@ class Warm:
             ["unshare", "-u", "sh", "-c", f'hostname {name} && exec "$@"', "sh", sys.executable,
              "-m", "sdq.producer.cli", "worker", "gpu", "--queues", "generate",
              "--loglevel", "info"],
-            env={**env, "SDQ_WARM_SHAPES": shape}, stdout=log.open("ab"),
+            env={**env, "SDQ_WARM_SHAPES": shape, "SDQ_WARM_MODELS": "tiny"}, stdout=log.open("ab"),
             stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         wait_for(lambda: "ready." in log.read_text(), what=f"worker {name}", timeout=90)
@@ -66,31 +68,26 @@ def test_each_shape_s_jobs_go_to_the_worker_that_has_it_warm(own_deployment, tmp
         done = wait_for_run(env["SDQ_DATABASE_URL"], submitted["run_id"])
         assert done == {"succeeded": len(shapes)}
         with sessions() as session:
-            jobs = session.execute(select(Job.spec, Job.worker_host)
+            jobs = session.execute(select(Job.spec, Job.worker_host, Job.setup_seconds)
                                    .where(Job.run_id == submitted["run_id"])).all()  # fmt: skip
+        # Warmed up before they took a job: no job waited for its pipeline to load.
+        assert [setup for _, _, setup in jobs] == [None] * len(shapes)
         hosts: dict[str, set[str]] = {}
-        for spec, host in jobs:
+        for spec, host, _ in jobs:
             hosts.setdefault(f"{spec['width']}x{spec['height']}", set()).add(host.split(":")[0])
         return hosts
 
-    def warm_at(node: str, shape: str) -> bool:
-        return any(WARM in queue and queue.endswith(shape) for queue in consumed(node))
+    def takes_jobs(worker: Warm, shape: str) -> bool:
+        """It consumes `generate` and its shape's warm queue: it has warmed up."""
+        queues = consumed(worker.node)
+        return "generate" in queues and any(WARM in q and q.endswith(shape) for q in queues)
 
     first = Warm(env, "warma", "64x64", tmp_path / "a.log")
-    second = None
+    second = Warm(env, "warmb", "96x64", tmp_path / "b.log")
     try:
-        # Each worker's first job loads the pipeline, compiled at its warm shape; then it
-        # consumes that shape's queue too. The first stops taking from `generate` while
-        # the second gets its first job.
-        assert run("prime-a", ["64x64"]) == {"64x64": {"warma"}}
-        wait_for(lambda: warm_at(first.node, "64x64"), what="warma's warm queue", timeout=30)
-        app.control.cancel_consumer("generate", destination=[first.node])
-        wait_for(lambda: "generate" not in consumed(first.node), what="warma to leave generate")
-        second = Warm(env, "warmb", "96x64", tmp_path / "b.log")
-        assert run("prime-b", ["96x64"]) == {"96x64": {"warmb"}}
-        wait_for(lambda: warm_at(second.node, "96x64"), what="warmb's warm queue", timeout=30)
-        app.control.add_consumer("generate", destination=[first.node])
-        wait_for(lambda: "generate" in consumed(first.node), what="warma back on generate")
+        for worker, shape in ((first, "64x64"), (second, "96x64")):
+            wait_for(partial(takes_jobs, worker, shape), what=f"{worker.node} warm", timeout=90)
+            assert "warm: model tiny loaded and compiled" in worker.log.read_text()
 
         # Both consume `generate`; each shape's jobs go to the worker that has it warm.
         assert run("both", ["64x64", "96x64"] * 6) == {"64x64": {"warma"}, "96x64": {"warmb"}}
@@ -99,11 +96,12 @@ def test_each_shape_s_jobs_go_to_the_worker_that_has_it_warm(own_deployment, tmp
         assert len(warm) == 2 and warm <= set(app.queue_depths(warm))
         assert "generate" in idle_queues(app)
 
-        # A warm worker that dies has no queue any more: its shape's jobs go to `generate`.
+        # A warm worker that dies has no queue any more: its shape's jobs go to `generate`,
+        # where the other worker compiles the shape (its batch sizes are warm) as it loads
+        # nothing new.
         second.kill()
         wait_for(lambda: not consumed(second.node), what="warmb gone", timeout=30)
         assert run("fallback", ["96x64", "96x64"]) == {"96x64": {"warma"}}
     finally:
         for worker in (first, second):
-            if worker is not None:
-                worker.kill()
+            worker.kill()

@@ -1,10 +1,11 @@
 """Entry point for the Celery command line: `celery -A sdq.workers.main worker -Q generate`."""
 
+import logging
 from importlib import import_module
 
-from celery.signals import celeryd_after_setup
+from celery.signals import celeryd_after_setup, worker_process_init
 
-from sdq.models.jobs.kinds import KINDS
+from sdq.models.jobs.kinds import KINDS, Kind
 from sdq.models.settings import Settings
 from sdq.workers import (
     memory,  # noqa: F401  (registers the device_memory control command)
@@ -23,11 +24,9 @@ def load_gpu_libraries(sender, instance, **_) -> None:
     never inside a task, where a time limit could cut an import short and leave the process
     unable to import them again, nor on the first task's clock. A CPU pool's worker never
     imports them."""
-    consumed = set(instance.app.amqp.queues.consume_from or instance.app.amqp.queues)
-    for kind in KINDS.values():
-        if kind.queue in consumed:
-            for module in kind.preload:
-                import_module(module)
+    for kind in served_kinds(instance.app):
+        for module in kind.preload:
+            import_module(module)
 
 
 @celeryd_after_setup.connect
@@ -35,3 +34,50 @@ def back_in_rotation(sender: str, instance, **_) -> None:
     """A worker (re)started takes jobs: whatever its last run was taken out of rotation for
     (workers/sickness.py) is forgotten."""
     sickness.forget(instance.app.settings.database_url, sender)
+
+
+def served_kinds(app) -> list[Kind]:
+    consumed = set(app.amqp.queues.consume_from or app.amqp.queues)
+    return [kind for kind in KINDS.values() if kind.queue in consumed]
+
+
+# Set in a warming worker's main process before its pool forks (hold_queues_while_warming),
+# read by each pool process once warm: the queues held back, the kinds that warm up, and
+# the worker's name.
+_held_back: list[str] = []
+_warming: list[Kind] = []
+_hostname: list[str] = []
+
+
+@celeryd_after_setup.connect
+def hold_queues_while_warming(sender: str, instance, **_) -> None:
+    """A worker serving a kind that warms up (its task module's `warms(settings)`: a
+    generate worker with SDQ_WARM_MODELS) consumes none of its queues until its pool
+    process has warmed up, so that no job waits behind a compilation on a worker that
+    took it first; each process gets as long to warm up as a task of those kinds to run."""
+    app = instance.app
+    warms = {kind: kind.task_hook("warms") for kind in served_kinds(app)}
+    warming = [kind for kind, hook in warms.items() if hook is not None and hook(app.settings)]
+    if not warming:
+        return
+    _warming[:], _hostname[:] = warming, [sender]
+    _held_back[:] = sorted(app.amqp.queues.consume_from)
+    app.amqp.queues.deselect(_held_back)
+    limits = app.settings.time_limits
+    app.conf.worker_proc_alive_timeout = max(limits[kind.queue].hard for kind in warming)
+
+
+@worker_process_init.connect
+def warm_up(**_) -> None:
+    """In each pool process of a warming worker: the kinds' `warm_up(app, hostname)`, then
+    its queues taken back. A warm-up that fails is logged, and the worker takes jobs
+    anyway: a job's own load then says what is wrong."""
+    if not _held_back:
+        return
+    for kind in _warming:
+        try:
+            kind.task_hook("warm_up")(app, _hostname[0])
+        except Exception:
+            logging.getLogger(__name__).exception("%s: warming up failed", kind.name)
+    for queue in _held_back:
+        app.control.add_consumer(queue, destination=_hostname)

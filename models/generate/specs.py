@@ -4,7 +4,7 @@ it; the samplers people know by name; and how jobs are batched into calls."""
 from dataclasses import dataclass, field
 from typing import Any
 
-from sdq.models.specs import SPEC_VERSION, canonical_sha256
+from sdq.models.specs import SPEC_VERSION, ModelIdentity, canonical_sha256
 
 # Images of more pixels than this are decoded by the VAE in tiles: a whole 2048x2048
 # decode alone takes more memory than most GPUs have.
@@ -83,6 +83,17 @@ class GenerationSpec:
         tiled = render["width"] * render["height"] > TILED_DECODE_PIXELS
         return cls(model_name=name, model_source=source, model_revision=revision,
                    vae_tiling=tiled, **render)  # fmt: skip
+
+    @classmethod
+    def warming(cls, model: ModelIdentity) -> "GenerationSpec":
+        """A render of the model's pipeline as jobs load it by default (its precision, no
+        LoRA), for a worker to warm up on before it takes any."""
+        return cls.by_model(
+            model.name, model.source, model.revision, scheduler=model.scheduler,
+            scheduler_config=model.scheduler_config, prompt="", negative_prompt="", seed=0,
+            steps=1, guidance=7.5, width=model.default_size, height=model.default_size,
+            dtype=model.default_dtype,
+        )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         # Not dataclasses.asdict (a recursive deep copy), nor fields() (a quarter of a

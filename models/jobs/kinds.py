@@ -17,9 +17,12 @@ convention, under the kind's name:
   (None: no warm queue for it), or None where the deployment warms nothing: a message goes
   to the kind's warm queue of its first job's key when a live worker consumes it
   (workers/routing.py), else to the kind's queue.
-- `sdq.workers.<name>.task`: the kind's Celery task and its work; and, optionally,
+- `sdq.workers.<name>.task`: the kind's Celery task and its work; optionally,
   `at_run_end(sessions, store, run_id)`, what beat does once a run of the kind finishes (a
-  generation run's gallery).
+  generation run's gallery); and optionally `warms(settings)`, whether a worker serving
+  the kind warms up before it takes a job, and `warm_up(app, hostname)`, what each of its
+  pool processes does then (a generate worker compiles SDQ_WARM_MODELS): meanwhile the
+  worker consumes none of its queues (workers/main.py).
 
 Generic code (models/jobs/, producer/cli/, producer/lookups.py, producer/launch.py,
 workers/app.py, workers/main.py, workers/maintenance.py, workers/delivery.py) never names a

@@ -1,17 +1,24 @@
 """The generate task: a message of job ids, rendered `batch_size` images per call."""
 
 from functools import cache, partial
+from time import perf_counter
 from typing import Any
 
 from celery import Task, shared_task
+from celery.utils.log import get_task_logger
 
 from sdq.models.generate import galleries
+from sdq.models.generate.specs import GenerationSpec
 from sdq.models.jobs.kinds import GENERATE
+from sdq.models.registry import resolve_model
+from sdq.models.settings import Settings
 from sdq.workers.app import SdqCelery
 from sdq.workers.delivery import JobTask, deliver_task
 from sdq.workers.generate.work import GenerateWork
 from sdq.workers.holding import hold
 from sdq.workers.weights import ModelFiles
+
+logger = get_task_logger(__name__)
 
 
 @shared_task(bind=True, base=JobTask, name=GENERATE.task_name)
@@ -42,14 +49,35 @@ def follow_warm_queues(task: Task) -> None:
     let go. Through Celery's control channel: the worker's consumer does it between tasks."""
     if task.request.is_eager:  # done in-process (embedded): there is no worker
         return
-    warm = {GENERATE.warm_queue(key) for key in pipelines(task.app).warm_keys()}
-    hostname = [task.request.hostname]
+    _follow(task.app, task.request.hostname)
+
+
+def _follow(app: SdqCelery, hostname: str) -> None:
+    warm = {GENERATE.warm_queue(key) for key in pipelines(app).warm_keys()}
     for queue in sorted(warm - _following):
-        task.app.control.add_consumer(queue, destination=hostname)
+        app.control.add_consumer(queue, destination=[hostname])
     for queue in sorted(_following - warm):
-        task.app.control.cancel_consumer(queue, destination=hostname)
+        app.control.cancel_consumer(queue, destination=[hostname])
     _following.clear()
     _following.update(warm)
+
+
+def warms(settings: Settings) -> bool:
+    """Whether a generate worker warms up before it takes a job (workers/main.py)."""
+    return bool(settings.generate.warm_models)
+
+
+def warm_up(app: SdqCelery, hostname: str) -> None:
+    """Loads each of SDQ_WARM_MODELS, compiled at every batch size of SDQ_WARM_SHAPES,
+    and has the worker consume their warm queues: before it takes a job."""
+    cache = pipelines(app)
+    for name in app.settings.generate.warm_models:
+        with app.sessions() as session:
+            model = resolve_model(name, store=app.store, session=session)
+        started = perf_counter()
+        cache.get(GenerationSpec.warming(model))
+        logger.info("warm: model %s loaded and compiled in %.1f s", name, perf_counter() - started)
+    _follow(app, hostname)
 
 
 # Once a generation run finishes, beat writes its gallery: a run submitted without --wait
