@@ -15,8 +15,9 @@ world size N:
 Both are timed from the command's start to its end, process starts included; sdq's run
 is a chain of jobs of --checkpoint-every steps, each ending in a checkpoint written to S3.
 Prints one JSON object: samples/s of each, the scaling efficiency of each (samples/s at N
-over N times samples/s at 1), `sdq_time_shares` (of sdq's run's wall time: training, data
-waits, checkpoints, between jobs) and `sdq_vs_plain` at each world size.
+over N times samples/s at 1), `sdq_time_shares` (of sdq's run's wall time: its start up
+to the first step, training, data waits, checkpoints, between jobs) and `sdq_vs_plain` at
+each world size.
 
     python benchmarks/train_scaling.py [--world-sizes 1,2] [--steps 300]
         [--checkpoint-every 100] [--batch-size 8] [--images 256] [--rounds 3]
@@ -104,8 +105,8 @@ def main() -> None:
                     for way in ("sdq", "plain")
                     for size in sizes
                 },
-                # Of sdq's wall time per run: training, data waits, checkpoint writes, and
-                # between jobs (medians over the rounds).
+                # Of sdq's wall time per run: its start, training, data waits, checkpoint
+                # writes, and between jobs (medians over the rounds).
                 "sdq_time_shares": {
                     str(size): {
                         name: round(statistics.median(r[name] for r in shares[size]), 4)

@@ -201,7 +201,8 @@ def show_training(status: dict[str, Any], *, render_command: str = "sdq submit")
         shares = status["time_shares"]
         stdout.print(
             f"over its wall time: {status['wall_samples_per_second']:.1f} samples/s; "
-            f"training {shares['training']:.0%}, data waits {shares['data_wait']:.0%}, "
+            f"starting {shares['start']:.0%}, training {shares['training']:.0%}, "
+            f"data waits {shares['data_wait']:.0%}, "
             f"checkpoints {shares['checkpoint']:.0%}, between jobs {shares['job_gap']:.0%}"
         )
     if status["losses"]:

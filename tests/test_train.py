@@ -87,10 +87,12 @@ def test_the_whole_chain_on_one_machine(tmp_path: Path) -> None:
     assert [step for step, _ in trained["losses"]] == list(range(1, 61))
     assert sum(losses[-10:]) < 0.8 * sum(losses[:10])  # it learns
     assert [c["step"] for c in trained["checkpoints"]] == [30, 60]
-    # Its wall time, split: training, data waits, checkpoint writes, and between jobs.
+    # Its wall time, split: its start (up to its first step: the model built), training,
+    # data waits, checkpoint writes, and between jobs.
     shares = trained["time_shares"]
-    assert set(shares) == {"training", "data_wait", "checkpoint", "job_gap"}
-    assert all(0 <= share <= 1 for share in shares.values()) and shares["checkpoint"] > 0
+    assert set(shares) == {"start", "training", "data_wait", "checkpoint", "job_gap"}
+    assert all(0 <= share <= 1 for share in shares.values())
+    assert shares["checkpoint"] > 0 and shares["start"] > 0
     # SQLite stamps times to the second, a few percent of this short run's wall time.
     assert sum(shares.values()) == pytest.approx(1, abs=0.15)
     assert 0 < trained["wall_samples_per_second"] < trained["samples_per_second"]

@@ -46,6 +46,8 @@ class TrainStep(Base):
     # The step's share of the time its window of steps waited for data (none recorded
     # before it was measured).
     data_wait_seconds: Mapped[float | None] = mapped_column(Float)
+    # When the step ended, by its rank's clock (steps recorded before that was: when they
+    # reached the database).
     at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.current_timestamp()
     )

@@ -3,6 +3,7 @@ curve and throughput, its checkpoints, and what each train-shard job covers."""
 
 import statistics
 from collections.abc import Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select
@@ -94,8 +95,9 @@ def time_shares(
 ) -> dict[str, Any]:
     """The run's samples/s over its wall time, from its first job's start to its last
     checkpoint (job gaps and checkpoints included), and the shares of that time spent
-    training, waiting for data, writing checkpoints, and between jobs (starting rank
-    processes, restoring state, queueing, retries)."""
+    starting (the first job's rank processes, process group, model and first data, up to
+    its first step), training, waiting for data, writing checkpoints, and between jobs
+    (handing over from one to the next, queueing, retries and restarts)."""
     started = session.scalar(
         select(func.min(JobEvent.at))
         .join(Job, Job.id == JobEvent.job_id)
@@ -103,28 +105,48 @@ def time_shares(
     )
     if started is None or not checkpoints:
         return {"wall_samples_per_second": None, "time_shares": None}
-    wall = (as_utc(checkpoints[-1].created_at) - as_utc(started)).total_seconds()
-    stepping, waiting, steps = session.execute(
+    stepping, waiting, steps, last_ended = session.execute(
         select(
             func.sum(batch_size / TrainStep.samples_per_second),
             func.sum(TrainStep.data_wait_seconds),
             func.count(),
+            func.max(TrainStep.at),
         ).where(TrainStep.run_id == run_id, TrainStep.step <= checkpoints[-1].step)
     ).one()
-    writing = sum(checkpoint.write_seconds or 0.0 for checkpoint in checkpoints)
-    if wall <= 0 or not steps:
+    if not steps:
         return {"wall_samples_per_second": None, "time_shares": None}
+    # A checkpoint is recorded after its step ended, whatever the database's clock rounds
+    # its time to (SQLite: the second).
+    ended = max(as_utc(checkpoints[-1].created_at), as_utc(last_ended))
+    wall = (ended - as_utc(started)).total_seconds()
+    if wall <= 0:
+        return {"wall_samples_per_second": None, "time_shares": None}
+    writing = sum(checkpoint.write_seconds or 0.0 for checkpoint in checkpoints)
+    starting = _first_step_start(session, run_id, batch_size) - as_utc(started)
+    starting_seconds = max(0.0, starting.total_seconds())
     waiting = waiting or 0.0
     shares = {
+        "start": starting_seconds,
         "training": stepping - waiting,
         "data_wait": waiting,
         "checkpoint": writing,
-        "job_gap": max(0.0, wall - stepping - writing),
+        "job_gap": max(0.0, wall - starting_seconds - stepping - writing),
     }
     return {
         "wall_samples_per_second": round(steps * batch_size / wall, 2),
         "time_shares": {name: round(seconds / wall, 4) for name, seconds in shares.items()},
     }
+
+
+def _first_step_start(session: Session, run_id: int, batch_size: int) -> datetime:
+    """When the run's first step began: when it ended, less its time."""
+    ended, speed = session.execute(
+        select(TrainStep.at, TrainStep.samples_per_second)
+        .where(TrainStep.run_id == run_id)
+        .order_by(TrainStep.step)
+        .limit(1)
+    ).one()
+    return as_utc(ended) - timedelta(seconds=batch_size / speed)
 
 
 def run_base(session: Session, run_id: int, *, store: ObjectStore) -> ModelIdentity:

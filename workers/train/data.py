@@ -161,10 +161,15 @@ class LatentStream:
         self.threads = threads
 
     def batches(
-        self, first_step: int, lanes: range | None = None, allocate: Allocate = np.empty
+        self,
+        first_step: int,
+        lanes: range | None = None,
+        allocate: Allocate = np.empty,
+        last_step: int | None = None,
     ) -> Iterator[Batch]:
-        """Batch after batch from the one step `first_step` trains on: of each, the samples
-        of `lanes` (a rank's share; all of them by default)."""
+        """Batch after batch from the one step `first_step` trains on up to `last_step`
+        (the run's last: nothing past it is read or drawn), of each the samples of `lanes`
+        (a rank's share; all of them by default)."""
         per_lane = self.batch_size // self.lanes
         mine = [
             Lane(
@@ -180,7 +185,10 @@ class LatentStream:
         ]
         cache = ShardCache(self.load, self.threads)
         try:
-            for step in count(first_step + 1):
+            steps = (
+                count(first_step + 1) if last_step is None else range(first_step + 1, last_step + 1)
+            )
+            for step in steps:
                 pieces = [piece for lane in mine for piece in lane.take(per_lane)]
                 cache.want(self._wanted(pieces, mine))
                 yield _gather(step, pieces, cache, allocate)

@@ -16,6 +16,7 @@ import io
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -51,9 +52,10 @@ from sdq.workers.train.state import Ranks, TrainState
 from sdq.workers.train.trainer import (
     Snapshot,
     StepInputs,
-    base_folder,
     base_unet,
     export_model,
+    fetch_base_ahead,
+    fetched_base,
     load_checkpoint,
     new_state,
     on_device,
@@ -64,6 +66,9 @@ from sdq.workers.train.trainer import (
     training_flops_per_sample,
 )
 from sdq.workers.weights import ModelFiles
+
+# Objects a checkpoint puts in the store at once.
+UPLOAD_THREADS = 8
 
 
 def restore_state(
@@ -84,6 +89,8 @@ def restore_state(
             state = load_checkpoint(spec, folder, ranks)
     if spec.options.caption_dropout:
         state.empty_prompt = empty_prompt(store, spec.empty_prompt_key).to(state.device)
+    if ranks.writes:
+        fetch_base_ahead(spec, files)  # after the restore: it may have fetched them already
     return state
 
 
@@ -187,7 +194,10 @@ class Training:
             threads=settings.fetch_threads,
         )
         self._batches = stream.batches(
-            state.step, state.ranks.lanes(spec.options.data_lanes), pinned_allocator(state.device)
+            state.step,
+            state.ranks.lanes(spec.options.data_lanes),
+            pinned_allocator(state.device),
+            last_step=spec.options.steps,
         )
         self._inputs = on_device(self._batches, state, spec)
 
@@ -273,7 +283,7 @@ class StepWindow:
         self.spec, self.state = spec, state
         self.steps: list[dict[str, Any]] = []
         self._losses: list[tuple[int, float, torch.Tensor]] = []
-        self._opened = perf_counter()
+        self._opened, self._opened_at = perf_counter(), time()
         self._waited = 0.0
         self._peak = peak_flops(state.device)
 
@@ -304,12 +314,13 @@ class StepWindow:
             return []
         read_before = len(self.steps)
         losses = torch.stack([loss for _, _, loss in self._losses]).tolist()
-        closed = perf_counter()
+        closed, closed_at = perf_counter(), time()
         options = self.spec.options
         speed = len(losses) * options.batch_size / (closed - self._opened)
         peak, flops = self._peak, self.state.flops_per_sample
         waited = self._waited / len(losses)
-        for (step, lr, _), loss in zip(self._losses, losses, strict=True):
+        each = (closed_at - self._opened_at) / len(losses)
+        for n, ((step, lr, _), loss) in enumerate(zip(self._losses, losses, strict=True), 1):
             self.steps.append(
                 {
                     "run_id": self.spec.run,
@@ -320,9 +331,12 @@ class StepWindow:
                     "world_size": options.world_size,
                     "mfu": flops * speed / (peak * options.world_size) if flops else None,
                     "data_wait_seconds": waited,
+                    # When it ended (a time.time()): the window's time shared evenly.
+                    "at": self._opened_at + n * each,
                 }
             )
-        self._losses, self._opened, self._waited = [], closed, 0.0
+        self._losses, self._waited = [], 0.0
+        self._opened, self._opened_at = closed, closed_at
         return self.steps[read_before:]
 
 
@@ -336,12 +350,15 @@ def write_checkpoint(
     if isinstance(snapshot, ShardedSnapshot):
         return _write_sharded(spec, snapshot, store, files)
     prefix = checkpoint_prefix(spec.run, snapshot.step)
-    with tempfile.TemporaryDirectory(prefix="sdq-checkpoint-") as temporary:
-        folder = Path(temporary)
-        save_checkpoint(snapshot, folder / "state")
-        state_sha256 = folder_content_hash(folder / "state")
-        _upload(store, prefix, folder, sorted(folder.rglob("*")))
-    model_prefix, revision = _write_model(spec, snapshot, store, files)
+    # The model (when the checkpoint is one) is written beside the state, on a thread.
+    with ThreadPoolExecutor(1, thread_name_prefix="sdq-model") as beside:
+        model = beside.submit(_write_model, spec, snapshot, store, files)
+        with tempfile.TemporaryDirectory(prefix="sdq-checkpoint-") as temporary:
+            folder = Path(temporary)
+            save_checkpoint(snapshot, folder / "state")
+            state_sha256 = folder_content_hash(folder / "state")
+            _upload(store, prefix, folder, sorted(folder.rglob("*")))
+        model_prefix, revision = model.result()
     # The training waited for the snapshot only: the rest overlaps the next steps.
     return Written(snapshot.step, store.uri(prefix), state_sha256, model_prefix, revision,
                    snapshot.seconds)  # fmt: skip
@@ -378,13 +395,19 @@ def _write_model(
     prefix = f"{checkpoint_prefix(spec.run, snapshot.step)}/model"
     with tempfile.TemporaryDirectory(prefix="sdq-model-") as temporary:
         folder = Path(temporary)
-        base = base_folder(spec, files, files.cache_dir)
+        base = fetched_base(spec, files)
         revision = export_model(snapshot.unet_config, snapshot.model_weights, base, folder)
         _upload(store, prefix, folder, sorted(folder.rglob("*")))
     return prefix, revision
 
 
 def _upload(store: ObjectStore, prefix: str, folder: Path, paths: list[Path]) -> None:
-    for path in paths:
-        if path.is_file():
-            store.put_file(f"{prefix}/{path.relative_to(folder).as_posix()}", path)
+    """The files put at once: a checkpoint is a dozen objects or more, each a round trip
+    (the last one's write is on the run's clock)."""
+    with ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="sdq-upload") as uploads:
+        for put in [
+            uploads.submit(store.put_file, f"{prefix}/{path.relative_to(folder).as_posix()}", path)
+            for path in paths
+            if path.is_file()
+        ]:
+            put.result()

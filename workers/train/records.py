@@ -4,7 +4,7 @@ the checkpoint's validation renders."""
 
 import logging
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from time import monotonic
 from typing import Any
 
@@ -30,8 +30,9 @@ from sdq.models.train.tables import Checkpoint, TrainStep
 
 logger = logging.getLogger(__name__)
 
-# What a step redone by a later attempt writes again.
-STEP_FIGURES = ("loss", "lr", "samples_per_second", "world_size", "mfu", "data_wait_seconds")
+# What a step redone by a later attempt writes again (the same, but for when it ended).
+STEP_FIGURES = ("loss", "lr", "samples_per_second", "world_size", "mfu", "data_wait_seconds",
+                "at")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,8 @@ def record_steps(session: Session, steps: list[dict[str, Any]]) -> None:
     """The steps' figures. A step written again (by the job's end after its live record, or
     by a later attempt after a killed worker) has the same numbers."""
     if steps:
-        insert = upsert(session, TrainStep).values(steps)
+        rows = [{**step, "at": datetime.fromtimestamp(step["at"], UTC)} for step in steps]
+        insert = upsert(session, TrainStep).values(rows)
         session.execute(
             insert.on_conflict_do_update(
                 index_elements=["run_id", "step"],
