@@ -14,6 +14,9 @@ world size N:
     importing nothing of it, no checkpoint.
 Both are timed from the command's start to its end, process starts included; sdq's run
 is a chain of jobs of --checkpoint-every steps, each ending in a checkpoint written to S3.
+Each starts once the worker sits idle: a long-lived train worker starts its next run's
+rank processes (spares, importing torch and the trainer) when a run ends, as it does in
+service, and plain torchrun starts its own with the command.
 Prints one JSON object: samples/s of each, the scaling efficiency of each (samples/s at N
 over N times samples/s at 1), `sdq_time_shares` (of sdq's run's wall time: its start up
 to the first step, training, data waits, checkpoints, between jobs) and `sdq_vs_plain` at
@@ -24,6 +27,7 @@ each world size.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -32,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -39,6 +45,23 @@ from benchmarks.download import COMMAND_TIMEOUT  # noqa: E402
 from benchmarks.train import DATASET, RESOLUTION, PlainLoop, make_latents  # noqa: E402
 from tests.conftest import WorkerProcess, sdq_json  # noqa: E402
 from tests.services import deployment  # noqa: E402
+
+
+def settled(worker: WorkerProcess, timeout: float = 60.0) -> None:
+    """Until the worker's processes (its rank processes too) sit idle: what it does between
+    runs (spare ranks importing torch for the next one) is on neither side's clock."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        processes = [psutil.Process(pid) for pid in worker.children()]
+        for process in processes:
+            process.cpu_percent(None)
+        time.sleep(0.5)
+        busy = 0.0
+        for process in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                busy += process.cpu_percent(None)
+        if busy < 10:  # percent of one core
+            return
 
 
 def through_sdq(env: dict[str, str], args, world_size: int) -> tuple[float, dict[str, float]]:
@@ -82,9 +105,11 @@ def main() -> None:
             plain = PlainLoop(env, Path(folder))
             for _ in range(args.rounds):
                 for size in sizes:
+                    settled(worker)
                     rate, round_shares = through_sdq(env, args, size)
                     rates[f"sdq_{size}"].append(rate)
                     shares[size].append(round_shares)
+                    settled(worker)
                     rates[f"plain_{size}"].append(plain.run(args, size))
         finally:
             worker.stop()

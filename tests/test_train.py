@@ -496,7 +496,9 @@ def test_two_ranks_resume_exactly_after_a_rank_or_a_worker_dies(
     assert [loss for _, loss in steady["losses"]] == pytest.approx(
         [loss for _, loss in one["losses"]], rel=1e-4
     )
-    steady_ranks = set(rank_processes())  # kept by the worker for that run's next job
+    # The run done, its ranks are gone; two spares wait for the next run.
+    wait_for(lambda: len(rank_processes()) == 2, what="the spare ranks", timeout=60)
+    spares = set(rank_processes())
     run_id = sdq_json(download_env, *run, "--world-size", "2")["run_id"]
 
     def job_on_ranks(index: int, attempt: int) -> int | None:
@@ -505,12 +507,13 @@ def test_two_ranks_resume_exactly_after_a_rank_or_a_worker_dies(
             return None
         return jobs[index][0] if len(rank_processes()) >= 2 else None
 
-    wait_for(lambda: job_on_ranks(0, 1) and len(set(rank_processes()) - steady_ranks) == 2,
-             what="the first job's ranks", timeout=300)  # fmt: skip
-    first_ranks = set(rank_processes()) - steady_ranks
+    wait_for(lambda: job_on_ranks(0, 1), what="the first job", timeout=300)
+    # The spares take the run's first job, the same processes its next: no process
+    # started, no restart, no restore.
+    assert set(rank_processes()) == spares
     wait_for(lambda: job_on_ranks(1, 1), what="the second job", timeout=300)
-    # The same processes take the run's next job: no restart, no restore.
-    assert set(rank_processes()) == first_ranks
+    assert set(rank_processes()) == spares
+    first_ranks = spares
     os.kill(max(first_ranks), signal.SIGKILL)  # one rank dies, mid-job
     wait_for(lambda: job_on_ranks(1, 2), what="the job sent again", timeout=120)
     time.sleep(1.0)

@@ -2,6 +2,7 @@
 
 import logging
 from importlib import import_module
+from time import monotonic
 
 from celery.signals import celeryd_after_setup, worker_process_init
 
@@ -74,6 +75,7 @@ def warm_up(**_) -> None:
     anyway: a job's own load then says what is wrong."""
     if not _held_back:
         return
+    _until_listening()
     for kind in _warming:
         try:
             kind.task_hook("warm_up")(app, _hostname[0])
@@ -81,3 +83,14 @@ def warm_up(**_) -> None:
             logging.getLogger(__name__).exception("%s: warming up failed", kind.name)
     for queue in _held_back:
         app.control.add_consumer(queue, destination=_hostname)
+
+
+def _until_listening(seconds: float = 120.0) -> None:
+    """Until the worker answers on its control channel, which it opens while this process
+    starts: a command sent before it listens is lost (the broker hands a broadcast only
+    to those listening then)."""
+    deadline = monotonic() + seconds
+    while not app.control.ping(destination=_hostname, timeout=1.0):
+        if monotonic() > deadline:
+            logging.getLogger(__name__).error("%s did not answer for %d s", _hostname[0], seconds)
+            return

@@ -96,8 +96,9 @@ def time_shares(
     """The run's samples/s over its wall time, from its first job's start to its last
     checkpoint (job gaps and checkpoints included), and the shares of that time spent
     starting (the first job's rank processes, process group, model and first data, up to
-    its first step), training, waiting for data, writing checkpoints, and between jobs
-    (handing over from one to the next, queueing, retries and restarts)."""
+    its first step), training, waiting for data, waiting for checkpoints (each one's copy
+    to host memory, and all of the last one's write), and between jobs (handing over from
+    one to the next, queueing, retries and restarts)."""
     started = session.scalar(
         select(func.min(JobEvent.at))
         .join(Job, Job.id == JobEvent.job_id)
@@ -121,7 +122,10 @@ def time_shares(
     wall = (ended - as_utc(started)).total_seconds()
     if wall <= 0:
         return {"wall_samples_per_second": None, "time_shares": None}
-    writing = sum(checkpoint.write_seconds or 0.0 for checkpoint in checkpoints)
+    # The training waits for each checkpoint's copy to host memory, and for the whole of
+    # the last one (nothing is left to overlap it): from its last step to its record.
+    writing = sum(checkpoint.write_seconds or 0.0 for checkpoint in checkpoints[:-1])
+    writing += (ended - as_utc(last_ended)).total_seconds()
     starting = _first_step_start(session, run_id, batch_size) - as_utc(started)
     starting_seconds = max(0.0, starting.total_seconds())
     waiting = waiting or 0.0

@@ -4,13 +4,15 @@ sdq.workers.train.rank_start FOLDER`), the job's spec in FOLDER, torch.distribut
 rendezvous in the environment. Rank 0 writes
 the checkpoint and leaves what the worker records (the steps, the checkpoint) in FOLDER.
 
-With `--serve` the rank takes job after job of one run: each line on its standard input
-says the next job's spec is in FOLDER; it keeps its process group, model and training state
-between them, and goes on in memory when the job starts where the last one stopped (it
-restores the job's checkpoint otherwise, once per node: the first local rank downloads it
-into FOLDER). While rank 0 writes a job's checkpoint on a thread, the ranks take the next
-job's steps. Each job ends with a done file in FOLDER (rank 0's once its checkpoint is
-written); the end of its input ends the process. GPU-side: imports torch.
+With `--serve` the rank is started ahead of the run it serves: the first line on its
+standard input is that run's rendezvous; then it takes job after job of the run, each
+following line saying the next job's spec is in FOLDER; it keeps its process group, model
+and training state between them, and goes on in memory when the job starts where the last
+one stopped (it restores the job's checkpoint otherwise, once per node: the first local
+rank downloads it into FOLDER). While rank 0 writes a job's checkpoint on a thread, the
+ranks take the next job's steps. Each job ends with a done file in FOLDER (rank 0's once
+its checkpoint is written); the end of its input ends the process. GPU-side: imports
+torch.
 """
 
 import json
@@ -100,6 +102,18 @@ def join_group(spec: TrainShardSpec, ranks: Ranks, settings: Settings) -> None:
         "nccl" if torch.cuda.is_available() else "gloo",
         timeout=timedelta(seconds=settings.train.collective_timeout_seconds),
     )
+
+
+def join_run() -> None:
+    """The run's rendezvous and this rank's threads, read as the first line of standard
+    input, into the environment torch.distributed reads; the worker let this spare go if
+    the input ends first."""
+    line = sys.stdin.readline()
+    if not line:
+        exit_now(0)
+    joining = json.loads(line)
+    torch.set_num_threads(joining.pop("threads"))
+    os.environ.update(joining)
 
 
 def serve(folder: Path, ranks: Ranks, settings: Settings) -> NoReturn:
@@ -213,7 +227,10 @@ def exit_now(code: int) -> NoReturn:
 
 
 def main(folder: Path, serving: bool) -> NoReturn:
-    """The rank's work; rank_start.py has armed the parent-death signal first."""
+    """The rank's work; rank_start.py has armed the parent-death signal first. A serving
+    rank (a spare) waits for the run's rendezvous on its standard input first."""
+    if serving:
+        join_run()
     ranks = ranks_from_env()
     try:
         if serving:

@@ -5,11 +5,12 @@ as soon as one fails, so the job fails at once instead of hanging; it is sent ag
 goes on from its last checkpoint. Each rank dies with the worker (a parent-death signal): a
 worker killed mid-job leaves no rank holding a GPU. No torch here.
 
-On one machine the ranks outlive the job (RankGroup): they are started for a run, take its
-jobs one after another as lines on their standard input, and keep the process group, the
-model and the training state on the devices in between; the next job of the run on this
-worker goes on from where the last one stopped. A job over several machines starts its
-ranks for that job alone (run_ranks).
+On one machine the ranks outlive the job (RankGroup): they are started before a run needs
+them (Spares: torch and the trainer imported meanwhile), join its process group when its
+first job comes, take its jobs one after another as lines on their standard input, and
+keep the process group, the model and the training state on the devices in between; the
+next job of the run on this worker goes on from where the last one stopped. A job over
+several machines starts its ranks for that job alone (run_ranks).
 """
 
 import json
@@ -90,6 +91,21 @@ def write_job(folder: Path, spec: TrainShardSpec, stop_at: float | None) -> None
         stop.write_text(repr(stop_at))
 
 
+def rendezvous(options: TrainOptions, node: Node, local: int) -> dict[str, str]:
+    """What torch.distributed's env:// rendezvous reads, for one local rank of a job."""
+    return {
+        "RANK": str(node.index * options.ranks_per_node + local),
+        "WORLD_SIZE": str(options.world_size),
+        "MASTER_ADDR": node.master_address,
+        "MASTER_PORT": str(node.master_port),
+    }
+
+
+def threads_per_rank(local_ranks: int) -> int:
+    """OMP_NUM_THREADS where set, else each rank's share of the cores (rank_threads)."""
+    return int(os.environ.get("OMP_NUM_THREADS") or rank_threads(local_ranks))
+
+
 def rank_threads(local_ranks: int) -> int:
     """Torch's threads for each of a node's training processes: the cores this process may
     use, shared between the ranks and, within each, between the two threads that run torch
@@ -114,14 +130,51 @@ def free_port(address: str = "127.0.0.1") -> int:
         return probe.getsockname()[1]
 
 
+class Spares:
+    """A node's rank processes started before a run needs them: each imports torch and the
+    trainer, then waits on its standard input for the rendezvous of the run it is to join.
+    A run's first job starts on them without waiting for those imports (seconds a process;
+    most of the 8 s two ranks took to start on two busy cores)."""
+
+    def __init__(self, local_ranks: int) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="sdq-ranks-"))
+        self.processes = start(local_ranks, self.folder)
+
+    def fit(self, local_ranks: int) -> bool:
+        """Whether they can serve a run of that many ranks here: enough, and all alive."""
+        alive = all(process.poll() is None for process in self.processes)
+        return alive and len(self.processes) >= local_ranks
+
+    def stop(self) -> None:
+        stop(self.processes)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
 class RankGroup:
     """A run's rank processes on this machine, kept from one of its jobs to the next."""
 
-    def __init__(self, spec: TrainShardSpec) -> None:
+    def __init__(self, spec: TrainShardSpec, spares: Spares | None = None) -> None:
+        """The ranks for the run: the spares, when they fit it (the ones past its ranks
+        stopped), else processes started now."""
         self.run, self.world_size = spec.run, spec.options.world_size
-        self.folder = Path(tempfile.mkdtemp(prefix="sdq-ranks-"))
-        write_job(self.folder, spec, None)
-        self.processes = start(spec.options, Node(), self.folder, serve=True)
+        local_ranks = spec.options.ranks_per_node
+        if spares is None or not spares.fit(local_ranks):
+            if spares is not None:
+                spares.stop()
+            spares = Spares(local_ranks)
+        stop(spares.processes[local_ranks:])
+        self.folder, self.processes = spares.folder, spares.processes[:local_ranks]
+        try:
+            write_job(self.folder, spec, None)
+            node = Node()
+            for local, process in enumerate(self.processes):
+                joining = {**rendezvous(spec.options, node, local),
+                           "threads": threads_per_rank(local_ranks)}  # fmt: skip
+                process.stdin.write(json.dumps(joining).encode() + b"\n")
+                process.stdin.flush()
+        except BaseException:
+            self.stop()
+            raise
 
     def serves(self, spec: TrainShardSpec) -> bool:
         """Whether it can take this job: same run, same world size, every rank alive."""
@@ -166,31 +219,32 @@ def started(options: TrainOptions, node: Node, folder: Path) -> Iterator[list[su
     running when the block ends (a failed rank, the task's time limit) is stopped."""
     processes: list[subprocess.Popen] = []
     try:
-        processes += start(options, node, folder, serve=False)
+        processes += start(options.ranks_per_node, folder, options, node)
         yield processes
     finally:
         stop(processes)
 
 
 def start(
-    options: TrainOptions, node: Node, folder: Path, *, serve: bool
+    local_ranks: int,
+    folder: Path,
+    options: TrainOptions | None = None,
+    node: Node | None = None,
 ) -> list[subprocess.Popen]:
-    """This node's rank processes; serving ones take jobs from their standard input."""
-    local_ranks = options.ranks_per_node
+    """This node's rank processes: for one job of these options, its rendezvous in their
+    environment; without, serving ones (Spares), which read it, then the jobs, from their
+    standard input."""
+    serve = options is None
     processes: list[subprocess.Popen] = []
     try:
         for local in range(local_ranks):
             environment = {
                 **os.environ,
-                "RANK": str(node.index * local_ranks + local),
+                **({} if serve else rendezvous(options, node, local)),
                 "LOCAL_RANK": str(local),
-                "WORLD_SIZE": str(options.world_size),
-                "MASTER_ADDR": node.master_address,
-                "MASTER_PORT": str(node.master_port),
                 "SDQ_RANK_PARENT": str(os.getpid()),
                 # The machine's cores shared between its ranks, not each taking them all.
-                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")
-                or str(rank_threads(local_ranks)),
+                "OMP_NUM_THREADS": str(threads_per_rank(local_ranks)),
             }
             command = [sys.executable, "-m", RANK_MODULE, str(folder), *(["--serve"] * serve)]
             with (folder / f"rank{local}.log").open("wb") as log:

@@ -8,6 +8,7 @@ from typing import Any
 from celery import shared_task
 
 from sdq.models.jobs.kinds import TRAIN, Pool
+from sdq.models.settings import Settings
 from sdq.workers.app import SdqCelery, worker_identity
 from sdq.workers.delivery import JobTask, deliver_task
 from sdq.workers.holding import hold
@@ -80,5 +81,16 @@ def call_nodes(app: SdqCelery) -> CallNodes:
 def live_states() -> LiveStates:
     live = LiveStates()
     # Steps taken ahead on a thread stop before the interpreter goes.
-    atexit.register(live.clear)
+    atexit.register(live.close)
     return live
+
+
+def warms(settings: Settings) -> bool:
+    """Whether a train worker starts anything before its first job (workers/main.py): the
+    rank processes of a worker of several GPUs (`--train-ranks N`)."""
+    return (settings.train.ranks or 1) > 1
+
+
+def warm_up(app: SdqCelery, hostname: str) -> None:
+    """Spare rank processes, importing torch and the trainer while no run needs them."""
+    live_states().spare(app.settings.train.ranks)

@@ -27,7 +27,7 @@ from sdq.models.store import ObjectStore
 from sdq.models.tables import Job
 from sdq.models.train.specs import TrainShardSpec, training_seconds
 from sdq.workers.train import gang
-from sdq.workers.train.ranks import RankGroup, share_cores
+from sdq.workers.train.ranks import RankGroup, Spares, share_cores
 from sdq.workers.train.records import (
     LiveSteps,
     Written,
@@ -69,12 +69,14 @@ class LiveStates:
     training it checkpointed (a run of one rank, trained here), which takes the next job's
     steps on a thread until that job comes; or the rank processes holding it (a run of
     several). One at a time: a GPU that rank 0 of a group needs is never also holding a
-    state trained here."""
+    state trained here. Beside them, spare rank processes for the next run (which hold no
+    device until they join one)."""
 
     def __init__(self) -> None:
         self._training: Training | None = None
         self._ahead: Ahead | None = None
         self._group: RankGroup | None = None
+        self._spares: Spares | None = None
 
     def take(self, spec: TrainShardSpec) -> "Training | None":
         """The training to go on with in this process, if the job goes on from it."""
@@ -93,16 +95,32 @@ class LiveStates:
             self._ahead = Ahead(training, following)
 
     def group(self, spec: TrainShardSpec) -> RankGroup:
-        """The rank processes of the job's run, started unless they serve it already."""
+        """The rank processes of the job's run, the spares joining it unless they serve it
+        already."""
         if self._group is None or not self._group.serves(spec):
             self.clear()
-            self._group = RankGroup(spec)
+            spares, self._spares = self._spares, None
+            self._group = RankGroup(spec, spares)
         return self._group
+
+    def spare(self, local_ranks: int) -> None:
+        """Rank processes started for the next run (ranks.Spares), unless there are."""
+        if self._spares is None or not self._spares.fit(local_ranks):
+            if self._spares is not None:
+                self._spares.stop()
+            self._spares = Spares(local_ranks)
 
     def clear(self) -> None:
         self._stop_group()
         self._stop_ahead()
         self._drop_training()
+
+    def close(self) -> None:
+        """All of it let go, the spares too (the process ends)."""
+        self.clear()
+        if self._spares is not None:
+            self._spares.stop()
+            self._spares = None
 
     def _stop_ahead(self) -> None:
         if self._ahead is not None and not self._ahead.stop():
@@ -249,6 +267,11 @@ class TrainWork(Work):
     ) -> tuple[list[dict], Written]:
         if spec.options.nodes == 1:
             result = self.live.group(spec).train(spec, stop_at, watch=check_lease)
+            if result["written"]["step"] == spec.options.steps:
+                # The run is done: its ranks let their devices go, and spares take their
+                # place for the next run.
+                self.live.clear()
+                self.live.spare(self.settings.ranks or spec.options.ranks_per_node)
         else:
             self.live.clear()  # the gang's ranks need this machine's devices
             result = self._lead(job, spec, stop_at)
