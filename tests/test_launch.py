@@ -3,6 +3,7 @@ again while the others work on; stopping them cleanly."""
 
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -12,7 +13,14 @@ from dataclasses import replace
 import pytest
 
 from sdq.models.jobs.kinds import POOL_QUEUES, TRAIN, Pool
-from sdq.producer.launch import Supervised, WorkerCommand, cpu_workers, gpu_workers
+from sdq.producer.launch import (
+    MALLOC_MMAP_THRESHOLD,
+    MALLOC_TRIM_THRESHOLD,
+    Supervised,
+    WorkerCommand,
+    cpu_workers,
+    gpu_workers,
+)
 from tests.conftest import WorkerProcess
 from tests.services import wait_for
 
@@ -63,6 +71,49 @@ def test_training_gpus_serve_training_only_and_queues_narrow_the_others() -> Non
     train, render = gpu_workers([], loglevel="info", train_ranks=2)
     assert (option(train.argv, "--queues"), train.env["CUDA_VISIBLE_DEVICES"]) == ("train", "")
     assert option(render.argv, "--queues") == ",".join(RENDERING)
+
+
+# A model's layers on the CPU, batch after batch: each activation is 3200 x 1024 floats.
+FORWARDS = """
+import resource, torch
+torch.set_num_threads(1)
+block = lambda: torch.nn.Sequential(
+    torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256), torch.nn.LayerNorm(256)
+)
+model, batch = torch.nn.Sequential(*[block() for _ in range(4)]), torch.randn(3200, 256)
+with torch.inference_mode():
+    model(batch)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(10):
+        model(batch)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+MALLOC = (MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD)
+ACTIVATION_PAGES = 3200 * 1024 * 4 // resource.getpagesize()
+
+
+def page_faults(env: dict[str, str]) -> int:
+    """Page faults of ten forwards after the first, in a process with this environment."""
+    done = subprocess.run([sys.executable, "-c", FORWARDS], env=env, capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    return int(done.stdout)
+
+
+def test_every_gpu_pool_worker_reuses_its_freed_host_buffers() -> None:
+    default = {key: value for key, value in os.environ.items() if key not in MALLOC}
+    # glibc's defaults: freed activations go back to the system, and every forward
+    # zero-fills its activations again page by page.
+    assert page_faults(default) >= 10 * ACTIVATION_PAGES
+    commands = [
+        *gpu_workers(["0", "1"], loglevel="info", train_ranks=1),
+        *gpu_workers([], loglevel="info"),
+    ]
+    # One setting for them all (a process of torch each is slow to start), which ends it.
+    [settings] = {
+        tuple(sorted((key, value) for key, value in command.env.items() if key in MALLOC))
+        for command in commands
+    }
+    assert settings and page_faults({**default, **dict(settings)}) < ACTIVATION_PAGES
 
 
 def test_the_worker_command_checks_its_queues_and_ranks(sdq) -> None:
