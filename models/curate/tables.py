@@ -38,6 +38,8 @@ class SampleScore(Base):
     __table_args__ = (
         UniqueConstraint("sample_id", "scorer", name="uq_sample_scores_sample_id_scorer"),
         Index("ix_sample_scores_dataset_id", "dataset_id"),
+        # A sample's latest score, as sample_quality finds it (max(id) of its rows).
+        Index("ix_sample_scores_sample_id_id", "sample_id", "id"),
     )
 
 
