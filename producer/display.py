@@ -99,8 +99,9 @@ def watch(
 ) -> None:
     """Waits until `finished()` reaches `total`, drawing a progress bar if `show`; each
     poll asks `finished()` once, and draws what it said. A command that waits returns
-    within `poll_seconds` of the end, yet asks the database at most a tenth of the time:
-    a large run's count takes longer, and is asked less often."""
+    within `poll_seconds` of the end, yet asks the database at most a tenth of the time (a
+    large run's count takes longer, and is asked less often), and at least once a second
+    (one slow answer, the database busy for a moment, is not waited for ten times over)."""
     with _tracking(title, total, show) as track:
         while True:
             asked = time.perf_counter()
@@ -108,7 +109,7 @@ def watch(
             track(count)
             if count >= total:
                 return
-            time.sleep(max(poll_seconds, 9 * (time.perf_counter() - asked)))
+            time.sleep(min(max(poll_seconds, 9 * (time.perf_counter() - asked)), 1.0))
 
 
 def status_table(status: dict[str, Any]) -> Table:

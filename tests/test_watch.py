@@ -1,5 +1,5 @@
 """`--wait`: a command that watches a run polls often enough to return as the run ends, yet
-spends at most a tenth of its time asking the database, however slow a large run's count."""
+spends at most a tenth of its time asking the database when a large run's count is slow."""
 
 import time
 
