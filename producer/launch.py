@@ -36,7 +36,7 @@ MALLOC_TRIM_THRESHOLD = "MALLOC_TRIM_THRESHOLD_"
 # one) allocates and frees buffers of megabytes at every layer of every batch. glibc's
 # defaults map the larger ones afresh each time and give freed memory back, so the next
 # batch zero-fills them again page by page (30,000-50,000 page faults per forward of the
-# curate benchmark's CLIP, a third of its time). Kept in the heap up to glibc's largest
+# curate benchmark's CLIP, a quarter of its time). Kept in the heap up to glibc's largest
 # threshold (32 MiB), with up to 1 GiB of freed memory held at its top, they are reused.
 REUSED_HOST_BUFFERS = {MALLOC_MMAP_THRESHOLD: str(32 << 20), MALLOC_TRIM_THRESHOLD: str(1 << 30)}
 
