@@ -4,8 +4,10 @@ errors raised at their turn."""
 import threading
 
 import pytest
+import torch
 
-from sdq.workers.ahead import run_ahead
+from sdq.workers.ahead import ahead_of_device, run_ahead
+from tests.services import wait_for
 
 
 def test_items_come_in_order_computed_ahead_on_another_thread() -> None:
@@ -41,3 +43,24 @@ def test_an_error_is_raised_at_its_turn_after_the_items_before_it() -> None:
         for item in run_ahead(items(), depth=2):
             got.append(item)
     assert got == [1, 2]
+
+
+@pytest.mark.parametrize(("device", "ahead"), [("cuda", True), ("cpu", False)])
+def test_only_a_gpu_has_its_batches_made_ahead(device: str, ahead: bool) -> None:
+    """On the CPU the host is the device: nothing is made before it is asked for."""
+    made: list[str] = []
+
+    def items():
+        for n in range(3):
+            made.append(threading.current_thread().name)
+            yield n
+
+    batches = ahead_of_device(items(), 2, torch.device(device))
+    assert next(batches) == 0
+    if ahead:
+        wait_for(lambda: len(made) == 3, what="two batches made ahead")
+    else:
+        assert len(made) == 1
+    assert list(batches) == [1, 2]
+    on_the_caller = [name == threading.current_thread().name for name in made]
+    assert on_the_caller == [not ahead] * 3

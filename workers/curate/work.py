@@ -4,7 +4,8 @@ lazily, on the first job.
 
 As encode does, three stages overlap so the device never waits on the CPU: the next shard
 file is read while this one is scored, the next batches are decoded and tokenized (on
-threads) while this batch is on the device, and the device works in between.
+threads) while this batch is on a GPU, and the device works in between. On the CPU, the
+batches are decoded each in its turn (see `ahead_of_device`).
 """
 
 import hashlib
@@ -26,7 +27,7 @@ from sdq.models.jobs.lifecycle import Output, utcnow
 from sdq.models.specs import canonical_sha256
 from sdq.models.store import PARQUET, ObjectStore
 from sdq.models.tables import Job
-from sdq.workers.ahead import run_ahead
+from sdq.workers.ahead import ahead_of_device, run_ahead
 from sdq.workers.shards.embeddings import embedding_shard_bytes
 from sdq.workers.shards.images import ImageShard, ShardUnreadable, fetch_image_shard
 from sdq.workers.weights import ModelUnavailable
@@ -84,7 +85,8 @@ class CurateWork(Work):
         except BadHead as error:
             raise BadHeadFile(str(error)) from None
         batches = prepare_batches(shard, scorer, batch_size=self.batch_size, decoders=decoders)
-        scores = joined([score_batch(scorer, batch) for batch in run_ahead(batches, BATCHES_AHEAD)],
+        batches = ahead_of_device(batches, BATCHES_AHEAD, scorer.device)
+        scores = joined([score_batch(scorer, batch) for batch in batches],
                         width=scorer.model.config.projection_dim)  # fmt: skip
         # 2. The embeddings as a shard beside the images.
         about = {"dataset": spec.dataset, "shard": spec.shard, "image_sha256": spec.shard_sha256,

@@ -3,7 +3,8 @@ no Celery; torch loads lazily, on the first job.
 
 Three stages overlap so the device never waits on the CPU: the next shard file is read
 while this one is encoded, the next batches are decoded and tokenized (on threads) while
-this batch is on the device, and the device works in between.
+this batch is on a GPU, and the device works in between. On the CPU, the batches are
+decoded each in its turn (see `ahead_of_device`).
 """
 
 import hashlib
@@ -25,7 +26,7 @@ from sdq.models.jobs.delivery import Work
 from sdq.models.jobs.lifecycle import Output, utcnow
 from sdq.models.store import PARQUET, ObjectStore
 from sdq.models.tables import Job
-from sdq.workers.ahead import run_ahead
+from sdq.workers.ahead import ahead_of_device, run_ahead
 from sdq.workers.shards.images import ImageShard, ShardUnreadable, fetch_image_shard
 from sdq.workers.shards.latents import describe, latent_shard_bytes
 from sdq.workers.weights import ModelUnavailable
@@ -88,7 +89,10 @@ class EncodeWork(Work):
             decoders=decoders,
             pin=encoders.device.type == "cuda",
         )
-        parts = [encode_batch(encoders, batch) for batch in run_ahead(batches, BATCHES_AHEAD)]
+        parts = [
+            encode_batch(encoders, batch)
+            for batch in ahead_of_device(batches, BATCHES_AHEAD, encoders.device)
+        ]
         encoded = join(encoders, parts, spec.resolution)
         # 2. The latent shard, with what it was made from; the empty prompt's embedding too.
         about = {
