@@ -130,8 +130,9 @@ def _record(session: Session, spec: CurateSpec, keys: list[str], scores: "Scores
     statement = upsert(session, SampleScore)
     changed = ("clip_score", "aesthetic", "nsfw", "scored_at")
     session.execute(
-        statement.values(rows).on_conflict_do_update(
+        statement.on_conflict_do_update(
             index_elements=["sample_id", "scorer"],
             set_={name: getattr(statement.excluded, name) for name in changed},
-        )
+        ),
+        rows,
     )

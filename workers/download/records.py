@@ -40,7 +40,7 @@ def claim(session: Session, dataset: int, digests: Mapping[str, str]) -> dict[st
     holders: dict[str, str] = {}
     for chunk in chunked(digests.items(), CLAIMS_PER_STATEMENT):
         rows = [{"dataset_id": dataset, "digest": d, "key": k} for k, d in chunk]
-        session.execute(upsert(session, SampleClaim).values(rows).on_conflict_do_nothing())
+        session.execute(upsert(session, SampleClaim).on_conflict_do_nothing(), rows)
         holders.update(
             session.execute(
                 select(SampleClaim.digest, SampleClaim.key).where(
