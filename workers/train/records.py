@@ -68,13 +68,12 @@ def record_steps(session: Session, steps: list[dict[str, Any]]) -> None:
     by a later attempt after a killed worker) has the same numbers."""
     if steps:
         rows = [{**step, "at": datetime.fromtimestamp(step["at"], UTC)} for step in steps]
-        insert = upsert(session, TrainStep)
+        insert = upsert(session, TrainStep).values(rows)
         session.execute(
             insert.on_conflict_do_update(
                 index_elements=["run_id", "step"],
                 set_={name: insert.excluded[name] for name in STEP_FIGURES},
-            ),
-            rows,
+            )
         )
 
 
