@@ -68,6 +68,9 @@ def record_steps(session: Session, steps: list[dict[str, Any]]) -> None:
     by a later attempt after a killed worker) has the same numbers."""
     if steps:
         rows = [{**step, "at": datetime.fromtimestamp(step["at"], UTC)} for step in steps]
+        # One multi-row statement, unlike `upsert`'s other callers: given as an executemany,
+        # a job stopped at its time limit ended its run without a checkpoint
+        # (tests/test_train.py::test_a_job_runs_under_its_worker_s_time_limit_not_its_sender_s).
         insert = upsert(session, TrainStep).values(rows)
         session.execute(
             insert.on_conflict_do_update(
