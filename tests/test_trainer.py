@@ -18,6 +18,7 @@ from sdq.models.train.specs import TrainOptions, TrainShardSpec
 from sdq.workers.gpu import peak_flops, peak_flops_of
 from sdq.workers.tiny import build_unet
 from sdq.workers.train.state import Ranks
+from sdq.workers.train.statefile import save_unet
 from sdq.workers.train.trainer import (
     base_unet,
     draw,
@@ -296,6 +297,25 @@ def test_restored_optimizer_state_takes_its_parameters_memory_layout() -> None:
     step(restored, shard, *batch(1))  # and AdamW steps on them
 
 
+def files_in(folder) -> dict:
+    return {path.relative_to(folder): path.read_bytes()
+            for path in sorted(folder.rglob("*")) if path.is_file()}  # fmt: skip
+
+
+def test_a_checkpoint_s_u_net_is_the_folder_diffusers_writes(tmp_path) -> None:
+    """Written from the snapshot's weights and config without building a U-Net, byte for
+    byte what save_pretrained writes of the live one, so diffusers loads it as its own."""
+    shard = spec(lr=1e-3)
+    state = new_state(shard, build_unet())
+    step(state, shard, *batch(0))
+    taken = snapshot(state)
+    save_unet(taken.unet_config, taken.unet, tmp_path / "sdq")
+    state.unet.save_pretrained(tmp_path / "diffusers")
+    assert files_in(tmp_path / "sdq") == files_in(tmp_path / "diffusers")
+    loaded = UNet2DConditionModel.from_pretrained(tmp_path / "sdq").state_dict()
+    assert all(torch.equal(loaded[name], weight) for name, weight in taken.unet.items())
+
+
 def test_a_state_resumed_from_its_checkpoint_writes_the_same_bytes(tmp_path) -> None:
     """Also when the checkpoint is written from a snapshot after the training went on from
     the same state (as it does while a checkpoint uploads): nothing in it moved along."""
@@ -312,10 +332,6 @@ def test_a_state_resumed_from_its_checkpoint_writes_the_same_bytes(tmp_path) -> 
     for state, folder in ((going_on, "going-on"), (resumed, "resumed")):
         step(state, shard, *batch(3))
         save_checkpoint(snapshot(state), tmp_path / folder)
-    written = {
-        folder: {path.relative_to(tmp_path / folder): path.read_bytes()
-                 for path in sorted((tmp_path / folder).rglob("*")) if path.is_file()}
-        for folder in ("going-on", "resumed")
-    }  # fmt: skip
+    written = {folder: files_in(tmp_path / folder) for folder in ("going-on", "resumed")}
     assert written["going-on"] == written["resumed"]
     assert {path.name for path in written["resumed"]} >= {"training.json", "training.safetensors"}

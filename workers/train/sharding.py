@@ -16,7 +16,6 @@ memory (the devices wait for that copy only), then writes it on a thread of its 
 the training goes on; the worker's thread uploads it once written.
 """
 
-import json
 import shutil
 import tempfile
 import threading
@@ -39,9 +38,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from sdq.models.registry import file_sha256
 from sdq.workers.train.state import TrainState
+from sdq.workers.train.statefile import save_unet_config
 
 SHARDED_FOLDER = "sharded"
-CONFIG_FILE = "unet/config.json"
+UNET_FOLDER = "unet"
 GRAD_COMM_DTYPE = {"fp32": None, "bf16": torch.bfloat16}
 
 
@@ -117,10 +117,7 @@ def sharded_snapshot(state: TrainState, exports: bool) -> ShardedSnapshot:
     started = perf_counter()
     folder = Path(tempfile.mkdtemp(prefix="sdq-sharded-"))
     if state.ranks.writes:
-        (folder / CONFIG_FILE).parent.mkdir(parents=True)
-        # As diffusers writes it, named by the U-Net's class (not FSDP's subclass of it).
-        config = {**state.unet.config, "_class_name": UNet2DConditionModel.__name__}
-        (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
+        save_unet_config(state.unet.config, folder / UNET_FOLDER)
     whole_unet = _whole_unet(state) if exports else None
     saved = dcp.async_save(
         _state_dict(state),
@@ -162,7 +159,7 @@ def restore(state: TrainState, folder: Path) -> None:
 def unet_weights(folder: Path) -> UNet2DConditionModel:
     """The U-Net of a sharded checkpoint, whole, in this process (a new run that starts from
     it, on any number of ranks): laid out on the meta device, then read into."""
-    config = UNet2DConditionModel.load_config(folder / "unet")
+    config = UNet2DConditionModel.load_config(folder / UNET_FOLDER)
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(config)
     unet.to_empty(device="cpu")

@@ -2,14 +2,18 @@
 safetensors file, everything else as JSON that names them. torch.save would pickle it, and a
 pickle's bytes also depend on which Python objects happen to be shared (a learning rate in
 two places is written once or twice), so a run resumed from a checkpoint wrote the same
-values as an uninterrupted one in other bytes. GPU-side: imports torch.
+values as an uninterrupted one in other bytes. The U-Net beside it is a folder as
+diffusers writes one. GPU-side: imports torch.
 """
 
 import json
 from pathlib import Path
 from typing import Any
 
+import diffusers
 import torch
+from diffusers import UNet2DConditionModel
+from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
 from safetensors.torch import load_file, save_file
 
 TENSORS_FILE = "training.safetensors"
@@ -23,6 +27,30 @@ def save_state(value: Any, folder: Path) -> None:
     save_file({name: tensor.contiguous() for name, tensor in tensors.items()},
               folder / TENSORS_FILE)  # fmt: skip
     (folder / VALUES_FILE).write_text(json.dumps(encoded, sort_keys=True, indent=1))
+
+
+# What diffusers' config.json leaves out of a model's config.
+UNSAVED_CONFIG = ("_ignore_files", "_use_default_values")
+
+
+def save_unet(config: dict, weights: dict[str, torch.Tensor], folder: Path) -> None:
+    """The U-Net's folder as diffusers' save_pretrained writes it (config.json and one
+    safetensors file), without building the module to call it on: SD 2's, even on the
+    meta device, takes 0.14-0.45 s of the interpreter, twice a checkpoint (its state's and
+    its model's), on threads beside the training's."""
+    save_unet_config(config, folder)
+    save_file(weights, folder / SAFETENSORS_WEIGHTS_NAME, metadata={"format": "pt"})
+
+
+def save_unet_config(config: dict, folder: Path) -> None:
+    """The U-Net's config.json as diffusers writes it, named by the U-Net's class (not a
+    subclass FSDP made of it)."""
+    saved = {key: value for key, value in config.items() if key not in UNSAVED_CONFIG}
+    saved.update(_class_name=UNet2DConditionModel.__name__,
+                 _diffusers_version=diffusers.__version__)  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(saved, indent=2, sort_keys=True) + "\n"
+    (folder / UNet2DConditionModel.config_name).write_text(text)
 
 
 def load_state(folder: Path, device: torch.device) -> Any:

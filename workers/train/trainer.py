@@ -49,7 +49,7 @@ from sdq.workers.tiny import build_pipeline, build_unet
 from sdq.workers.train.data import Batch
 from sdq.workers.train.sharding import is_sharded, restore, shard, state_group
 from sdq.workers.train.state import ALONE, Ranks, TrainState
-from sdq.workers.train.statefile import load_state, save_state
+from sdq.workers.train.statefile import load_state, save_state, save_unet
 from sdq.workers.weights import ModelFiles, check_tiny_revision
 
 AUTOCAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -481,7 +481,7 @@ def save_checkpoint(snapshot: Snapshot, folder: Path) -> None:
     """The U-Net as diffusers saves it, and the rest of the training state beside it. No
     generator state: every draw is a function of the seed and the step, so the same run
     writes the same bytes, and any world size can go on from it."""
-    _unet_with(snapshot.unet_config, snapshot.unet).save_pretrained(folder / "unet")
+    save_unet(snapshot.unet_config, snapshot.unet, folder / "unet")
     save_state({"step": snapshot.step, **snapshot.training}, folder)
 
 
@@ -532,17 +532,8 @@ def export_model(
     """A whole diffusers pipeline in `folder`: the base model's files with this U-Net in
     place of the base's. Returns its content hash."""
     shutil.copytree(base, folder, ignore=shutil.ignore_patterns("unet", ".*"), dirs_exist_ok=True)
-    _unet_with(unet_config, weights).save_pretrained(folder / "unet")
+    save_unet(unet_config, weights, folder / "unet")
     return folder_content_hash(folder)
-
-
-def _unet_with(config: dict, weights: dict[str, torch.Tensor]) -> UNet2DConditionModel:
-    """A U-Net whose tensors are these (the same memory): laid out on the meta device and
-    given them, never initialised."""
-    with torch.device("meta"):
-        unet = UNet2DConditionModel.from_config(config)
-    unet.load_state_dict(weights, strict=True, assign=True)
-    return unet
 
 
 # The base models' files being fetched for the checkpoints that export a model: one at a
