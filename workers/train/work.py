@@ -235,7 +235,11 @@ class TrainWork(Work):
             steps, written = self._train_here(spec, stop_at)
         else:
             steps, written = self._train_on_ranks(job, spec, stop_at)
-        return self._record(job.id, spec, steps, written, started)
+        done = self._record(job.id, spec, steps, written, started)
+        options = spec.options
+        if written.step == options.steps and options.world_size > 1 and options.nodes == 1:
+            self._run_ended(spec)
+        return done
 
     def _train_here(
         self, spec: TrainShardSpec, stop_at: float | None
@@ -267,15 +271,17 @@ class TrainWork(Work):
     ) -> tuple[list[dict], Written]:
         if spec.options.nodes == 1:
             result = self.live.group(spec).train(spec, stop_at, watch=check_lease)
-            if result["written"]["step"] == spec.options.steps:
-                # The run is done: its ranks let their devices go, and spares take their
-                # place for the next run.
-                self.live.clear()
-                self.live.spare(self.settings.ranks or spec.options.ranks_per_node)
         else:
             self.live.clear()  # the gang's ranks need this machine's devices
             result = self._lead(job, spec, stop_at)
         return result["steps"], Written(**result["written"])
+
+    def _run_ended(self, spec: TrainShardSpec) -> None:
+        """Once the run's last checkpoint is recorded (their exits and the spares' imports
+        are not on the run's clock), its ranks let their devices go, and spares take their
+        place for the next run."""
+        self.live.clear()
+        self.live.spare(self.settings.ranks or spec.options.ranks_per_node)
 
     def _lead(self, job: Job, spec: TrainShardSpec, stop_at: float | None) -> dict[str, Any]:
         """Node 0 of a new gathering of the job's gang: records it, calls for the others,
