@@ -52,9 +52,12 @@ def settled(worker: WorkerProcess, timeout: float = 60.0) -> None:
     runs (spare ranks importing torch for the next one) is on neither side's clock."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        processes = [psutil.Process(pid) for pid in worker.children()]
-        for process in processes:
-            process.cpu_percent(None)
+        processes = []
+        for pid in worker.children():  # a process listed may be gone by the time it is read
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process = psutil.Process(pid)
+                process.cpu_percent(None)
+                processes.append(process)
         time.sleep(0.5)
         busy = 0.0
         for process in processes:
