@@ -1,12 +1,14 @@
 """Entry point for the Celery command line: `celery -A sdq.workers.main worker -Q generate`."""
 
 import logging
+from collections.abc import Iterable
 from importlib import import_module
 from time import monotonic
 
 from celery.signals import celeryd_after_setup, worker_process_init
 
 from sdq.models.jobs.kinds import KINDS, Kind
+from sdq.models.loading import loaded_for_good
 from sdq.models.settings import Settings
 from sdq.workers import (
     memory,  # noqa: F401  (registers the device_memory control command)
@@ -25,9 +27,16 @@ def load_gpu_libraries(sender, instance, **_) -> None:
     never inside a task, where a time limit could cut an import short and leave the process
     unable to import them again, nor on the first task's clock. A CPU pool's worker never
     imports them."""
-    for kind in served_kinds(instance.app):
-        for module in kind.preload:
-            import_module(module)
+    preload(served_kinds(instance.app))
+
+
+def preload(kinds: Iterable[Kind]) -> None:
+    """The kinds' modules, loaded for good (sdq.models.loading) before the pool forks: the
+    pool's processes, which do the work, never walk their objects again."""
+    with loaded_for_good():
+        for kind in kinds:
+            for module in kind.preload:
+                import_module(module)
 
 
 @celeryd_after_setup.connect
