@@ -38,10 +38,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from sdq.models.registry import file_sha256
 from sdq.workers.train.state import TrainState
-from sdq.workers.train.statefile import save_unet_config
+from sdq.workers.train.statefile import UNET_FOLDER, save_unet_config
 
 SHARDED_FOLDER = "sharded"
-UNET_FOLDER = "unet"
 GRAD_COMM_DTYPE = {"fp32": None, "bf16": torch.bfloat16}
 
 

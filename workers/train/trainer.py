@@ -49,7 +49,7 @@ from sdq.workers.tiny import build_pipeline, build_unet
 from sdq.workers.train.data import Batch
 from sdq.workers.train.sharding import is_sharded, restore, shard, state_group
 from sdq.workers.train.state import ALONE, Ranks, TrainState
-from sdq.workers.train.statefile import load_state, save_state, save_unet
+from sdq.workers.train.statefile import UNET_FOLDER, load_state, save_state, save_unet
 from sdq.workers.weights import ModelFiles, check_tiny_revision
 
 AUTOCAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -71,7 +71,7 @@ def base_unet(spec: TrainShardSpec, files: ModelFiles) -> UNet2DConditionModel:
         return build_unet()
     where = files.locate(spec.base_source, spec.base_revision)
     return UNet2DConditionModel.from_pretrained(
-        where.path, subfolder="unet", revision=where.revision
+        where.path, subfolder=UNET_FOLDER, revision=where.revision
     )
 
 
@@ -79,7 +79,9 @@ def _base_unet_config(spec: TrainShardSpec, files: ModelFiles) -> dict:
     if spec.base_source == tiny.TINY_NAME:
         return tiny.UNET_CONFIG
     where = files.locate(spec.base_source, spec.base_revision)
-    return UNet2DConditionModel.load_config(where.path, subfolder="unet", revision=where.revision)
+    return UNet2DConditionModel.load_config(
+        where.path, subfolder=UNET_FOLDER, revision=where.revision
+    )
 
 
 def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
@@ -481,7 +483,7 @@ def save_checkpoint(snapshot: Snapshot, folder: Path) -> None:
     """The U-Net as diffusers saves it, and the rest of the training state beside it. No
     generator state: every draw is a function of the seed and the step, so the same run
     writes the same bytes, and any world size can go on from it."""
-    save_unet(snapshot.unet_config, snapshot.unet, folder / "unet")
+    save_unet(snapshot.unet_config, snapshot.unet, folder / UNET_FOLDER)
     save_state({"step": snapshot.step, **snapshot.training}, folder)
 
 
@@ -491,7 +493,7 @@ def load_checkpoint(spec: TrainShardSpec, folder: Path, ranks: Ranks = ALONE) ->
         state = new_state(spec, _laid_out(folder), ranks)
         restore(state, folder)
         return state
-    state = new_state(spec, UNet2DConditionModel.from_pretrained(folder / "unet"), ranks)
+    state = new_state(spec, UNet2DConditionModel.from_pretrained(folder / UNET_FOLDER), ranks)
     saved = load_state(folder, state.device)
     state.step = saved["step"]
     restore_optimizer(state.optimizer, saved["optimizer"])
@@ -506,7 +508,9 @@ def load_checkpoint(spec: TrainShardSpec, folder: Path, ranks: Ranks = ALONE) ->
 def _laid_out(folder: Path) -> UNet2DConditionModel:
     """The checkpoint's U-Net on the meta device: shapes, no memory, to be restored into."""
     with torch.device("meta"):
-        return UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder / "unet"))
+        return UNet2DConditionModel.from_config(
+            UNet2DConditionModel.load_config(folder / UNET_FOLDER)
+        )
 
 
 def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
@@ -531,8 +535,10 @@ def export_model(
 ) -> str:
     """A whole diffusers pipeline in `folder`: the base model's files with this U-Net in
     place of the base's. Returns its content hash."""
-    shutil.copytree(base, folder, ignore=shutil.ignore_patterns("unet", ".*"), dirs_exist_ok=True)
-    save_unet(unet_config, weights, folder / "unet")
+    shutil.copytree(
+        base, folder, ignore=shutil.ignore_patterns(UNET_FOLDER, ".*"), dirs_exist_ok=True
+    )
+    save_unet(unet_config, weights, folder / UNET_FOLDER)
     return folder_content_hash(folder)
 
 
