@@ -96,14 +96,18 @@ def watch(
     *,
     show: bool = True,
     poll_seconds: float = 0.1,
+    stop: Callable[[], bool] = lambda: False,
 ) -> None:
     """Waits until `finished()` reaches `total`, drawing a progress bar if `show`; each
     poll asks `finished()` once, and draws what it said. A command that waits returns
     within `poll_seconds` of the end, yet asks the database at most a tenth of the time (a
     large run's count takes longer, and is asked less often), and at least once a second
-    (one slow answer, the database busy for a moment, is not waited for ten times over)."""
+    (one slow answer, the database busy for a moment, is not waited for ten times over).
+    When `stop()` says so, it stops as Ctrl-C does."""
     with _tracking(title, total, show) as track:
         while True:
+            if stop():
+                raise KeyboardInterrupt
             asked = time.perf_counter()
             count = finished()
             track(count)

@@ -34,6 +34,17 @@ def listening(port: int, host: str = "127.0.0.1") -> bool:
         return probe.connect_ex((host, port)) == 0
 
 
+def said_after(process: subprocess.Popen, *, timeout: float) -> str:
+    """What a command wrote on stderr by the time it ended; one still running after
+    `timeout` is killed, and the test fails with what it had said."""
+    try:
+        return process.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        process.kill()
+        said = process.communicate()[1]
+        raise AssertionError(f"still running after {timeout:.0f}s; it said: {said}") from None
+
+
 def wait_for(check, *, what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():

@@ -17,7 +17,7 @@ from PIL import Image
 
 from tests.browser import chromium, open_page, texts
 from tests.conftest import ROOT, sdq_json
-from tests.services import clean_env, wait_for
+from tests.services import clean_env, said_after, wait_for
 
 
 def sdq_run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
@@ -175,7 +175,7 @@ def test_ctrl_c_puts_the_jobs_in_hand_back_and_resume_finishes_the_run(tmp_path:
 
     wait_for(rendering, what="jobs being rendered", timeout=240)
     running.send_signal(signal.SIGINT)
-    _, stderr = running.communicate(timeout=120)
+    stderr = said_after(running, timeout=120)
     assert running.returncode == 130, stderr
     assert "jobs in hand put back; `sdq resume 1` finishes the rest" in " ".join(stderr.split())
     with sqlite3.connect(database) as db:

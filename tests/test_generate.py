@@ -30,7 +30,10 @@ from sdq.producer.generate.submit import CHUNK, Batching, record_run
 from sdq.producer.prompts import read_prompts
 from sdq.workers.app import create_app
 from tests.conftest import BUCKET, ROOT, write
-from tests.services import wait_for
+from tests.services import said_after, wait_for
+
+# A run of this many one-job messages takes seconds to send: time to press Ctrl-C during it.
+SENT = 20_000
 
 
 @pytest.fixture(scope="module")
@@ -387,6 +390,34 @@ def test_an_s3_gallery_opens_over_http_by_its_presigned_link(worker, sdq, s3_cli
     assert ">e2e gallery kite<" in page and "seed 7" in page and "3 steps" in page
 
 
+def test_ctrl_c_while_sending_leaves_the_rest_queued_for_the_relay(
+    own_deployment: dict[str, str], tmp_path: Path
+) -> None:
+    """Ctrl-C lands while a large run's messages go out: the command says what became of
+    the jobs not sent yet (committed, queued, for the relay), not click's bare "Aborted!"."""
+    import redis
+
+    prompts = write(tmp_path / "p.csv", "prompt\n" + "".join(f"many {n}\n" for n in range(SENT)))
+    sending = subprocess.Popen(
+        [sys.executable, "-m", "sdq.producer.cli", "submit", str(prompts), "--batch-size", "1"],
+        env={**own_deployment, "SDQ_CALLS_PER_TASK": "1"}, cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    broker = redis.Redis.from_url(own_deployment["SDQ_BROKER_URL"])
+    wait_for(lambda: broker.llen(GENERATE.queue) > 0, what="the first messages", timeout=120)
+    sending.send_signal(signal.SIGINT)
+    stderr = said_after(sending, timeout=60)
+    said = " ".join(stderr.split())
+    assert sending.returncode == 130, stderr
+    assert "Aborted" not in said
+    assert "stopped sending: run 1's jobs not sent yet stay queued" in said
+    assert "`sdq requeue 1` at once" in said
+    assert 0 < broker.llen(GENERATE.queue) < SENT
+    with session_factory(make_engine(own_deployment["SDQ_DATABASE_URL"]))() as session:
+        statuses = session.execute(select(Job.status, func.count()).group_by(Job.status)).all()
+    assert statuses == [(JobStatus.queued, SENT)]
+
+
 def test_ctrl_c_on_wait_stops_the_watching_not_the_run(
     own_deployment: dict[str, str], tmp_path: Path
 ) -> None:
@@ -405,7 +436,7 @@ def test_ctrl_c_on_wait_stops_the_watching_not_the_run(
     wait_for(queued, what="the run's jobs in the broker", timeout=60)
     time.sleep(1)  # watching now
     watching.send_signal(signal.SIGINT)
-    _, stderr = watching.communicate(timeout=60)
+    stderr = said_after(watching, timeout=60)
     said = " ".join(stderr.split())
     assert watching.returncode == 130, stderr
     assert "Aborted" not in said

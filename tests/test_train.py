@@ -25,7 +25,7 @@ from tests.browser import chromium, open_page, texts
 from tests.conftest import BUCKET, ROOT, WorkerProcess, sdq_json
 from tests.hostile_server import HostileServer
 from tests.netns_download import DOWNLOAD_ENV
-from tests.services import OutageProxy, clean_env, wait_for
+from tests.services import OutageProxy, clean_env, said_after, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 # The services' database is shared by the whole session: a dataset name of this file's own.
@@ -735,7 +735,7 @@ def test_on_one_machine_the_bar_counts_steps_and_a_stopped_run_promises_nothing(
 
     wait_for(training, what="the second train-shard job's steps", timeout=240)
     running.send_signal(signal.SIGINT)
-    _, stderr = running.communicate(timeout=120)
+    stderr = said_after(running, timeout=120)
     assert running.returncode == 130, stderr
     stopped = sdq_json(env, "train", "status", str(run_id), cwd=tmp_path)
     # Its job in hand went back to the queue, which only `sdq resume` works on here.

@@ -113,6 +113,13 @@ def send_run(app: SdqCelery, run_id: int, *, total: int | None = None, show: boo
             return enqueue(app.sessions, send, run_id, on_sent=sent)
     except EnqueueFailed as error:
         raise click.ClickException(str(error)) from None
+    except KeyboardInterrupt:
+        # The jobs are committed already: what was not sent stays queued, for the relay.
+        display.console.print(
+            f"stopped sending: run {run_id}'s jobs not sent yet stay queued; beat's relay "
+            f"sends them once their queue is idle, `sdq requeue {run_id}` at once"
+        )
+        sys.exit(INTERRUPTED)
 
 
 def report_submission(fields: dict[str, Any], line: str, *, as_json: bool) -> None:
@@ -138,16 +145,18 @@ def finished_jobs(app: SdqCelery, run_id: int) -> Callable[[], int]:
 
 def watch_run(app: SdqCelery, run_id: int, *, jobs: int, show: bool) -> None:
     """Waits for the run's jobs to finish, with a progress bar when `show`."""
-    with watching(run_id):
-        display.watch(f"run {run_id}", jobs, finished_jobs(app, run_id), show=show)
+    with watching(run_id) as pressed:
+        display.watch(f"run {run_id}", jobs, finished_jobs(app, run_id), show=show, stop=pressed)
 
 
 @contextmanager
-def watching(run_id: int) -> Iterator[None]:
+def watching(run_id: int) -> Iterator[Callable[[], bool]]:
     """Ctrl-C while the workers do a run stops the watching, not the run: say so, and how
-    to watch again."""
+    to watch again. The body is given whether Ctrl-C was pressed, to stop on a press that
+    Python dropped (see `ctrl_c_kept`): with no worker running, the watch would never end."""
     try:
-        yield
+        with ctrl_c_kept() as pressed:
+            yield pressed
     except KeyboardInterrupt:
         display.console.print(
             f"stopped watching: run {run_id} goes on on the workers; "

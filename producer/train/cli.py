@@ -512,8 +512,8 @@ def _watch(app: SdqCelery, run_id: int, steps: int, *, show: bool) -> None:
         # run's end, which its closing says.
         return min(done(), steps - 1)
 
-    with watching(run_id):
-        display.watch(f"train run {run_id}", steps, finished, show=show)
+    with watching(run_id) as pressed:
+        display.watch(f"train run {run_id}", steps, finished, show=show, stop=pressed)
 
 
 def _report_submission(submission: TrainSubmission, tasks: int, as_json: bool) -> None:
