@@ -1,5 +1,6 @@
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,6 +25,11 @@ from tests.services import s3_client as s3_client_for
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "sdq-test"
+
+# A shell without job control starts a background command with SIGINT ignored, and every
+# command the tests start would inherit that: the tests that press Ctrl-C need it heard.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

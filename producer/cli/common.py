@@ -230,7 +230,11 @@ def _alive(pid: int) -> bool:
 def ctrl_c_kept() -> Iterator[Callable[[], bool]]:
     """Ctrl-C raises KeyboardInterrupt as always, and is remembered: Python drops one that
     lands while a garbage collector callback runs ("Exception ignored in ..."), and the
-    work would go on to the run's end. A remembered one stops it before the next message."""
+    work would go on to the run's end. A remembered one stops it before the next message.
+    A command started with SIGINT ignored (in the background, by a script) keeps it so."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield lambda: False
+        return
     pressed = False
 
     def interrupted(signum: int, frame: Any) -> None:
