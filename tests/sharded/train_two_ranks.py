@@ -21,7 +21,7 @@ from sdq.models.store import LocalStore
 from sdq.models.train.specs import TrainOptions, TrainShardSpec, checkpoint_prefix
 from sdq.workers.tiny import build_unet
 from sdq.workers.train.job import Training, downloaded, write_checkpoint
-from sdq.workers.train.rank import ranks_from_env
+from sdq.workers.train.rank import exit_now, ranks_from_env
 from sdq.workers.train.trainer import load_checkpoint, new_state, step_inputs, train_step
 from sdq.workers.weights import ModelFiles
 
@@ -106,6 +106,9 @@ def main(out: Path, sharding: str, grad_comm: str) -> None:
             json.dumps({"straight": losses, "resumed": resumed_losses})
         )
     dist.destroy_process_group()
+    # As sdq's ranks end: gloo's threads, freed at exit, can abort the process ("terminate
+    # called without an active exception", seen once in a CI run) or deadlock it.
+    exit_now(0)
 
 
 if __name__ == "__main__":
