@@ -390,6 +390,17 @@ def test_an_s3_gallery_opens_over_http_by_its_presigned_link(worker, sdq, s3_cli
     assert ">e2e gallery kite<" in page and "seed 7" in page and "3 steps" in page
 
 
+def pressed_ctrl_c(command: subprocess.Popen) -> str:
+    """Ctrl-C to a command: it ends as a shell reports one stopped by SIGINT, never with
+    click's bare "Aborted!". Returns what it said, on one line."""
+    command.send_signal(signal.SIGINT)
+    stderr = said_after(command, timeout=60)
+    assert command.returncode == 130, stderr
+    said = " ".join(stderr.split())
+    assert "Aborted" not in said
+    return said
+
+
 def test_ctrl_c_while_sending_leaves_the_rest_queued_for_the_relay(
     own_deployment: dict[str, str], tmp_path: Path
 ) -> None:
@@ -405,11 +416,7 @@ def test_ctrl_c_while_sending_leaves_the_rest_queued_for_the_relay(
     )  # fmt: skip
     broker = redis.Redis.from_url(own_deployment["SDQ_BROKER_URL"])
     wait_for(lambda: broker.llen(GENERATE.queue) > 0, what="the first messages", timeout=120)
-    sending.send_signal(signal.SIGINT)
-    stderr = said_after(sending, timeout=60)
-    said = " ".join(stderr.split())
-    assert sending.returncode == 130, stderr
-    assert "Aborted" not in said
+    said = pressed_ctrl_c(sending)
     assert "stopped sending: run 1's jobs not sent yet stay queued" in said
     assert "`sdq requeue 1` at once" in said
     assert 0 < broker.llen(GENERATE.queue) < SENT
@@ -435,11 +442,7 @@ def test_ctrl_c_on_wait_stops_the_watching_not_the_run(
 
     wait_for(queued, what="the run's jobs in the broker", timeout=60)
     time.sleep(1)  # watching now
-    watching.send_signal(signal.SIGINT)
-    stderr = said_after(watching, timeout=60)
-    said = " ".join(stderr.split())
-    assert watching.returncode == 130, stderr
-    assert "Aborted" not in said
+    said = pressed_ctrl_c(watching)
     assert "stopped watching: run 1 goes on on the workers" in said
     assert "`sdq resume 1 --wait` watches it again" in said
     with sessions() as session:
