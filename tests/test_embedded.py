@@ -3,21 +3,18 @@
 import csv
 import html
 import json
-import os
 import re
 import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
-from sdq.producer.cli.common import ctrl_c_kept
 from tests.browser import chromium, open_page, texts
 from tests.conftest import ROOT, sdq_json
 from tests.services import clean_env, said_after, wait_for
@@ -199,27 +196,6 @@ def test_ctrl_c_puts_the_jobs_in_hand_back_and_resume_finishes_the_run(tmp_path:
         attempts = {n for (n,) in db.execute("SELECT attempts FROM jobs WHERE NOT cached")}
     assert attempts == {1}  # the interrupted ones did not lose an attempt
     assert len(list((tmp_path / "sdq-data/store/images").glob("*.png"))) == 48
-
-
-@pytest.mark.parametrize("ignored", [False, True], ids=["heard", "ignored"])
-def test_ctrl_c_is_remembered_unless_the_command_was_started_deaf_to_it(ignored: bool) -> None:
-    """A real SIGINT to this process: heard, it interrupts and is remembered; started in the
-    background by a script (SIGINT ignored), the command keeps ignoring it."""
-    # Python's own handler when heard: a broken ctrl_c_kept fails the test, not the session.
-    before = signal.SIG_IGN if ignored else signal.default_int_handler
-    previous = signal.signal(signal.SIGINT, before)
-    try:
-        with ctrl_c_kept() as pressed:
-            try:
-                os.kill(os.getpid(), signal.SIGINT)
-                time.sleep(1)  # a signal is handled between two bytecodes: here, at once
-                interrupted = False
-            except KeyboardInterrupt:
-                interrupted = True
-            assert (interrupted, pressed()) == (not ignored, not ignored)
-        assert signal.getsignal(signal.SIGINT) is before
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture
