@@ -9,7 +9,7 @@ import time
 import pytest
 
 from sdq.producer import display
-from sdq.producer.cli.common import INTERRUPTED, ctrl_c_kept, watching
+from sdq.producer.cli.common import INTERRUPTED, ctrl_c_kept, watch_progress
 
 
 def test_a_slow_count_is_asked_at_most_a_tenth_of_the_time() -> None:
@@ -51,8 +51,8 @@ def test_a_ctrl_c_that_python_drops_still_stops_the_watching() -> None:
 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        with pytest.raises(SystemExit) as exited, watching(7) as pressed:
-            display.watch("run 7", 1, finished, show=False, poll_seconds=0.01, stop=pressed)
+        with pytest.raises(SystemExit) as exited:
+            watch_progress(7, "run 7", 1, finished, show=False)
     finally:
         signal.signal(signal.SIGINT, previous)
     assert (exited.value.code, polls) == (INTERRUPTED, 1)

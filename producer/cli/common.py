@@ -145,8 +145,16 @@ def finished_jobs(app: SdqCelery, run_id: int) -> Callable[[], int]:
 
 def watch_run(app: SdqCelery, run_id: int, *, jobs: int, show: bool) -> None:
     """Waits for the run's jobs to finish, with a progress bar when `show`."""
+    watch_progress(run_id, f"run {run_id}", jobs, finished_jobs(app, run_id), show=show)
+
+
+def watch_progress(
+    run_id: int, title: str, total: int, done: Callable[[], int], *, show: bool
+) -> None:
+    """Waits until `done()` reaches `total` (a run's jobs, a train run's steps); Ctrl-C
+    stops the watching, not the run."""
     with watching(run_id) as pressed:
-        display.watch(f"run {run_id}", jobs, finished_jobs(app, run_id), show=show, stop=pressed)
+        display.watch(title, total, done, show=show, stop=pressed)
 
 
 @contextmanager

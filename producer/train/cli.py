@@ -35,7 +35,7 @@ from sdq.producer.cli.common import (
     ready_to_submit,
     report_submission,
     send_run,
-    watching,
+    watch_progress,
     work_here,
 )
 from sdq.producer.errors import InvalidInput
@@ -512,8 +512,7 @@ def _watch(app: SdqCelery, run_id: int, steps: int, *, show: bool) -> None:
         # run's end, which its closing says.
         return min(done(), steps - 1)
 
-    with watching(run_id) as pressed:
-        display.watch(f"train run {run_id}", steps, finished, show=show, stop=pressed)
+    watch_progress(run_id, f"train run {run_id}", steps, finished, show=show)
 
 
 def _report_submission(submission: TrainSubmission, tasks: int, as_json: bool) -> None:
