@@ -5,12 +5,13 @@ weights. No queue, no database, no object store, no checkpoints, and nothing of 
 sdq is measured against by benchmarks/train.py and benchmarks/train_scaling.py.
 
     torchrun --nproc-per-node N benchmarks/plain_ddp.py --shards DIR --unet-config FILE \\
-        --scheduler-config FILE --steps S --batch-size B
+        --scheduler-config FILE --steps S --batch-size B [--timed-from K]
 """
 
 import argparse
 import json
 import os
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -62,6 +63,13 @@ def loss_of(unet, scheduler, latents, embeddings, snr_gamma: float) -> torch.Ten
     return (loss.mean(dim=list(range(1, loss.ndim))) * weights).mean()
 
 
+def timer(cuda: bool) -> float:
+    """The time once the device has finished what it was given."""
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def main(args) -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cuda = torch.cuda.is_available()
@@ -81,7 +89,9 @@ def main(args) -> None:
     loader = DataLoader(dataset, batch_size=args.batch_size // world_size, sampler=sampler,
                         drop_last=True, pin_memory=cuda)  # fmt: skip
     precision = torch.bfloat16 if cuda else None
-    step, epoch = 0, 0
+    step, epoch, started = 0, 0, None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     while step < args.steps:
         sampler.set_epoch(epoch)
         for latents, embeddings in loader:
@@ -94,12 +104,21 @@ def main(args) -> None:
             optimizer.zero_grad(set_to_none=True)
             ema.step(unet.parameters())
             step += 1
+            if step == args.timed_from:
+                started = timer(cuda)
             if step == args.steps:
                 break
         epoch += 1
+    ended = timer(cuda)
     dist.barrier()
     if rank == 0:
-        print(json.dumps({"steps": step, "last_loss": loss.item()}))
+        timed = {}
+        if started is not None:
+            samples = (step - args.timed_from) * args.batch_size
+            timed["samples_per_second"] = samples / (ended - started)
+        if cuda:
+            timed["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        print(json.dumps({"steps": step, "last_loss": loss.item(), **timed}))
     # Freeing DDP's reducer at exit can deadlock with gloo's worker thread; nothing is left
     # to clean up.
     os._exit(0)
@@ -116,4 +135,5 @@ if __name__ == "__main__":
     parser.add_argument("--ema", type=float, default=0.9999)
     parser.add_argument("--snr-gamma", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timed-from", type=int, help="also print samples/s after this step")
     main(parser.parse_args())
