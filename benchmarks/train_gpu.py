@@ -115,7 +115,9 @@ class PlainLoop:
         ]  # fmt: skip
 
     def run(self) -> dict:
-        done = subprocess.run(self.command, check=True, capture_output=True, text=True)
+        done = subprocess.run(self.command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"the plain loop failed ({done.returncode}):\n{done.stderr[-3000:]}")
         return json.loads(done.stdout.strip().splitlines()[-1])
 
 
