@@ -9,15 +9,20 @@ written once to a local folder, untimed. Then, in interleaved rounds on the same
   - sdq: a rank's `Training` over the same shards, read through a LocalStore (the latent
     stream, pinned staging, the step, losses read every `loss_every` steps), its state kept
     from round to round as a worker keeps it from job to job; timed the same way.
-Then (unless --no-checkpoint) sdq's checkpoint: how long the steps wait for the state's copy
-to host memory, how long the write takes on its thread, and samples/s while it is written.
+Then --checkpoints checkpoints in a row (0 leaves them out), each as a job ends: how long the
+steps wait for the state's copy to host memory (the first allocates its pinned buffers; the
+later ones find them in torch's host cache), how long the write takes on its thread, and
+samples/s while it is written.
 
-Host syncs per sdq step are counted by CUDA's sync debug mode. MFU is the U-Net's training
+Host syncs per sdq step are counted by CUDA's sync debug mode, by thread and place: those on
+the step's thread stall the device's queue; the staging thread's wait for its own copies
+does not. MFU is the U-Net's training
 FLOPs per sample (torch's counter, x3 for the backward pass) over the GPU's dense bf16
 peak. Prints one JSON object; `sdq_vs_plain` is sdq's median samples/s over plain's.
 
     python benchmarks/train_gpu.py [--architecture sd2-base] [--resolution 256]
-        [--batch-size 64] [--steps 100] [--warmup 20] [--rounds 2] [--compile]
+        [--batch-size 64] [--steps 100] [--warmup 20] [--rounds 2] [--checkpoints 2]
+        [--compile]
     python benchmarks/train_gpu.py --small      # a CPU check: the tiny U-Net, a few steps
 """
 
@@ -27,8 +32,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -48,7 +55,12 @@ from sdq.models import tiny  # noqa: E402
 from sdq.models.architectures import UNET_ARCHITECTURES  # noqa: E402
 from sdq.models.settings import TrainSettings  # noqa: E402
 from sdq.models.store import LocalStore  # noqa: E402
-from sdq.models.train.specs import LatentInput, TrainOptions, TrainShardSpec  # noqa: E402
+from sdq.models.train.specs import (  # noqa: E402
+    LatentInput,
+    TrainOptions,
+    TrainShardSpec,
+    checkpoint_prefix,
+)
 from sdq.workers.gpu import peak_flops  # noqa: E402
 from sdq.workers.shards.latents import Encoded, latent_shard_bytes  # noqa: E402
 from sdq.workers.train.job import Training, write_checkpoint  # noqa: E402
@@ -126,7 +138,7 @@ class SdqRank:
 
     def __init__(self, store: LocalStore, inputs: list[LatentInput], config: dict, args) -> None:
         self.store, self.batch_size = store, args.batch_size
-        steps = args.warmup + (args.rounds + 1) * args.steps
+        steps = args.warmup + (args.rounds + args.checkpoints) * args.steps
         self.spec = TrainShardSpec(
             run=1, first_step=0, last_step=0, model_name="bench", base_name="random",
             base_source="random", base_revision="bench", prediction_type="epsilon",
@@ -155,9 +167,14 @@ class SdqRank:
             seconds = timer() - started
         return {
             "samples_per_second": steps * self.batch_size / seconds,
-            "host_syncs_per_step": len(syncs) / steps if CUDA else None,
+            "host_syncs_per_step": {
+                place: round(count / steps, 3) for place, count in syncs.items()
+            },
             "data_wait_share": sum(step["data_wait_seconds"] for step in taken) / seconds,
         }
+
+    def checkpoints(self, count: int, steps: int, cache: Path) -> list[dict]:
+        return [self.checkpoint(steps, cache) for _ in range(count)]
 
     def checkpoint(self, steps: int, cache: Path) -> dict:
         """A checkpoint of the state only (not a model: the run's last step is far), written
@@ -172,9 +189,10 @@ class SdqRank:
             trained = timer() - started
             written.result()
             writing = time.perf_counter() - started
-        state_bytes = sum(path.stat().st_size for path in self.store.root.rglob("*.safetensors"))
+        written_at = self.store.root / checkpoint_prefix(spec.run, spec.last_step)
+        state_bytes = sum(path.stat().st_size for path in written_at.rglob("*") if path.is_file())
         return {
-            "state_gb": round(state_bytes / 2**30, 2),
+            "state_gb": round(state_bytes / 2**30, 3),
             "steps_waited_s": round(snapshot.seconds, 3),
             "written_in_s": round(writing, 2),
             "samples_per_second_while_writing": round(steps * self.batch_size / trained, 2),
@@ -182,14 +200,23 @@ class SdqRank:
 
 
 @contextmanager
-def host_syncs() -> Iterator[list]:
-    """The warnings CUDA's sync debug mode raises, one per call that waits for the device."""
-    with warnings.catch_warnings(record=True) as caught:
+def host_syncs() -> Iterator[Counter]:
+    """The warnings CUDA's sync debug mode raises, one per call that waits for the device,
+    counted by the thread that waited and the line that asked."""
+    syncs: Counter = Counter()
+
+    def note(message, category, filename, lineno, *_) -> None:
+        if "synchronizing" in str(message):
+            thread = "step" if threading.current_thread() is threading.main_thread() else "staging"
+            syncs[f"{thread} {Path(filename).name}:{lineno}"] += 1
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = note
         if CUDA:
             torch.cuda.set_sync_debug_mode("warn")
         try:
-            yield caught
+            yield syncs
         finally:
             if CUDA:
                 torch.cuda.set_sync_debug_mode("default")
@@ -218,7 +245,7 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--rows", type=int, default=1000)
     parser.add_argument("--compile", action="store_true", help="sdq's U-Net torch.compiled")
-    parser.add_argument("--no-checkpoint", action="store_true", help="leave the checkpoint out")
+    parser.add_argument("--checkpoints", type=int, default=2, help="in a row, at the end")
     args = parser.parse_args()
     if args.small:
         args.architecture, args.resolution, args.batch_size = "tiny", 64, 8
@@ -237,7 +264,7 @@ def main() -> None:
             sides["plain"].append(plain.run())
             sides["sdq"].append(sdq.timed(args.steps))
         sdq_peak = peak_memory_gb()
-        checkpoint = None if args.no_checkpoint else sdq.checkpoint(args.steps, folder / "cache")
+        checkpoints = sdq.checkpoints(args.checkpoints, args.steps, folder / "cache")
     flops = sdq.training.state.flops_per_sample
     result: dict = {
         "device": torch.cuda.get_device_name() if CUDA else "cpu",
@@ -261,7 +288,7 @@ def main() -> None:
         "peak_memory_gb": sdq_peak,
         "host_syncs_per_step": sides["sdq"][-1]["host_syncs_per_step"],
         "data_wait_share": round(max(side["data_wait_share"] for side in sides["sdq"]), 4),
-        "checkpoint": checkpoint,
+        "checkpoints": checkpoints,
     }
     speeds = (result[name]["samples_per_second"] for name in ("sdq", "plain"))
     result["sdq_vs_plain"] = round(next(speeds) / next(speeds), 3)
