@@ -1,7 +1,9 @@
 """Training on sdq against a plain loop: the same latent shards, the same steps.
 
 The latent shards are made once, untimed: generated JPEGs served over local HTTP, through
-`sdq download` and `sdq encode` with the tiny model. Then, in interleaved rounds,
+`sdq download` and `sdq encode` with the tiny model. Both sides train the U-Net `--unet`
+names: by default SD 2's at a tenth of its width (sdq: `--from-scratch --unet-config`), or
+the tiny model's. Then, in interleaved rounds,
   - plain: benchmarks/plain_ddp.py under torchrun with one process, the loop diffusers'
     train_text_to_image.py runs (a DataLoader over the shards on local disk, AdamW, DDPM
     noise, min-SNR MSE, EMA), nothing of sdq's; timed from its start, as sdq is;
@@ -12,7 +14,7 @@ Prints one JSON object with samples/s of each, `sdq_vs_plain`, and how sdq's tim
 between optimizer steps and the rest (mostly checkpoint writing).
 
     python benchmarks/train.py [--images 256] [--steps 1200] [--checkpoint-every 300]
-        [--batch-size 8] [--rounds 3]
+        [--batch-size 8] [--rounds 3] [--unet sd2-narrow|tiny]
 """
 
 import argparse
@@ -33,12 +35,27 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.download import COMMAND_TIMEOUT, download_dataset  # noqa: E402
 from sdq.models import tiny  # noqa: E402
+from sdq.models.architectures import UNET_ARCHITECTURES  # noqa: E402
 from sdq.models.registry import tiny_identity  # noqa: E402
 from tests.conftest import WorkerProcess, sdq_json  # noqa: E402
 from tests.services import BENCH_BUCKET, deployment  # noqa: E402
 
 DATASET = "train-bench"
 RESOLUTION = 64
+
+# SD 2's U-Net at a tenth of its width: its depth, blocks, attention layout (32-wide heads)
+# and linear projections, on the tiny text encoder's embeddings: the real model's kind of
+# work at a CPU's scale. tiny: the tiny model's own U-Net, two levels deep.
+UNETS = {
+    "sd2-narrow": {
+        **UNET_ARCHITECTURES["sd2-base"],
+        "block_out_channels": [32, 64, 128, 128],
+        "attention_head_dim": [1, 2, 4, 4],
+        "cross_attention_dim": tiny.UNET_CONFIG["cross_attention_dim"],
+        "sample_size": RESOLUTION // 8,
+    },
+    "tiny": tiny.UNET_CONFIG,
+}
 
 
 def make_latents(env: dict[str, str], args) -> None:
@@ -49,18 +66,32 @@ def make_latents(env: dict[str, str], args) -> None:
     sdq_json(env, "encode", DATASET, "--model", "tiny", "--resolution", str(RESOLUTION), "--wait")
 
 
-def options(args) -> list[str]:
+def train_options(args, folder: Path) -> list[str]:
+    """`sdq train`'s options: the tiny base (its noise schedule, text encoder and VAE), and
+    the U-Net `--unet` names trained from scratch unless it is tiny's own; the plain loop
+    reads the same config file (PlainLoop writes it)."""
+    unet = (
+        []
+        if args.unet == "tiny"
+        else ["--from-scratch", "--unet-config", str(folder / "unet.json")]
+    )
     return [
-        "--base", "tiny", "--resolution", str(RESOLUTION), "--steps", str(args.steps),
+        "--base", "tiny", *unet, "--resolution", str(RESOLUTION), "--steps", str(args.steps),
         "--batch-size", str(args.batch_size), "--checkpoint-every", str(args.checkpoint_every),
     ]  # fmt: skip
 
 
-def through_sdq(env: dict[str, str], args) -> tuple[float, dict[str, float]]:
+def add_unet_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--unet", choices=UNETS, default="sd2-narrow")
+
+
+def through_sdq(env: dict[str, str], args, folder: Path) -> tuple[float, dict[str, float]]:
     """Samples/s end to end, and the shares of the time spent in optimizer steps and in the
     rest of the jobs (starting from or writing checkpoints, reading shards)."""
     started = time.perf_counter()
-    status = sdq_json(env, "train", DATASET, *options(args), "--wait", timeout=COMMAND_TIMEOUT)
+    status = sdq_json(
+        env, "train", DATASET, *train_options(args, folder), "--wait", timeout=COMMAND_TIMEOUT
+    )
     seconds = time.perf_counter() - started
     with psycopg.connect(env["SDQ_DATABASE_URL"]) as connection:
         [stepping] = connection.execute(
@@ -77,9 +108,9 @@ def through_sdq(env: dict[str, str], args) -> tuple[float, dict[str, float]]:
 
 class PlainLoop:
     """benchmarks/plain_ddp.py under torchrun: the shards copied to local disk before any
-    clock starts, the tiny model's U-Net and noise schedule given as config files."""
+    clock starts, the U-Net and the tiny model's noise schedule given as config files."""
 
-    def __init__(self, env: dict[str, str], folder: Path) -> None:
+    def __init__(self, env: dict[str, str], folder: Path, unet: str) -> None:
         self.folder = folder
         bucket = boto3.resource("s3").Bucket(BENCH_BUCKET)
         with psycopg.connect(env["SDQ_DATABASE_URL"]) as connection:
@@ -88,7 +119,7 @@ class PlainLoop:
             key = uri.split(f"{BENCH_BUCKET}/", 1)[1]
             (folder / "shards" / key).parent.mkdir(parents=True, exist_ok=True)
             bucket.download_file(key, str(folder / "shards" / key))
-        (folder / "unet.json").write_text(json.dumps(tiny.UNET_CONFIG))
+        (folder / "unet.json").write_text(json.dumps(UNETS[unet]))
         (folder / "scheduler.json").write_text(json.dumps(tiny_identity().scheduler_config))
 
     def run(self, args, world_size: int = 1) -> float:
@@ -116,6 +147,7 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
+    add_unet_option(parser)
     parser.add_argument(
         "--image-dir", type=Path, default=Path(tempfile.gettempdir()) / "sdq-bench-images"
     )
@@ -127,9 +159,9 @@ def main() -> None:
         worker = WorkerProcess(env, Path(env["SDQ_HOME"]) / "gpu.log").start()
         try:
             make_latents(env, args)
-            plain = PlainLoop(env, Path(folder))
+            plain = PlainLoop(env, Path(folder), args.unet)
             for _ in range(args.rounds):
-                rate, round_shares = through_sdq(env, args)
+                rate, round_shares = through_sdq(env, args, Path(folder))
                 rates["sdq"].append(rate)
                 for name, share in round_shares.items():
                     shares[name].append(share)
@@ -140,6 +172,7 @@ def main() -> None:
     print(
         json.dumps(
             {
+                "unet": args.unet,
                 "steps": args.steps,
                 "batch_size": args.batch_size,
                 "checkpoint_every": args.checkpoint_every,

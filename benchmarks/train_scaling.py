@@ -2,8 +2,9 @@
 the same global batch and steps, at each world size.
 
 The latent shards are made once, untimed: generated JPEGs served over local HTTP, through
-`sdq download` and `sdq encode` with the tiny model. Then, in interleaved rounds, for each
-world size N:
+`sdq download` and `sdq encode` with the tiny model. Both sides train the U-Net `--unet`
+names (benchmarks/train.py: SD 2's at a tenth of its width by default). Then, in
+interleaved rounds, for each world size N:
   - sdq: `sdq train --world-size N --wait` end to end, one train worker (`sdq worker gpu
     --train-ranks N`) whose job runs on N rank processes (gloo on CPU, NCCL on GPUs),
     shards read from an S3 server over HTTP, a checkpoint written to it, every step's loss
@@ -24,6 +25,7 @@ each world size.
 
     python benchmarks/train_scaling.py [--world-sizes 1,2] [--steps 300]
         [--checkpoint-every 100] [--batch-size 8] [--images 256] [--rounds 3]
+        [--unet sd2-narrow|tiny]
 """
 
 import argparse
@@ -42,7 +44,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.download import COMMAND_TIMEOUT  # noqa: E402
-from benchmarks.train import DATASET, RESOLUTION, PlainLoop, make_latents  # noqa: E402
+from benchmarks.train import (  # noqa: E402
+    DATASET,
+    PlainLoop,
+    add_unet_option,
+    make_latents,
+    train_options,
+)
 from tests.conftest import WorkerProcess, sdq_json  # noqa: E402
 from tests.services import deployment  # noqa: E402
 
@@ -67,15 +75,15 @@ def settled(worker: WorkerProcess, timeout: float = 60.0) -> None:
             return
 
 
-def through_sdq(env: dict[str, str], args, world_size: int) -> tuple[float, dict[str, float]]:
+def through_sdq(
+    env: dict[str, str], args, folder: Path, world_size: int
+) -> tuple[float, dict[str, float]]:
     """Samples/s from the command's start to its end, and the shares of the run's wall time
     (first job's start to last checkpoint) that `sdq train status` reports."""
     started = time.perf_counter()
     status = sdq_json(
-        env, "train", DATASET, "--base", "tiny", "--resolution", str(RESOLUTION),
-        "--steps", str(args.steps), "--checkpoint-every", str(args.checkpoint_every),
-        "--batch-size", str(args.batch_size), "--world-size", str(world_size), "--wait",
-        timeout=COMMAND_TIMEOUT,
+        env, "train", DATASET, *train_options(args, folder), "--world-size", str(world_size),
+        "--wait", timeout=COMMAND_TIMEOUT,
     )  # fmt: skip
     seconds = time.perf_counter() - started
     assert status["status"] == "succeeded", status
@@ -90,6 +98,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
+    add_unet_option(parser)
     parser.add_argument(
         "--image-dir", type=Path, default=Path(tempfile.gettempdir()) / "sdq-bench-images"
     )
@@ -105,11 +114,11 @@ def main() -> None:
         ).start()
         try:
             make_latents(env, args)
-            plain = PlainLoop(env, Path(folder))
+            plain = PlainLoop(env, Path(folder), args.unet)
             for _ in range(args.rounds):
                 for size in sizes:
                     settled(worker)
-                    rate, round_shares = through_sdq(env, args, size)
+                    rate, round_shares = through_sdq(env, args, Path(folder), size)
                     rates[f"sdq_{size}"].append(rate)
                     shares[size].append(round_shares)
                     settled(worker)
@@ -121,6 +130,7 @@ def main() -> None:
     print(
         json.dumps(
             {
+                "unet": args.unet,
                 "steps": args.steps,
                 "global_batch": args.batch_size,
                 "cores": os.cpu_count(),
