@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from diffusers import UNet2DConditionModel
+from diffusers.training_utils import EMAModel
 
 from sdq.models import tiny
 from sdq.models.architectures import UNET_ARCHITECTURES, InvalidArchitecture, check_fits
@@ -20,6 +21,7 @@ from sdq.workers.tiny import build_unet
 from sdq.workers.train.state import Ranks
 from sdq.workers.train.statefile import save_unet
 from sdq.workers.train.trainer import (
+    LerpEMA,
     base_unet,
     draw,
     load_checkpoint,
@@ -104,6 +106,27 @@ def test_warmup_ema_bf16_and_gradient_checkpointing_train() -> None:
     # The EMA weights trail the trained ones instead of copying them.
     shadow = state.ema.shadow_params
     assert any(not torch.equal(e, m) for e, m in zip(shadow, moved, strict=True))
+
+
+def test_the_ema_follows_diffusers_ema_step_for_step() -> None:
+    """sdq's EMA (one foreach lerp a step) keeps the weights diffusers' EMAModel keeps, the
+    warm-up of its decay included, over parameters that move every step."""
+    generator = torch.Generator().manual_seed(0)
+    parameters = [torch.nn.Parameter(torch.randn(shape, generator=generator))
+                  for shape in ((3, 4), (5,), (2, 2, 3, 3))]  # fmt: skip
+    ours = LerpEMA(parameters, decay=0.99)
+    theirs = EMAModel(parameters, decay=0.99, foreach=True)
+    for _ in range(30):
+        with torch.no_grad():
+            for parameter in parameters:
+                parameter.add_(torch.randn(parameter.shape, generator=generator))
+        ours.step(parameters)
+        theirs.step(parameters)
+    assert ours.cur_decay_value == theirs.cur_decay_value == pytest.approx(30 / 39)
+    for mine, reference, parameter in zip(ours.shadow_params, theirs.shadow_params, parameters,
+                                          strict=True):  # fmt: skip
+        torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(mine, parameter)  # it trails the weights
 
 
 def trained(shard: TrainShardSpec, batches: list, unet) -> list[float]:
