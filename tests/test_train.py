@@ -551,15 +551,16 @@ def test_a_run_over_two_nodes_gathers_again_when_a_node_dies_in_start_up_or_mid_
     own_deployment: dict[str, str], tmp_path: Path
 ) -> None:
     """`--nodes 2` end to end: two train workers as two machines, one rank each. The member
-    node's worker is killed (its ranks die with it) as soon as it has joined the first
-    job's gang, in its ranks' start-up, and again once the second job's ranks have run a
-    while. Each time the leader sees the node unseen within seconds (not at the gang's or a
-    collective's timeout, both set far off), fails the gathering as an outage, and the job
-    gathers again with a worker started in the dead one's place: no attempt spent, every
-    step trained once in the run's record, on the loss curve of the same run on one node."""
+    node's worker is killed (its ranks die with it) as soon as it has joined the first job's
+    gang, in its ranks' start-up, and again once the second job's ranks have trained their
+    first steps (mid-job: most of its 200 are left, its first window of 5 recorded). Each
+    time the leader sees the node unseen within seconds (not at the gang's or a collective's
+    timeout, both set far off), fails the gathering as an outage, and the job gathers again
+    with a worker started in the dead one's place: no attempt spent, every step trained once
+    in the run's record, on the loss curve of the same run on one node."""
     env = {**own_deployment, **DOWNLOAD_ENV, "SDQ_TRAIN_NODE_ADDRESS": "127.0.0.1",
            "SDQ_TRAIN_NODE_TIMEOUT": "5", "SDQ_TRAIN_GANG_TIMEOUT": "900",
-           "SDQ_TRAIN_COLLECTIVE_TIMEOUT": "900",
+           "SDQ_TRAIN_COLLECTIVE_TIMEOUT": "900", "SDQ_TRAIN_LOSS_EVERY": "5",
            # Two machines on two cores: a thread each, as if each had its own.
            "OMP_NUM_THREADS": "1"}  # fmt: skip
     database_url = env["SDQ_DATABASE_URL"]
@@ -578,19 +579,26 @@ def test_a_run_over_two_nodes_gathers_again_when_a_node_dies_in_start_up_or_mid_
         one_node = sdq_json(env, *run, "--wait")
         run_id = sdq_json(env, *run, "--nodes", "2")["run_id"]
 
-        def member(job_index: int, gathering: int, joined_for: float = 0.0) -> int | None:
-            """The pid of the worker process of the job's gathering's node 1, once that
-            node has been in it for `joined_for` seconds (by the database's clock)."""
+        def member(job_index: int, gathering: int) -> int | None:
+            """The pid of the worker process of the job's gathering's node 1."""
             jobs = _jobs(database_url, run_id)
             if len(jobs) <= job_index:
                 return None
             with psycopg.connect(database_url) as connection:
                 row = connection.execute(
                     "SELECT worker FROM train_gangs WHERE job_id = %s AND gathering = %s "
-                    "AND node = 1 AND joined_at <= now() - make_interval(secs => %s)",
-                    (jobs[job_index][0], gathering, joined_for),
+                    "AND node = 1",
+                    (jobs[job_index][0], gathering),
                 ).fetchone()
             return int(row[0].rsplit(":", 1)[1]) if row else None
+
+        def trained_past(step: int) -> bool:
+            with psycopg.connect(database_url) as connection:
+                [count] = connection.execute(
+                    "SELECT count(*) FROM train_steps WHERE run_id = %s AND step > %s",
+                    (run_id, step),
+                ).fetchone()
+            return count > 0
 
         def kill_worker_of(pid: int) -> None:
             [dead] = [worker for worker in workers if pid in worker.children()]
@@ -602,8 +610,9 @@ def test_a_run_over_two_nodes_gathers_again_when_a_node_dies_in_start_up_or_mid_
         wait_for(lambda: member(0, 1), what="the first gang's member", timeout=300)
         kill_worker_of(member(0, 1))  # in its ranks' start-up
         wait_for(lambda: member(0, 2), what="the first job's second gathering", timeout=120)
-        # The second job's ranks have started (about 5 s here) and trained a while.
-        wait_for(lambda: member(1, 1, joined_for=8), what="the second job's gang", timeout=300)
+        # The second job's ranks have started and recorded their first window of steps.
+        wait_for(lambda: member(1, 1) and trained_past(200), what="the second job's steps",
+                 timeout=300)  # fmt: skip
         kill_worker_of(member(1, 1))
         wait_for(lambda: member(1, 2), what="the second job's second gathering", timeout=120)
 
