@@ -1,6 +1,6 @@
 """Training on one GPU at Stable Diffusion's shapes: sdq's rank loop against the plain loop.
 
-An SD 2-shaped U-Net (865M parameters, models/architectures.py) with random weights, built
+An SD 2-shaped U-Net (866M parameters, models/architectures.py) with random weights, built
 in code, and latent shards of random fp16 latents and text embeddings in sdq's layout,
 written once to a local folder, untimed. Then, in interleaved rounds on the same device:
   - plain: benchmarks/plain_ddp.py under torchrun with one process, the loop diffusers'
@@ -15,10 +15,10 @@ later ones find them in torch's host cache), how long the write takes on its thr
 samples/s while it is written.
 
 Host syncs per sdq step are counted by CUDA's sync debug mode, by thread and place: those on
-the step's thread stall the device's queue; the staging thread's wait for its own copies
-does not. MFU is the U-Net's training
-FLOPs per sample (torch's counter, x3 for the backward pass) over the GPU's dense bf16
-peak. Prints one JSON object; `sdq_vs_plain` is sdq's median samples/s over plain's.
+the step's thread let the device's queue run dry; the staging thread's wait for its copies
+does not. MFU is the U-Net's training FLOPs per sample (torch's counter, x3 for the backward
+pass) over the GPU's dense bf16 peak. Prints one JSON object; `sdq_vs_plain` is sdq's median
+samples/s over plain's.
 
     python benchmarks/train_gpu.py [--architecture sd2-base] [--resolution 256]
         [--batch-size 64] [--steps 100] [--warmup 20] [--rounds 2] [--checkpoints 2]
