@@ -161,7 +161,7 @@ class LerpEMA(EMAModel):
     foreach lerp, `shadow += (1 - decay) * (param - shadow)`, where EMAModel's foreach path
     first writes `shadow - param` to a copy of every weight and reads it back (on the CPU,
     with SD 2's U-Net at a tenth of its width, 8 samples a step: 76.6 samples/s against
-    72.5)."""
+    73.3, medians of three)."""
 
     @torch.no_grad()
     def step(self, parameters) -> None:
