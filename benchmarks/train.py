@@ -132,7 +132,8 @@ class PlainLoop:
             "--scheduler-config", str(self.folder / "scheduler.json"),
             "--steps", str(args.steps), "--batch-size", str(args.batch_size),
         ]  # fmt: skip
-        # The threads per rank that sdq's rank processes get.
+        # Each rank its share of the cores, as torchrun's users set it. (sdq's ranks give
+        # torch half of theirs, beside their staging threads: ranks.rank_threads.)
         threads = max(1, (os.cpu_count() or 1) // world_size)
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         started = time.perf_counter()

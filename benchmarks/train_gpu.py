@@ -265,6 +265,7 @@ def main() -> None:
             sides["sdq"].append(sdq.timed(args.steps))
         sdq_peak = peak_memory_gb()
         checkpoints = sdq.checkpoints(args.checkpoints, args.steps, folder / "cache")
+        sdq.training.close()  # its reading threads, before their shards' folder goes
     flops = sdq.training.state.flops_per_sample
     result: dict = {
         "device": torch.cuda.get_device_name() if CUDA else "cpu",
