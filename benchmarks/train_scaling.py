@@ -20,8 +20,10 @@ rank processes (spares, importing torch and the trainer) when a run ends, as it 
 service, and plain torchrun starts its own with the command.
 Prints one JSON object: samples/s of each, the scaling efficiency of each (samples/s at N
 over N times samples/s at 1), `sdq_time_shares` (of sdq's run's wall time: its start up
-to the first step, training, data waits, checkpoints, between jobs) and `sdq_vs_plain` at
-each world size.
+to the first step, training, data waits, checkpoint waits, between jobs, the run's final
+checkpoint), `sdq_stalls` (what each job costs the training beside its steps: the job gaps
+and checkpoint waits, at --checkpoint-every steps a job) and `sdq_vs_plain` at each world
+size.
 
     python benchmarks/train_scaling.py [--world-sizes 1,2] [--steps 300]
         [--checkpoint-every 100] [--batch-size 8] [--images 256] [--rounds 3]
@@ -144,12 +146,18 @@ def main() -> None:
                     for size in sizes
                 },
                 # Of sdq's wall time per run: its start, training, data waits, checkpoint
-                # writes, and between jobs (medians over the rounds).
+                # waits, between jobs and the final checkpoint (medians over the rounds).
                 "sdq_time_shares": {
                     str(size): {
                         name: round(statistics.median(r[name] for r in shares[size]), 4)
                         for name in shares[size][0]
                     }
+                    for size in sizes
+                },
+                "sdq_stalls": {
+                    str(size): round(
+                        statistics.median(r["job_gap"] + r["checkpoint"] for r in shares[size]), 4
+                    )
                     for size in sizes
                 },
                 "sdq_vs_plain": {

@@ -213,7 +213,8 @@ def show_training(status: dict[str, Any], *, render_command: str = "sdq submit")
             f"over its wall time: {status['wall_samples_per_second']:.1f} samples/s; "
             f"starting {shares['start']:.0%}, training {shares['training']:.0%}, "
             f"data waits {shares['data_wait']:.0%}, "
-            f"checkpoints {shares['checkpoint']:.0%}, between jobs {shares['job_gap']:.0%}"
+            f"checkpoints {shares['checkpoint']:.0%}, between jobs {shares['job_gap']:.0%}, "
+            f"final checkpoint {shares['final_checkpoint']:.0%}"
         )
     if status["losses"]:
         stdout.print(f"loss {loss_curve([loss for _, loss in status['losses']])}")

@@ -11,15 +11,22 @@ import sqlite3
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psycopg
 import pytest
 import torch
 from selenium.webdriver.common.by import By
+from sqlalchemy import select
 
+from sdq.models.db import make_engine, session_factory
+from sdq.models.jobs.kinds import TRAIN as TRAIN_KIND
 from sdq.models.jobs.lifecycle import OUTAGE
+from sdq.models.tables import Job, JobEvent, JobStatus, Run
 from sdq.models.train.specs import read_inputs_manifest
+from sdq.models.train.tables import Checkpoint, TrainStep
+from sdq.producer.train.lookups import time_shares
 from sdq.workers.tiny import build_pipeline
 from tests.browser import chromium, open_page, texts
 from tests.conftest import BUCKET, ROOT, WorkerProcess, sdq_json
@@ -90,7 +97,9 @@ def test_the_whole_chain_on_one_machine(tmp_path: Path) -> None:
     # Its wall time, split: its start (up to its first step: the model built), training,
     # data waits, checkpoint writes, and between jobs.
     shares = trained["time_shares"]
-    assert set(shares) == {"start", "training", "data_wait", "checkpoint", "job_gap"}
+    assert set(shares) == {
+        "start", "training", "data_wait", "checkpoint", "final_checkpoint", "job_gap"
+    }  # fmt: skip
     assert all(0 <= share <= 1 for share in shares.values())
     assert shares["checkpoint"] > 0 and shares["start"] > 0
     # SQLite stamps times to the second, a few percent of this short run's wall time.
@@ -229,6 +238,51 @@ def test_steps_reach_the_database_as_they_are_taken(tmp_path: Path) -> None:
     assert status["checkpoints"] == [] and status["checkpoint_step"] == 0
     assert 10 <= status["step"] < 400 and status["samples_per_second"]
     assert [step for step, _ in status["losses"]] == list(range(1, status["step"] + 1))
+
+
+def test_a_run_s_wall_time_splits_into_its_shares(migrated_postgres: str) -> None:
+    """A run's timeline written as its jobs would (Postgres keeps the microseconds): 1 s of
+    start, four 0.5 s steps with 0.1 s of data wait, a checkpoint after step 2 that held the
+    steps for 0.25 s, 0.25 s between the jobs, and the final checkpoint 2 s after the last
+    step. Until the run has all its steps, its newest checkpoint's write is a checkpoint
+    wait; as the run's last, it is its own share."""
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+    def at(seconds: float) -> datetime:
+        return t0 + timedelta(seconds=seconds)
+
+    sessions = session_factory(make_engine(migrated_postgres))
+    with sessions.begin() as session:
+        run = Run(kind=TRAIN_KIND.name, source="test", options={}, job_count=2)
+        session.add(run)
+        session.flush()
+        job = Job(run_id=run.id, kind=TRAIN_KIND.name, spec={}, spec_hash=f"shares-{run.id}")
+        session.add(job)
+        session.flush()
+        session.add(JobEvent(job_id=job.id, status=JobStatus.running, at=t0))
+        ends = {1: 1.5, 2: 2.0, 3: 3.0, 4: 3.5}  # batch 8 at 16 samples/s: 0.5 s a step
+        session.add_all(
+            TrainStep(run_id=run.id, step=step, loss=0.1, lr=1e-4, samples_per_second=16.0,
+                      data_wait_seconds=0.1 if step == 3 else 0.0, at=at(end))
+            for step, end in ends.items()
+        )  # fmt: skip
+        session.add_all(
+            Checkpoint(run_id=run.id, step=step, uri=f"s3://b/{step}", write_seconds=waited,
+                       created_at=at(recorded))
+            for step, waited, recorded in [(2, 0.25, 2.2), (4, 0.1, 5.5)]
+        )  # fmt: skip
+    with sessions() as session:
+        checkpoints = session.scalars(
+            select(Checkpoint).where(Checkpoint.run_id == run.id).order_by(Checkpoint.step)
+        ).all()
+        done = time_shares(session, run.id, 8, checkpoints, steps=4)
+        going = time_shares(session, run.id, 8, checkpoints, steps=8)
+    assert done["wall_samples_per_second"] == round(4 * 8 / 5.5, 2)
+    expected = {"start": 1.0, "training": 1.9, "data_wait": 0.1, "checkpoint": 0.25,
+                "final_checkpoint": 2.0, "job_gap": 0.25}  # fmt: skip
+    assert done["time_shares"] == {name: round(s / 5.5, 4) for name, s in expected.items()}
+    expected.update(checkpoint=2.25, final_checkpoint=0.0)
+    assert going["time_shares"] == {name: round(s / 5.5, 4) for name, s in expected.items()}
 
 
 def _jobs(database_url: str, run_id: int) -> list[tuple]:

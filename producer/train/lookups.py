@@ -75,7 +75,7 @@ def train_status(session: Session, run_id: int) -> dict[str, Any]:
         "mfu": round(statistics.median(mfus), 4) if mfus else None,
         # Only while a job trains: a stopped or queued run has no time left to tell.
         "eta_seconds": round(left / speed) if speed and left and status == "running" else None,
-        **time_shares(session, run_id, run.options["batch_size"], checkpoints),
+        **time_shares(session, run_id, run.options["batch_size"], checkpoints, steps),
         "losses": [[row[0], row[1]] for row in losses],
         "checkpoints": [
             {
@@ -91,14 +91,20 @@ def train_status(session: Session, run_id: int) -> dict[str, Any]:
 
 
 def time_shares(
-    session: Session, run_id: int, batch_size: int, checkpoints: Sequence[Checkpoint]
+    session: Session,
+    run_id: int,
+    batch_size: int,
+    checkpoints: Sequence[Checkpoint],
+    steps: int,
 ) -> dict[str, Any]:
     """The run's samples/s over its wall time, from its first job's start to its last
     checkpoint (job gaps and checkpoints included), and the shares of that time spent
     starting (the first job's rank processes, process group, model and first data, up to
     its first step), training, waiting for data, waiting for checkpoints (each one's copy
-    to host memory, and all of the last one's write), and between jobs (handing over from
-    one to the next, queueing, retries and restarts)."""
+    to host memory; until the run has its last step, all of the newest one's write), writing
+    the run's final checkpoint (once a run, whatever its length: nothing is left to overlap
+    it), and between jobs (handing over from one to the next, queueing, retries and
+    restarts)."""
     started = session.scalar(
         select(func.min(JobEvent.at))
         .join(Job, Job.id == JobEvent.job_id)
@@ -106,7 +112,7 @@ def time_shares(
     )
     if started is None or not checkpoints:
         return {"wall_samples_per_second": None, "time_shares": None}
-    stepping, waiting, steps, last_ended = session.execute(
+    stepping, waiting, taken, last_ended = session.execute(
         select(
             func.sum(batch_size / TrainStep.samples_per_second),
             func.sum(TrainStep.data_wait_seconds),
@@ -114,7 +120,7 @@ def time_shares(
             func.max(TrainStep.at),
         ).where(TrainStep.run_id == run_id, TrainStep.step <= checkpoints[-1].step)
     ).one()
-    if not steps:
+    if not taken:
         return {"wall_samples_per_second": None, "time_shares": None}
     # A checkpoint is recorded after its step ended, whatever the database's clock rounds
     # its time to (SQLite: the second).
@@ -122,10 +128,11 @@ def time_shares(
     wall = (ended - as_utc(started)).total_seconds()
     if wall <= 0:
         return {"wall_samples_per_second": None, "time_shares": None}
-    # The training waits for each checkpoint's copy to host memory, and for the whole of
-    # the last one (nothing is left to overlap it): from its last step to its record.
+    # The training waits for each checkpoint's copy to host memory; the newest one's write
+    # ends the wall time, from its last step to its record.
     writing = sum(checkpoint.write_seconds or 0.0 for checkpoint in checkpoints[:-1])
-    writing += (ended - as_utc(last_ended)).total_seconds()
+    newest = (ended - as_utc(last_ended)).total_seconds()
+    final = newest if checkpoints[-1].step >= steps else 0.0
     starting = _first_step_start(session, run_id, batch_size) - as_utc(started)
     starting_seconds = max(0.0, starting.total_seconds())
     waiting = waiting or 0.0
@@ -133,11 +140,12 @@ def time_shares(
         "start": starting_seconds,
         "training": stepping - waiting,
         "data_wait": waiting,
-        "checkpoint": writing,
-        "job_gap": max(0.0, wall - starting_seconds - stepping - writing),
+        "checkpoint": writing + newest - final,
+        "final_checkpoint": final,
+        "job_gap": max(0.0, wall - starting_seconds - stepping - writing - newest),
     }
     return {
-        "wall_samples_per_second": round(steps * batch_size / wall, 2),
+        "wall_samples_per_second": round(taken * batch_size / wall, 2),
         "time_shares": {name: round(seconds / wall, 4) for name, seconds in shares.items()},
     }
 
