@@ -42,7 +42,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from sdq.models import tiny
-from sdq.models.registry import folder_content_hash
 from sdq.models.train.specs import TrainShardSpec
 from sdq.workers.ahead import run_ahead
 from sdq.workers.tiny import build_pipeline, build_unet
@@ -547,14 +546,13 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
 
 def export_model(
     unet_config: dict, weights: dict[str, torch.Tensor], base: Path, folder: Path
-) -> str:
+) -> None:
     """A whole diffusers pipeline in `folder`: the base model's files with this U-Net in
-    place of the base's. Returns its content hash."""
+    place of the base's."""
     shutil.copytree(
         base, folder, ignore=shutil.ignore_patterns(UNET_FOLDER, ".*"), dirs_exist_ok=True
     )
     save_unet(unet_config, weights, folder / UNET_FOLDER)
-    return folder_content_hash(folder)
 
 
 # The base models' files being fetched for the checkpoints that export a model: one at a
