@@ -102,6 +102,32 @@ def plain_scores(clip: Path, jpg: bytes, caption: str, aesthetic, nsfw) -> tuple
     return clip_score, mlp(aesthetic, relu=False), mlp(nsfw, relu=True), embedding[0].numpy()
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"size": {"shortest_edge": 112}, "crop_size": {"height": 112, "width": 112}},
+        {"size": {"shortest_edge": 32}, "crop_size": {"height": 40, "width": 24}},
+        {"size": {"height": 48, "width": 64}, "do_center_crop": False},
+        {"size": {"shortest_edge": 30}, "crop_size": {"height": 30, "width": 30},
+         "resample": 2, "do_normalize": False},
+    ],
+)  # fmt: skip
+def test_curate_s_pixels_are_clip_s_processor_s_to_the_bit(settings: dict) -> None:
+    """Resized and cropped to bytes on the host, rescaled and normalised from a table on
+    the device: the values CLIP's image processor makes of the same images, landscape,
+    portrait, square, smaller than the crop (zero bytes around) and larger."""
+    from sdq.workers.curate.scoring import Pixels
+
+    processor = CLIPImageProcessorPil(**settings)
+    pixels = Pixels.of(processor)
+    generator = np.random.default_rng(0)
+    for width, height in [(200, 37), (37, 200), (112, 112), (17, 9), (641, 480), (113, 112)]:
+        image = Image.fromarray(generator.integers(0, 256, (height, width, 3), dtype=np.uint8))
+        expected = processor(images=image, return_tensors="pt")["pixel_values"]
+        ours = pixels.normalized(torch.from_numpy(np.stack([pixels.cropped(image)])), torch.float32)
+        assert torch.equal(ours, expected), (width, height)
+
+
 def test_curate_embedded_scores_as_a_plain_clip_loop_and_refuses_bad_inputs(
     tmp_path: Path,
 ) -> None:
