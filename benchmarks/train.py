@@ -34,28 +34,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.download import COMMAND_TIMEOUT, download_dataset  # noqa: E402
-from sdq.models import tiny  # noqa: E402
-from sdq.models.architectures import UNET_ARCHITECTURES  # noqa: E402
+from benchmarks.unets import UNETS  # noqa: E402
 from sdq.models.registry import tiny_identity  # noqa: E402
 from tests.conftest import WorkerProcess, sdq_json  # noqa: E402
 from tests.services import BENCH_BUCKET, deployment  # noqa: E402
 
 DATASET = "train-bench"
 RESOLUTION = 64
-
-# SD 2's U-Net at a tenth of its width: its depth, blocks, attention layout (32-wide heads)
-# and linear projections, on the tiny text encoder's embeddings: the real model's kind of
-# work at a CPU's scale. tiny: the tiny model's own U-Net, two levels deep.
-UNETS = {
-    "sd2-narrow": {
-        **UNET_ARCHITECTURES["sd2-base"],
-        "block_out_channels": [32, 64, 128, 128],
-        "attention_head_dim": [1, 2, 4, 4],
-        "cross_attention_dim": tiny.UNET_CONFIG["cross_attention_dim"],
-        "sample_size": RESOLUTION // 8,
-    },
-    "tiny": tiny.UNET_CONFIG,
-}
 
 
 def make_latents(env: dict[str, str], args) -> None:
@@ -82,7 +67,7 @@ def train_options(args, folder: Path) -> list[str]:
 
 
 def add_unet_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--unet", choices=UNETS, default="sd2-narrow")
+    parser.add_argument("--unet", choices=["sd2-narrow", "tiny"], default="sd2-narrow")
 
 
 def through_sdq(env: dict[str, str], args, folder: Path) -> tuple[float, dict[str, float]]:

@@ -1,7 +1,8 @@
 """Training on one GPU at Stable Diffusion's shapes: sdq's rank loop against the plain loop.
 
-An SD 2-shaped U-Net (866M parameters, models/architectures.py) with random weights, built
-in code, and latent shards of random fp16 latents and text embeddings in sdq's layout,
+An SD 2-shaped U-Net (866M parameters, models/architectures.py; `--architecture sd2-narrow`:
+the train benchmarks' at a tenth of its width, benchmarks/unets.py) with random weights,
+built in code, and latent shards of random fp16 latents and text embeddings in sdq's layout,
 written once to a local folder, untimed. Then, in interleaved rounds on the same device:
   - plain: benchmarks/plain_ddp.py under torchrun with one process, the loop diffusers'
     train_text_to_image.py runs (a DataLoader, DDP, AdamW, bf16 autocast, EMAModel),
@@ -20,7 +21,7 @@ does not. MFU is the U-Net's training FLOPs per sample (torch's counter, x3 for 
 pass) over the GPU's dense bf16 peak. Prints one JSON object; `sdq_vs_plain` is sdq's median
 samples/s over plain's.
 
-    python benchmarks/train_gpu.py [--architecture sd2-base] [--resolution 256]
+    python benchmarks/train_gpu.py [--architecture sd2-base|sd2-narrow] [--resolution 256]
         [--batch-size 64] [--steps 100] [--warmup 20] [--rounds 2] [--checkpoints 2]
         [--compile]
     python benchmarks/train_gpu.py --small      # a CPU check: the tiny U-Net, a few steps
@@ -50,9 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sd15 import SD15_SCHEDULER  # noqa: E402  (beside this script)
+from unets import UNETS  # noqa: E402
 
-from sdq.models import tiny  # noqa: E402
-from sdq.models.architectures import UNET_ARCHITECTURES  # noqa: E402
 from sdq.models.settings import TrainSettings  # noqa: E402
 from sdq.models.store import LocalStore  # noqa: E402
 from sdq.models.train.specs import (  # noqa: E402
@@ -80,10 +80,6 @@ def timer() -> float:
     if CUDA:
         torch.cuda.synchronize()
     return time.perf_counter()
-
-
-def unet_config(architecture: str) -> dict:
-    return tiny.UNET_CONFIG if architecture == "tiny" else UNET_ARCHITECTURES[architecture]
 
 
 def write_shards(store: LocalStore, config: dict, args) -> list[LatentInput]:
@@ -236,7 +232,7 @@ def mfu(samples_per_second: float, flops_per_sample: float | None) -> float | No
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="a CPU check: the tiny U-Net")
-    parser.add_argument("--architecture", default="sd2-base", choices=[*UNET_ARCHITECTURES])
+    parser.add_argument("--architecture", default="sd2-base", choices=[*UNETS])
     parser.add_argument("--resolution", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=100, help="timed, per round and side")
@@ -250,7 +246,7 @@ def main() -> None:
     if args.small:
         args.architecture, args.resolution, args.batch_size = "tiny", 64, 8
         args.steps, args.warmup, args.rounds, args.rows = 10, 2, 2, 64
-    config = unet_config(args.architecture)
+    config = UNETS[args.architecture]
     with tempfile.TemporaryDirectory(prefix="sdq-train-gpu-") as scratch:
         folder = Path(scratch)
         store = LocalStore(folder)

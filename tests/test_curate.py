@@ -119,7 +119,7 @@ def test_curate_s_pixels_are_clip_s_processor_s_to_the_bit(settings: dict) -> No
     from sdq.workers.curate.scoring import Pixels
 
     processor = CLIPImageProcessorPil(**settings)
-    pixels = Pixels.of(processor)
+    pixels = Pixels.of(processor, torch.device("cpu"))
     generator = np.random.default_rng(0)
     for width, height in [(200, 37), (37, 200), (112, 112), (17, 9), (641, 480), (113, 112)]:
         image = Image.fromarray(generator.integers(0, 256, (height, width, 3), dtype=np.uint8))
