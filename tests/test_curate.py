@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPTokenizer
 
 from sdq.models import tiny
+from sdq.workers.curate.scoring import Pixels
 from sdq.workers.shards.embeddings import read_embeddings
 from tests.conftest import BUCKET, ROOT, WorkerProcess, sdq_json
 from tests.hostile_server import HostileServer
@@ -116,8 +117,6 @@ def test_curate_s_pixels_are_clip_s_processor_s_to_the_bit(settings: dict) -> No
     """Resized and cropped to bytes on the host, rescaled and normalised from a table on
     the device: the values CLIP's image processor makes of the same images, landscape,
     portrait, square, smaller than the crop (zero bytes around) and larger."""
-    from sdq.workers.curate.scoring import Pixels
-
     processor = CLIPImageProcessorPil(**settings)
     pixels = Pixels.of(processor, torch.device("cpu"))
     generator = np.random.default_rng(0)
