@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from time import perf_counter, time
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -66,6 +66,8 @@ from sdq.workers.train.trainer import (
     training_flops_per_sample,
 )
 from sdq.workers.weights import ModelFiles
+
+T = TypeVar("T")
 
 # Objects a checkpoint puts in the store at once.
 UPLOAD_THREADS = 8
@@ -356,7 +358,8 @@ def write_checkpoint(
         with tempfile.TemporaryDirectory(prefix="sdq-checkpoint-") as temporary:
             folder = Path(temporary)
             save_checkpoint(snapshot, folder / "state")
-            state_sha256 = _hashed_upload(store, prefix, folder, folder / "state")
+            state_sha256 = _upload(store, prefix, folder, sorted(folder.rglob("*")),
+                                   lambda: folder_content_hash(folder / "state"))  # fmt: skip
         model_prefix, revision = model.result()
     # The training waited for the snapshot only: the rest overlaps the next steps.
     return Written(snapshot.step, store.uri(prefix), state_sha256, model_prefix, revision,
@@ -370,9 +373,8 @@ def _write_sharded(
     checkpoint's hash (of every part's) and its model."""
     prefix = checkpoint_prefix(spec.run, snapshot.step)
     try:
-        own = shard_hashes(snapshot)
-        _upload(store, f"{prefix}/state", snapshot.folder,
-                [snapshot.folder / path for path in own])  # fmt: skip
+        own = _upload(store, f"{prefix}/state", snapshot.folder, snapshot.files(),
+                      lambda: shard_hashes(snapshot))  # fmt: skip
         hashes = every_rank_hashes(snapshot, own)
         if snapshot.rank != 0:
             return None
@@ -396,27 +398,24 @@ def _write_model(
         folder = Path(temporary)
         base = fetched_base(spec, files)
         export_model(snapshot.unet_config, snapshot.model_weights, base, folder)
-        revision = _hashed_upload(store, prefix, folder, folder)
+        revision = _upload(store, prefix, folder, sorted(folder.rglob("*")),
+                           lambda: folder_content_hash(folder))  # fmt: skip
     return prefix, revision
 
 
-def _hashed_upload(store: ObjectStore, prefix: str, folder: Path, hashed: Path) -> str:
-    """The folder's files put in the store, and the content hash of those under `hashed`,
-    taken on a thread while they go up: both read the files from the page cache, and
-    hashing SD 2's state (12.9 GB) takes seconds that would otherwise add to the upload's."""
-    with ThreadPoolExecutor(1, thread_name_prefix="sdq-hash") as hasher:
-        content = hasher.submit(folder_content_hash, hashed)
-        _upload(store, prefix, folder, sorted(folder.rglob("*")))
-        return content.result()
-
-
-def _upload(store: ObjectStore, prefix: str, folder: Path, paths: list[Path]) -> None:
-    """The files put at once: a checkpoint is a dozen objects or more, each a round trip
-    (the last one's write is on the run's clock)."""
-    with ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="sdq-upload") as uploads:
+def _upload(
+    store: ObjectStore, prefix: str, folder: Path, paths: list[Path], hashing: Callable[[], T]
+) -> T:
+    """The files put at once (a checkpoint is a dozen objects or more, each a round trip,
+    and the last one's write is on the run's clock), and what `hashing` returns, hashed on
+    a thread meanwhile: both read the files from the page cache, and hashing SD 2's state
+    (12.9 GB) takes seconds that would otherwise add to the upload's."""
+    with ThreadPoolExecutor(UPLOAD_THREADS + 1, thread_name_prefix="sdq-upload") as uploads:
+        hashed = uploads.submit(hashing)
         for put in [
             uploads.submit(store.put_file, f"{prefix}/{path.relative_to(folder).as_posix()}", path)
             for path in paths
             if path.is_file()
         ]:
             put.result()
+        return hashed.result()
