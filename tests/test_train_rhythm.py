@@ -2,8 +2,9 @@
 while a job's checkpoint is written, the run's next job's steps are taken on a thread from
 the state just checkpointed; the job takes them over when it comes, and the run trains
 exactly what one uninterrupted job trains. A job that does not go on from that checkpoint
-finds nothing kept. And a node's ranks restore a checkpoint with one download between
-them."""
+finds nothing kept. A node's ranks restore a checkpoint with one download between them.
+And a node of a job over several nodes starts its ranks on spares that imported while its
+last job trained."""
 
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ from sdq.models.train.specs import LatentInput, TrainOptions, TrainShardSpec
 from sdq.workers.shards.latents import latent_shard_bytes
 from sdq.workers.tiny import build_unet
 from sdq.workers.train.job import Training, downloaded
+from sdq.workers.train.ranks import Node, RankGroup
 from sdq.workers.train.trainer import new_state, snapshot
 from sdq.workers.train.work import LiveStates
 from tests.test_train_data import encoded
@@ -155,3 +157,22 @@ def test_a_node_s_ranks_download_a_checkpoint_once_between_them(tmp_path: Path) 
 def enter(context: AbstractContextManager[Path]) -> Path:
     with context as value:
         return value
+
+
+def test_each_job_of_a_gang_node_starts_on_spares_that_imported_during_the_last(
+    run, tmp_path: Path
+) -> None:
+    gang_run = replace(run, options=replace(run.options, nodes=2, world_size=2))
+    live = LiveStates()
+    try:
+        assert live.gang_spares(1) is None  # a node's first gang job starts its ranks itself
+        for _ in range(2):
+            spares = live.gang_spares(1)  # started with the job before, for this one
+            assert spares is not None and spares.fit(1)
+            processes = list(spares.processes)
+            group = RankGroup(gang_run, spares, Node(1, "127.0.0.1", 1), kept=False)
+            assert group.processes == processes  # no process started for the job
+            group.stop()
+            assert all(process.poll() is not None for process in processes)
+    finally:
+        live.close()

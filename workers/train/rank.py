@@ -1,17 +1,14 @@
-"""One rank of a data-parallel train-shard job, a process of its own started by the worker
-that took the job (workers/train/ranks.py) through rank_start.py (`python -m
-sdq.workers.train.rank_start FOLDER`), the job's spec in FOLDER, torch.distributed's
-rendezvous in the environment. Rank 0 writes
-the checkpoint and leaves what the worker records (the steps, the checkpoint) in FOLDER.
-
-With `--serve` the rank is started ahead of the run it serves: the first line on its
-standard input is that run's rendezvous; then it takes job after job of the run, each
-following line saying the next job's spec is in FOLDER; it keeps its process group, model
-and training state between them, and goes on in memory when the job starts where the last
-one stopped (it restores the job's checkpoint otherwise, once per node: the first local
-rank downloads it into FOLDER). While rank 0 writes a job's checkpoint on a thread, the
-ranks take the next job's steps. Each job ends with a done file in FOLDER (rank 0's once
-its checkpoint is written); the end of its input ends the process. GPU-side: imports
+"""One rank of a data-parallel train-shard job, a process of its own started by a worker
+(workers/train/ranks.py) through rank_start.py (`python -m sdq.workers.train.rank_start
+FOLDER`) ahead of the run it serves. The first line on its standard input is that run's
+rendezvous; then it takes job after job of the run, each following line saying the next
+job's spec is in FOLDER; it keeps its process group, model and training state between
+them, and goes on in memory when the job starts where the last one stopped (it restores
+the job's checkpoint otherwise, once per node: the first local rank downloads it into
+FOLDER). Rank 0 writes each job's checkpoint on a thread and leaves what the worker
+records (the steps, the checkpoint) in FOLDER; meanwhile the ranks of a group kept from
+job to job take the next job's steps. Each job ends with a done file in FOLDER (rank 0's
+once its checkpoint is written); the end of its input ends the process. GPU-side: imports
 torch.
 """
 
@@ -22,10 +19,10 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -62,32 +59,6 @@ def ranks_from_env() -> Ranks:
     )
 
 
-@dataclass(frozen=True)
-class RankDone:
-    # What rank 0 leaves for the worker: the steps and the checkpoint written.
-    result: dict[str, Any] | None
-    # Held until the process exits, never freed: see exit_now.
-    state: TrainState
-
-
-def train_rank(spec: TrainShardSpec, ranks: Ranks, settings: Settings, folder: Path) -> RankDone:
-    """This rank's part of the job."""
-    join_group(spec, ranks, settings)
-    try:
-        store = open_store(settings.store_url)
-        files = ModelFiles(store, settings.model_cache_dir)
-        state = restore_state(spec, store, files, ranks, node_folder=folder)
-        training = Training(spec, state, store, settings.train, live_steps(ranks, settings))
-        steps = training.steps(spec, until_time(_stop_at(folder), state))
-        snapshot = training.checkpoint(spec)
-        written = write_checkpoint(spec, snapshot, store, files) if snapshot else None
-        if written is None:
-            return RankDone(None, state)
-        return RankDone({"steps": steps, "written": asdict(written)}, state)
-    finally:
-        dist.destroy_process_group()
-
-
 def join_group(spec: TrainShardSpec, ranks: Ranks, settings: Settings) -> None:
     """This process's device, and the job's process group."""
     if torch.cuda.is_available():
@@ -104,22 +75,26 @@ def join_group(spec: TrainShardSpec, ranks: Ranks, settings: Settings) -> None:
     )
 
 
-def join_run() -> None:
+def join_run() -> bool:
     """The run's rendezvous and this rank's threads, read as the first line of standard
     input, into the environment torch.distributed reads; the worker let this spare go if
-    the input ends first."""
+    the input ends first. Whether the group is kept from job to job."""
     line = sys.stdin.readline()
     if not line:
         exit_now(0)
     joining = json.loads(line)
     torch.set_num_threads(joining.pop("threads"))
+    kept = joining.pop("kept")
     os.environ.update(joining)
+    return kept
 
 
-def serve(folder: Path, ranks: Ranks, settings: Settings) -> NoReturn:
+def serve(folder: Path, ranks: Ranks, settings: Settings, kept: bool) -> NoReturn:
     """Job after job of one run, each announced by a line on standard input. Between two,
-    the next job's steps are taken while rank 0 writes the last one's checkpoint on a
-    thread, until the next job is announced: it then takes them over."""
+    in a group `kept` from job to job, the next job's steps are taken while rank 0 writes
+    the last one's checkpoint on a thread, until the next job is announced: it then takes
+    them over. A group for one job takes none: the worker stops it once the job is done,
+    and no rank may be in a collective then."""
     spec = _job(folder)
     join_group(spec, ranks, settings)
     store = open_store(settings.store_url)
@@ -142,7 +117,7 @@ def serve(folder: Path, ranks: Ranks, settings: Settings) -> NoReturn:
         else:
             write_in_background(spec, snapshot, steps, store, files, ranks, folder)
         following = spec.next_after(training.state.step)
-        if following is not None:
+        if following is not None and kept:
             training.train_ahead(following, until_announced(announced, training.state))
     exit_now(0)  # the worker let the group go
 
@@ -226,18 +201,12 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def main(folder: Path, serving: bool) -> NoReturn:
-    """The rank's work; rank_start.py has armed the parent-death signal first. A serving
-    rank (a spare) waits for the run's rendezvous on its standard input first."""
-    if serving:
-        join_run()
+def main(folder: Path) -> NoReturn:
+    """The rank's work, once the run's rendezvous has come on standard input; rank_start.py
+    has armed the parent-death signal first."""
+    kept = join_run()
     ranks = ranks_from_env()
     try:
-        if serving:
-            serve(folder, ranks, Settings.from_env())
-        done = train_rank(_job(folder), ranks, Settings.from_env(), folder)
+        serve(folder, ranks, Settings.from_env(), kept)
     except Exception as error:
         fail(folder, ranks.rank, error)  # inside the handler: the traceback holds the state
-    if done.result is not None:
-        (folder / RESULT_FILE).write_text(json.dumps(done.result))
-    exit_now(0)

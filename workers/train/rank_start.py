@@ -1,4 +1,4 @@
-"""A rank process's entry point (`python -m sdq.workers.train.rank_start FOLDER [--serve]`):
+"""A rank process's entry point (`python -m sdq.workers.train.rank_start FOLDER`):
 it arms the parent-death signal before anything else, then imports torch and the rank's
 work (rank.py). Armed after those imports, as it once was, a rank whose worker was killed
 while it imported lived on for as long as they took (79 s seen) with nobody to stop it.
@@ -27,7 +27,7 @@ def die_with_parent() -> None:
         os._exit(1)  # the parent died before the signal was armed
 
 
-def load_rank() -> Callable[[Path, bool], NoReturn]:
+def load_rank() -> Callable[[Path], NoReturn]:
     """The rank's work, torch and all, loaded for good."""
     with loaded_for_good():
         from sdq.workers.train.rank import main
@@ -36,4 +36,4 @@ def load_rank() -> Callable[[Path, bool], NoReturn]:
 
 if __name__ == "__main__":
     die_with_parent()
-    load_rank()(Path(sys.argv[1]), "--serve" in sys.argv[2:])
+    load_rank()(Path(sys.argv[1]))

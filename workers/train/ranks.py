@@ -5,12 +5,13 @@ as soon as one fails, so the job fails at once instead of hanging; it is sent ag
 goes on from its last checkpoint. Each rank dies with the worker (a parent-death signal): a
 worker killed mid-job leaves no rank holding a GPU. No torch here.
 
-On one machine the ranks outlive the job (RankGroup): they are started before a run needs
-them (Spares: torch and the trainer imported meanwhile), join its process group when its
-first job comes, take its jobs one after another as lines on their standard input, and
-keep the process group, the model and the training state on the devices in between; the
-next job of the run on this worker goes on from where the last one stopped. A job over
-several machines starts its ranks for that job alone (run_ranks).
+Ranks are started before a job needs them (Spares: torch and the trainer imported
+meanwhile) and join its process group when it comes, as lines on their standard input. On
+one machine they outlive the job (RankGroup): they take the run's jobs one after another
+and keep the process group, the model and the training state on the devices in between;
+the next job of the run on this worker goes on from where the last one stopped. A job over
+several machines has its ranks for that job alone (run_ranks), on spares that imported
+while the last one trained.
 """
 
 import json
@@ -22,8 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,25 +62,6 @@ class Node:
     index: int = 0
     master_address: str = "127.0.0.1"
     master_port: int = field(default_factory=lambda: free_port())
-
-
-def run_ranks(
-    spec: TrainShardSpec,
-    node: Node | None = None,
-    watch: Callable[[], None] = lambda: None,
-    stop_at: float | None = None,
-) -> dict[str, Any] | None:
-    """Runs this node's ranks of the job (all of them on a job of one node); returns what
-    rank 0 wrote, on node 0. `watch` is called about once a second while they run, and
-    stops them by raising."""
-    node = node or Node()
-    with tempfile.TemporaryDirectory(prefix="sdq-ranks-") as temporary:
-        folder = Path(temporary)
-        write_job(folder, spec, stop_at)
-        with started(spec.options, node, folder) as processes:
-            wait(processes, folder, watch)
-        result = folder / RESULT_FILE
-        return json.loads(result.read_text()) if result.is_file() else None
 
 
 def write_job(folder: Path, spec: TrainShardSpec, stop_at: float | None) -> None:
@@ -151,11 +132,19 @@ class Spares:
 
 
 class RankGroup:
-    """A run's rank processes on this machine, kept from one of its jobs to the next."""
+    """A run's rank processes on this machine, kept from one of its jobs to the next; or,
+    not `kept`, for one job (they take no steps past it)."""
 
-    def __init__(self, spec: TrainShardSpec, spares: Spares | None = None) -> None:
-        """The ranks for the run: the spares, when they fit it (the ones past its ranks
-        stopped), else processes started now."""
+    def __init__(
+        self,
+        spec: TrainShardSpec,
+        spares: Spares | None = None,
+        node: Node | None = None,
+        *,
+        kept: bool = True,
+    ) -> None:
+        """This node's ranks for the run: the spares, when they fit it (the ones past its
+        ranks stopped), else processes started now."""
         self.run, self.world_size = spec.run, spec.options.world_size
         local_ranks = spec.options.ranks_per_node
         if spares is None or not spares.fit(local_ranks):
@@ -166,10 +155,10 @@ class RankGroup:
         self.folder, self.processes = spares.folder, spares.processes[:local_ranks]
         try:
             write_job(self.folder, spec, None)
-            node = Node()
+            node = node or Node()
             for local, process in enumerate(self.processes):
                 joining = {**rendezvous(spec.options, node, local),
-                           "threads": threads_per_rank(local_ranks)}  # fmt: skip
+                           "threads": threads_per_rank(local_ranks), "kept": kept}  # fmt: skip
                 process.stdin.write(json.dumps(joining).encode() + b"\n")
                 process.stdin.flush()
         except BaseException:
@@ -186,11 +175,11 @@ class RankGroup:
         spec: TrainShardSpec,
         stop_at: float | None = None,
         watch: Callable[[], None] = lambda: None,
-    ) -> dict:
-        """Has the ranks take one job; returns what rank 0 wrote. `watch` is called about
-        once a second meanwhile, and stops them by raising. Any failure (a rank's error or
-        death, the task's time limit, the watch) stops the group: its state is not the
-        checkpoint's any more."""
+    ) -> dict | None:
+        """Has the ranks take one job; returns what rank 0 wrote (on node 0). `watch` is
+        called about once a second meanwhile, and stops them by raising. Any failure (a
+        rank's error or death, the task's time limit, the watch) stops the group: its state
+        is not the checkpoint's any more."""
         try:
             for leftover in [RESULT_FILE, *(DONE_FILE.format(rank=r) for r in self._ranks)]:
                 (self.folder / leftover).unlink(missing_ok=True)
@@ -199,7 +188,8 @@ class RankGroup:
                 process.stdin.write(b"next\n")
                 process.stdin.flush()
             wait_for_job(self.processes, self.folder, watch)
-            return json.loads((self.folder / RESULT_FILE).read_text())
+            result = self.folder / RESULT_FILE
+            return json.loads(result.read_text()) if result.is_file() else None
         except BaseException:
             self.stop()
             raise
@@ -213,46 +203,43 @@ class RankGroup:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-@contextmanager
-def started(options: TrainOptions, node: Node, folder: Path) -> Iterator[list[subprocess.Popen]]:
-    """This node's rank processes for one job, each logging to its own file; any still
-    running when the block ends (a failed rank, the task's time limit) is stopped."""
-    processes: list[subprocess.Popen] = []
+def run_ranks(
+    spec: TrainShardSpec,
+    node: Node,
+    watch: Callable[[], None] = lambda: None,
+    stop_at: float | None = None,
+    spares: Spares | None = None,
+) -> dict[str, Any] | None:
+    """Runs this node's ranks of one job over several nodes, on the spares when they fit,
+    and stops them after; returns what rank 0 wrote, on node 0. `watch` is called about
+    once a second while they run, and stops them by raising."""
+    group = RankGroup(spec, spares, node, kept=False)
     try:
-        processes += start(options.ranks_per_node, folder, options, node)
-        yield processes
+        return group.train(spec, stop_at, watch)
     finally:
-        stop(processes)
+        group.stop()
 
 
-def start(
-    local_ranks: int,
-    folder: Path,
-    options: TrainOptions | None = None,
-    node: Node | None = None,
-) -> list[subprocess.Popen]:
-    """This node's rank processes: for one job of these options, its rendezvous in their
-    environment; without, serving ones (Spares), which read it, then the jobs, from their
-    standard input."""
-    serve = options is None
+def start(local_ranks: int, folder: Path) -> list[subprocess.Popen]:
+    """This node's rank processes (Spares), which read their rendezvous, then the jobs,
+    from their standard input."""
     processes: list[subprocess.Popen] = []
     try:
         for local in range(local_ranks):
             environment = {
                 **os.environ,
-                **({} if serve else rendezvous(options, node, local)),
                 "LOCAL_RANK": str(local),
                 "SDQ_RANK_PARENT": str(os.getpid()),
                 # The machine's cores shared between its ranks, not each taking them all.
                 "OMP_NUM_THREADS": str(threads_per_rank(local_ranks)),
             }
-            command = [sys.executable, "-m", RANK_MODULE, str(folder), *(["--serve"] * serve)]
+            command = [sys.executable, "-m", RANK_MODULE, str(folder)]
             with (folder / f"rank{local}.log").open("wb") as log:
                 processes.append(
                     subprocess.Popen(
                         command,
                         env=environment,
-                        stdin=subprocess.PIPE if serve else None,
+                        stdin=subprocess.PIPE,
                         stdout=log,
                         stderr=subprocess.STDOUT,
                     )
@@ -274,22 +261,6 @@ def stop(processes: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-def wait(processes: list[subprocess.Popen], folder: Path, watch: Callable[[], None]) -> None:
-    """Until every rank has exited 0; the first that fails fails the job."""
-    watched = time.monotonic()
-    while True:
-        codes = [process.poll() for process in processes]
-        failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
-        if failed:
-            raise rank_error(folder, *min(failed, key=lambda item: _reported(folder, item[0])))
-        if all(code == 0 for code in codes):
-            return
-        if time.monotonic() - watched >= WATCH_SECONDS:
-            watch()
-            watched = time.monotonic()
-        time.sleep(POLL_SECONDS)
 
 
 def wait_for_job(

@@ -54,11 +54,16 @@ def time_limit(task) -> float | None:
 def join(self, job_ids: list[int], gathering: int) -> dict[str, Any]:
     """This worker as one more node of that gathering of the job's gang (gang.py)."""
     [job_id] = job_ids
-    # The ranks it starts need the device: whatever this worker trained, it lets go.
     hold(TRAIN.name, live_states().clear)
-    live_states().clear()
     worker, settings = worker_identity(Pool.gpu).host, self.app.settings.train
-    outcome = gang.take_part(self.app.sessions, job_id, gathering, worker=worker, settings=settings)
+    outcome = gang.take_part(
+        self.app.sessions,
+        job_id,
+        gathering,
+        worker=worker,
+        settings=settings,
+        spares=live_states().gang_spares,
+    )
     return {"outcome": outcome}
 
 

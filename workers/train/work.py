@@ -8,8 +8,8 @@ takes the next job's steps on a thread while the checkpoint is written, and hand
 that job when it comes; any other worker restores the checkpoint from the store. A larger
 world size trains on that many rank processes (ranks.py), kept from job to job on one
 machine, so that they too go on in memory; over several nodes, this worker leads the gang
-the other nodes' workers join (gang.py), whose ranks start for each job and restore its
-checkpoint.
+the other nodes' workers join (gang.py), whose ranks join for each job (spares, their
+imports done while the last job trained) and restore its checkpoint.
 """
 
 import logging
@@ -102,6 +102,15 @@ class LiveStates:
             spares, self._spares = self._spares, None
             self._group = RankGroup(spec, spares)
         return self._group
+
+    def gang_spares(self, local_ranks: int) -> Spares | None:
+        """For this node of a job over several nodes, whose ranks are started for it alone:
+        the spares waiting here (their imports done), and new ones started for the next
+        job, to import while this one trains. What this process holds is let go first: the
+        job's ranks need the devices."""
+        self.clear()
+        spares, self._spares = self._spares, Spares(local_ranks)
+        return spares
 
     def spare(self, local_ranks: int) -> None:
         """Rank processes started for the next run (ranks.Spares), unless there are."""
@@ -272,7 +281,6 @@ class TrainWork(Work):
         if spec.options.nodes == 1:
             result = self.live.group(spec).train(spec, stop_at, watch=check_lease)
         else:
-            self.live.clear()  # the gang's ranks need this machine's devices
             result = self._lead(job, spec, stop_at)
         return result["steps"], Written(**result["written"])
 
@@ -294,8 +302,9 @@ class TrainWork(Work):
             self.call_nodes(job.id, gathering, count)
 
         call(spec.options.nodes - 1)
+        spares = self.live.gang_spares(spec.options.ranks_per_node)
         return gang.run_as_leader(
-            self.sessions, spec, job.id, gathering, node, self.settings, stop_at, call
+            self.sessions, spec, job.id, gathering, node, self.settings, stop_at, call, spares
         )
 
     def _record(
