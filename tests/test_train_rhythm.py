@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager
 from dataclasses import replace
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ from sdq.models.train.specs import LatentInput, TrainOptions, TrainShardSpec
 from sdq.workers.shards.latents import latent_shard_bytes
 from sdq.workers.tiny import build_unet
 from sdq.workers.train.job import Training, downloaded
-from sdq.workers.train.ranks import Node, RankGroup
+from sdq.workers.train.ranks import DONE_FILE, Node
 from sdq.workers.train.trainer import new_state, snapshot
 from sdq.workers.train.work import LiveStates
 from tests.test_train_data import encoded
@@ -159,20 +160,38 @@ def enter(context: AbstractContextManager[Path]) -> Path:
         return value
 
 
-def test_each_job_of_a_gang_node_starts_on_spares_that_imported_during_the_last(
-    run, tmp_path: Path
-) -> None:
+def test_a_gang_node_s_job_runs_on_the_spares_and_starts_the_next_ones_as_it_ends(run) -> None:
+    """The worker's side of a gang node's job, with real rank processes whose mark in the
+    job's folder (normally written as they finish their part) comes from the test: the job
+    runs on the spares that were waiting, and the next job's spares start as its ranks
+    stop, taking no core from its training."""
     gang_run = replace(run, options=replace(run.options, nodes=2, world_size=2))
     live = LiveStates()
+    live.spare(1)  # what the node's last gang job left
+    [waiting] = rank_processes()
+    folder = Path(waiting.cmdline()[-1])
+    during: list[list[int]] = []
+
+    def watch() -> None:
+        during.append([process.pid for process in rank_processes()])
+        if len(during) == 2:
+            (folder / DONE_FILE.format(rank=0)).touch()
+
     try:
-        assert live.gang_spares(1) is None  # a node's first gang job starts its ranks itself
-        for _ in range(2):
-            spares = live.gang_spares(1)  # started with the job before, for this one
-            assert spares is not None and spares.fit(1)
-            processes = list(spares.processes)
-            group = RankGroup(gang_run, spares, Node(1, "127.0.0.1", 1), kept=False)
-            assert group.processes == processes  # no process started for the job
-            group.stop()
-            assert all(process.poll() is not None for process in processes)
+        node = Node(1, "127.0.0.1", 1)  # a rendezvous that never completes: no rank 0
+        assert live.run_gang_node(gang_run, node, watch) is None  # no result off node 0
+        assert during == [[waiting.pid]] * 2  # no process started for the job, or beside it
+        [following] = rank_processes()  # the job's rank stopped, the next job's waits
+        assert following.pid != waiting.pid
     finally:
         live.close()
+    assert rank_processes() == []
+
+
+def rank_processes() -> list[psutil.Process]:
+    """This process's rank processes."""
+    return [
+        child
+        for child in psutil.Process().children()
+        if "sdq.workers.train.rank_start" in child.cmdline()
+    ]

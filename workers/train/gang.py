@@ -30,9 +30,14 @@ from sdq.models.settings import TrainSettings
 from sdq.models.tables import Job, JobStatus
 from sdq.models.train.specs import TrainShardSpec
 from sdq.models.train.tables import TrainGang
-from sdq.workers.train.ranks import WATCH_SECONDS, Node, RankFailed, Spares, free_port, run_ranks
+from sdq.workers.train.ranks import WATCH_SECONDS, Node, RankFailed, free_port
 
 logger = logging.getLogger(__name__)
+
+
+# Runs this node's ranks of a job (spec, node, watch, stop_at): returns what rank 0 wrote,
+# on node 0 (LiveStates.run_gang_node).
+RunNode = Callable[[TrainShardSpec, Node, Callable[[], None], float | None], dict | None]
 
 
 class GangIncomplete(Exception):
@@ -279,10 +284,10 @@ def run_as_leader(
     settings: TrainSettings,
     stop_at: float | None,
     call_nodes: Callable[[int], None],
-    spares: Spares | None,
+    run_node: RunNode,
 ) -> dict:
-    """Node 0's ranks of the gathering (on the spares when they fit), stopped if the job's
-    lease is lost; a failure that a lost node caused is an outage."""
+    """Node 0's ranks of the gathering, stopped if the job's lease is lost; a failure that
+    a lost node caused is an outage."""
     gang_watch = leader_watch(
         sessions,
         job_id,
@@ -297,7 +302,7 @@ def run_as_leader(
         gang_watch()
 
     try:
-        return run_ranks(spec, node, watch, stop_at, spares)
+        return run_node(spec, node, watch, stop_at)
     except RankFailed as failure:
         lost = lost_node(sessions, job_id, gathering, settings)
         if lost is not None:
@@ -312,10 +317,9 @@ def take_part(
     *,
     worker: str,
     settings: TrainSettings,
-    spares: Callable[[int], Spares | None],
+    run_node: RunNode,
 ) -> str:
-    """Runs this worker's node of the job's gathering, on `spares` of its local ranks
-    (LiveStates.gang_spares) when they fit; says what became of it.
+    """Runs this worker's node of the job's gathering; says what became of it.
     Its ranks' failure is the leader's to record: the job fails through the leader's ranks,
     whose collectives break with this node's."""
     with sessions() as session:
@@ -332,7 +336,7 @@ def take_part(
         return f"job {job_id}'s gathering {gathering} is over or full"
     try:
         watch = member_watch(sessions, job_id, gathering, node.index, settings)
-        run_ranks(spec, node, watch, spares=spares(spec.options.ranks_per_node))
+        run_node(spec, node, watch, None)
     except (RankFailed, AttemptOver) as error:
         return f"node {node.index} of job {job_id} stopped: {error}"
     return f"node {node.index} of job {job_id} done"

@@ -110,7 +110,7 @@ def serve(folder: Path, ranks: Ranks, settings: Settings, kept: bool) -> NoRetur
             state = restore_state(spec, store, files, ranks, node_folder=folder)
             training = Training(spec, state, store, settings.train, live_steps(ranks, settings))
         steps = training.steps(spec, until_time(_stop_at(folder), training.state))
-        done = folder / DONE_FILE.format(rank=ranks.rank)
+        done = folder / DONE_FILE.format(rank=ranks.local_rank)
         snapshot = training.checkpoint(spec)
         if snapshot is None:
             done.touch()
@@ -165,11 +165,11 @@ def write_in_background(
         try:
             written = write_checkpoint(spec, snapshot, store, files)
         except Exception as error:
-            fail(folder, ranks.rank, error)
+            fail(folder, ranks.local_rank, error)
         if written is not None:
             result = {"steps": steps, "written": asdict(written)}
             (folder / RESULT_FILE).write_text(json.dumps(result))
-        (folder / DONE_FILE.format(rank=ranks.rank)).touch()
+        (folder / DONE_FILE.format(rank=ranks.local_rank)).touch()
 
     threading.Thread(target=write, name="sdq-checkpoint-write", daemon=True).start()
 
@@ -209,4 +209,4 @@ def main(folder: Path) -> NoReturn:
     try:
         serve(folder, ranks, Settings.from_env(), kept)
     except Exception as error:
-        fail(folder, ranks.rank, error)  # inside the handler: the traceback holds the state
+        fail(folder, ranks.local_rank, error)  # inside the handler: the traceback holds the state

@@ -35,7 +35,7 @@ from sdq.workers.weights import ModelUnavailable
 RANK_MODULE = "sdq.workers.train.rank_start"
 JOB_FILE = "job.json"
 RESULT_FILE = "result.json"
-# A rank of a kept group writes this when it has done its part of a job.
+# A rank writes this (by its local rank) when it has done its part of a job.
 DONE_FILE = "done-{rank}"
 # When the job should stop taking steps and write its checkpoint (a time.time()), if ever.
 STOP_FILE = "stop-at"
@@ -266,8 +266,8 @@ def stop(processes: list[subprocess.Popen]) -> None:
 def wait_for_job(
     processes: list[subprocess.Popen], folder: Path, watch: Callable[[], None] = lambda: None
 ) -> None:
-    """Until every rank of a kept group has said it did its part of the job; a rank that
-    exits meanwhile, whatever its code, fails the job."""
+    """Until every rank of a group has said it did its part of the job; a rank that exits
+    meanwhile, whatever its code, fails the job."""
     watched = time.monotonic()
     while True:
         codes = [process.poll() for process in processes]

@@ -56,14 +56,8 @@ def join(self, job_ids: list[int], gathering: int) -> dict[str, Any]:
     [job_id] = job_ids
     hold(TRAIN.name, live_states().clear)
     worker, settings = worker_identity(Pool.gpu).host, self.app.settings.train
-    outcome = gang.take_part(
-        self.app.sessions,
-        job_id,
-        gathering,
-        worker=worker,
-        settings=settings,
-        spares=live_states().gang_spares,
-    )
+    outcome = gang.take_part(self.app.sessions, job_id, gathering, worker=worker,
+                             settings=settings, run_node=live_states().run_gang_node)  # fmt: skip
     return {"outcome": outcome}
 
 

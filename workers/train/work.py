@@ -27,7 +27,7 @@ from sdq.models.store import ObjectStore
 from sdq.models.tables import Job
 from sdq.models.train.specs import TrainShardSpec, training_seconds
 from sdq.workers.train import gang
-from sdq.workers.train.ranks import RankGroup, Spares, share_cores
+from sdq.workers.train.ranks import Node, RankGroup, Spares, run_ranks, share_cores
 from sdq.workers.train.records import (
     LiveSteps,
     Written,
@@ -103,14 +103,25 @@ class LiveStates:
             self._group = RankGroup(spec, spares)
         return self._group
 
-    def gang_spares(self, local_ranks: int) -> Spares | None:
-        """For this node of a job over several nodes, whose ranks are started for it alone:
-        the spares waiting here (their imports done), and new ones started for the next
-        job, to import while this one trains. What this process holds is let go first: the
-        job's ranks need the devices."""
+    def run_gang_node(
+        self,
+        spec: TrainShardSpec,
+        node: Node,
+        watch: Callable[[], None],
+        stop_at: float | None = None,
+    ) -> dict[str, Any] | None:
+        """This node's ranks of a job over several nodes, which are the job's alone: the
+        spares waiting here (their imports done). The next job's are started as this one's
+        ranks stop: their imports overlap the checkpoint's record and the next gathering,
+        and take no core from a training (a rank slowed by them would hold every rank of
+        the gang at its next collective). What this process holds is let go first: the
+        ranks need the devices."""
         self.clear()
-        spares, self._spares = self._spares, Spares(local_ranks)
-        return spares
+        spares, self._spares = self._spares, None
+        try:
+            return run_ranks(spec, node, watch, stop_at, spares)
+        finally:
+            self.spare(spec.options.ranks_per_node)
 
     def spare(self, local_ranks: int) -> None:
         """Rank processes started for the next run (ranks.Spares), unless there are."""
@@ -302,10 +313,10 @@ class TrainWork(Work):
             self.call_nodes(job.id, gathering, count)
 
         call(spec.options.nodes - 1)
-        spares = self.live.gang_spares(spec.options.ranks_per_node)
         return gang.run_as_leader(
-            self.sessions, spec, job.id, gathering, node, self.settings, stop_at, call, spares
-        )
+            self.sessions, spec, job.id, gathering, node, self.settings, stop_at, call,
+            self.live.run_gang_node,
+        )  # fmt: skip
 
     def _record(
         self,
