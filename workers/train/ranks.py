@@ -10,8 +10,8 @@ meanwhile) and join its process group when it comes, as lines on their standard 
 one machine they outlive the job (RankGroup): they take the run's jobs one after another
 and keep the process group, the model and the training state on the devices in between;
 the next job of the run on this worker goes on from where the last one stopped. A job over
-several machines has its ranks for that job alone (run_ranks), on spares that imported
-while the last one trained.
+several machines has its ranks for that job alone (run_ranks): the spares the node started
+as its last one's ranks stopped.
 """
 
 import json

@@ -8,8 +8,8 @@ takes the next job's steps on a thread while the checkpoint is written, and hand
 that job when it comes; any other worker restores the checkpoint from the store. A larger
 world size trains on that many rank processes (ranks.py), kept from job to job on one
 machine, so that they too go on in memory; over several nodes, this worker leads the gang
-the other nodes' workers join (gang.py), whose ranks join for each job (spares, their
-imports done while the last job trained) and restore its checkpoint.
+the other nodes' workers join (gang.py), whose ranks join for each job (spares, started
+as the node's last gang job ended) and restore its checkpoint.
 """
 
 import logging
