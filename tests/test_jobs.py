@@ -260,6 +260,39 @@ def test_a_success_is_recorded_only_for_the_jobs_the_worker_holds(sessions) -> N
     assert succeeded == [mine]
 
 
+def test_a_run_whose_last_jobs_end_at_once_on_two_workers_is_finished(
+    migrated_postgres,
+) -> None:
+    """Two workers record a run's last two jobs in transactions that overlap, each seeing
+    the other's job still running: the run is finished all the same, as the second commits,
+    not left open for the beat's sweep."""
+    sessions = session_factory(make_engine(migrated_postgres))
+    first, second = new_run(sessions, {"text": "a"}, {"text": "b"}, status=JobStatus.queued)
+    other = Worker("other-host:2", "cpu")
+    with sessions.begin() as session:
+        for job_id, worker in ((first, WORKER), (second, other)):
+            claim(session, [job_id], kind=GENERATE.name, worker=worker, lease_seconds=60,
+                  max_attempts=2)  # fmt: skip
+
+    def record(job_id: int, worker: Worker) -> None:
+        with sessions.begin() as session:
+            succeed(session, [Output(job_id, "mem://x", "0" * 64, work_seconds=1.0)],
+                    worker=worker)  # fmt: skip
+
+    with sessions.begin() as session:
+        succeed(session, [Output(first, "mem://x", "0" * 64, work_seconds=1.0)], worker=WORKER)
+        # The other worker records its job before this transaction commits.
+        meanwhile = threading.Thread(target=record, args=(second, other))
+        meanwhile.start()
+        meanwhile.join(timeout=1)
+    meanwhile.join(timeout=30)
+    with sessions() as session:
+        finished = session.scalar(
+            select(Run.finished_at).join(Job, Job.run_id == Run.id).where(Job.id == first)
+        )
+    assert finished is not None
+
+
 def test_a_message_of_another_kind_leaves_its_jobs_alone(sessions, work: EchoWork) -> None:
     job_ids = new_run(sessions, {"text": "a generation"}, status=JobStatus.queued)
     outcome = deliver(

@@ -428,7 +428,13 @@ def close_finished_runs(session: Session, job_ids: Sequence[int]) -> None:
 
 
 def close_runs(session: Session, run_ids: Select[tuple[int]] | Sequence[int]) -> None:
-    """Stamps `finished_at` on those of the runs that have no unfinished job left."""
+    """Stamps `finished_at` on those of the runs that have no unfinished job left. The runs
+    are locked first (Postgres; SQLite has one writer): two workers recording a run's last
+    two jobs at once would each see the other's still running, and leave the run open for
+    the beat's sweep. Locked, the second looks once the first has committed. The lock is
+    the one the stamp takes anyway (FOR NO KEY UPDATE): new jobs of the run still go in."""
+    locked = select(Run.id).where(Run.id.in_(run_ids)).order_by(Run.id)
+    session.execute(locked.with_for_update(key_share=True))
     open_jobs = select(Job.id).where(Job.run_id == Run.id, Job.status.not_in(FINISHED)).exists()
     session.execute(
         update(Run)
