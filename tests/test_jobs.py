@@ -274,15 +274,17 @@ def test_a_run_whose_last_jobs_end_at_once_on_two_workers_is_finished(
             claim(session, [job_id], kind=GENERATE.name, worker=worker, lease_seconds=60,
                   max_attempts=2)  # fmt: skip
 
-    def record(job_id: int, worker: Worker) -> None:
+    def record(session: Session, job_id: int, worker: Worker) -> None:
+        succeed(session, [Output(job_id, "mem://x", "0" * 64, work_seconds=1.0)], worker=worker)
+
+    def record_alone(job_id: int, worker: Worker) -> None:
         with sessions.begin() as session:
-            succeed(session, [Output(job_id, "mem://x", "0" * 64, work_seconds=1.0)],
-                    worker=worker)  # fmt: skip
+            record(session, job_id, worker)
 
     with sessions.begin() as session:
-        succeed(session, [Output(first, "mem://x", "0" * 64, work_seconds=1.0)], worker=WORKER)
+        record(session, first, WORKER)
         # The other worker records its job before this transaction commits.
-        meanwhile = threading.Thread(target=record, args=(second, other))
+        meanwhile = threading.Thread(target=record_alone, args=(second, other))
         meanwhile.start()
         meanwhile.join(timeout=1)
     meanwhile.join(timeout=30)

@@ -3,8 +3,8 @@ while a job's checkpoint is written, the run's next job's steps are taken on a t
 the state just checkpointed; the job takes them over when it comes, and the run trains
 exactly what one uninterrupted job trains. A job that does not go on from that checkpoint
 finds nothing kept. A node's ranks restore a checkpoint with one download between them.
-And a node of a job over several nodes starts its ranks on spares that imported while its
-last job trained."""
+And a node of a job over several nodes runs it on the spares it started as its last job's
+ranks stopped."""
 
 import time
 from concurrent.futures import ThreadPoolExecutor
