@@ -9,6 +9,7 @@ warm queue whose worker has died has no consumer, and its kind's queue is used i
 from collections.abc import Callable, Collection
 from typing import Any
 
+from celery import Celery
 from celery.app.control import Control
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -71,3 +72,22 @@ class Routes:
     def _specs(self, job_ids: Collection[int]) -> dict[int, dict[str, Any]]:
         with self.sessions() as session:
             return dict(session.execute(select(Job.id, Job.spec).where(Job.id.in_(job_ids))).all())
+
+
+# The warm queues each kind's work in this process has had its worker consume.
+_following: dict[str, set[str]] = {}
+
+
+def consume_warm_queues(app: Celery, hostname: str, kind: Kind, keys: Collection[str]) -> None:
+    """Has worker `hostname` consume the kind's warm queue of each key, and none of the
+    kind's other warm queues it consumed for this process: through Celery's control
+    channel, which the worker's main process serves while its pool runs a task (its answer
+    to the next `active_queues` comes after it)."""
+    warm = {kind.warm_queue(key) for key in keys}
+    following = _following.setdefault(kind.name, set())
+    for queue in sorted(warm - following):
+        app.control.add_consumer(queue, destination=[hostname])
+    for queue in sorted(following - warm):
+        app.control.cancel_consumer(queue, destination=[hostname])
+    following.clear()
+    following.update(warm)

@@ -16,6 +16,7 @@ from sdq.workers.app import SdqCelery
 from sdq.workers.delivery import JobTask, deliver_task
 from sdq.workers.generate.work import GenerateWork
 from sdq.workers.holding import hold
+from sdq.workers.routing import consume_warm_queues
 from sdq.workers.weights import ModelFiles
 
 logger = get_task_logger(__name__)
@@ -39,27 +40,14 @@ def generate_work(app: SdqCelery, batch_size: int | None) -> GenerateWork:
     )
 
 
-# The warm queues (models/generate/routing.py) this process has had its worker consume.
-_following: set[str] = set()
-
-
 def follow_warm_queues(task: Task) -> None:
     """Has this worker take jobs from the queue of each pipeline and shape this process
-    has warm, where submits send those first, and from no warm queue of a pipeline it has
-    let go. Through Celery's control channel: the worker's consumer does it between tasks."""
+    has warm (models/generate/routing.py), where submits send those first, and from no
+    warm queue of a pipeline it has let go."""
     if task.request.is_eager:  # done in-process (embedded): there is no worker
         return
-    _follow(task.app, task.request.hostname)
-
-
-def _follow(app: SdqCelery, hostname: str) -> None:
-    warm = {GENERATE.warm_queue(key) for key in pipelines(app).warm_keys()}
-    for queue in sorted(warm - _following):
-        app.control.add_consumer(queue, destination=[hostname])
-    for queue in sorted(_following - warm):
-        app.control.cancel_consumer(queue, destination=[hostname])
-    _following.clear()
-    _following.update(warm)
+    app = task.app
+    consume_warm_queues(app, task.request.hostname, GENERATE, pipelines(app).warm_keys())
 
 
 def warms(settings: Settings) -> bool:
@@ -77,7 +65,7 @@ def warm_up(app: SdqCelery, hostname: str) -> None:
         started = perf_counter()
         cache.get(GenerationSpec.warming(model))
         logger.info("warm: model %s loaded and compiled in %.1f s", name, perf_counter() - started)
-    _follow(app, hostname)
+    consume_warm_queues(app, hostname, GENERATE, cache.warm_keys())
 
 
 # Once a generation run finishes, beat writes its gallery: a run submitted without --wait
