@@ -93,15 +93,23 @@ def service_env(
 
 
 class WorkerProcess:
-    """`sdq worker gpu` (or `cpu`) as a user starts it, in a process group of its own."""
+    """`sdq worker gpu` (or `cpu`) as a user starts it, in a process group of its own; on a
+    `host` name of its own (a UTS namespace), as if on a machine of its own, where given:
+    its Celery node is then NAME@host, its jobs' worker host:pid."""
 
-    # What the log says once the process is ready.
+    # What the log says once the process is ready, and how long it may take to.
     READY = "ready."
+    READY_SECONDS = 60
 
     def __init__(
-        self, env: dict[str, str], log: Path, pool: str = "gpu", args: tuple[str, ...] = ()
+        self,
+        env: dict[str, str],
+        log: Path,
+        pool: str = "gpu",
+        args: tuple[str, ...] = (),
+        host: str | None = None,
     ) -> None:
-        self.env, self.log, self.pool, self.args = env, log, pool, args
+        self.env, self.log, self.pool, self.args, self.host = env, log, pool, args, host
         self.process: subprocess.Popen | None = None
 
     @property
@@ -109,15 +117,24 @@ class WorkerProcess:
         return ["worker", self.pool, *self.args]
 
     def start(self) -> "WorkerProcess":
+        named = ["unshare", "-u", "sh", "-c", f'hostname {self.host} && exec "$@"', "sh"]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "sdq.producer.cli", *self.command, "--loglevel", "info"],
+            [
+                *(named if self.host else []),
+                sys.executable,
+                "-m",
+                "sdq.producer.cli",
+                *self.command,
+                "--loglevel",
+                "info",
+            ],
             env=self.env,
             cwd=ROOT,
             stdout=self.log.open("ab"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        wait_for(self.ready, what=f"worker (log: {self.log})", timeout=60)
+        wait_for(self.ready, what=f"worker (log: {self.log})", timeout=self.READY_SECONDS)
         return self
 
     def ready(self) -> bool:

@@ -2,7 +2,8 @@
 leader's rendezvous address, nodes taken one each, a gang that does not gather in time and
 gathers again under a new number (no attempt spent, no collision with its last try), a node
 unseen by the database's clock that fails the gathering, a member that learns its gathering
-is over."""
+is over; a gang that goes on from its last job, its members at their places or not at
+all."""
 
 import time
 from dataclasses import replace
@@ -20,6 +21,7 @@ from sdq.workers.train.gang import (
     AttemptOver,
     GangIncomplete,
     NodeLost,
+    going_on_seconds,
     join,
     lead,
     leader_watch,
@@ -126,6 +128,45 @@ def test_a_node_unseen_fails_its_gathering_as_an_outage(migrated_postgres) -> No
     last_seen(0, 6)  # and the leader, as its member sees it
     with pytest.raises(AttemptOver, match="node 0 of job"):
         member()
+
+
+def test_a_gang_that_goes_on_keeps_its_rendezvous_and_each_member_its_place(
+    migrated_postgres, monkeypatch
+) -> None:
+    """The run's next job, led by the worker whose ranks are node 0 of the gang kept from
+    the last job: its gathering has the same rendezvous; a member joins only at its own
+    place and only where that rendezvous is its ranks' (else it does not, and the leader
+    gives up within seconds, as an outage); the leader's ranks failing with a member
+    missing is that member lost."""
+    sessions = session_factory(make_engine(migrated_postgres))
+    [job_id] = new_run(sessions, {"text": "a gang's next job"}, status=JobStatus.queued, kind=TRAIN)
+    with sessions.begin() as session:
+        [job] = claim(
+            session, [job_id], kind=TRAIN.name, worker=LEADER, lease_seconds=60, max_attempts=3
+        )
+    kept = Node(0, "127.0.0.1", 29511)
+    _, gathering = lead(sessions, job, worker="a:1", settings=SETTINGS, node=kept)
+    assert lead(sessions, job, worker="a:1", settings=SETTINGS)[1] == gathering + 1
+    gathering += 1  # a new gathering, a new rendezvous: no member's kept ranks know it
+
+    def go_on(place: Node, number: int) -> Node | None:
+        return join(sessions, job_id, number, nodes=3, worker="c:3", settings=SETTINGS,
+                    place=place)  # fmt: skip
+
+    assert go_on(Node(2, "127.0.0.1", 29511), gathering) is None
+    assert go_on(Node(2, "127.0.0.1", 29511), gathering - 1) is None  # over
+    _, gathering = lead(sessions, job, worker="a:1", settings=SETTINGS, node=kept)
+    assert go_on(Node(2, "127.0.0.1", 29511), gathering) == Node(2, "127.0.0.1", 29511)
+    # Node 1 has not gone on. Called once on its own queue (there is no other to call),
+    # it is waited for going_on_seconds, not the gang's timeout (0 s here), then given up.
+    assert going_on_seconds(SETTINGS) == SETTINGS.node_timeout_seconds + gang.RECALL_SECONDS
+    leader_watch(sessions, job_id, gathering, nodes=3, settings=SETTINGS, call_nodes=None)()
+    monkeypatch.setattr(gang, "going_on_seconds", lambda settings: 0)
+    watch = leader_watch(sessions, job_id, gathering, nodes=3, settings=SETTINGS, call_nodes=None)
+    with pytest.raises(GangIncomplete, match=r"2 of the 3 nodes .* going on from the run's last"):
+        watch()
+    lost = lost_node(sessions, job_id, gathering, SETTINGS, going_on=3)
+    assert "1 member node(s) of job" in str(lost)
 
 
 def test_a_database_outage_passes_the_gang_s_watches_by(migrated_postgres) -> None:

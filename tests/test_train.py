@@ -601,17 +601,20 @@ def test_two_ranks_resume_exactly_after_a_rank_or_a_worker_dies(
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_run_over_two_nodes_gathers_again_when_a_node_dies_in_start_up_or_mid_job(
+def test_a_run_over_two_nodes_goes_on_in_memory_and_gathers_again_when_a_node_dies(
     own_deployment: dict[str, str], tmp_path: Path
 ) -> None:
     """`--nodes 2` end to end: two train workers as two machines, one rank each. The member
     node's worker is killed (its ranks die with it) as soon as it has joined the first job's
-    gang, in its ranks' start-up, and again once the second job's ranks have trained their
-    first steps (mid-job: most of its 200 are left, its first window of 5 recorded). Each
-    time the leader sees the node unseen within seconds (not at the gang's or a collective's
-    timeout, both set far off), fails the gathering as an outage, and the job gathers again
-    with a worker started in the dead one's place: no attempt spent, every step trained once
-    in the run's record, on the loss curve of the same run on one node."""
+    gang, in its ranks' start-up, and again in the second job, which its gang went on with
+    from the first, once its ranks have trained past the job's first step (mid-job: most of
+    its 200 are left, its first window of 5 recorded). Each time the leader sees the node
+    unseen within seconds (not at the gang's or a collective's timeout, both set far off),
+    fails the gathering as an outage, and the job gathers again with a worker started in the
+    dead one's place. The third job comes back to the second's leader, and the gang goes on
+    with the same rank processes and rendezvous: no restart, no gathering anew. No attempt
+    spent, every step trained once in the run's record, on the loss curve of the same run
+    on one node."""
     env = {**own_deployment, **DOWNLOAD_ENV, "SDQ_TRAIN_NODE_ADDRESS": "127.0.0.1",
            "SDQ_TRAIN_NODE_TIMEOUT": "5", "SDQ_TRAIN_GANG_TIMEOUT": "900",
            "SDQ_TRAIN_COLLECTIVE_TIMEOUT": "900", "SDQ_TRAIN_LOSS_EVERY": "5",
@@ -621,30 +624,36 @@ def test_a_run_over_two_nodes_gathers_again_when_a_node_dies_in_start_up_or_mid_
     started = [0]
 
     def train_worker() -> WorkerProcess:
+        """A worker on a machine of its own (a host name of its own, its Celery node's)."""
         started[0] += 1
-        return WorkerProcess(env, tmp_path / f"gpu{started[0]}.log").start()
+        machine = f"machine{started[0]}"
+        return WorkerProcess(env, tmp_path / f"{machine}.log", host=machine).start()
 
     workers = [train_worker(), train_worker(),
                WorkerProcess(env, tmp_path / "cpu.log", pool="cpu").start()]  # fmt: skip
     try:
         encoded_dataset(env, "gang-birds", 16, tmp_path)
-        run = ["train", "gang-birds", *TRAIN, "--steps", "400", "--checkpoint-every", "200",
+        run = ["train", "gang-birds", *TRAIN, "--steps", "600", "--checkpoint-every", "200",
                "--world-size", "2"]  # fmt: skip
         one_node = sdq_json(env, *run, "--wait")
         run_id = sdq_json(env, *run, "--nodes", "2")["run_id"]
 
-        def member(job_index: int, gathering: int) -> int | None:
-            """The pid of the worker process of the job's gathering's node 1."""
+        def node(job_index: int, gathering: int, index: int = 1) -> tuple[str, str] | None:
+            """The worker and address of that node of the job's gathering."""
             jobs = _jobs(database_url, run_id)
             if len(jobs) <= job_index:
                 return None
             with psycopg.connect(database_url) as connection:
-                row = connection.execute(
-                    "SELECT worker FROM train_gangs WHERE job_id = %s AND gathering = %s "
-                    "AND node = 1",
-                    (jobs[job_index][0], gathering),
+                return connection.execute(
+                    "SELECT worker, address FROM train_gangs WHERE job_id = %s "
+                    "AND gathering = %s AND node = %s",
+                    (jobs[job_index][0], gathering, index),
                 ).fetchone()
-            return int(row[0].rsplit(":", 1)[1]) if row else None
+
+        def member(job_index: int, gathering: int) -> int | None:
+            """The pid of the worker process of the job's gathering's node 1."""
+            joined = node(job_index, gathering)
+            return int(joined[0].rsplit(":", 1)[1]) if joined else None
 
         def trained_past(step: int) -> bool:
             with psycopg.connect(database_url) as connection:
@@ -661,24 +670,35 @@ def test_a_run_over_two_nodes_gathers_again_when_a_node_dies_in_start_up_or_mid_
             workers.remove(dead)
             workers.append(train_worker())
 
+        def succeeded(count: int) -> bool:
+            statuses = [status for _, status, *_ in _jobs(database_url, run_id)]
+            return statuses[:count] == ["succeeded"] * count
+
         wait_for(lambda: member(0, 1), what="the first gang's member", timeout=300)
         kill_worker_of(member(0, 1))  # in its ranks' start-up
         wait_for(lambda: member(0, 2), what="the first job's second gathering", timeout=120)
-        # The second job's ranks have started and recorded their first window of steps.
+        # The second job's gang went on from the first's; its ranks have recorded their
+        # first window of steps.
         wait_for(lambda: member(1, 1) and trained_past(200), what="the second job's steps",
                  timeout=300)  # fmt: skip
+        assert [node(1, 1, index) for index in (0, 1)] == [node(0, 2, index) for index in (0, 1)]
         kill_worker_of(member(1, 1))
         wait_for(lambda: member(1, 2), what="the second job's second gathering", timeout=120)
-
-        def finished() -> bool:
-            return [status for _, status, *_ in _jobs(database_url, run_id)] == ["succeeded"] * 2
-
-        wait_for(finished, what=f"train run {run_id} to finish", timeout=300)
+        wait_for(lambda: succeeded(2), what="the second job", timeout=300)
+        ranks = set(rank_processes())  # the gang's, kept for the third job
+        wait_for(lambda: member(2, 1), what="the third job's gang", timeout=120)
+        assert set(rank_processes()) == ranks and len(ranks) == 2
+        wait_for(lambda: succeeded(3), what=f"train run {run_id} to finish", timeout=300)
     finally:
         for worker in workers:
             worker.stop()
-    assert [attempts for _, _, attempts, _ in _jobs(database_url, run_id)] == [1, 1]
+    # The third job went on with the second's gang: its leader, its member and the
+    # rendezvous of its rank 0, in one gathering.
+    assert [node(2, 1, index) for index in (0, 1)] == [node(1, 2, index) for index in (0, 1)]
+    assert node(2, 2) is None
+    assert [attempts for _, _, attempts, _ in _jobs(database_url, run_id)] == [1, 1, 1]
     assert events_saying(database_url, run_id, f"%has not been seen for 5 s%({OUTAGE})") == 2
+    assert events_saying(database_url, run_id, f"%({OUTAGE})") == 2
     gangs = sdq_json(env, "train", "status", str(run_id))
     assert gangs["losses"] == one_node["losses"]
     assert [c["state_sha256"] for c in gangs["checkpoints"]] == [

@@ -3,8 +3,8 @@ while a job's checkpoint is written, the run's next job's steps are taken on a t
 the state just checkpointed; the job takes them over when it comes, and the run trains
 exactly what one uninterrupted job trains. A job that does not go on from that checkpoint
 finds nothing kept. A node's ranks restore a checkpoint with one download between them.
-And a node of a job over several nodes runs it on the spares it started as its last job's
-ranks stopped."""
+And a node of a job over several nodes keeps its ranks from job to job, and starts spares
+once they fail."""
 
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +22,7 @@ from sdq.models.store import LocalStore
 from sdq.models.train.specs import LatentInput, TrainOptions, TrainShardSpec
 from sdq.workers.shards.latents import latent_shard_bytes
 from sdq.workers.tiny import build_unet
+from sdq.workers.train.gang import NodeLost
 from sdq.workers.train.job import Training, downloaded
 from sdq.workers.train.ranks import DONE_FILE, Node
 from sdq.workers.train.trainer import new_state, snapshot
@@ -160,29 +161,44 @@ def enter(context: AbstractContextManager[Path]) -> Path:
         return value
 
 
-def test_a_gang_node_s_job_runs_on_the_spares_and_starts_the_next_ones_as_it_ends(run) -> None:
-    """The worker's side of a gang node's job, with real rank processes whose mark in the
-    job's folder (normally written as they finish their part) comes from the test: the job
-    runs on the spares that were waiting, and the next job's spares start as its ranks
-    stop, taking no core from its training."""
+def test_a_gang_node_keeps_its_ranks_from_job_to_job_and_starts_spares_once_they_fail(
+    run,
+) -> None:
+    """The worker's side of a gang node's jobs, with real rank processes whose mark in the
+    job's folder (normally written as they finish their part) comes from the test: the
+    first job runs on the spare that was waiting, its ranks are kept after it, where the
+    run's leader calls this node (its warm queue), and the next job the gang goes on with
+    runs on them; a job they fail stops them and starts the next spares in their place."""
     gang_run = replace(run, options=replace(run.options, nodes=2, world_size=2))
     live = LiveStates()
-    live.spare(1)  # what the node's last gang job left
+    live.spare(1)  # what the worker started
     [waiting] = rank_processes()
     folder = Path(waiting.cmdline()[-1])
     during: list[list[int]] = []
 
-    def watch() -> None:
+    def done_at_every_second_look() -> None:
         during.append([process.pid for process in rank_processes()])
-        if len(during) == 2:
+        if len(during) % 2 == 0:
             (folder / DONE_FILE.format(rank=0)).touch()
+
+    def node_lost() -> None:
+        raise NodeLost("node 0 is gone")
 
     try:
         node = Node(1, "127.0.0.1", 1)  # a rendezvous that never completes: no rank 0
-        assert live.run_gang_node(gang_run, node, watch) is None  # no result off node 0
-        assert during == [[waiting.pid]] * 2  # no process started for the job, or beside it
-        [following] = rank_processes()  # the job's rank stopped, the next job's waits
-        assert following.pid != waiting.pid
+        for goes_on in (False, True):  # a new gathering, then the gang going on
+            # No result off node 0.
+            assert (
+                live.run_gang_node(gang_run, node, done_at_every_second_look, None, goes_on) is None
+            )
+            assert live.kept_gang_node(gang_run) == node
+            assert live.warm_keys() == {f"run-{gang_run.run}-node-1"}
+        assert during == [[waiting.pid]] * 4  # no process started for a job, or beside it
+        with pytest.raises(NodeLost):
+            live.run_gang_node(gang_run, node, node_lost, None, True)
+        assert live.kept_gang_node(gang_run) is None and live.warm_keys() == set()
+        [spare] = rank_processes()  # the kept rank stopped, the next job's spare waits
+        assert spare.pid != waiting.pid
     finally:
         live.close()
     assert rank_processes() == []

@@ -5,8 +5,6 @@ a warm worker that dies is passed by."""
 
 import os
 import signal
-import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -20,27 +18,23 @@ from sdq.models.tables import Job
 from sdq.workers.app import create_app
 from sdq.workers.maintenance import idle_queues
 from sdq.workers.routing import live_warm_queues
-from tests.conftest import sdq_json, wait_for_run, write
+from tests.conftest import WorkerProcess, sdq_json, wait_for_run, write
 from tests.services import wait_for
 
 pytestmark = pytest.mark.slow
 
 
-class Warm:
+class Warm(WorkerProcess):
     """`sdq worker gpu --queues generate` warming the tiny model up at SDQ_WARM_SHAPES=`shape`,
-    on a host of its own name (a UTS namespace): its node is cpu-render@NAME, its jobs
-    NAME:pid."""
+    on a host of its own name: its node is cpu-render@NAME, its jobs NAME:pid."""
+
+    READY_SECONDS = 90
 
     def __init__(self, env: dict[str, str], name: str, shape: str, log: Path) -> None:
-        self.node, self.log = f"cpu-render@{name}", log
-        self.process = subprocess.Popen(
-            ["unshare", "-u", "sh", "-c", f'hostname {name} && exec "$@"', "sh", sys.executable,
-             "-m", "sdq.producer.cli", "worker", "gpu", "--queues", "generate",
-             "--loglevel", "info"],
-            env={**env, "SDQ_WARM_SHAPES": shape, "SDQ_WARM_MODELS": "tiny"}, stdout=log.open("ab"),
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-        wait_for(lambda: "ready." in log.read_text(), what=f"worker {name}", timeout=90)
+        warming = {**env, "SDQ_WARM_SHAPES": shape, "SDQ_WARM_MODELS": "tiny"}
+        super().__init__(warming, log, args=("--queues", "generate"), host=name)
+        self.node = f"cpu-render@{name}"
+        self.start()
 
     def kill(self) -> None:
         if self.process.poll() is None:

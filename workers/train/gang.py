@@ -5,6 +5,14 @@ train queue. A worker that takes one records the next node of that gathering and
 ranks against that address; torch.distributed's own rendezvous (its TCP store, env://) does
 the rest.
 
+The gang goes on from job to job: every node keeps its ranks (their process group, model
+and state) after a job, the run's next job comes back to its leader (models/train/
+routing.py), and the leader's gathering for it keeps the same rendezvous and calls each
+member on a queue of its own (its place in the run's gang) to go on with its ranks. A
+member that cannot (its ranks are gone) does not join, and the gathering fails as an
+outage; so does one that the leader's own ranks cannot go on with. The job then gathers
+anew, with new ranks on every node.
+
 Nothing waits for ever, and a lost node costs the job no attempt. While their ranks run,
 the nodes note every second that they are seen (by the database's clock, so no machine's
 own clock matters) and watch the others: a node unseen for `node_timeout_seconds` (its
@@ -19,6 +27,7 @@ import socket
 from collections.abc import Callable
 from datetime import timedelta
 from time import monotonic, sleep
+from typing import Protocol
 
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import DBAPIError
@@ -35,9 +44,34 @@ from sdq.workers.train.ranks import WATCH_SECONDS, Node, RankFailed, free_port
 logger = logging.getLogger(__name__)
 
 
-# Runs this node's ranks of a job (spec, node, watch, stop_at): returns what rank 0 wrote,
-# on node 0 (LiveStates.run_gang_node).
-RunNode = Callable[[TrainShardSpec, Node, Callable[[], None], float | None], dict | None]
+class NodeRanks(Protocol):
+    """A node's rank processes for jobs over several nodes (work.LiveStates)."""
+
+    def kept_gang_node(self, spec: TrainShardSpec) -> Node | None:
+        """This node's place in the run's gang, where its ranks are kept and can go on."""
+
+    def run_gang_node(
+        self,
+        spec: TrainShardSpec,
+        node: Node,
+        watch: Callable[[], None],
+        stop_at: float | None,
+        goes_on: bool,
+    ) -> dict | None:
+        """Runs this node's ranks of the job; returns what rank 0 wrote, on node 0."""
+
+    def run_ended(self, local_ranks: int) -> None:
+        """Lets the run's ranks go."""
+
+
+class GangCalls(Protocol):
+    """The join messages of a job's gathering (workers/train/task.py)."""
+
+    def new_nodes(self, job_id: int, gathering: int, count: int) -> None:
+        """Calls for that many nodes on the train queue."""
+
+    def kept_members(self, job_id: int, gathering: int, run_id: int, nodes: int) -> None:
+        """Calls each member node of the run's gang to go on, on its own queue."""
 
 
 class GangIncomplete(Exception):
@@ -63,11 +97,13 @@ def lead(
     *,
     worker: str,
     settings: TrainSettings,
+    node: Node | None = None,
 ) -> tuple[Node, int]:
-    """Node 0 of a new gathering of the job's gang, recorded with its rendezvous address;
-    and the gathering's number."""
-    address = node_address(settings)
-    node = Node(0, address, free_port(address))
+    """Node 0 of a new gathering of the job's gang, recorded with its rendezvous address
+    (the kept `node`'s, for a gang that goes on); and the gathering's number."""
+    if node is None:
+        address = node_address(settings)
+        node = Node(0, address, free_port(address))
     with sessions.begin() as session:
         gathering = 1 + (_newest(session, job.id) or 0)
         session.add(
@@ -76,7 +112,7 @@ def lead(
                 gathering=gathering,
                 node=0,
                 worker=worker,
-                address=f"{address}:{node.master_port}",
+                address=f"{node.master_address}:{node.master_port}",
                 seen_at=func.now(),
             )
         )
@@ -90,15 +126,18 @@ def leader_watch(
     *,
     nodes: int,
     settings: TrainSettings,
-    call_nodes: Callable[[int], None],
+    call_nodes: Callable[[int], None] | None,
 ) -> Callable[[], None]:
     """The leader's watch, called about once a second while its ranks run: calls for the
     nodes still missing every RECALL_SECONDS (a call can be taken by a worker that cannot
     answer it yet: Redis hands a message to a worker's pending fetch, the leader's own
     included, while it waits for a retry's countdown); raises GangIncomplete once the gang
     has not gathered by the deadline (the ranks' rendezvous would otherwise wait out the
-    collective timeout), and NodeLost once a node is unseen."""
-    deadline = monotonic() + settings.gang_timeout_seconds
+    collective timeout), and NodeLost once a node is unseen. Without `call_nodes` the gang
+    goes on from the run's last job: its members, called once on their own queues, answer
+    within seconds or not at all."""
+    seconds = settings.gang_timeout_seconds if call_nodes else going_on_seconds(settings)
+    deadline = monotonic() + seconds
     called = monotonic()
     database = Sightings(settings)
 
@@ -108,12 +147,16 @@ def leader_watch(
         if joined is None:
             return
         if joined < nodes and monotonic() >= deadline:
+            advice = (
+                "start more train workers (`sdq worker gpu --train-ranks N`) or lower --nodes"
+                if call_nodes
+                else "going on from the run's last job; it gathers anew"
+            )
             raise GangIncomplete(
                 f"{joined} of the {nodes} nodes of job {job_id}'s gang gathered in "
-                f"{settings.gang_timeout_seconds} s: start more train workers (`sdq worker "
-                f"gpu --train-ranks N`) or lower --nodes"
+                f"{seconds} s: {advice}"
             )
-        if joined < nodes and monotonic() - called >= RECALL_SECONDS:
+        if call_nodes and joined < nodes and monotonic() - called >= RECALL_SECONDS:
             call_nodes(nodes - joined)
             called = monotonic()
 
@@ -123,6 +166,13 @@ def leader_watch(
 # How often a leader calls again for the nodes its gang still misses. A call answered late
 # finds its gathering full or over, and does nothing.
 RECALL_SECONDS = 10
+
+
+def going_on_seconds(settings: TrainSettings) -> float:
+    """How long a gang that goes on waits for its members: a member's worker, idle since
+    its last part, answers at once; one that has died never does, and its node's timeout
+    (and a call's delivery) is long enough to tell."""
+    return settings.node_timeout_seconds + RECALL_SECONDS
 
 
 def member_watch(
@@ -212,17 +262,28 @@ def _seen_and_lost(
 
 
 def lost_node(
-    sessions: sessionmaker[Session], job_id: int, gathering: int, settings: TrainSettings
+    sessions: sessionmaker[Session],
+    job_id: int,
+    gathering: int,
+    settings: TrainSettings,
+    going_on: int | None = None,
 ) -> NodeLost | None:
     """After the leader's ranks failed: whether a node was lost (a dead peer breaks every
     collective), told apart from the job's own failure by waiting until a dead node's last
-    sighting is old enough to say so."""
+    sighting is old enough to say so. In a gang `going_on` from its last job (of that many
+    nodes), a member that has not joined is lost too: its ranks were already in the group,
+    and died with its worker."""
     deadline = monotonic() + settings.node_timeout_seconds + 2 * WATCH_SECONDS
     while True:
         try:
-            _seen_and_lost(sessions, job_id, gathering, 0, settings)
+            joined = _seen_and_lost(sessions, job_id, gathering, 0, settings)
         except NodeLost as lost:
             return lost
+        if going_on is not None and joined < going_on:
+            return NodeLost(
+                f"{going_on - joined} member node(s) of job {job_id}'s gang did not go on with "
+                f"it from the run's last job (gathering {gathering}): its ranks are gone"
+            )
         if monotonic() >= deadline:
             return None
         sleep(WATCH_SECONDS)
@@ -236,15 +297,20 @@ def join(
     nodes: int,
     worker: str,
     settings: TrainSettings,
+    place: Node | None = None,
 ) -> Node | None:
-    """This worker's node in the gathering, or None when it is over or full."""
+    """This worker's node in the gathering, or None when it is over or full; at its kept
+    `place` in the gang (which the gathering's rendezvous must be) for a gang that goes
+    on."""
     with sessions.begin() as session:
         if not _ongoing(session, job_id, gathering):
             return None
         leader = session.get(TrainGang, (job_id, gathering, 0))
         if leader is None:
             return None
-        for index in range(1, nodes):
+        if place is not None and leader.address != f"{place.master_address}:{place.master_port}":
+            return None
+        for index in range(1, nodes) if place is None else [place.index]:
             taken = session.execute(
                 upsert(session, TrainGang)
                 .values(
@@ -277,24 +343,36 @@ def _newest(session: Session, job_id: int) -> int | None:
 
 def run_as_leader(
     sessions: sessionmaker[Session],
+    job: Job,
     spec: TrainShardSpec,
-    job_id: int,
-    gathering: int,
-    node: Node,
+    *,
+    worker: str,
     settings: TrainSettings,
+    calls: GangCalls,
+    ranks: NodeRanks,
     stop_at: float | None,
-    call_nodes: Callable[[int], None],
-    run_node: RunNode,
 ) -> dict:
-    """Node 0's ranks of the gathering, stopped if the job's lease is lost; a failure that
-    a lost node caused is an outage."""
+    """Node 0 of a new gathering of the job's gang, and its ranks, stopped if the job's
+    lease is lost; a failure that a lost node caused is an outage. Where this worker's
+    ranks are node 0 of the run's gang kept from its last job, the gang goes on with
+    them: the same rendezvous, each member called to go on with its own."""
+    kept = ranks.kept_gang_node(spec)
+    goes_on = kept is not None and kept.index == 0
+    node, gathering = lead(
+        sessions, job, worker=worker, settings=settings, node=kept if goes_on else None
+    )
+    nodes = spec.options.nodes
+    if goes_on:
+        calls.kept_members(job.id, gathering, spec.run, nodes)
+        call_nodes = None
+    else:
+        calls.new_nodes(job.id, gathering, nodes - 1)
+
+        def call_nodes(count: int) -> None:
+            calls.new_nodes(job.id, gathering, count)
+
     gang_watch = leader_watch(
-        sessions,
-        job_id,
-        gathering,
-        nodes=spec.options.nodes,
-        settings=settings,
-        call_nodes=call_nodes,
+        sessions, job.id, gathering, nodes=nodes, settings=settings, call_nodes=call_nodes
     )
 
     def watch() -> None:
@@ -302,9 +380,9 @@ def run_as_leader(
         gang_watch()
 
     try:
-        return run_node(spec, node, watch, stop_at)
+        return ranks.run_gang_node(spec, node, watch, stop_at, goes_on)
     except RankFailed as failure:
-        lost = lost_node(sessions, job_id, gathering, settings)
+        lost = lost_node(sessions, job.id, gathering, settings, nodes if goes_on else None)
         if lost is not None:
             raise lost from failure
         raise
@@ -317,11 +395,13 @@ def take_part(
     *,
     worker: str,
     settings: TrainSettings,
-    run_node: RunNode,
+    ranks: NodeRanks,
+    goes_on: bool = False,
 ) -> str:
-    """Runs this worker's node of the job's gathering; says what became of it.
-    Its ranks' failure is the leader's to record: the job fails through the leader's ranks,
-    whose collectives break with this node's."""
+    """Runs this worker's node of the job's gathering (with its ranks kept from the run's
+    last job, where the gang `goes_on`); says what became of it. Its ranks' failure is the
+    leader's to record: the job fails through the leader's ranks, whose collectives break
+    with this node's."""
     with sessions() as session:
         job = session.get(Job, job_id)
         spec = TrainShardSpec.from_dict(job.spec) if job is not None else None
@@ -329,14 +409,18 @@ def take_part(
         return f"no job {job_id}"
     if refusal := settings.too_many_ranks(spec.run, spec.options.ranks_per_node):
         return f"not joined: {refusal}"  # the leader calls again, for another worker
-    node = join(
-        sessions, job_id, gathering, nodes=spec.options.nodes, worker=worker, settings=settings
-    )
+    place = ranks.kept_gang_node(spec) if goes_on else None
+    if goes_on and place is None:
+        return f"not joined: no ranks of run {spec.run}'s gang are kept here to go on with"
+    node = join(sessions, job_id, gathering, nodes=spec.options.nodes, worker=worker,
+                settings=settings, place=place)  # fmt: skip
     if node is None:
-        return f"job {job_id}'s gathering {gathering} is over or full"
+        return f"job {job_id}'s gathering {gathering} is over or full, or not ours to go on"
     try:
         watch = member_watch(sessions, job_id, gathering, node.index, settings)
-        run_node(spec, node, watch, None)
+        ranks.run_gang_node(spec, node, watch, None, goes_on)
     except (RankFailed, AttemptOver) as error:
         return f"node {node.index} of job {job_id} stopped: {error}"
+    if spec.last_step == spec.options.steps:
+        ranks.run_ended(spec.options.ranks_per_node)
     return f"node {node.index} of job {job_id} done"

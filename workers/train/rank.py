@@ -75,26 +75,23 @@ def join_group(spec: TrainShardSpec, ranks: Ranks, settings: Settings) -> None:
     )
 
 
-def join_run() -> bool:
+def join_run() -> None:
     """The run's rendezvous and this rank's threads, read as the first line of standard
     input, into the environment torch.distributed reads; the worker let this spare go if
-    the input ends first. Whether the group is kept from job to job."""
+    the input ends first."""
     line = sys.stdin.readline()
     if not line:
         exit_now(0)
     joining = json.loads(line)
     torch.set_num_threads(joining.pop("threads"))
-    kept = joining.pop("kept")
     os.environ.update(joining)
-    return kept
 
 
-def serve(folder: Path, ranks: Ranks, settings: Settings, kept: bool) -> NoReturn:
+def serve(folder: Path, ranks: Ranks, settings: Settings) -> NoReturn:
     """Job after job of one run, each announced by a line on standard input. Between two,
-    in a group `kept` from job to job, the next job's steps are taken while rank 0 writes
-    the last one's checkpoint on a thread, until the next job is announced: it then takes
-    them over. A group for one job takes none: the worker stops it once the job is done,
-    and no rank may be in a collective then."""
+    the next job's steps are taken while rank 0 writes the last one's checkpoint on a
+    thread, until the next job is announced (on rank 0's node: over several nodes, rank 0
+    decides for every rank): it then takes them over."""
     spec = _job(folder)
     join_group(spec, ranks, settings)
     store = open_store(settings.store_url)
@@ -117,7 +114,7 @@ def serve(folder: Path, ranks: Ranks, settings: Settings, kept: bool) -> NoRetur
         else:
             write_in_background(spec, snapshot, steps, store, files, ranks, folder)
         following = spec.next_after(training.state.step)
-        if following is not None and kept:
+        if following is not None:
             training.train_ahead(following, until_announced(announced, training.state))
     exit_now(0)  # the worker let the group go
 
@@ -204,9 +201,9 @@ def exit_now(code: int) -> NoReturn:
 def main(folder: Path) -> NoReturn:
     """The rank's work, once the run's rendezvous has come on standard input; rank_start.py
     has armed the parent-death signal first."""
-    kept = join_run()
+    join_run()
     ranks = ranks_from_env()
     try:
-        serve(folder, ranks, Settings.from_env(), kept)
+        serve(folder, ranks, Settings.from_env())
     except Exception as error:
         fail(folder, ranks.local_rank, error)  # inside the handler: the traceback holds the state

@@ -6,13 +6,11 @@ goes on from its last checkpoint. Each rank dies with the worker (a parent-death
 worker killed mid-job leaves no rank holding a GPU. No torch here.
 
 Ranks are started before a job needs them (Spares: torch and the trainer imported
-meanwhile) and join its process group when it comes, as lines on their standard input. On
-one machine they outlive the job (RankGroup): they take the run's jobs one after another
-and keep the process group, the model and the training state on the devices in between;
-the next job of the run on this worker goes on from where the last one stopped. A job over
-several machines has its ranks for that job alone (run_ranks): the spares the node started
-as its last one's ranks stopped.
-"""
+meanwhile) and join its process group when it comes, as lines on their standard input.
+They outlive the job (RankGroup): they take the run's jobs one after another and keep the
+process group, the model and the training state on the devices in between; the next job
+of the run on this worker goes on from where the last one stopped. Over several machines,
+each node's ranks are kept so, and go on together when the gang does (gang.py)."""
 
 import json
 import os
@@ -26,9 +24,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from sdq.models.store import StoreUnavailable
+from sdq.models.train.routing import node_key, run_key
 from sdq.models.train.specs import TrainOptions, TrainShardSpec
 from sdq.workers.weights import ModelUnavailable
 
@@ -132,20 +130,16 @@ class Spares:
 
 
 class RankGroup:
-    """A run's rank processes on this machine, kept from one of its jobs to the next; or,
-    not `kept`, for one job (they take no steps past it)."""
+    """A run's rank processes on this machine (node `node` of its gang), kept from one of
+    its jobs to the next."""
 
     def __init__(
-        self,
-        spec: TrainShardSpec,
-        spares: Spares | None = None,
-        node: Node | None = None,
-        *,
-        kept: bool = True,
+        self, spec: TrainShardSpec, spares: Spares | None = None, node: Node | None = None
     ) -> None:
         """This node's ranks for the run: the spares, when they fit it (the ones past its
         ranks stopped), else processes started now."""
         self.run, self.world_size = spec.run, spec.options.world_size
+        self.node = node or Node()
         local_ranks = spec.options.ranks_per_node
         if spares is None or not spares.fit(local_ranks):
             if spares is not None:
@@ -155,10 +149,9 @@ class RankGroup:
         self.folder, self.processes = spares.folder, spares.processes[:local_ranks]
         try:
             write_job(self.folder, spec, None)
-            node = node or Node()
             for local, process in enumerate(self.processes):
-                joining = {**rendezvous(spec.options, node, local),
-                           "threads": threads_per_rank(local_ranks), "kept": kept}  # fmt: skip
+                joining = {**rendezvous(spec.options, self.node, local),
+                           "threads": threads_per_rank(local_ranks)}  # fmt: skip
                 process.stdin.write(json.dumps(joining).encode() + b"\n")
                 process.stdin.flush()
         except BaseException:
@@ -169,6 +162,13 @@ class RankGroup:
         """Whether it can take this job: same run, same world size, every rank alive."""
         alive = all(process.poll() is None for process in self.processes)
         return alive and (spec.run, spec.options.world_size) == (self.run, self.world_size)
+
+    @property
+    def warm_key(self) -> str:
+        """Where the run's jobs (node 0), or its leader's calls to go on (a member node),
+        find this group (models/train/routing.py)."""
+        index = self.node.index
+        return node_key(self.run, index) if index else run_key(self.run)
 
     def train(
         self,
@@ -201,23 +201,6 @@ class RankGroup:
     def stop(self) -> None:
         stop(self.processes)
         shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def run_ranks(
-    spec: TrainShardSpec,
-    node: Node,
-    watch: Callable[[], None] = lambda: None,
-    stop_at: float | None = None,
-    spares: Spares | None = None,
-) -> dict[str, Any] | None:
-    """Runs this node's ranks of one job over several nodes, on the spares when they fit,
-    and stops them after; returns what rank 0 wrote, on node 0. `watch` is called about
-    once a second while they run, and stops them by raising."""
-    group = RankGroup(spec, spares, node, kept=False)
-    try:
-        return group.train(spec, stop_at, watch)
-    finally:
-        group.stop()
 
 
 def start(local_ranks: int, folder: Path) -> list[subprocess.Popen]:

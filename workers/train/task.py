@@ -9,11 +9,13 @@ from celery import shared_task
 
 from sdq.models.jobs.kinds import TRAIN, Pool
 from sdq.models.settings import Settings
+from sdq.models.train.routing import node_key
 from sdq.workers.app import SdqCelery, worker_identity
 from sdq.workers.delivery import JobTask, deliver_task
 from sdq.workers.holding import hold
+from sdq.workers.routing import consume_warm_queues
 from sdq.workers.train import gang
-from sdq.workers.train.work import CallNodes, LiveStates, TrainWork
+from sdq.workers.train.work import LiveStates, TrainWork
 from sdq.workers.weights import ModelFiles
 
 JOIN_TASK = f"{TRAIN.task_name}.join"
@@ -34,11 +36,20 @@ def train_work(task) -> TrainWork:
         files=ModelFiles(app.store, app.settings.model_cache_dir),
         live=live_states(),
         send_next=app.send_added_jobs(task),
+        follow=partial(follow_the_run, task),
         settings=app.settings.train,
         worker=worker_identity(TRAIN.pool).host,
-        call_nodes=None if task.request.is_eager else call_nodes(app),
+        calls=None if task.request.is_eager else Calls(app),
         time_limit_seconds=time_limit(task),
     )
+
+
+def follow_the_run(task) -> None:
+    """Has this worker consume the queue of the run it holds (models/train/routing.py),
+    and no other run's: its jobs (or, on a member node of its gang, the leader's calls to
+    go on) come here first."""
+    if not task.request.is_eager:  # done in-process (embedded): there is no worker
+        consume_warm_queues(task.app, task.request.hostname, TRAIN, live_states().warm_keys())
 
 
 def time_limit(task) -> float | None:
@@ -51,29 +62,42 @@ def time_limit(task) -> float | None:
 
 # One job's gang at a time: the message guard refuses a join naming more.
 @shared_task(bind=True, base=JobTask, name=JOIN_TASK, max_job_ids=1)
-def join(self, job_ids: list[int], gathering: int) -> dict[str, Any]:
-    """This worker as one more node of that gathering of the job's gang (gang.py)."""
+def join(self, job_ids: list[int], gathering: int, goes_on: bool = False) -> dict[str, Any]:
+    """This worker as one more node of that gathering of the job's gang, or, where the gang
+    `goes_on` from the run's last job, as the node it was (gang.py)."""
     [job_id] = job_ids
     hold(TRAIN.name, live_states().clear)
     worker, settings = worker_identity(Pool.gpu).host, self.app.settings.train
     outcome = gang.take_part(self.app.sessions, job_id, gathering, worker=worker,
-                             settings=settings, run_node=live_states().run_gang_node)  # fmt: skip
+                             settings=settings, ranks=live_states(), goes_on=goes_on)  # fmt: skip
+    follow_the_run(self)
     return {"outcome": outcome}
 
 
-def call_nodes(app: SdqCelery) -> CallNodes:
-    def call(job_id: int, gathering: int, count: int) -> None:
-        for _ in range(count):
-            # The joining worker's own limits for it (app.py), not this one's.
-            app.send_task(
-                JOIN_TASK,
-                args=[[job_id], gathering],
-                queue=TRAIN.queue,
-                time_limit=None,
-                soft_time_limit=None,
-            )
+class Calls:
+    """A gathering's join messages (gang.GangCalls); each runs under the joining worker's
+    own limits for it (app.py), not this one's."""
 
-    return call
+    def __init__(self, app: SdqCelery) -> None:
+        self.app = app
+
+    def new_nodes(self, job_id: int, gathering: int, count: int) -> None:
+        for _ in range(count):
+            self._send(TRAIN.queue, job_id, gathering, goes_on=False)
+
+    def kept_members(self, job_id: int, gathering: int, run_id: int, nodes: int) -> None:
+        for node in range(1, nodes):
+            self._send(TRAIN.warm_queue(node_key(run_id, node)), job_id, gathering, goes_on=True)
+
+    def _send(self, queue: str, job_id: int, gathering: int, *, goes_on: bool) -> None:
+        self.app.send_task(
+            JOIN_TASK,
+            args=[[job_id], gathering],
+            kwargs={"goes_on": goes_on},
+            queue=queue,
+            time_limit=None,
+            soft_time_limit=None,
+        )
 
 
 @cache

@@ -5,11 +5,11 @@ Plain code, no Celery; torch loads lazily.
 
 A run of world size 1 trains in this process: it keeps the state it has just checkpointed,
 takes the next job's steps on a thread while the checkpoint is written, and hands them to
-that job when it comes; any other worker restores the checkpoint from the store. A larger
-world size trains on that many rank processes (ranks.py), kept from job to job on one
-machine, so that they too go on in memory; over several nodes, this worker leads the gang
-the other nodes' workers join (gang.py), whose ranks join for each job (spares, started
-as the node's last gang job ended) and restore its checkpoint.
+that job when it comes (the run's jobs are routed to the worker that holds it: models/
+train/routing.py); any other worker restores the checkpoint from the store. A larger world
+size trains on that many rank processes (ranks.py), kept from job to job, so that they too
+go on in memory; over several nodes, this worker leads the gang the other nodes' workers
+join (gang.py), which goes on with the same ranks from job to job while it can.
 """
 
 import logging
@@ -25,9 +25,10 @@ from sdq.models.jobs.lifecycle import Output, utcnow
 from sdq.models.settings import TrainSettings
 from sdq.models.store import ObjectStore
 from sdq.models.tables import Job
+from sdq.models.train.routing import run_key
 from sdq.models.train.specs import TrainShardSpec, training_seconds
 from sdq.workers.train import gang
-from sdq.workers.train.ranks import Node, RankGroup, Spares, run_ranks, share_cores
+from sdq.workers.train.ranks import Node, RankGroup, Spares, share_cores
 from sdq.workers.train.records import (
     LiveSteps,
     Written,
@@ -58,10 +59,6 @@ class NoGangHere(Exception):
 
 class TooManyRanks(Exception):
     """The job asks for more ranks a node than this worker was started with."""
-
-
-# Calls for the other nodes of a job's gang: (job id, gathering, how many).
-CallNodes = Callable[[int, int, int], None]
 
 
 class LiveStates:
@@ -103,25 +100,49 @@ class LiveStates:
             self._group = RankGroup(spec, spares)
         return self._group
 
+    def kept_gang_node(self, spec: TrainShardSpec) -> Node | None:
+        """This node's place in the run's gang, if its ranks are kept here and can go on
+        with this job."""
+        if self._group is None or spec.options.nodes == 1 or not self._group.serves(spec):
+            return None
+        return self._group.node
+
     def run_gang_node(
         self,
         spec: TrainShardSpec,
         node: Node,
         watch: Callable[[], None],
-        stop_at: float | None = None,
+        stop_at: float | None,
+        goes_on: bool,
     ) -> dict[str, Any] | None:
-        """This node's ranks of a job over several nodes, which are the job's alone: the
-        spares waiting here (their imports done). The next job's are started as this one's
-        ranks stop: their imports overlap the checkpoint's record and the next gathering,
-        and take no core from a training (a rank slowed by them would hold every rank of
-        the gang at its next collective). What this process holds is let go first: the
-        ranks need the devices."""
-        self.clear()
-        spares, self._spares = self._spares, None
+        """This node's ranks of a job over several nodes: those kept from the run's last job
+        where the gang `goes_on` (every node agrees: gang.py), else the spares waiting here
+        (their imports done), what this process held let go first. They are kept after the
+        job. A failure stops them, and starts spares in their place: their imports overlap
+        the job's next gathering, and take no core from a training (a rank slowed by them
+        would hold every rank of the gang at its next collective)."""
+        if not goes_on:
+            self.clear()
+            spares, self._spares = self._spares, None
+            self._group = RankGroup(spec, spares, node)
         try:
-            return run_ranks(spec, node, watch, stop_at, spares)
-        finally:
+            return self._group.train(spec, stop_at, watch)
+        except BaseException:
+            self._group = None  # train() has stopped it
             self.spare(spec.options.ranks_per_node)
+            raise
+
+    def run_ended(self, local_ranks: int) -> None:
+        """The run's ranks let their devices go, and spares take their place for the next
+        run."""
+        self.clear()
+        self.spare(local_ranks)
+
+    def warm_keys(self) -> set[str]:
+        """Where the jobs of the run held here find this worker (models/train/routing.py)."""
+        if self._training is not None:
+            return {run_key(self._training.state.run)}
+        return {self._group.warm_key} if self._group is not None else set()
 
     def spare(self, local_ranks: int) -> None:
         """Rank processes started for the next run (ranks.Spares), unless there are."""
@@ -203,9 +224,10 @@ class TrainWork(Work):
         files: ModelFiles,
         live: LiveStates,
         send_next: Callable[[int], None],
+        follow: Callable[[], None],
         settings: TrainSettings,
         worker: str,
-        call_nodes: CallNodes | None,
+        calls: gang.GangCalls | None,
         time_limit_seconds: float | None,
     ) -> None:
         self.store = store
@@ -213,9 +235,10 @@ class TrainWork(Work):
         self.files = files
         self.live = live
         self.send_next = send_next
+        self.follow = follow
         self.settings = settings
         self.worker = worker
-        self.call_nodes = call_nodes
+        self.calls = calls
         self.time_limit_seconds = time_limit_seconds
 
     def run(self, jobs: Sequence[Job]) -> Iterator[Output]:
@@ -223,6 +246,7 @@ class TrainWork(Work):
             spec = TrainShardSpec.from_dict(job.spec)
             output, new_work = self._done_before(job.id, spec) or self._train(job, spec)
             yield output
+            self.follow()  # before the sends: the run's next job comes back here
             for run_id in new_work:
                 self.send_next(run_id)
 
@@ -256,9 +280,10 @@ class TrainWork(Work):
         else:
             steps, written = self._train_on_ranks(job, spec, stop_at)
         done = self._record(job.id, spec, steps, written, started)
-        options = spec.options
-        if written.step == options.steps and options.world_size > 1 and options.nodes == 1:
-            self._run_ended(spec)
+        if written.step == spec.options.steps and spec.options.world_size > 1:
+            # Once the run's last checkpoint is recorded: their exits and the spares'
+            # imports are not on the run's clock.
+            self.live.run_ended(self.settings.ranks or spec.options.ranks_per_node)
         return done
 
     def _train_here(
@@ -295,28 +320,13 @@ class TrainWork(Work):
             result = self._lead(job, spec, stop_at)
         return result["steps"], Written(**result["written"])
 
-    def _run_ended(self, spec: TrainShardSpec) -> None:
-        """Once the run's last checkpoint is recorded (their exits and the spares' imports
-        are not on the run's clock), its ranks let their devices go, and spares take their
-        place for the next run."""
-        self.live.clear()
-        self.live.spare(self.settings.ranks or spec.options.ranks_per_node)
-
     def _lead(self, job: Job, spec: TrainShardSpec, stop_at: float | None) -> dict[str, Any]:
-        """Node 0 of a new gathering of the job's gang: records it, calls for the others,
-        runs its ranks."""
-        if self.call_nodes is None:
+        """Node 0 of the job's gang (gang.py)."""
+        if self.calls is None:
             raise NoGangHere(f"run {spec.run} spans {spec.options.nodes} nodes: it needs workers")
-        node, gathering = gang.lead(self.sessions, job, worker=self.worker, settings=self.settings)
-
-        def call(count: int) -> None:
-            self.call_nodes(job.id, gathering, count)
-
-        call(spec.options.nodes - 1)
-        return gang.run_as_leader(
-            self.sessions, spec, job.id, gathering, node, self.settings, stop_at, call,
-            self.live.run_gang_node,
-        )  # fmt: skip
+        return gang.run_as_leader(self.sessions, job, spec, worker=self.worker,
+                                  settings=self.settings, calls=self.calls, ranks=self.live,
+                                  stop_at=stop_at)  # fmt: skip
 
     def _record(
         self,
