@@ -4,7 +4,10 @@ consuming now, else to its kind's queue, which every worker of the kind consumes
 
 Which queues live workers consume is asked over Celery's control channel, once per
 sending, and only where a kind routes to warm queues under the deployment's settings: a
-warm queue whose worker has died has no consumer, and its kind's queue is used instead."""
+warm queue whose worker has died has no consumer, and its kind's queue is used instead. A
+worker sending the next jobs of its own work (a train run's next job) asks nothing: the warm
+queues it consumes are the live ones it needs, and asking would cost a second of the task's
+time limit."""
 
 from collections.abc import Callable, Collection
 from typing import Any
@@ -44,13 +47,18 @@ def queues_of(control: Control, node: str) -> list[str]:
 
 
 class Routes:
-    """The queue of each message one sending sends; live warm queues asked once."""
+    """The queue of each message one sending sends; live warm queues asked once, unless
+    the sender knows them (`live`: a worker's own)."""
 
     def __init__(
-        self, settings: Settings, sessions: sessionmaker[Session], control: Control
+        self,
+        settings: Settings,
+        sessions: sessionmaker[Session],
+        control: Control,
+        live: set[str] | None = None,
     ) -> None:
         self.settings, self.sessions, self.control = settings, sessions, control
-        self._warm: set[str] | None = None
+        self._warm = live
 
     def __call__(self, kind: Kind, messages: list[list[int]]) -> list[str]:
         key = warm_key(kind, self.settings)
@@ -91,3 +99,8 @@ def consume_warm_queues(app: Celery, hostname: str, kind: Kind, keys: Collection
         app.control.cancel_consumer(queue, destination=[hostname])
     following.clear()
     following.update(warm)
+
+
+def own_warm_queues() -> set[str]:
+    """The warm queues this process has had its worker consume: live while it is."""
+    return set().union(*_following.values())
