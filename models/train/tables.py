@@ -86,8 +86,8 @@ class TrainGang(Base):
     """One node of a gathering of the gang that runs a train-shard job over several
     machines. The worker that claimed the job writes node 0 of a new gathering with the
     rendezvous address its rank 0 listens on; each worker that answers the job's call to
-    join takes the next node. Every node notes when it was last seen, by the database's
-    clock."""
+    join takes the next node, or, in a gang that goes on from the run's last job, the node
+    its kept ranks are. Every node notes when it was last seen, by the database's clock."""
 
     __tablename__ = "train_gangs"
 
