@@ -163,7 +163,9 @@ def test_a_gang_that_goes_on_keeps_its_rendezvous_and_each_member_its_place(
     leader_watch(sessions, job_id, gathering, nodes=3, settings=SETTINGS, call_nodes=None)()
     monkeypatch.setattr(gang, "going_on_seconds", lambda settings: 0)
     watch = leader_watch(sessions, job_id, gathering, nodes=3, settings=SETTINGS, call_nodes=None)
-    with pytest.raises(GangIncomplete, match=r"2 of the 3 nodes .* going on from the run's last"):
+    with pytest.raises(
+        GangIncomplete, match=r"2 of the 3 nodes .* went on from the run's last job within 0 s"
+    ):
         watch()
     lost = lost_node(sessions, job_id, gathering, SETTINGS, going_on=3)
     assert "1 member node(s) of job" in str(lost)

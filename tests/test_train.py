@@ -684,6 +684,7 @@ def test_a_run_over_two_nodes_goes_on_in_memory_and_gathers_again_when_a_node_di
         assert [node(1, 1, index) for index in (0, 1)] == [node(0, 2, index) for index in (0, 1)]
         kill_worker_of(member(1, 1))
         wait_for(lambda: member(1, 2), what="the second job's second gathering", timeout=120)
+
         def gang_ranks() -> set[int]:
             """The rank processes of the two train workers (not the session worker's)."""
             theirs = {pid for worker in workers for pid in worker.children()}

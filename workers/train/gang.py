@@ -147,15 +147,13 @@ def leader_watch(
         if joined is None:
             return
         if joined < nodes and monotonic() >= deadline:
-            advice = (
-                "start more train workers (`sdq worker gpu --train-ranks N`) or lower --nodes"
+            what = (
+                f"gathered in {seconds} s: start more train workers (`sdq worker gpu "
+                "--train-ranks N`) or lower --nodes"
                 if call_nodes
-                else "going on from the run's last job; it gathers anew"
+                else f"went on from the run's last job within {seconds} s: it gathers anew"
             )
-            raise GangIncomplete(
-                f"{joined} of the {nodes} nodes of job {job_id}'s gang gathered in "
-                f"{seconds} s: {advice}"
-            )
+            raise GangIncomplete(f"{joined} of the {nodes} nodes of job {job_id}'s gang {what}")
         if call_nodes and joined < nodes and monotonic() - called >= RECALL_SECONDS:
             call_nodes(nodes - joined)
             called = monotonic()
@@ -422,5 +420,5 @@ def take_part(
     except (RankFailed, AttemptOver) as error:
         return f"node {node.index} of job {job_id} stopped: {error}"
     if spec.last_step == spec.options.steps:
-        ranks.run_ended(spec.options.ranks_per_node)
+        ranks.run_ended(settings.ranks or spec.options.ranks_per_node)
     return f"node {node.index} of job {job_id} done"
