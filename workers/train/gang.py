@@ -27,7 +27,7 @@ import socket
 from collections.abc import Callable
 from datetime import timedelta
 from time import monotonic, sleep
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import DBAPIError
@@ -41,27 +41,10 @@ from sdq.models.train.specs import TrainShardSpec
 from sdq.models.train.tables import TrainGang
 from sdq.workers.train.ranks import WATCH_SECONDS, Node, RankFailed, free_port
 
+if TYPE_CHECKING:  # work.py leads gangs through this module
+    from sdq.workers.train.work import LiveStates
+
 logger = logging.getLogger(__name__)
-
-
-class NodeRanks(Protocol):
-    """A node's rank processes for jobs over several nodes (work.LiveStates)."""
-
-    def kept_gang_node(self, spec: TrainShardSpec) -> Node | None:
-        """This node's place in the run's gang, where its ranks are kept and can go on."""
-
-    def run_gang_node(
-        self,
-        spec: TrainShardSpec,
-        node: Node,
-        watch: Callable[[], None],
-        stop_at: float | None,
-        goes_on: bool,
-    ) -> dict | None:
-        """Runs this node's ranks of the job; returns what rank 0 wrote, on node 0."""
-
-    def run_ended(self, local_ranks: int) -> None:
-        """Lets the run's ranks go."""
 
 
 class GangCalls(Protocol):
@@ -347,7 +330,7 @@ def run_as_leader(
     worker: str,
     settings: TrainSettings,
     calls: GangCalls,
-    ranks: NodeRanks,
+    ranks: "LiveStates",
     stop_at: float | None,
 ) -> dict:
     """Node 0 of a new gathering of the job's gang, and its ranks, stopped if the job's
@@ -393,7 +376,7 @@ def take_part(
     *,
     worker: str,
     settings: TrainSettings,
-    ranks: NodeRanks,
+    ranks: "LiveStates",
     goes_on: bool = False,
 ) -> str:
     """Runs this worker's node of the job's gathering (with its ranks kept from the run's
