@@ -7,9 +7,8 @@ them, and goes on in memory when the job starts where the last one stopped (it r
 the job's checkpoint otherwise, once per node: the first local rank downloads it into
 FOLDER). Rank 0 writes each job's checkpoint on a thread and leaves what the worker
 records (the steps, the checkpoint) in FOLDER; meanwhile the ranks take the next job's
-steps. Each job ends with a done file in FOLDER (rank 0's
-once its checkpoint is written); the end of its input ends the process. GPU-side: imports
-torch.
+steps. Each job ends with a done file in FOLDER (rank 0's once its checkpoint is written);
+the end of its input ends the process. GPU-side: imports torch.
 """
 
 import json
