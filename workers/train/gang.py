@@ -95,7 +95,7 @@ def lead(
                 gathering=gathering,
                 node=0,
                 worker=worker,
-                address=f"{node.master_address}:{node.master_port}",
+                address=node.rendezvous,
                 seen_at=func.now(),
             )
         )
@@ -289,7 +289,7 @@ def join(
         leader = session.get(TrainGang, (job_id, gathering, 0))
         if leader is None:
             return None
-        if place is not None and leader.address != f"{place.master_address}:{place.master_port}":
+        if place is not None and leader.address != place.rendezvous:
             return None
         for index in range(1, nodes) if place is None else [place.index]:
             taken = session.execute(

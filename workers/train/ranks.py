@@ -61,6 +61,11 @@ class Node:
     master_address: str = "127.0.0.1"
     master_port: int = field(default_factory=lambda: free_port())
 
+    @property
+    def rendezvous(self) -> str:
+        """host:port of rank 0's store, as a gathering records it (gang.py)."""
+        return f"{self.master_address}:{self.master_port}"
+
 
 def write_job(folder: Path, spec: TrainShardSpec, stop_at: float | None) -> None:
     (folder / JOB_FILE).write_text(json.dumps(spec.to_dict()))
@@ -133,13 +138,11 @@ class RankGroup:
     """A run's rank processes on this machine (node `node` of its gang), kept from one of
     its jobs to the next."""
 
-    def __init__(
-        self, spec: TrainShardSpec, spares: Spares | None = None, node: Node | None = None
-    ) -> None:
+    def __init__(self, spec: TrainShardSpec, spares: Spares | None, node: Node) -> None:
         """This node's ranks for the run: the spares, when they fit it (the ones past its
         ranks stopped), else processes started now."""
         self.run, self.world_size = spec.run, spec.options.world_size
-        self.node = node or Node()
+        self.node = node
         local_ranks = spec.options.ranks_per_node
         if spares is None or not spares.fit(local_ranks):
             if spares is not None:

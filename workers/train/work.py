@@ -95,15 +95,20 @@ class LiveStates:
         """The rank processes of the job's run, the spares joining it unless they serve it
         already."""
         if self._group is None or not self._group.serves(spec):
-            self.clear()
-            spares, self._spares = self._spares, None
-            self._group = RankGroup(spec, spares)
+            self._new_group(spec, Node())
         return self._group
+
+    def _new_group(self, spec: TrainShardSpec, node: Node) -> None:
+        """What this process holds let go (the ranks need the devices), the spares join
+        the run as that node of it."""
+        self.clear()
+        spares, self._spares = self._spares, None
+        self._group = RankGroup(spec, spares, node)
 
     def kept_gang_node(self, spec: TrainShardSpec) -> Node | None:
         """This node's place in the run's gang, if its ranks are kept here and can go on
         with this job."""
-        if self._group is None or spec.options.nodes == 1 or not self._group.serves(spec):
+        if self._group is None or not self._group.serves(spec):
             return None
         return self._group.node
 
@@ -117,14 +122,12 @@ class LiveStates:
     ) -> dict[str, Any] | None:
         """This node's ranks of a job over several nodes: those kept from the run's last job
         where the gang `goes_on` (every node agrees: gang.py), else the spares waiting here
-        (their imports done), what this process held let go first. They are kept after the
-        job. A failure stops them, and starts spares in their place: their imports overlap
-        the job's next gathering, and take no core from a training (a rank slowed by them
-        would hold every rank of the gang at its next collective)."""
+        (their imports done). They are kept after the job. A failure stops them, and starts
+        spares in their place: their imports overlap the job's next gathering, and take no
+        core from a training (a rank slowed by them would hold every rank of the gang at
+        its next collective)."""
         if not goes_on:
-            self.clear()
-            spares, self._spares = self._spares, None
-            self._group = RankGroup(spec, spares, node)
+            self._new_group(spec, node)
         try:
             return self._group.train(spec, stop_at, watch)
         except BaseException:
