@@ -159,6 +159,27 @@ def test_kubernetes_manifests_pass_their_schemas(path: Path, document: dict[str,
         kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
 
 
+def test_the_train_pods_rdma_block_uncommented_is_a_valid_statefulset() -> None:
+    """ops/k8s/train.yaml's commented RDMA block (the device plugin's resource, IPC_LOCK),
+    uncommented into the train container, still passes the schema and keeps its GPUs."""
+    text = (OPS / "k8s" / "train.yaml").read_text()
+    commented = re.search(r"^( *)# securityContext:\n(?:\1# .*\n)+", text, re.MULTILINE)
+    indent = commented.group(1)
+    block = yaml.safe_load(
+        "\n".join(line.removeprefix(f"{indent}# ") for line in commented.group(0).splitlines())
+    )
+    assert block["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    limits = block["resources"]["limits"]
+    assert any(resource.startswith("rdma/") for resource in limits)
+    [train] = [document for path, document in manifests() if path.name == "train.yaml"
+               and document["kind"] == "StatefulSet"]  # fmt: skip
+    [container] = train["spec"]["template"]["spec"]["containers"]
+    assert limits["nvidia.com/gpu"] == container["resources"]["limits"]["nvidia.com/gpu"]
+    container["securityContext"] = block["securityContext"]
+    container["resources"]["limits"].update(limits)
+    kubernetes_validate.validate(train, KUBERNETES_VERSION, strict=True)
+
+
 def test_the_kubernetes_deployment_hangs_together() -> None:
     documents = [document for _, document in manifests()]
     by_kind: dict[str, dict[str, dict[str, Any]]] = {}

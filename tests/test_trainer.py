@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from diffusers import UNet2DConditionModel
 from diffusers.training_utils import EMAModel
@@ -22,6 +23,8 @@ from sdq.workers.train.state import Ranks
 from sdq.workers.train.statefile import save_unet
 from sdq.workers.train.trainer import (
     LerpEMA,
+    _data_parallel,
+    autocast_dtype,
     base_unet,
     draw,
     load_checkpoint,
@@ -32,6 +35,7 @@ from sdq.workers.train.trainer import (
     step_inputs,
     train_step,
     training_flops_per_sample,
+    use_fast_kernels,
 )
 
 BATCH = 2
@@ -358,3 +362,45 @@ def test_a_state_resumed_from_its_checkpoint_writes_the_same_bytes(tmp_path) -> 
     written = {folder: files_in(tmp_path / folder) for folder in ("going-on", "resumed")}
     assert written["going-on"] == written["resumed"]
     assert {path.name for path in written["resumed"]} >= {"training.json", "training.safetensors"}
+
+
+def test_a_gpu_trains_in_bf16_on_tf32_and_autotuned_kernels_and_a_cpu_is_left_as_it_is() -> None:
+    """The GPU defaults: bf16 autocast unless asked otherwise, TF32 for what stays fp32,
+    cuDNN's autotuner. A torch.device names a GPU without one being there."""
+    cudnn = torch.backends.cudnn
+    flags = [
+        (torch.backends.cuda.matmul, "allow_tf32"),
+        (cudnn, "allow_tf32"),
+        (cudnn, "benchmark"),
+    ]
+    before = [getattr(owner, name) for owner, name in flags]
+    try:
+        for owner, name in flags:
+            setattr(owner, name, False)
+        use_fast_kernels(torch.device("cpu"))
+        assert [getattr(owner, name) for owner, name in flags] == [False] * 3
+        use_fast_kernels(torch.device("cuda", 0))
+        assert [getattr(owner, name) for owner, name in flags] == [True] * 3
+    finally:
+        for (owner, name), value in zip(flags, before, strict=True):
+            setattr(owner, name, value)
+    assert autocast_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
+    assert autocast_dtype("auto", torch.device("cpu")) is None
+    assert autocast_dtype("fp16", torch.device("cuda", 0)) == torch.float16
+
+
+@pytest.mark.parametrize(("accumulation", "static"), [(1, True), (2, False)])
+def test_ddp_keeps_gradients_in_its_buckets_and_a_static_graph_where_it_can(
+    accumulation: int, static: bool, tmp_path
+) -> None:
+    """DDP as a rank builds it (a one-rank gloo group here): gradients as views of its
+    buckets, and the static graph except beside no_sync (gradient accumulation)."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        options = spec(grad_accumulation=accumulation).options
+        model = _data_parallel(build_unet(), options, torch.device("cpu"))
+        assert (model.gradient_as_bucket_view, model.static_graph) == (True, static)
+    finally:
+        dist.destroy_process_group()
