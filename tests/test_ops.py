@@ -8,6 +8,7 @@ import shlex
 import subprocess
 import tomllib
 from dataclasses import fields
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +139,17 @@ def test_the_image_holds_every_package_folder() -> None:
     allowed = (OPS / "Dockerfile.dockerignore").read_text().split()
     assert all(f"!{path}" in allowed for path in copied)
     assert 'ENTRYPOINT ["sdq"]' in lines
+
+
+def test_the_image_pins_the_torch_this_suite_runs_and_ci_installs() -> None:
+    """ops/Dockerfile installs the torch release sdq is tested with, from PyPI by default
+    (that release's own CUDA build), not whatever sdq's dependencies would pull."""
+    dockerfile = (OPS / "Dockerfile").read_text()
+    pinned = re.search(r"^ARG TORCH_VERSION=(\S+)$", dockerfile, re.MULTILINE).group(1)
+    assert pinned == version("torch").split("+")[0]  # the suite's own, not imported here
+    assert f"torch=={pinned}" in (ROOT / ".ci" / "run").read_text()
+    assert "ARG TORCH_INDEX_URL=https://pypi.org/simple" in dockerfile
+    assert 'pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"' in dockerfile
 
 
 def manifests() -> list[tuple[Path, dict[str, Any]]]:

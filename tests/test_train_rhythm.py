@@ -127,6 +127,24 @@ def test_a_job_that_does_not_go_on_from_the_checkpoint_finds_nothing_kept(
     assert live.take(run.next_after(4)) is None  # and the kept training is gone
 
 
+def test_a_training_kept_in_the_worker_s_process_is_let_go_before_ranks_take_the_gpus(
+    run, tmp_path: Path
+) -> None:
+    """A worker holding a run of one rank in its own process (on cuda:0 on a GPU) lets it
+    go before a run of several ranks starts its rank processes, rank 0 on that GPU."""
+    store = LocalStore(tmp_path / "store")
+    _, _, _, live, following = first_job_kept(run, store)
+    ranked = replace(run, run=run.run + 1, options=replace(run.options, world_size=2))
+    try:
+        group = live.group(ranked)
+        assert len(group.processes) == 2 and len(rank_processes()) == 2
+        assert live.warm_keys() == {f"run-{ranked.run}"}
+        assert live.take(following) is None  # the kept training went first
+    finally:
+        live.close()
+    assert rank_processes() == []
+
+
 def assert_same_values(one: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> None:
     assert one.keys() == other.keys()
     assert all(torch.equal(one[name], other[name]) for name in one)
