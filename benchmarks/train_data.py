@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 from sdq.models.store import LocalStore, ObjectStore, S3Store  # noqa: E402
 from sdq.models.train.specs import LatentInput  # noqa: E402
 from sdq.workers.shards.latents import Encoded, latent_shard_bytes  # noqa: E402
-from sdq.workers.train.data import LatentStream, load_shards  # noqa: E402
+from sdq.workers.train.loop.data import LatentStream, load_shards  # noqa: E402
 from tests.old_shards import list_layout_bytes  # noqa: E402
 from tests.services import MotoServer, aws_env, s3_client  # noqa: E402
 

@@ -63,8 +63,9 @@ from sdq.models.train.specs import (  # noqa: E402
 )
 from sdq.workers.gpu import peak_flops  # noqa: E402
 from sdq.workers.shards.latents import Encoded, latent_shard_bytes  # noqa: E402
-from sdq.workers.train.job import Training, write_checkpoint  # noqa: E402
-from sdq.workers.train.trainer import new_state  # noqa: E402
+from sdq.workers.train.loop.build import new_state  # noqa: E402
+from sdq.workers.train.loop.checkpoints import write_checkpoint  # noqa: E402
+from sdq.workers.train.loop.training import Training  # noqa: E402
 from sdq.workers.weights import ModelFiles  # noqa: E402
 
 TOKENS = 77

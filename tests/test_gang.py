@@ -16,19 +16,18 @@ from sdq.models.jobs.kinds import TRAIN
 from sdq.models.jobs.lifecycle import Worker, claim, fail
 from sdq.models.settings import JobSettings, TrainSettings
 from sdq.models.tables import JobStatus
-from sdq.workers.train import gang
-from sdq.workers.train.gang import (
+from sdq.workers.train.gang import leader as leading
+from sdq.workers.train.gang.gathering import (
     AttemptOver,
     GangIncomplete,
     NodeLost,
-    going_on_seconds,
     join,
     lead,
-    leader_watch,
     lost_node,
-    member_watch,
 )
-from sdq.workers.train.ranks import Node
+from sdq.workers.train.gang.leader import RECALL_SECONDS, going_on_seconds, leader_watch
+from sdq.workers.train.gang.member import member_watch
+from sdq.workers.train.ranks.processes import Node
 from sdq.workers.train.work import TrainWork
 from tests.services import OutageProxy
 from tests.test_jobs import new_run
@@ -61,7 +60,7 @@ def test_a_gang_gathers_once_per_gathering_and_nothing_waits_for_ever(
     assert GangIncomplete in TrainWork.outage_errors
     # Before its deadline, the leader calls again for the node still missing (a call may
     # sit with a worker that cannot answer it).
-    monkeypatch.setattr(gang, "RECALL_SECONDS", 0)
+    monkeypatch.setattr(leading, "RECALL_SECONDS", 0)
     patient = replace(SETTINGS, gang_timeout_seconds=600)
     leader_watch(sessions, job_id, 1, nodes=3, settings=patient, call_nodes=calls.append)()
     assert calls == [1]
@@ -159,9 +158,9 @@ def test_a_gang_that_goes_on_keeps_its_rendezvous_and_each_member_its_place(
     assert go_on(Node(2, "127.0.0.1", 29511), gathering) == Node(2, "127.0.0.1", 29511)
     # Node 1 has not gone on. Called once on its own queue (there is no other to call),
     # it is waited for going_on_seconds, not the gang's timeout (0 s here), then given up.
-    assert going_on_seconds(SETTINGS) == SETTINGS.node_timeout_seconds + gang.RECALL_SECONDS
+    assert going_on_seconds(SETTINGS) == SETTINGS.node_timeout_seconds + RECALL_SECONDS
     leader_watch(sessions, job_id, gathering, nodes=3, settings=SETTINGS, call_nodes=None)()
-    monkeypatch.setattr(gang, "going_on_seconds", lambda settings: 0)
+    monkeypatch.setattr(leading, "going_on_seconds", lambda settings: 0)
     watch = leader_watch(sessions, job_id, gathering, nodes=3, settings=SETTINGS, call_nodes=None)
     with pytest.raises(
         GangIncomplete, match=r"2 of the 3 nodes .* went on from the run's last job within 0 s"

@@ -30,9 +30,9 @@ ENTRY_POINTS = {
         "from sdq.producer.cli.main import main",
     ),
     "a rank process": (
-        "from sdq.workers.train.rank_start import load_rank",
+        "from sdq.workers.train.ranks.__main__ import load_rank",
         "load_rank()",
-        "from sdq.workers.train.rank import main",
+        "from sdq.workers.train.ranks.serve import main",
     ),
     "a GPU worker": (
         "from sdq.workers.main import preload; from sdq.models.jobs.kinds import KINDS; "

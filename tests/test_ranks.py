@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     import os, subprocess, sys, time
     env = {**os.environ, "SDQ_RANK_PARENT": str(os.getpid()), "RANK": "0",
            "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-    rank = subprocess.Popen([sys.executable, "-m", "sdq.workers.train.rank_start",
+    rank = subprocess.Popen([sys.executable, "-m", "sdq.workers.train.ranks",
                              sys.argv[1]], env=env)
     print(rank.pid, flush=True)
     time.sleep(600)
@@ -53,7 +53,7 @@ def threads_when_training_here(omp: str | None) -> int:
     if omp:
         env["OMP_NUM_THREADS"] = omp
     script = (
-        "import torch; from sdq.workers.train.ranks import share_cores; "
+        "import torch; from sdq.workers.train.ranks.processes import share_cores; "
         "share_cores(); print(torch.get_num_threads())"
     )
     done = subprocess.run(

@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 
 from sdq.models.registry import content_hash, file_sha256
 from sdq.models.train.specs import checkpoint_prefix
-from sdq.workers.train.sharding import is_sharded, unet_weights
-from sdq.workers.train.state import Ranks
-from sdq.workers.train.trainer import load_checkpoint
+from sdq.workers.train.loop.checkpoints import load_checkpoint
+from sdq.workers.train.loop.sharding import is_sharded, unet_weights
+from sdq.workers.train.loop.state import Ranks
 from tests.services import clean_env
 from tests.sharded.train_two_ranks import spec
 

@@ -526,7 +526,7 @@ def test_phases_checkpoints_and_the_recipe_on_one_machine(tmp_path: Path) -> Non
 
 def rank_processes() -> list[int]:
     listed = subprocess.run(
-        ["pgrep", "-f", "sdq.workers.train.rank"], capture_output=True, text=True
+        ["pgrep", "-f", "sdq.workers.train.ranks "], capture_output=True, text=True
     ).stdout
     return [int(pid) for pid in listed.split()]
 

@@ -12,12 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from sdq.models.train.specs import LatentInput, TrainOptions, default_lanes
-from sdq.workers.shards.latents import (
-    Encoded,
-    latent_shard_bytes,
-    read_training_tensors,
-)
-from sdq.workers.train.data import LatentStream
+from sdq.workers.shards.latents import Encoded, latent_shard_bytes, read_training_tensors
+from sdq.workers.train.loop.data import LatentStream
 from tests.old_shards import list_layout_bytes
 
 

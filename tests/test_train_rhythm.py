@@ -22,11 +22,12 @@ from sdq.models.store import LocalStore
 from sdq.models.train.specs import LatentInput, TrainOptions, TrainShardSpec
 from sdq.workers.shards.latents import latent_shard_bytes
 from sdq.workers.tiny import build_unet
-from sdq.workers.train.gang import NodeLost
-from sdq.workers.train.job import Training, downloaded
-from sdq.workers.train.ranks import DONE_FILE, Node
-from sdq.workers.train.trainer import new_state, snapshot
-from sdq.workers.train.work import LiveStates
+from sdq.workers.train.gang.gathering import NodeLost
+from sdq.workers.train.loop.build import new_state
+from sdq.workers.train.loop.checkpoints import downloaded, snapshot
+from sdq.workers.train.loop.training import Training
+from sdq.workers.train.ranks.live import LiveStates
+from sdq.workers.train.ranks.processes import DONE_FILE, Node
 from tests.test_train_data import encoded
 
 SETTINGS = TrainSettings(loss_every=2)
@@ -227,5 +228,5 @@ def rank_processes() -> list[psutil.Process]:
     return [
         child
         for child in psutil.Process().children()
-        if "sdq.workers.train.rank_start" in child.cmdline()
+        if "sdq.workers.train.ranks" in child.cmdline()
     ]

@@ -19,24 +19,23 @@ from sdq.models.registry import tiny_identity
 from sdq.models.train.specs import TrainOptions, TrainShardSpec
 from sdq.workers.gpu import peak_flops, peak_flops_of
 from sdq.workers.tiny import build_unet
-from sdq.workers.train.state import Ranks
-from sdq.workers.train.statefile import save_unet
-from sdq.workers.train.trainer import (
+from sdq.workers.train.loop.build import (
     LerpEMA,
     _data_parallel,
     autocast_dtype,
     base_unet,
-    draw,
-    load_checkpoint,
     new_state,
+    use_fast_kernels,
+)
+from sdq.workers.train.loop.checkpoints import (
+    load_checkpoint,
     restore_optimizer,
     save_checkpoint,
     snapshot,
-    step_inputs,
-    train_step,
-    training_flops_per_sample,
-    use_fast_kernels,
 )
+from sdq.workers.train.loop.files import save_unet
+from sdq.workers.train.loop.state import Ranks
+from sdq.workers.train.loop.step import draw, step_inputs, train_step, training_flops_per_sample
 
 BATCH = 2
 

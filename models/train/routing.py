@@ -19,7 +19,7 @@ def run_key(run_id: int) -> str:
 
 def node_key(run_id: int, node: int) -> str:
     """The queue key of a member node of a run's gang: where the leader calls it to go on
-    with the run's next job (workers/train/gang.py)."""
+    with the run's next job (workers/train/gang/)."""
     return f"{run_key(run_id)}-node-{node}"
 
 

@@ -53,7 +53,7 @@ class TrainOptions:
     sharding: str = "none"
     grad_comm: str = "fp32"
     # The run's samples come in this many lanes of shards, each read by one rank (see
-    # workers/train/data.py): the world size divides it, and it divides the batch size.
+    # workers/train/loop/data.py): the world size divides it, and it divides the batch size.
     # Fixed at submit (None: the default, see default_lanes), so that the run trains on the
     # same samples whatever world size later resumes it.
     data_lanes: int | None = None

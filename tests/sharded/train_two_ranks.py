@@ -20,9 +20,11 @@ from sdq.models.registry import tiny_identity
 from sdq.models.store import LocalStore
 from sdq.models.train.specs import TrainOptions, TrainShardSpec, checkpoint_prefix
 from sdq.workers.tiny import build_unet
-from sdq.workers.train.job import Training, downloaded, write_checkpoint
-from sdq.workers.train.rank import exit_now, ranks_from_env
-from sdq.workers.train.trainer import load_checkpoint, new_state, step_inputs, train_step
+from sdq.workers.train.loop.build import new_state
+from sdq.workers.train.loop.checkpoints import downloaded, load_checkpoint, write_checkpoint
+from sdq.workers.train.loop.step import step_inputs, train_step
+from sdq.workers.train.loop.training import Training
+from sdq.workers.train.ranks.serve import exit_now, ranks_from_env
 from sdq.workers.weights import ModelFiles
 
 BATCH, STEPS = 4, 4

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from diffusers import UNet2DConditionModel
 from torch.utils.flop_counter import FlopCounterMode
 
-from sdq.workers.train.sharding import shard_units
+from sdq.workers.train.loop.sharding import shard_units
 
 # The share of a GPU's memory a plan may fill.
 USABLE = 0.9

@@ -14,8 +14,9 @@ from sdq.workers.app import SdqCelery, worker_identity
 from sdq.workers.delivery import JobTask, deliver_task
 from sdq.workers.holding import hold
 from sdq.workers.routing import consume_warm_queues
-from sdq.workers.train import gang
-from sdq.workers.train.work import LiveStates, TrainWork
+from sdq.workers.train.gang.member import take_part
+from sdq.workers.train.ranks.live import LiveStates
+from sdq.workers.train.work import TrainWork
 from sdq.workers.weights import ModelFiles
 
 JOIN_TASK = f"{TRAIN.task_name}.join"
@@ -64,11 +65,11 @@ def time_limit(task) -> float | None:
 @shared_task(bind=True, base=JobTask, name=JOIN_TASK, max_job_ids=1)
 def join(self, job_ids: list[int], gathering: int, goes_on: bool = False) -> dict[str, Any]:
     """This worker as one more node of that gathering of the job's gang, or, where the gang
-    `goes_on` from the run's last job, as the node it was (gang.py)."""
+    `goes_on` from the run's last job, as the node it was (gang/member.py)."""
     [job_id] = job_ids
     hold(TRAIN.name, live_states().clear)
     worker, settings = worker_identity(Pool.gpu).host, self.app.settings.train
-    outcome = gang.take_part(self.app.sessions, job_id, gathering, worker=worker,
+    outcome = take_part(self.app.sessions, job_id, gathering, worker=worker,
                              settings=settings, ranks=live_states(), goes_on=goes_on)  # fmt: skip
     follow_the_run(self)
     return {"outcome": outcome}

@@ -7,16 +7,15 @@ A run of world size 1 trains in this process: it keeps the state it has just che
 takes the next job's steps on a thread while the checkpoint is written, and hands them to
 that job when it comes (the run's jobs are routed to the worker that holds it: models/
 train/routing.py); any other worker restores the checkpoint from the store. A larger world
-size trains on that many rank processes (ranks.py), kept from job to job, so that they too
+size trains on that many rank processes (ranks/), kept from job to job, so that they too
 go on in memory; over several nodes, this worker leads the gang the other nodes' workers
-join (gang.py), which goes on with the same ranks from job to job while it can.
+join (gang/), which goes on with the same ranks from job to job while it can.
 """
 
 import logging
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from time import perf_counter, time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -25,10 +24,11 @@ from sdq.models.jobs.lifecycle import Output, utcnow
 from sdq.models.settings import TrainSettings
 from sdq.models.store import ObjectStore
 from sdq.models.tables import Job
-from sdq.models.train.routing import run_key
 from sdq.models.train.specs import TrainShardSpec, training_seconds
-from sdq.workers.train import gang
-from sdq.workers.train.ranks import Node, RankGroup, Spares, share_cores
+from sdq.workers.train.gang.gathering import GangIncomplete
+from sdq.workers.train.gang.leader import GangCalls, run_as_leader
+from sdq.workers.train.ranks.live import LiveStates
+from sdq.workers.train.ranks.processes import share_cores
 from sdq.workers.train.records import (
     LiveSteps,
     Written,
@@ -38,9 +38,6 @@ from sdq.workers.train.records import (
     record_checkpoint,
 )
 from sdq.workers.weights import ModelFiles, ModelUnavailable
-
-if TYPE_CHECKING:
-    from sdq.workers.train.job import Training
 
 logger = logging.getLogger(__name__)
 
@@ -61,163 +58,9 @@ class TooManyRanks(Exception):
     """The job asks for more ranks a node than this worker was started with."""
 
 
-class LiveStates:
-    """What this process keeps of the run it last trained, for that run's next job: the
-    training it checkpointed (a run of one rank, trained here), which takes the next job's
-    steps on a thread until that job comes; or the rank processes holding it (a run of
-    several). One at a time: a GPU that rank 0 of a group needs is never also holding a
-    state trained here. Beside them, spare rank processes for the next run (which hold no
-    device until they join one)."""
-
-    def __init__(self) -> None:
-        self._training: Training | None = None
-        self._ahead: Ahead | None = None
-        self._group: RankGroup | None = None
-        self._spares: Spares | None = None
-
-    def take(self, spec: TrainShardSpec) -> "Training | None":
-        """The training to go on with in this process, if the job goes on from it."""
-        self._stop_group()
-        self._stop_ahead()
-        if self._training is not None and self._training.goes_on_to(spec):
-            training, self._training = self._training, None
-            return training
-        self._drop_training()
-        return None
-
-    def keep(self, training: "Training", following: TrainShardSpec | None) -> None:
-        """Keeps the training, taking the steps of the job that follows meanwhile."""
-        self._training = training
-        if following is not None:
-            self._ahead = Ahead(training, following)
-
-    def group(self, spec: TrainShardSpec) -> RankGroup:
-        """The rank processes of the job's run, the spares joining it unless they serve it
-        already."""
-        if self._group is None or not self._group.serves(spec):
-            self._new_group(spec, Node())
-        return self._group
-
-    def _new_group(self, spec: TrainShardSpec, node: Node) -> None:
-        """What this process holds let go (the ranks need the devices), the spares join
-        the run as that node of it."""
-        self.clear()
-        spares, self._spares = self._spares, None
-        self._group = RankGroup(spec, spares, node)
-
-    def kept_gang_node(self, spec: TrainShardSpec) -> Node | None:
-        """This node's place in the run's gang, if its ranks are kept here and can go on
-        with this job."""
-        if self._group is None or not self._group.serves(spec):
-            return None
-        return self._group.node
-
-    def run_gang_node(
-        self,
-        spec: TrainShardSpec,
-        node: Node,
-        watch: Callable[[], None],
-        stop_at: float | None,
-        goes_on: bool,
-    ) -> dict[str, Any] | None:
-        """This node's ranks of a job over several nodes: those kept from the run's last job
-        where the gang `goes_on` (every node agrees: gang.py), else the spares waiting here
-        (their imports done). They are kept after the job. A failure stops them, and starts
-        spares in their place: their imports overlap the job's next gathering, and take no
-        core from a training (a rank slowed by them would hold every rank of the gang at
-        its next collective)."""
-        if not goes_on:
-            self._new_group(spec, node)
-        try:
-            return self._group.train(spec, stop_at, watch)
-        except BaseException:
-            self._group = None  # train() has stopped it
-            self.spare(spec.options.ranks_per_node)
-            raise
-
-    def run_ended(self, local_ranks: int) -> None:
-        """The run's ranks let their devices go, and spares take their place for the next
-        run."""
-        self.clear()
-        self.spare(local_ranks)
-
-    def warm_keys(self) -> set[str]:
-        """Where the jobs of the run held here find this worker (models/train/routing.py)."""
-        if self._training is not None:
-            return {run_key(self._training.state.run)}
-        return {self._group.warm_key} if self._group is not None else set()
-
-    def spare(self, local_ranks: int) -> None:
-        """Rank processes started for the next run (ranks.Spares), unless there are."""
-        if self._spares is None or not self._spares.fit(local_ranks):
-            if self._spares is not None:
-                self._spares.stop()
-            self._spares = Spares(local_ranks)
-
-    def clear(self) -> None:
-        self._stop_group()
-        self._stop_ahead()
-        self._drop_training()
-
-    def close(self) -> None:
-        """All of it let go, the spares too (the process ends)."""
-        self.clear()
-        if self._spares is not None:
-            self._spares.stop()
-            self._spares = None
-
-    def _stop_ahead(self) -> None:
-        if self._ahead is not None and not self._ahead.stop():
-            self._drop_training()  # it failed mid-step: the state is not any step's
-        self._ahead = None
-
-    def _drop_training(self) -> None:
-        """Lets the kept training go, its device memory with it."""
-        if self._training is None:
-            return
-        from sdq.workers.gpu import release_device_memory
-
-        self._training.close()
-        self._training = None
-        release_device_memory()
-
-    def _stop_group(self) -> None:
-        if self._group is not None:
-            self._group.stop()
-            self._group = None
-
-
-class Ahead:
-    """The steps of a run's next job, taken on a thread from the state its last job has
-    just checkpointed, until the job comes to take them (or another job comes)."""
-
-    def __init__(self, training: "Training", following: TrainShardSpec) -> None:
-        self._stopping = threading.Event()
-        self._failure: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._take_steps, args=(training, following), name="sdq-train-ahead"
-        )
-        # It never holds the process open: stop() ends it, and an exit stops it (task.py).
-        self._thread.daemon = True
-        self._thread.start()
-
-    def _take_steps(self, training: "Training", following: TrainShardSpec) -> None:
-        try:
-            training.train_ahead(following, self._stopping.is_set)
-        except BaseException as error:
-            logger.warning("steps ahead of run %s's next job failed: %r", following.run, error)
-            self._failure = error
-
-    def stop(self) -> bool:
-        """Stops it at its window's end; whether the state is still a step's."""
-        self._stopping.set()
-        self._thread.join()
-        return self._failure is None
-
-
 class TrainWork(Work):
     permanent_errors = (ModelUnavailable, NoGangHere, TooManyRanks)
-    outage_errors = (*Work.outage_errors, gang.GangIncomplete)
+    outage_errors = (*Work.outage_errors, GangIncomplete)
 
     def __init__(
         self,
@@ -230,7 +73,7 @@ class TrainWork(Work):
         follow: Callable[[], None],
         settings: TrainSettings,
         worker: str,
-        calls: gang.GangCalls | None,
+        calls: GangCalls | None,
         time_limit_seconds: float | None,
     ) -> None:
         self.store = store
@@ -294,8 +137,9 @@ class TrainWork(Work):
     ) -> tuple[list[dict], Written]:
         """Steps on this process's device, then the checkpoint written while the next
         job's steps are taken on a thread."""
-        from sdq.workers.train.job import Training, restore_state, until_time, write_checkpoint
-        from sdq.workers.train.state import Ranks
+        from sdq.workers.train.loop.checkpoints import restore_state, write_checkpoint
+        from sdq.workers.train.loop.state import Ranks
+        from sdq.workers.train.loop.training import Training, until_time
 
         share_cores()
         training = self.live.take(spec)
@@ -324,10 +168,10 @@ class TrainWork(Work):
         return result["steps"], Written(**result["written"])
 
     def _lead(self, job: Job, spec: TrainShardSpec, stop_at: float | None) -> dict[str, Any]:
-        """Node 0 of the job's gang (gang.py)."""
+        """Node 0 of the job's gang (gang/leader.py)."""
         if self.calls is None:
             raise NoGangHere(f"run {spec.run} spans {spec.options.nodes} nodes: it needs workers")
-        return gang.run_as_leader(self.sessions, job, spec, worker=self.worker,
+        return run_as_leader(self.sessions, job, spec, worker=self.worker,
                                   settings=self.settings, calls=self.calls, ranks=self.live,
                                   stop_at=stop_at)  # fmt: skip
 

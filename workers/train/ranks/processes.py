@@ -10,7 +10,7 @@ meanwhile) and join its process group when it comes, as lines on their standard 
 They outlive the job (RankGroup): they take the run's jobs one after another and keep the
 process group, the model and the training state on the devices in between; the next job
 of the run on this worker goes on from where the last one stopped. Over several machines,
-each node's ranks are kept so, and go on together when the gang does (gang.py)."""
+each node's ranks are kept so, and go on together when the gang does (gang/)."""
 
 import json
 import os
@@ -30,7 +30,7 @@ from sdq.models.train.routing import node_key, run_key
 from sdq.models.train.specs import TrainOptions, TrainShardSpec
 from sdq.workers.weights import ModelUnavailable
 
-RANK_MODULE = "sdq.workers.train.rank_start"
+RANK_MODULE = "sdq.workers.train.ranks"
 JOB_FILE = "job.json"
 RESULT_FILE = "result.json"
 # A rank writes this (by its local rank) when it has done its part of a job.
@@ -63,7 +63,7 @@ class Node:
 
     @property
     def rendezvous(self) -> str:
-        """host:port of rank 0's store, as a gathering records it (gang.py)."""
+        """host:port of rank 0's store, as a gathering records it (gang/gathering.py)."""
         return f"{self.master_address}:{self.master_port}"
 
 

@@ -1,6 +1,6 @@
-"""A rank process's entry point (`python -m sdq.workers.train.rank_start FOLDER`):
+"""A rank process's entry point (`python -m sdq.workers.train.ranks FOLDER`):
 it arms the parent-death signal before anything else, then imports torch and the rank's
-work (rank.py). Armed after those imports, as it once was, a rank whose worker was killed
+work (serve.py). Armed after those imports, as it once was, a rank whose worker was killed
 while it imported lived on for as long as they took (79 s seen) with nobody to stop it.
 Those imports are loaded for good (sdq.models.loading): left to the collector, they cost a
 spare 1-1.3 s of collections as it starts, and a run 0.25-0.3 s of a full collection on
@@ -30,7 +30,7 @@ def die_with_parent() -> None:
 def load_rank() -> Callable[[Path], NoReturn]:
     """The rank's work, torch and all, loaded for good."""
     with loaded_for_good():
-        from sdq.workers.train.rank import main
+        from sdq.workers.train.ranks.serve import main
     return main
 
 

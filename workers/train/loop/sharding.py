@@ -37,8 +37,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from sdq.models.registry import file_sha256
-from sdq.workers.train.state import TrainState
-from sdq.workers.train.statefile import UNET_FOLDER, save_unet_config
+from sdq.workers.train.loop.files import UNET_FOLDER, save_unet_config
+from sdq.workers.train.loop.state import TrainState
 
 SHARDED_FOLDER = "sharded"
 GRAD_COMM_DTYPE = {"fp32": None, "bf16": torch.bfloat16}

@@ -1,14 +1,14 @@
-"""One rank of a data-parallel train-shard job, a process of its own started by a worker
-(workers/train/ranks.py) through rank_start.py (`python -m sdq.workers.train.rank_start
-FOLDER`) ahead of the run it serves. The first line on its standard input is that run's
-rendezvous; then it takes job after job of the run, each following line saying the next
-job's spec is in FOLDER; it keeps its process group, model and training state between
-them, and goes on in memory when the job starts where the last one stopped (it restores
-the job's checkpoint otherwise, once per node: the first local rank downloads it into
-FOLDER). Rank 0 writes each job's checkpoint on a thread and leaves what the worker
-records (the steps, the checkpoint) in FOLDER; meanwhile the ranks take the next job's
-steps. Each job ends with a done file in FOLDER (rank 0's once its checkpoint is written);
-the end of its input ends the process. GPU-side: imports torch.
+"""One rank of a data-parallel train-shard job, a process of its own that a worker starts
+(processes.py: `python -m sdq.workers.train.ranks FOLDER`, __main__.py) ahead of the run it
+serves. The first line on its standard input is that run's rendezvous; then it takes job
+after job of the run, each following line saying the next job's spec is in FOLDER; it keeps
+its process group, model and training state between them, and goes on in memory when the
+job starts where the last one stopped (it restores the job's checkpoint otherwise, once per
+node: the first local rank downloads it into FOLDER). Rank 0 writes each job's checkpoint
+on a thread and leaves what the worker records (the steps, the checkpoint) in FOLDER;
+meanwhile the ranks take the next job's steps. Each job ends with a done file in FOLDER
+(rank 0's once its checkpoint is written); the end of its input ends the process.
+GPU-side: imports torch.
 """
 
 import json
@@ -30,19 +30,12 @@ from sdq.models.db import make_engine, session_factory
 from sdq.models.settings import Settings
 from sdq.models.store import ObjectStore, open_store
 from sdq.models.train.specs import TrainShardSpec
-from sdq.workers.train.job import (
-    Stop,
-    Training,
-    rank0_decides,
-    restore_state,
-    until_time,
-    write_checkpoint,
-)
-from sdq.workers.train.ranks import DONE_FILE, JOB_FILE, RESULT_FILE, STOP_FILE
+from sdq.workers.train.loop.checkpoints import Snapshot, restore_state, write_checkpoint
+from sdq.workers.train.loop.sharding import ShardedSnapshot
+from sdq.workers.train.loop.state import Ranks, TrainState
+from sdq.workers.train.loop.training import Stop, Training, rank0_decides, until_time
+from sdq.workers.train.ranks.processes import DONE_FILE, JOB_FILE, RESULT_FILE, STOP_FILE
 from sdq.workers.train.records import LiveSteps
-from sdq.workers.train.sharding import ShardedSnapshot
-from sdq.workers.train.state import Ranks, TrainState
-from sdq.workers.train.trainer import Snapshot
 from sdq.workers.weights import ModelFiles
 
 
@@ -175,13 +168,13 @@ def _job(folder: Path) -> TrainShardSpec:
 
 
 def _stop_at(folder: Path) -> float | None:
-    """When the job should stop taking steps (rank 0's decision: see ranks.py)."""
+    """When the job should stop taking steps (rank 0's decision: see processes.py)."""
     stop = folder / STOP_FILE
     return float(stop.read_text()) if stop.is_file() else None
 
 
 def fail(folder: Path, rank: int, error: Exception) -> NoReturn:
-    """Ends the rank with its error reported for the worker (ranks.py reads it)."""
+    """Ends the rank with its error reported for the worker (processes.py reads it)."""
     traceback.print_exc()
     report = {"type": type(error).__name__, "message": str(error)}
     (folder / f"error-{rank}.json").write_text(json.dumps(report))
@@ -198,7 +191,7 @@ def exit_now(code: int) -> NoReturn:
 
 
 def main(folder: Path) -> NoReturn:
-    """The rank's work, once the run's rendezvous has come on standard input; rank_start.py
+    """The rank's work, once the run's rendezvous has come on standard input; __main__.py
     has armed the parent-death signal first."""
     join_run()
     ranks = ranks_from_env()

@@ -1,7 +1,8 @@
-"""One train-shard job's work on one rank, the same in a worker process that trains alone
-and in each process of a data-parallel group: restore the state, take the steps, write
-the checkpoint (rank 0). It reads and writes the object store only; the database is the
-worker's (work.py). GPU-side: imports torch.
+"""A run's training on one rank, kept from job to job, the same in a worker process that
+trains alone and in each process of a data-parallel group: its state, the stream of its
+steps' inputs, the steps it takes in windows whose losses are read at once, and when to
+stop (every rank after the same step, as rank 0 decides). It reads the object store only;
+the database is the worker's (work.py). GPU-side: imports torch.
 
 A checkpoint is written from a copy of the state in host memory, on a thread, while the
 training goes on to the next job's steps (`Training.train_ahead`): the devices wait for
@@ -10,145 +11,29 @@ steps already taken for it; anywhere else, it restores the checkpoint and takes 
 again, the same steps (every sample and draw is a function of the seed and the step).
 """
 
-import fcntl
-import hashlib
-import io
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import replace
-from pathlib import Path
 from time import perf_counter, time
-from typing import Any, TypeVar
+from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from diffusers import UNet2DConditionModel
 
-from sdq.models.registry import content_hash, folder_content_hash
 from sdq.models.settings import TrainSettings
 from sdq.models.store import ObjectStore
-from sdq.models.train.specs import (
-    LatentInput,
-    TrainShardSpec,
-    checkpoint_prefix,
-    read_inputs_manifest,
-)
+from sdq.models.train.specs import LatentInput, TrainShardSpec, read_inputs_manifest
 from sdq.workers.gpu import peak_flops
-from sdq.workers.train.data import LatentStream, load_shards
-from sdq.workers.train.records import Written
-from sdq.workers.train.sharding import (
-    SHARDED_FOLDER,
-    ShardedSnapshot,
-    every_rank_hashes,
-    shard_hashes,
-    sharded_snapshot,
-    unet_weights,
-)
-from sdq.workers.train.state import Ranks, TrainState
-from sdq.workers.train.trainer import (
-    Snapshot,
+from sdq.workers.train.loop.checkpoints import Snapshot, snapshot
+from sdq.workers.train.loop.data import LatentStream, load_shards
+from sdq.workers.train.loop.sharding import ShardedSnapshot, sharded_snapshot
+from sdq.workers.train.loop.state import TrainState
+from sdq.workers.train.loop.step import (
     StepInputs,
-    base_unet,
-    export_model,
-    fetch_base_ahead,
-    fetched_base,
-    load_checkpoint,
-    new_state,
     on_device,
     pinned_allocator,
-    save_checkpoint,
-    snapshot,
     train_step,
     training_flops_per_sample,
 )
-from sdq.workers.weights import ModelFiles
-
-T = TypeVar("T")
-
-# Objects a checkpoint puts in the store at once.
-UPLOAD_THREADS = 8
-
-
-def restore_state(
-    spec: TrainShardSpec,
-    store: ObjectStore,
-    files: ModelFiles,
-    ranks: Ranks,
-    node_folder: Path | None = None,
-) -> TrainState:
-    """The state the job starts from: the run's first (the base's U-Net, a new one, or the
-    weights of the checkpoint the run goes on from), or its checkpoint at the first step.
-    Ranks that share a `node_folder` (one node's) download a checkpoint once between them."""
-    if spec.first_step == 0:
-        state = new_state(spec, _first_unet(spec, store, files, node_folder), ranks)
-    else:
-        prefix = f"{checkpoint_prefix(spec.run, spec.first_step)}/state/"
-        with downloaded(store, prefix, node_folder) as folder:
-            state = load_checkpoint(spec, folder, ranks)
-    if spec.options.caption_dropout:
-        state.empty_prompt = empty_prompt(store, spec.empty_prompt_key).to(state.device)
-    if ranks.writes:
-        fetch_base_ahead(spec, files)  # after the restore: it may have fetched them already
-    return state
-
-
-def _first_unet(
-    spec: TrainShardSpec, store: ObjectStore, files: ModelFiles, node_folder: Path | None
-):
-    if spec.start_from is None:
-        return base_unet(spec, files)
-    state = f"{spec.start_from}/state/"
-    if next(store.list_keys(f"{state}{SHARDED_FOLDER}/"), None) is None:
-        with downloaded(store, f"{state}unet/", node_folder) as folder:
-            return UNet2DConditionModel.from_pretrained(folder)
-    # Written by a sharded run, at whatever world size: each rank reads the whole U-Net.
-    with downloaded(store, state, node_folder) as folder:
-        return unet_weights(folder)
-
-
-@contextmanager
-def downloaded(store: ObjectStore, prefix: str, node_folder: Path | None) -> Iterator[Path]:
-    """The objects under a prefix, in a local folder while the block runs; in
-    `node_folder`, shared with the node's other ranks, who find it there (the first to
-    come downloads it, the others wait for it on a lock)."""
-    if node_folder is None:
-        with tempfile.TemporaryDirectory(prefix="sdq-checkpoint-") as folder:
-            _download(store, prefix, Path(folder))
-            yield Path(folder)
-        return
-    restores = node_folder / "restores"
-    restores.mkdir(exist_ok=True)
-    folder = restores / hashlib.sha256(prefix.encode()).hexdigest()[:16]
-    with (restores / ".lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (folder / DOWNLOADED).is_file():
-            # The node's earlier restores: every rank has gone past them, to this one.
-            for older in restores.iterdir():
-                if older.is_dir():
-                    shutil.rmtree(older)
-            _download(store, prefix, folder)
-            (folder / DOWNLOADED).touch()
-    yield folder
-
-
-# Marks a node's shared download complete.
-DOWNLOADED = ".downloaded"
-
-
-def _download(store: ObjectStore, prefix: str, folder: Path) -> None:
-    for key in store.list_keys(prefix):
-        store.get_file(key, folder / key.removeprefix(prefix))
-
-
-def empty_prompt(store: ObjectStore, key: str | None) -> torch.Tensor:
-    """The text encoder's output for "" (tokens x hidden size), as the encode run stored it."""
-    if key is None:
-        raise ValueError("caption dropout needs the empty prompt's embedding; the spec has none")
-    return torch.from_numpy(np.load(io.BytesIO(store.get_bytes(key))).astype(np.float32))
 
 
 def run_inputs(spec: TrainShardSpec, store: ObjectStore) -> tuple[LatentInput, ...]:
@@ -340,82 +225,3 @@ class StepWindow:
         self._losses, self._waited = [], 0.0
         self._opened, self._opened_at = closed, closed_at
         return self.steps[read_before:]
-
-
-def write_checkpoint(
-    spec: TrainShardSpec, snapshot: Snapshot | ShardedSnapshot, store: ObjectStore,
-    files: ModelFiles,
-) -> Written | None:  # fmt: skip
-    """The training state in the store, and the whole pipeline beside it when this
-    checkpoint is a model; what rank 0 records of it (None on the other ranks of a sharded
-    run, which write their own parts)."""
-    if isinstance(snapshot, ShardedSnapshot):
-        return _write_sharded(spec, snapshot, store, files)
-    prefix = checkpoint_prefix(spec.run, snapshot.step)
-    # The model (when the checkpoint is one) is written beside the state, on a thread.
-    with ThreadPoolExecutor(1, thread_name_prefix="sdq-model") as beside:
-        model = beside.submit(_write_model, spec, snapshot, store, files)
-        with tempfile.TemporaryDirectory(prefix="sdq-checkpoint-") as temporary:
-            folder = Path(temporary)
-            save_checkpoint(snapshot, folder / "state")
-            state_sha256 = _upload(store, prefix, folder, sorted(folder.rglob("*")),
-                                   lambda: folder_content_hash(folder / "state"))  # fmt: skip
-        model_prefix, revision = model.result()
-    # The training waited for the snapshot only: the rest overlaps the next steps.
-    return Written(snapshot.step, store.uri(prefix), state_sha256, model_prefix, revision,
-                   snapshot.seconds)  # fmt: skip
-
-
-def _write_sharded(
-    spec: TrainShardSpec, snapshot: ShardedSnapshot, store: ObjectStore, files: ModelFiles
-) -> Written | None:
-    """This rank's part in the store; on rank 0, once every rank's is there, the whole
-    checkpoint's hash (of every part's) and its model."""
-    prefix = checkpoint_prefix(spec.run, snapshot.step)
-    try:
-        own = _upload(store, f"{prefix}/state", snapshot.folder, snapshot.files(),
-                      lambda: shard_hashes(snapshot))  # fmt: skip
-        hashes = every_rank_hashes(snapshot, own)
-        if snapshot.rank != 0:
-            return None
-        model_prefix, revision = _write_model(spec, snapshot, store, files)
-    finally:
-        snapshot.close()
-    return Written(snapshot.step, store.uri(prefix), content_hash(sorted(hashes.items())),
-                   model_prefix, revision, snapshot.seconds)  # fmt: skip
-
-
-def _write_model(
-    spec: TrainShardSpec, snapshot: Snapshot | ShardedSnapshot, store: ObjectStore,
-    files: ModelFiles,
-) -> tuple[str | None, str | None]:  # fmt: skip
-    """The whole pipeline in the store when the checkpoint is a model (at the step the job
-    reached, which is its last unless it stopped early): its prefix and content hash."""
-    if not replace(spec, last_step=snapshot.step).exports_model:
-        return None, None
-    prefix = f"{checkpoint_prefix(spec.run, snapshot.step)}/model"
-    with tempfile.TemporaryDirectory(prefix="sdq-model-") as temporary:
-        folder = Path(temporary)
-        base = fetched_base(spec, files)
-        export_model(snapshot.unet_config, snapshot.model_weights, base, folder)
-        revision = _upload(store, prefix, folder, sorted(folder.rglob("*")),
-                           lambda: folder_content_hash(folder))  # fmt: skip
-    return prefix, revision
-
-
-def _upload(
-    store: ObjectStore, prefix: str, folder: Path, paths: list[Path], hashing: Callable[[], T]
-) -> T:
-    """The files put at once (a checkpoint is a dozen objects or more, each a round trip,
-    and the last one's write is on the run's clock), and what `hashing` returns, hashed on
-    a thread meanwhile: both read the files from the page cache, and hashing SD 2's state
-    (12.9 GB) takes seconds that would otherwise add to the upload's."""
-    with ThreadPoolExecutor(UPLOAD_THREADS + 1, thread_name_prefix="sdq-upload") as uploads:
-        hashed = uploads.submit(hashing)
-        for put in [
-            uploads.submit(store.put_file, f"{prefix}/{path.relative_to(folder).as_posix()}", path)
-            for path in paths
-            if path.is_file()
-        ]:
-            put.result()
-        return hashed.result()
