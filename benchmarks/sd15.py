@@ -13,7 +13,7 @@ from diffusers.pipelines.stable_diffusion.safety_checker import StableDiffusionS
 from transformers import CLIPConfig, CLIPTextConfig, CLIPTextModel
 
 from sdq.models import tiny
-from sdq.models.architectures import SD15_TEXT_ENCODER, SD15_VAE, UNET_ARCHITECTURES
+from sdq.models.train.architectures import SD15_TEXT_ENCODER, SD15_VAE, UNET_ARCHITECTURES
 from sdq.workers.tiny import build_tokenizer
 
 # runwayml/stable-diffusion-v1-5's scheduler config, with Euler as the sampler.

@@ -1,6 +1,6 @@
 """Training on one GPU at Stable Diffusion's shapes: sdq's rank loop against the plain loop.
 
-An SD 2-shaped U-Net (866M parameters, models/architectures.py; `--architecture sd2-narrow`:
+An SD 2-shaped U-Net (866M parameters, models/train/architectures.py; `--architecture sd2-narrow`:
 the train benchmarks' at a tenth of its width, benchmarks/unets.py) with random weights,
 built in code, and latent shards of random fp16 latents and text embeddings in sdq's layout,
 written once to a local folder, untimed. Then, in interleaved rounds on the same device:
@@ -53,8 +53,8 @@ sys.path.insert(0, str(ROOT))
 from sd15 import SD15_SCHEDULER  # noqa: E402  (beside this script)
 from unets import UNETS  # noqa: E402
 
-from sdq.models.settings import TrainSettings  # noqa: E402
 from sdq.models.store import LocalStore  # noqa: E402
+from sdq.models.train.settings import TrainSettings  # noqa: E402
 from sdq.models.train.specs import (  # noqa: E402
     LatentInput,
     TrainOptions,

@@ -4,7 +4,7 @@ encoder's embeddings: the real model's kind of work at a CPU's scale; 8.5M param
 tiny model's own (two levels deep), and the real architectures."""
 
 from sdq.models import tiny
-from sdq.models.architectures import UNET_ARCHITECTURES
+from sdq.models.train.architectures import UNET_ARCHITECTURES
 
 UNETS = {
     "sd2-narrow": {

@@ -230,7 +230,7 @@ def _made_by_a_run(session: Session, ref: str) -> tuple[str, str] | None:
     """A model a run made (a training checkpoint, RUN@STEP or NAME@STEP): its prefix in the
     store and its revision, from the kind whose runs make models (its `made_model` hook)."""
     for kind in KINDS.values():
-        made_model = kind.model_hook("made_model")
+        made_model = kind.model_hooks().made_model
         if made_model is not None and (made := made_model(session, ref)) is not None:
             return made
     return None

@@ -3,7 +3,7 @@
 import hashlib
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 # "auto": whatever suits the device that does the work, decided there (workers/gpu.py):
@@ -69,3 +69,59 @@ class CanonicalTemplate:
         for key, text in zip(self.varying, self.texts[1:], strict=True):
             parts += (canonical_json(values[key]), text)
         return _sha256("".join(parts))
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What a run option takes and what the command line says of it (see `option`)."""
+
+    help: str
+    low: float | None = None
+    high: float | None = None
+    above: bool = False  # low itself is not allowed
+    below: bool = False  # high itself is not allowed
+    choices: tuple[str, ...] = ()
+    # 0 on the command line means None ("no EMA", "no clipping"): the option's default shows
+    # as the field's, or 0.
+    zero_is_none: bool = False
+    # What None means, said as the option's default ("every one").
+    shown: str | None = None
+
+    def refusal(self, flag: str, value: Any) -> str | None:
+        """Why `value` is not one this option takes, or None."""
+        if value is None:
+            return None
+        if self.choices and value not in self.choices:
+            return f"{flag} must be one of {', '.join(self.choices)}, got {value!r}"
+        low, high = self.low, self.high
+        too_low = low is not None and (value <= low if self.above else value < low)
+        too_high = high is not None and (value >= high if self.below else value > high)
+        if too_low or too_high:
+            return f"{flag} must be {self.range()}, got {value}"
+        return None
+
+    def range(self) -> str:
+        """The values it takes, in words: "above 0 and below 1"."""
+        low = high = ""
+        if self.low is not None:
+            low = f"{'above' if self.above else 'at least'} {self.low:g}"
+        if self.high is not None:
+            high = f"{'below' if self.below else 'at most'} {self.high:g}"
+        return " and ".join(part for part in (low, high) if part)
+
+
+def option(default: Any = MISSING, **declared: Any) -> Any:
+    """An option of a kind's runs, declared once: its default, the values it takes and its
+    help (Declared); the command line builds its option from it (producer/cli/options.py),
+    and `refuse_undeclared` checks a value against it."""
+    return field(default=default, metadata={"option": Declared(**declared)})
+
+
+def refuse_undeclared(options: Any) -> None:
+    """Raises ValueError naming the first option whose value its declaration does not take."""
+    for declared in fields(options):
+        if "option" in declared.metadata:
+            flag = "--" + declared.name.replace("_", "-")
+            refusal = declared.metadata["option"].refusal(flag, getattr(options, declared.name))
+            if refusal is not None:
+                raise ValueError(refusal)

@@ -17,6 +17,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from sdq.models.jobs.kinds import KINDS
 from sdq.models.periodic import every
 
 console = Console(stderr=True)
@@ -187,76 +188,9 @@ def show_dataset(summary: dict[str, Any]) -> None:
     if summary["latents"]:
         columns = ["model", "resolution", "shards", "samples", "samples_per_second", "prefix"]
         stdout.print(rows_table(summary["latents"], columns, title="latents"))
-    if summary.get("scores"):
-        scores = summary["scores"]
-        rows = [{"score": name, **figures} for name, figures in scores.items() if name != "samples"]
-        title = f"scores of {scores['samples']} samples (sdq curate)"
-        stdout.print(rows_table(rows, ["score", "min", "mean", "max"], title=title))
-
-
-def show_training(status: dict[str, Any], *, render_command: str = "sdq submit") -> None:
-    """The run's progress and checkpoints; `render_command` is how this deployment renders
-    (`sdq run` with no broker)."""
-    stdout.print(
-        f"[bold]train run {status['run_id']}[/bold] ({status['status']}): step "
-        f"{status['step']} of {status['steps']}, {status['dataset']} on {status['base']}"
-    )
-    if status["samples_per_second"]:
-        eta = status["eta_seconds"]
-        left = f", about {eta // 60} min {eta % 60} s left" if eta else ""
-        ranks = f" on {status['world_size']} ranks" if status["world_size"] > 1 else ""
-        mfu = f", MFU {status['mfu']:.1%}" if status["mfu"] is not None else ""
-        stdout.print(f"{status['samples_per_second']:.1f} samples/s{ranks}{mfu}{left}")
-    if status["time_shares"]:
-        shares = status["time_shares"]
-        stdout.print(
-            f"over its wall time: {status['wall_samples_per_second']:.1f} samples/s; "
-            f"starting {shares['start']:.0%}, training {shares['training']:.0%}, "
-            f"data waits {shares['data_wait']:.0%}, "
-            f"checkpoints {shares['checkpoint']:.0%}, between jobs {shares['job_gap']:.0%}, "
-            f"final checkpoint {shares['final_checkpoint']:.0%}"
-        )
-    if status["losses"]:
-        stdout.print(f"loss {loss_curve([loss for _, loss in status['losses']])}")
-    checkpoints = status["checkpoints"]
-    if checkpoints:
-        rows = [
-            {**c, "holds": "deleted" if c["deleted"] else "model" if c["model_revision"] else
-             "training state"}
-            for c in checkpoints
-        ]  # fmt: skip
-        stdout.print(rows_table(rows, ["step", "holds", "uri"], title="checkpoints"))
-        stdout.print(
-            f"render with: {render_command} PROMPTS --model {status['model']}@STEP (a model)"
-        )
-    stdout.print(f"page: {status['page']}", soft_wrap=True)
-
-
-def show_plan(plan: dict[str, Any], refusal: str | None) -> None:
-    """A training configuration's memory per GPU by part, and whether it fits."""
-    gib = 2**30
-    rows = [{"part": name, "GiB": f"{size / gib:.2f}"} for name, size in plan["parts"].items()]
-    rows.append({"part": "per GPU", "GiB": f"{plan['per_gpu_bytes'] / gib:.2f}"})
-    stdout.print(rows_table(rows, ["part", "GiB"], title=f"micro-batch {plan['micro_batch']}"))
-    stdout.print(f"{plan['flops_per_sample'] / 1e9:,.0f} GFLOPs per sample (training)")
-    if refusal is None:
-        usable = plan["usable_bytes"] / gib
-        stdout.print(f"[green]fits[/green] within {usable:.1f} GiB usable of each GPU")
-    else:
-        stdout.print(f"[red]does not fit[/red]: {refusal}")
-
-
-def loss_curve(losses: list[float], width: int = 60) -> str:
-    """The loss as a line of block characters, averaged into `width` buckets."""
-    size = max(1, -(-len(losses) // width))
-    buckets = [
-        sum(losses[i : i + size]) / len(losses[i : i + size]) for i in range(0, len(losses), size)
-    ]
-    low, high = min(buckets), max(buckets)
-    bars = "▁▂▃▄▅▆▇█"
-    span = (high - low) or 1.0
-    line = "".join(bars[int((value - low) / span * (len(bars) - 1))] for value in buckets)
-    return f"{buckets[0]:.4f} {line} {buckets[-1]:.4f}"
+    for kind in KINDS.values():
+        if (show := kind.producer_hooks().show_dataset) is not None:
+            show(summary)
 
 
 def health_table(checks: list[Any]) -> Table:

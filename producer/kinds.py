@@ -1,5 +1,5 @@
 """What the generic commands (`status`, `show`, `runs`...) show of each kind of work: its
-unit, from its row, and its jobs' own fields, from its `lookups` module: `job_fields(session,
+unit, from its row, and its jobs' own fields, from its ProducerHooks: `job_fields(session,
 job_ids)` where they live in the kind's table, else `spec_fields(spec)` from each job's
 spec."""
 
@@ -34,8 +34,8 @@ def views_of(kind: str) -> KindViews:
     if kind not in KINDS:
         return GENERIC
     row = KINDS[kind]
-    lookups = row.producer_module("lookups")
-    fields = getattr(lookups, "job_fields", None) or _from_specs(kind, lookups.spec_fields)
+    hooks = row.producer_hooks()
+    fields = hooks.job_fields or _from_specs(kind, hooks.spec_fields)
     return KindViews(unit=row.unit, job_fields=fields)
 
 

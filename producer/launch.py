@@ -90,9 +90,11 @@ def celery_worker(
     ]  # fmt: skip
 
 
-# The kinds whose jobs run on rank processes over GPUs of their own, and their worker's name.
-RANKED_QUEUES = tuple(kind.queue for kind in KINDS.values() if kind.on_ranks)
-RANKED_WORKER = "-".join(kind.name for kind in KINDS.values() if kind.on_ranks)
+# The kind whose jobs run on rank processes over GPUs of their own (one at most: its row
+# says `on_ranks`), its queue and its worker's name.
+RANKED = next((kind for kind in KINDS.values() if kind.on_ranks), None)
+RANKED_QUEUES = (RANKED.queue,) if RANKED else ()
+RANKED_WORKER = RANKED.name if RANKED else ""
 
 
 def gpu_workers(
@@ -100,27 +102,18 @@ def gpu_workers(
     *,
     loglevel: str,
     queues: tuple[str, ...] = POOL_QUEUES[Pool.gpu],
-    train_ranks: int = 0,
+    ranks: int = 0,
 ) -> list[WorkerCommand]:
     """One prefork worker of concurrency 1 per GPU: the pipeline loads in the forked child,
     and a child killed mid-task gives its message back to the queue.
 
-    With `train_ranks` R, the first R GPUs are one train worker instead, whose train-shard
-    jobs run on up to R rank processes (one per GPU); the other GPUs serve the other queues.
-    A GPU that trains never also holds a generation or encode pipeline."""
+    With `ranks` R, the first R GPUs are one worker of the ranked kind instead, whose jobs
+    run on up to R rank processes (one per GPU); the other GPUs serve the other queues. A
+    GPU that trains never also holds a generation or encode pipeline."""
     commands = []
-    if train_ranks:
-        group, gpus = gpus[:train_ranks], gpus[train_ranks:]
-        argv = celery_worker(
-            RANKED_QUEUES, name=RANKED_WORKER, concurrency=1, prefetch=1, loglevel=loglevel
-        )
-        environment = {
-            **REUSED_HOST_BUFFERS,
-            **os.environ,
-            "CUDA_VISIBLE_DEVICES": ",".join(group),
-            "SDQ_TRAIN_RANKS": str(train_ranks),
-        }
-        commands.append(WorkerCommand(argv, environment))
+    if ranks:
+        group, gpus = gpus[:ranks], gpus[ranks:]
+        commands.append(_ranked_worker(group, ranks, loglevel))
         queues = tuple(queue for queue in queues if queue not in RANKED_QUEUES)
         if not queues or (group and not gpus):
             return commands
@@ -137,6 +130,21 @@ def gpu_workers(
         )
         for gpu in gpus
     ]
+
+
+def _ranked_worker(group: list[str], ranks: int, loglevel: str) -> WorkerCommand:
+    """The ranked kind's worker over the GPUs of `group` (none: CPU ranks), told how many
+    ranks a job may start here (its settings' SDQ_<KIND>_RANKS)."""
+    argv = celery_worker(
+        RANKED_QUEUES, name=RANKED_WORKER, concurrency=1, prefetch=1, loglevel=loglevel
+    )
+    environment = {
+        **REUSED_HOST_BUFFERS,
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": ",".join(group),
+        f"SDQ_{RANKED_WORKER.upper()}_RANKS": str(ranks),
+    }
+    return WorkerCommand(argv, environment)
 
 
 def cpu_workers(concurrency: int, *, loglevel: str) -> list[WorkerCommand]:

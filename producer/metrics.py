@@ -35,6 +35,30 @@ SETBACK_COUNTERS = {
 }
 
 
+def _card_families() -> dict[str, GaugeMetricFamily]:
+    """The GPU families, by the key of a worker's answer that each reports."""
+    labels = ["worker", "gpu", "name"]
+    return {
+        "used_by_worker_bytes": GaugeMetricFamily(
+            "sdq_worker_gpu_memory_bytes",
+            "GPU memory a worker's processes hold, per GPU it serves",
+            labels=labels,
+        ),
+        "used_bytes": GaugeMetricFamily(
+            "sdq_gpu_memory_used_bytes",
+            "GPU memory in use on the device, by anyone, per GPU a worker serves",
+            labels=labels,
+        ),
+        "total_bytes": GaugeMetricFamily(
+            "sdq_gpu_memory_total_bytes", "GPU memory in all", labels=labels
+        ),
+        **{
+            key: GaugeMetricFamily(f"sdq_gpu_{key}", text, labels=labels)
+            for key, text in GPU_READINGS.items()
+        },
+    }
+
+
 class SdqCollector:
     """A prometheus_client collector: everything is asked afresh at each scrape."""
 
@@ -54,33 +78,16 @@ class SdqCollector:
             yield self._sick(session)
 
     def _memory(self) -> Iterator[Metric]:
-        """Each live worker's memory, as it answers the device_memory control command."""
-        # 1. The families: the worker's own memory, then each GPU's as the worker and as
-        #    NVML see it.
+        """Each live worker's memory, as it answers the device_memory control command: the
+        worker's own, then each GPU's as the worker and as NVML see it, and the device's own
+        readings where NVML has them. Every live worker is asked at once; one that does not
+        answer in time is left out."""
         resident = GaugeMetricFamily(
             "sdq_worker_memory_bytes",
             "Resident memory of a worker's processes (main and pool)",
             labels=["worker"],
         )
-        gpu = GaugeMetricFamily(
-            "sdq_worker_gpu_memory_bytes",
-            "GPU memory a worker's processes hold, per GPU it serves",
-            labels=["worker", "gpu", "name"],
-        )
-        device = GaugeMetricFamily(
-            "sdq_gpu_memory_used_bytes",
-            "GPU memory in use on the device, by anyone, per GPU a worker serves",
-            labels=["worker", "gpu", "name"],
-        )
-        total = GaugeMetricFamily(
-            "sdq_gpu_memory_total_bytes", "GPU memory in all", labels=["worker", "gpu", "name"]
-        )
-        # The device's own readings, where NVML has them for it.
-        readings = {
-            key: GaugeMetricFamily(f"sdq_gpu_{key}", text, labels=["worker", "gpu", "name"])
-            for key, text in GPU_READINGS.items()
-        }
-        # 2. Every live worker asked at once; one that does not answer in time is left out.
+        cards = _card_families()
         replies = self.app.control.broadcast(
             DEVICE_MEMORY_COMMAND, reply=True, timeout=REPLY_SECONDS
         )
@@ -90,14 +97,10 @@ class SdqCollector:
                     continue
                 resident.add_metric([worker], answer["rss_bytes"])
                 for card in answer["gpus"]:
-                    labels = [worker, card["gpu"], card["name"]]
-                    gpu.add_metric(labels, card["used_by_worker_bytes"])
-                    device.add_metric(labels, card["used_bytes"])
-                    total.add_metric(labels, card["total_bytes"])
-                    for key, family in readings.items():
+                    for key, family in cards.items():
                         if card.get(key) is not None:
-                            family.add_metric(labels, card[key])
-        yield from (resident, gpu, device, total, *readings.values())
+                            family.add_metric([worker, card["gpu"], card["name"]], card[key])
+        yield from (resident, *cards.values())
 
     def _sick(self, session) -> Metric:
         sick = GaugeMetricFamily(

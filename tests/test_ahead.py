@@ -6,7 +6,8 @@ import threading
 import pytest
 import torch
 
-from sdq.workers.ahead import ahead_of_device, run_ahead
+from sdq.models.ahead import run_ahead
+from sdq.workers.ahead import ahead_of_device
 from tests.services import wait_for
 
 

@@ -2,6 +2,8 @@
 
 import pytest
 
+from sdq.models.download.settings import DownloadSettings
+from sdq.models.generate.settings import GenerateSettings
 from sdq.models.jobs.kinds import GENERATE, KINDS, POOL_QUEUES, QUEUES, Pool
 from sdq.models.settings import Settings
 from sdq.workers.app import create_app
@@ -60,11 +62,12 @@ def test_settings_default_to_the_embedded_deployment() -> None:
     settings = Settings.from_env({})
     assert settings.embedded and settings.database_url == "sqlite:///sdq-data/sdq.db"
     assert settings.store_url == "sdq-data/store"
-    assert settings.generate.batch_size == 8 and settings.jobs.max_attempts == 3
+    assert settings.group(GenerateSettings).batch_size == 8 and settings.jobs.max_attempts == 3
     with pytest.raises(ValueError, match="SDQ_MAX_ATTEMPTS must be an integer, got 'three'"):
         Settings.from_env({"SDQ_MAX_ATTEMPTS": "three"})
     # Timeouts take fractions of a second.
-    assert Settings.from_env({"SDQ_DOWNLOAD_TIMEOUT": "2.5"}).download.read_timeout == 2.5
+    fractional = Settings.from_env({"SDQ_DOWNLOAD_TIMEOUT": "2.5"})
+    assert fractional.group(DownloadSettings).read_timeout == 2.5
     with pytest.raises(ValueError, match="SDQ_DOWNLOAD_CONNECT_TIMEOUT must be a number of"):
         Settings.from_env({"SDQ_DOWNLOAD_CONNECT_TIMEOUT": "soon"})
     with pytest.raises(ValueError, match="above 0"):
@@ -74,11 +77,11 @@ def test_settings_default_to_the_embedded_deployment() -> None:
 def test_compiled_shapes_are_read_and_checked() -> None:
     compiled = Settings.from_env(
         {"SDQ_COMPILE": "1", "SDQ_COMPILE_BATCHES": "4,1,2", "SDQ_WARM_SHAPES": "512x512,768x640"}
-    ).generate
+    ).group(GenerateSettings)
     assert compiled.compile_mode == "max-autotune"  # CUDA graphs, where there is CUDA
     assert compiled.compile_batches == (1, 2, 4)
     assert compiled.warm_shapes == ((512, 512), (768, 640))
-    assert Settings.from_env({}).generate.compile_batches == (1, 2, 4, 8, 16)
+    assert Settings.from_env({}).group(GenerateSettings).compile_batches == (1, 2, 4, 8, 16)
     with pytest.raises(ValueError, match="SDQ_WARM_SHAPES: '512x51' is not WIDTHxHEIGHT"):
         Settings.from_env({"SDQ_WARM_SHAPES": "512x51"})
     with pytest.raises(ValueError, match="SDQ_COMPILE_BATCHES must be batch sizes"):

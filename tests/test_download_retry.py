@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from sdq.models.datasets import is_transient
-from sdq.models.settings import DownloadSettings
+from sdq.models.download.settings import DownloadSettings
 from sdq.workers.download.fetch import Fetcher, FetchFailed
 from tests.conftest import ROOT, sdq_json
 from tests.hostile_server import HostileServer

@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 
 from sdq.models.datasets import ImageOptions, ListColumns, SampleStatus
+from sdq.models.download.settings import DownloadSettings
 from sdq.models.download.specs import SliceSpec
-from sdq.models.settings import DownloadSettings
 from sdq.workers.download.fetch import Fetched, Fetcher
 from sdq.workers.download.images import ImageRejected, make_image
 from sdq.workers.download.shards import ShardRow

@@ -12,10 +12,12 @@ import pytest
 from sqlalchemy import make_url, text
 
 from sdq.models.db import make_engine, session_factory
+from sdq.models.jobs.claims import claim
 from sdq.models.jobs.kinds import TRAIN
-from sdq.models.jobs.lifecycle import Worker, claim, fail
-from sdq.models.settings import JobSettings, TrainSettings
+from sdq.models.jobs.lifecycle import Worker, fail
+from sdq.models.settings import JobSettings
 from sdq.models.tables import JobStatus
+from sdq.models.train.settings import TrainSettings
 from sdq.workers.train.gang import leader as leading
 from sdq.workers.train.gang.gathering import (
     AttemptOver,

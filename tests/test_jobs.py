@@ -18,19 +18,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from sdq.migrations import upgrade
 from sdq.models.db import make_engine, session_factory
 from sdq.models.jobs import lifecycle, outbox
+from sdq.models.jobs.claims import claim, extend_leases
 from sdq.models.jobs.delivery import Outcome, Work, deliver
 from sdq.models.jobs.kinds import GENERATE, TRAIN, Kind
-from sdq.models.jobs.lifecycle import (
-    Output,
-    Worker,
-    as_utc,
-    cancel_jobs,
-    claim,
-    extend_leases,
-    fail,
-    succeed,
-    utcnow,
-)
+from sdq.models.jobs.lifecycle import Output, Worker, as_utc, cancel_jobs, fail, succeed, utcnow
 from sdq.models.jobs.maintenance import EXPIRED, finish_runs, relay, sweep_leases
 from sdq.models.jobs.outbox import EnqueueFailed, enqueue
 from sdq.models.rollups import roll_up

@@ -54,7 +54,7 @@ def test_without_gpus_one_cpu_process_renders() -> None:
 
 
 def test_training_gpus_serve_training_only_and_queues_narrow_the_others() -> None:
-    commands = gpu_workers(["0", "1", "2", "3", "4"], loglevel="info", train_ranks=4)
+    commands = gpu_workers(["0", "1", "2", "3", "4"], loglevel="info", ranks=4)
     [train, render] = commands
     assert train.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
     assert train.env["SDQ_TRAIN_RANKS"] == "4"  # the most a job may start there
@@ -63,12 +63,12 @@ def test_training_gpus_serve_training_only_and_queues_narrow_the_others() -> Non
     assert render.env["CUDA_VISIBLE_DEVICES"] == "4"
     assert option(render.argv, "--queues") == ",".join(RENDERING)
     # Every GPU trains: no other worker; the others serve only the queues asked for.
-    [only] = gpu_workers(["0", "1"], loglevel="info", train_ranks=2)
+    [only] = gpu_workers(["0", "1"], loglevel="info", ranks=2)
     assert option(only.argv, "--queues") == "train"
     renderers = gpu_workers(["0", "1"], loglevel="info", queues=("generate",))
     assert [option(c.argv, "--queues") for c in renderers] == ["generate", "generate"]
     # Without GPUs: a train worker of its own (CPU ranks) beside the one that renders.
-    train, render = gpu_workers([], loglevel="info", train_ranks=2)
+    train, render = gpu_workers([], loglevel="info", ranks=2)
     assert (option(train.argv, "--queues"), train.env["CUDA_VISIBLE_DEVICES"]) == ("train", "")
     assert option(render.argv, "--queues") == ",".join(RENDERING)
 
@@ -109,7 +109,7 @@ def test_every_gpu_pool_worker_reuses_its_freed_host_buffers() -> None:
     mapped_afresh = {**default, MALLOC_MMAP_THRESHOLD: str(128 << 10)}
     assert page_faults(mapped_afresh) >= 10 * ACTIVATION_PAGES
     commands = [
-        *gpu_workers(["0", "1"], loglevel="info", train_ranks=1),
+        *gpu_workers(["0", "1"], loglevel="info", ranks=1),
         *gpu_workers([], loglevel="info"),
     ]
     # One setting for them all (a process of torch each is slow to start), which ends it:

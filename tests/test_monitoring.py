@@ -164,7 +164,7 @@ def test_gpu_workers_metrics_give_their_gpus_nvml_readings(service_env, tmp_path
         [str(ROOT / "tests" / "stand_in_nvml"), os.environ.get("PYTHONPATH", "")]
     )
     processes, logs = [], []
-    for n, command in enumerate(gpu_workers(["0", "1"], loglevel="info", train_ranks=1)):
+    for n, command in enumerate(gpu_workers(["0", "1"], loglevel="info", ranks=1)):
         logs.append(tmp_path / f"worker{n}.log")
         processes.append(subprocess.Popen(
             command.argv, env={**command.env, **service_env, "PYTHONPATH": stand_in}, cwd=ROOT,

@@ -255,13 +255,13 @@ def test_systemd_units_run_sdq_commands_beat_included() -> None:
 
 
 def test_the_environment_example_lists_every_setting_with_its_default() -> None:
-    """Each setting is declared once (models/settings.py); the example lists them all, a
-    number with the default the declaration gives it."""
+    """Each setting is declared once (models/settings.py, and each kind's group beside the
+    kind); the example lists them all, a number with the default the declaration gives it."""
     from sdq.models import settings
 
     example = (OPS / "sdq.env.example").read_text()
-    groups = (settings.JobSettings, settings.MaintenanceSettings, settings.GenerateSettings,
-              settings.DownloadSettings, settings.TrainSettings)  # fmt: skip
+    groups = (settings.JobSettings, settings.MaintenanceSettings, *settings.kind_groups())
+    assert len(groups) == 5  # generate's, download's and train's
     declared = [field for group in groups for field in fields(group)]
     names = [field.metadata["env"] for field in declared]
     assert len(names) == len(set(names)) > 30

@@ -18,9 +18,10 @@ from sqlalchemy.orm import sessionmaker
 from sdq.models import tiny
 from sdq.models.db import make_engine, session_factory
 from sdq.models.generate.specs import SAMPLERS, GenerationSpec
+from sdq.models.jobs.claims import claim
 from sdq.models.jobs.delivery import Outcome, deliver, keep_leases
 from sdq.models.jobs.kinds import GENERATE
-from sdq.models.jobs.lifecycle import Worker, as_utc, claim, utcnow
+from sdq.models.jobs.lifecycle import Worker, as_utc, utcnow
 from sdq.models.registry import resolve_model, tiny_identity
 from sdq.models.settings import JobSettings
 from sdq.models.store import LocalStore, S3Store

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sdq.models.architectures import UNET_ARCHITECTURES
+from sdq.models.train.architectures import UNET_ARCHITECTURES
 from tests.services import clean_env
 
 # diffusers' stabilityai/stable-diffusion-2-base U-Net holds this many parameters.

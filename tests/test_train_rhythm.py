@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from sdq.models.registry import tiny_identity
-from sdq.models.settings import TrainSettings
 from sdq.models.store import LocalStore
+from sdq.models.train.settings import TrainSettings
 from sdq.models.train.specs import LatentInput, TrainOptions, TrainShardSpec
 from sdq.workers.shards.latents import latent_shard_bytes
 from sdq.workers.tiny import build_unet

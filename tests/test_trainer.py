@@ -14,8 +14,8 @@ from diffusers import UNet2DConditionModel
 from diffusers.training_utils import EMAModel
 
 from sdq.models import tiny
-from sdq.models.architectures import UNET_ARCHITECTURES, InvalidArchitecture, check_fits
 from sdq.models.registry import tiny_identity
+from sdq.models.train.architectures import UNET_ARCHITECTURES, InvalidArchitecture, check_fits
 from sdq.models.train.specs import TrainOptions, TrainShardSpec
 from sdq.workers.gpu import peak_flops, peak_flops_of
 from sdq.workers.tiny import build_unet

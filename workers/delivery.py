@@ -12,6 +12,7 @@ from sdq.models.jobs.delivery import Work, deliver
 from sdq.models.jobs.kinds import Kind, Pool
 from sdq.workers import sickness
 from sdq.workers.app import worker_identity
+from sdq.workers.holding import hold
 from sdq.workers.messages import CheckedTask
 
 # Retries of one message: a database outage of hours at the capped backoff, or a job held
@@ -44,6 +45,7 @@ def deliver_task(
     app = task.app
     worker = worker_identity(kind.pool)
     try:
+        hold(kind, app)
         outcome = deliver(
             job_ids,
             make_work(),

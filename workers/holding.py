@@ -5,12 +5,16 @@ no room for a pipeline, the encoders and a training state at once."""
 
 from collections.abc import Callable
 
+from sdq.models.jobs.kinds import Kind
+
 # Kind name -> how to let go of what it holds.
 _held: dict[str, Callable[[], None]] = {}
 
 
-def hold(kind: str, release: Callable[[], None]) -> None:
-    """Before a task of `kind` loads anything: what the other kinds hold is let go."""
-    for other in [name for name in _held if name != kind]:
+def hold(kind: Kind, app) -> None:
+    """Before a task of `kind` loads anything: what the other kinds hold is let go, and what
+    this one keeps (its WorkerHooks' `holds`) noted to be let go in turn."""
+    for other in [name for name in _held if name != kind.name]:
         _held.pop(other)()
-    _held[kind] = release
+    if (holds := kind.worker_hooks().holds) is not None:
+        _held[kind.name] = holds(app).clear

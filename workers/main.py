@@ -61,12 +61,12 @@ _hostname: list[str] = []
 
 @celeryd_after_setup.connect
 def hold_queues_while_warming(sender: str, instance, **_) -> None:
-    """A worker serving a kind that warms up (its task module's `warms(settings)`: a
+    """A worker serving a kind that warms up (its WorkerHooks' `warms(settings)`: a
     generate worker with SDQ_WARM_MODELS) consumes none of its queues until its pool
     process has warmed up, so that no job waits behind a compilation on a worker that
     took it first; each process gets as long to warm up as a task of those kinds to run."""
     app = instance.app
-    warms = {kind: kind.task_hook("warms") for kind in served_kinds(app)}
+    warms = {kind: kind.worker_hooks().warms for kind in served_kinds(app)}
     warming = [kind for kind, hook in warms.items() if hook is not None and hook(app.settings)]
     if not warming:
         return
@@ -87,7 +87,7 @@ def warm_up(**_) -> None:
     _until_listening()
     for kind in _warming:
         try:
-            kind.task_hook("warm_up")(app, _hostname[0])
+            kind.worker_hooks().warm_up(app, _hostname[0])
         except Exception:
             logging.getLogger(__name__).exception("%s: warming up failed", kind.name)
     for queue in _held_back:

@@ -52,7 +52,7 @@ def end_runs(app: SdqCelery, since: datetime) -> int:
     """Each run finished since `since` given its kind's run-end work; returns how many."""
     ended = maintenance.runs_finished_since(app.sessions, since)
     for kind, run_id in ended:
-        at_run_end = kind_named(kind).task_hook("at_run_end")
+        at_run_end = kind_named(kind).worker_hooks().at_run_end
         if at_run_end is not None:
             at_run_end(app.sessions, app.store, run_id)
     return len(ended)

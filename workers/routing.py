@@ -27,7 +27,7 @@ REPLY_SECONDS = 1.0
 
 def warm_key(kind: Kind, settings: Settings) -> Callable[[dict[str, Any]], str | None] | None:
     """The kind's warm key of a job's spec under these settings; None: it routes nothing."""
-    routing = kind.model_hook("warm_routing", module="routing")
+    routing = kind.model_hooks().warm_routing
     return routing(settings) if routing is not None else None
 
 

@@ -8,14 +8,12 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from sdq.models.db import copy_rows, insert_rows
+from sdq.models.db import copy_rows
 from sdq.models.generate.specs import GenerationSpec
 from sdq.models.generate.tables import Generation
 from sdq.models.jobs.kinds import GENERATE
-from sdq.models.jobs.lifecycle import stored_outputs
-from sdq.models.jobs.outbox import job_row, record_first_events
+from sdq.models.jobs.outbox import write_jobs
 from sdq.models.specs import CanonicalTemplate
-from sdq.models.tables import Job
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,25 +84,16 @@ def prepare_chunk(planned: list[PlannedJob], settings: SharedSettings) -> Chunk:
 def insert_generation_jobs(session: Session, run_id: int, chunk: Chunk, now: datetime) -> int:
     """Inserts one chunk with its first history rows; returns how many of its jobs were
     served from the cache."""
-    if not chunk.jobs:
-        return 0
-    known = stored_outputs(session, chunk.hashes)
-    rows = [
-        job_row(run_id, GENERATE, spec, spec_hash, known.get(spec_hash), now)
-        for spec, spec_hash in zip(chunk.specs, chunk.hashes, strict=True)
-    ]
-    ids = insert_rows(session, Job.__table__, rows)
+    written = write_jobs(session, run_id, GENERATE, chunk.specs, chunk.hashes, now)
     copy_rows(
         session,
         Generation.__table__,
         [
             _generation_row(job_id, job, key)
-            for job_id, job, key in zip(ids, chunk.jobs, chunk.batch_keys, strict=True)
+            for job_id, job, key in zip(written.ids, chunk.jobs, chunk.batch_keys, strict=True)
         ],
     )
-    cached = sum(row["cached"] for row in rows)
-    record_first_events(session, run_id, ids, cached=cached, now=now)
-    return cached
+    return written.cached
 
 
 def _generation_row(job_id: int, job: PlannedJob, batch_key: str) -> dict[str, Any]:

@@ -9,6 +9,7 @@ has one goes to its queue when a live worker consumes it (workers/routing.py).""
 from collections.abc import Callable
 from typing import Any
 
+from sdq.models.generate.settings import GenerateSettings
 from sdq.models.generate.specs import GenerationSpec
 from sdq.models.settings import Settings
 
@@ -18,7 +19,7 @@ WarmKey = Callable[[dict[str, Any]], str | None]
 def warm_routing(settings: Settings) -> WarmKey | None:
     """The routing hook (models/jobs/kinds.py): a spec's warm key when its size is one the
     deployment warms; None where it warms none."""
-    shapes = set(settings.generate.warm_shapes)
+    shapes = set(settings.group(GenerateSettings).warm_shapes)
     if not shapes:
         return None
 

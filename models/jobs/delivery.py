@@ -23,16 +23,8 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.faults import device_failure, full_disk
-from sdq.models.jobs.lifecycle import (
-    Output,
-    Worker,
-    claim,
-    extend_leases,
-    fail,
-    held_until,
-    stored_outputs,
-    succeed,
-)
+from sdq.models.jobs.claims import claim, extend_leases, held_until
+from sdq.models.jobs.lifecycle import Output, Worker, fail, stored_outputs, succeed
 from sdq.models.periodic import every
 from sdq.models.settings import JobSettings
 from sdq.models.store import MissingBucket, StoreUnavailable
@@ -111,12 +103,7 @@ def deliver(
     if not jobs:
         return outcome
     # 2. Jobs whose outputs are stored already (a twin's, an earlier attempt's) are done.
-    with sessions.begin() as session:
-        reused = work.reuse(session, jobs)
-        succeed(session, reused, worker=worker)
-    reused_ids = {output.job_id for output in reused}
-    outcome.reused = sorted(reused_ids)
-    todo = [job for job in jobs if job.id not in reused_ids]
+    todo = _reuse(jobs, work, outcome, sessions=sessions, worker=worker)
     # 3. Work on the rest under kept leases, each output recorded as it comes.
     record = Recorder(sessions, worker)
     try:
@@ -137,6 +124,23 @@ def deliver(
             record.flush(session)
     outcome.done = sorted(record.done)
     return outcome
+
+
+def _reuse(
+    jobs: Sequence[Job],
+    work: Work,
+    outcome: Outcome,
+    *,
+    sessions: sessionmaker[Session],
+    worker: Worker,
+) -> list[Job]:
+    """Marks done the jobs whose outputs are stored already; returns the others."""
+    with sessions.begin() as session:
+        reused = work.reuse(session, jobs)
+        succeed(session, reused, worker=worker)
+    reused_ids = {output.job_id for output in reused}
+    outcome.reused = sorted(reused_ids)
+    return [job for job in jobs if job.id not in reused_ids]
 
 
 def _fail_the_rest(

@@ -1,40 +1,33 @@
 """The table of kinds: each kind of work, the queue it travels on and the pool that runs it.
 
 A row here is the only place a kind is registered. Everything else is found from it by
-convention, under the kind's name:
+convention, under the kind's name, in one folder per side: `sdq.producer.<name>`,
+`sdq.workers.<name>` and `sdq.models.<name>`. The generic layers reach a kind through what
+it declares, in one typed place per side, its `hooks` module's HOOKS (absent: no hooks):
 
-- `sdq.producer.<name>.cli`: COMMANDS, the kind's command groups (`sdq <name> ...`);
-  optionally DATASET_COMMANDS, its commands under `sdq dataset` (`sdq dataset filter`); and,
-  optionally, `report_run(app, run_id, as_json)`, what `sdq resume` prints once a run of
-  the kind is done here (else the run's status).
-- `sdq.producer.<name>.lookups`: `job_fields(session, job_ids)`, the kind's own columns of
-  its jobs (a prompt and seed, a URL...) for the generic listings, or `spec_fields(spec)`,
-  the same read from one job's spec.
-- `sdq.models.<name>.tables`, if the kind has rows of its own (keyed by job), and
-  `.specs`, its jobs' specification; optionally `.models`, whose `made_model(session,
-  ref)` resolves a model the kind's runs made (its prefix in the store and revision); and
-  optionally `.routing`, whose `warm_routing(settings)` gives the warm key of a job's spec
-  (None: no warm queue for it), or None where the deployment warms nothing: a message goes
-  to the kind's warm queue of its first job's key when a live worker consumes it
-  (workers/routing.py), else to the kind's queue.
-- `sdq.workers.<name>.task`: the kind's Celery task and its work; optionally,
-  `at_run_end(sessions, store, run_id)`, what beat does once a run of the kind finishes (a
-  generation run's gallery); and optionally `warms(settings)`, whether a worker serving
-  the kind warms up before it takes a job, and `warm_up(app, hostname)`, what each of its
-  pool processes does then (a generate worker compiles SDQ_WARM_MODELS): meanwhile the
-  worker consumes none of its queues (workers/main.py).
+- `sdq.producer.<name>.hooks`: ProducerHooks, the kind's commands and what the generic
+  commands show of it.
+- `sdq.models.<name>.hooks`: ModelHooks, its settings group, its warm routing and the models
+  its runs make.
+- `sdq.workers.<name>.hooks`: WorkerHooks, what its worker processes hold, warm up and do
+  once a run ends.
 
-Generic code (models/jobs/, producer/cli/, producer/lookups.py, producer/launch.py,
-workers/app.py, workers/main.py, workers/maintenance.py, workers/delivery.py) never names a
-kind: tests/test_dependencies.py checks it.
+Besides those, `sdq.models.<name>.tables` holds the kind's own tables (keyed by job), and
+`sdq.workers.<name>.task` its Celery task and work.
+
+Generic code (every module outside the kinds' folders but this one) never names a kind:
+tests/test_dependencies.py checks it.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cache
 from importlib import import_module
 from importlib.util import find_spec
-from types import ModuleType
+from typing import Any, TypeVar
+
+H = TypeVar("H")
 
 
 class Pool(StrEnum):
@@ -69,26 +62,88 @@ class Kind:
         """Where the kind's Celery task and work live; only workers import it."""
         return f"sdq.workers.{self.name}.task"
 
-    def producer_module(self, part: str) -> ModuleType:
-        """The kind's `cli` or `lookups` module (see above)."""
-        return import_module(f"sdq.producer.{self.name}.{part}")
-
-    def cli_hook(self, name: str) -> Callable | None:
-        """The kind's optional hook `name` in its `cli` module (see above), or None."""
-        return getattr(self.producer_module("cli"), name, None)
-
     def warm_queue(self, key: str) -> str:
         """The queue of the kind's jobs that a worker with `key` warm takes first."""
         return f"{self.queue}{WARM}{key}"
 
-    def model_hook(self, name: str, module: str = "models") -> Callable | None:
-        """The kind's optional hook `name` in `sdq.models.<kind>.<module>`, or None."""
-        path = f"sdq.models.{self.name}.{module}"
-        return getattr(import_module(path), name, None) if find_spec(path) else None
+    def producer_hooks(self) -> "ProducerHooks":
+        return _hooks(f"sdq.producer.{self.name}.hooks", ProducerHooks)
 
-    def task_hook(self, name: str) -> Callable | None:
-        """The kind's optional hook `name` in its `task` module (see above), or None."""
-        return getattr(import_module(self.task_module), name, None)
+    def model_hooks(self) -> "ModelHooks":
+        return _hooks(f"sdq.models.{self.name}.hooks", ModelHooks)
+
+    def worker_hooks(self) -> "WorkerHooks":
+        """Only workers ask: the kind's task comes with them."""
+        return _hooks(f"sdq.workers.{self.name}.hooks", WorkerHooks)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProducerHooks:
+    """What a kind adds to the command line and shows through the generic commands."""
+
+    # Its command groups (`sdq <name> ...`), and its commands under `sdq dataset`.
+    commands: tuple[Any, ...] = ()
+    dataset_commands: tuple[Any, ...] = ()
+    # What `sdq resume` prints once a run of the kind is done here, (app, run_id, as_json);
+    # None: the run's status.
+    report_run: Callable[..., None] | None = None
+    # The kind's own fields of its jobs (a prompt and seed, a URL...) for the generic
+    # listings: (session, job_ids) -> {job_id: fields} where they live in its tables, or
+    # (spec) -> fields from one job's spec.
+    job_fields: Callable[..., dict[int, dict[str, Any]]] | None = None
+    spec_fields: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # What `sdq dataset show` adds of the kind's to a dataset's summary, (session, summary)
+    # -> its keys; how it shows them, (summary) -> None; and its section of the dataset's
+    # page, (summary, store) -> HTML.
+    dataset_summary: Callable[..., dict[str, Any]] | None = None
+    show_dataset: Callable[[dict[str, Any]], None] | None = None
+    dataset_page: Callable[..., str] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelHooks:
+    """What a kind's specs and records give the generic layers."""
+
+    # Its settings group (a dataclass of models/settings.py's `setting`s), read with the
+    # others: Settings.group(that class).
+    settings: type | None = None
+    # (settings) -> the warm key of a job's spec, (spec) -> str | None, or None where the
+    # deployment warms nothing: a message goes to the kind's warm queue of its first job's
+    # key when a live worker consumes it (workers/routing.py), else to the kind's queue.
+    warm_routing: Callable[..., Callable[[dict[str, Any]], str | None] | None] | None = None
+    # (session, ref) -> (prefix in the store, revision) of a model the kind's runs made
+    # (a training checkpoint, RUN@STEP), or None.
+    made_model: Callable[..., tuple[str, str] | None] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerHooks:
+    """What a kind's worker processes do besides its task."""
+
+    # (app) -> what a process keeps loaded for the kind's next task (its pipelines, its
+    # encoders...), whose clear() lets it go: a GPU process serves several kinds in turn and
+    # has no room for one's models beside another's, so each task lets the other kinds' go
+    # first (workers/holding.py).
+    holds: Callable[[Any], Any] | None = None
+    # (sessions, store, run_id): what beat does once a run of the kind finishes (a
+    # generation run's gallery).
+    at_run_end: Callable[..., None] | None = None
+    # (settings) -> whether a worker serving the kind warms up before it takes a job, and
+    # (app, hostname): what each of its pool processes does then (a generate worker
+    # compiles SDQ_WARM_MODELS). Meanwhile the worker consumes none of its queues.
+    warms: Callable[[Any], bool] | None = None
+    warm_up: Callable[[Any, str], None] | None = None
+
+
+@cache
+def _hooks(module: str, kind: type[H]) -> H:
+    """A kind's HOOKS in `module`, of the side's hook type; none where it has no module."""
+    if find_spec(module) is None:
+        return kind()
+    hooks = import_module(module).HOOKS
+    if not isinstance(hooks, kind):
+        raise TypeError(f"{module}.HOOKS is a {type(hooks).__name__}, not {kind.__name__}")
+    return hooks
 
 
 GENERATE = Kind(

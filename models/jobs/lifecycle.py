@@ -8,8 +8,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import ColumnElement, Select, and_, func, insert, literal, or_, select, update
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy import ColumnElement, Select, and_, func, insert, literal, select, update
+from sqlalchemy.orm import Session
 
 from sdq.models.db import among_digests, chunked, insert_rows
 from sdq.models.settings import JobSettings
@@ -18,25 +18,11 @@ from sdq.models.tables import CLAIMABLE, FINISHED, Job, JobEvent, JobStatus, Run
 
 # Jobs that wait for a message to be sent: never sent, or failed and to be sent again.
 UNSENT = (JobStatus.pending, JobStatus.failed)
-LOST = "attempts exhausted: the worker holding the job stopped renewing its lease"
 OUTAGE = "an outage: the attempt is not counted"
-# A job whose twin (same spec) is being made looks again this soon, to be served its output.
-TWIN_RECHECK_SECONDS = 3
 
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
-
-
-def database_now(session: Session) -> datetime:
-    """The database's clock, which leases are set and judged by: no worker's own clock
-    matters (one five minutes behind set leases that others found run out at once, and
-    did its jobs again). Embedded, on SQLite, every worker shares one machine's clock."""
-    if session.get_bind().dialect.name == "postgresql":
-        # The clock now, not the transaction's start (now()): a claim may have waited on
-        # its specs' locks.
-        return session.scalar(select(func.clock_timestamp()))
-    return utcnow()
 
 
 @dataclass(frozen=True)
@@ -135,124 +121,6 @@ def mark_unsent(session: Session, run_id: int, after_id: int, reason: str) -> No
         update(Job).where(unsent).values(status=JobStatus.pending).returning(Job.id)
     ).all()
     record_events(session, moved, JobStatus.pending, detail=reason, at=now)
-
-
-def abandoned_at(now: datetime) -> ColumnElement[bool]:
-    """Running, but the worker holding it has stopped renewing its lease: it died, or
-    lost its way to the database."""
-    return and_(Job.status == JobStatus.running, Job.lease_expires_at < now)
-
-
-def bury_exhausted(
-    session: Session,
-    jobs: ColumnElement[bool],
-    *,
-    max_attempts: int,
-    worker: Worker | None,
-    at: datetime,
-) -> list[int]:
-    """Those of `jobs` that were abandoned having used every attempt end dead: a job
-    that kills every worker that tries it is not tried for ever."""
-    exhausted = session.scalars(
-        update(Job)
-        .where(jobs, abandoned_at(at), Job.attempts >= max_attempts)
-        .values(status=JobStatus.dead, finished_at=at, lease_expires_at=None, error=LOST)
-        .returning(Job.id)
-    ).all()
-    record_events(session, exhausted, JobStatus.dead, worker=worker, detail=LOST, at=at)
-    close_finished_runs(session, exhausted)
-    return list(exhausted)
-
-
-def claim(
-    session: Session,
-    job_ids: Sequence[int],
-    *,
-    kind: str,
-    worker: Worker,
-    lease_seconds: int,
-    max_attempts: int,
-) -> list[Job]:
-    """Takes the jobs of this kind that nobody holds; returns only those this worker now
-    owns. A job of another kind is never touched: it is not this worker's work.
-
-    A job whose worker died holding it is taken over once its lease runs out, unless it
-    has used all its attempts: a job that kills every worker that tries it ends dead.
-    """
-    _lock_specs(session, job_ids)
-    now = database_now(session)
-    abandoned = abandoned_at(now)
-    mine = Job.id.in_(job_ids) & (Job.kind == kind)
-    bury_exhausted(session, mine, max_attempts=max_attempts, worker=worker, at=now)
-    claimable = or_(Job.status.in_(CLAIMABLE), abandoned) & ~_twin_running(now).exists()
-    claimed = session.scalars(
-        update(Job)
-        .where(mine, claimable)
-        .values(
-            status=JobStatus.running,
-            attempts=Job.attempts + 1,
-            worker_host=worker.host,
-            device=worker.device,
-            started_at=now,
-            lease_expires_at=now + timedelta(seconds=lease_seconds),
-        )
-        .returning(Job),
-        execution_options={"synchronize_session": False},
-    ).all()
-    record_events(session, [job.id for job in claimed], JobStatus.running, worker=worker, at=now)
-    return sorted(claimed, key=lambda job: job.id)
-
-
-def extend_leases(
-    session: Session, job_ids: Sequence[int], *, worker: Worker, lease_seconds: int
-) -> None:
-    session.execute(
-        update(Job)
-        .where(Job.id.in_(job_ids), Job.status == JobStatus.running, Job.worker_host == worker.host)
-        .values(lease_expires_at=database_now(session) + timedelta(seconds=lease_seconds))
-    )
-
-
-def _twin_running(now: datetime) -> Select[tuple[int]]:
-    """Another job with the same spec that a live worker is making now: its output will
-    serve this one, so this one is not made a second time."""
-    twin = aliased(Job)
-    return select(twin.id).where(
-        twin.spec_hash == Job.spec_hash,
-        twin.id != Job.id,
-        twin.status == JobStatus.running,
-        twin.lease_expires_at >= now,
-    )
-
-
-def _lock_specs(session: Session, job_ids: Sequence[int]) -> None:
-    """Claims of jobs with equal specs take turns (Postgres; SQLite has one writer at a
-    time anyway), so that two workers cannot both see no twin running and both make it.
-    Locks are taken in spec order: two claims never wait on each other in a circle."""
-    if session.get_bind().dialect.name != "postgresql":
-        return
-    specs = select(Job.spec_hash).where(Job.id.in_(job_ids)).distinct().subquery()
-    key = func.hashtextextended(specs.c.spec_hash, 0)
-    # Postgres takes a volatile function of the select list after the ORDER BY's sort.
-    session.execute(
-        select(func.pg_advisory_xact_lock(key)).select_from(specs).order_by(specs.c.spec_hash)
-    )
-
-
-def held_until(session: Session, job_ids: Sequence[int]) -> datetime | None:
-    """When to look at these unclaimed jobs again: soon, if a twin of one is being made
-    (its output will then serve it); else when the last lease another worker holds on them
-    runs out; None if nothing holds them."""
-    now = database_now(session)
-    if session.scalar(select(Job.id).where(Job.id.in_(job_ids), _twin_running(now).exists())):
-        return now + timedelta(seconds=TWIN_RECHECK_SECONDS)
-    until = session.scalar(
-        select(Job.lease_expires_at)
-        .where(Job.id.in_(job_ids), Job.status == JobStatus.running)
-        .order_by(Job.lease_expires_at.desc())
-        .limit(1)
-    )
-    return as_utc(until) if until else None
 
 
 def as_utc(moment: datetime) -> datetime:

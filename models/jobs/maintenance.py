@@ -19,17 +19,9 @@ from sqlalchemy import ColumnElement, and_, func, or_, select, true, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.db import chunked, upsert
+from sdq.models.jobs.claims import abandoned_at, bury_exhausted, database_now
 from sdq.models.jobs.kinds import KINDS, kind_named
-from sdq.models.jobs.lifecycle import (
-    abandoned_at,
-    as_utc,
-    bury_exhausted,
-    close_runs,
-    database_now,
-    mark_resent,
-    record_events,
-    utcnow,
-)
+from sdq.models.jobs.lifecycle import as_utc, close_runs, mark_resent, record_events, utcnow
 from sdq.models.jobs.outbox import Send
 from sdq.models.settings import JobSettings
 from sdq.models.tables import Job, JobStatus, MaintenanceTick, Run

@@ -132,28 +132,46 @@ class Spec(Protocol):
     def hash(self) -> str: ...
 
 
-def add_jobs(session: Session, run: Run, kind: Kind, specs: Sequence[Spec]) -> int:
-    """Writes the run's jobs, one per spec, and their first history rows; a job whose
-    output is stored already is done as it is written. Returns how many were."""
-    now = utcnow()
-    hashes = [spec.hash() for spec in specs]
+@dataclass(frozen=True)
+class Written:
+    ids: list[int]  # in the specs' order
+    cached: int  # how many were done as they were written
+
+
+def write_jobs(
+    session: Session,
+    run_id: int,
+    kind: Kind,
+    specs: Sequence[dict[str, Any]],
+    hashes: Sequence[str],
+    now: datetime,
+) -> Written:
+    """The one writer of jobs: a job per spec (as stored, with its hash), and its first
+    history row; a job whose output is stored already is done as it is written."""
+    if not specs:
+        return Written([], 0)
     known = stored_outputs(session, hashes)
-    job_ids = insert_rows(
-        session,
-        Job.__table__,
-        [
-            job_row(run.id, kind, spec.to_dict(), spec_hash, known.get(spec_hash), now)
-            for spec, spec_hash in zip(specs, hashes, strict=True)
-        ],
-    )
+    rows = [
+        job_row(run_id, kind, spec, spec_hash, known.get(spec_hash), now)
+        for spec, spec_hash in zip(specs, hashes, strict=True)
+    ]
+    ids = insert_rows(session, Job.__table__, rows)
+    cached = sum(row["cached"] for row in rows)
+    record_first_events(session, run_id, ids, cached=cached, now=now)
+    return Written(ids, cached)
+
+
+def add_jobs(session: Session, run: Run, kind: Kind, specs: Sequence[Spec]) -> int:
+    """Writes the run's jobs, one per spec, counted in the run; returns how many were done
+    as they were written (a run served wholly from the store is closed)."""
     run.job_count += len(specs)  # a job may add jobs to its own run (a dedup's clusters)
-    cached = sum(spec_hash in known for spec_hash in hashes)
     if not specs:
         close_runs(session, [run.id])  # nothing to do (a retry with nothing failed): done
         return 0
-    record_first_events(session, run.id, job_ids, cached=cached, now=now)
-    record_submitted(session, run.id, cached=cached)
-    return cached
+    hashes = [spec.hash() for spec in specs]
+    written = write_jobs(session, run.id, kind, [s.to_dict() for s in specs], hashes, utcnow())
+    record_submitted(session, run.id, cached=written.cached)
+    return written.cached
 
 
 def sendable_ids(sessions: sessionmaker[Session], run_id: int) -> Iterator[int]:

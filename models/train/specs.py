@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from sdq.models.specs import canonical_sha256
+from sdq.models.specs import canonical_sha256, option, refuse_undeclared
 
 # "auto": bf16 on a GPU, none on a CPU (which has no fast half-precision kernels).
 MIXED_PRECISION = ("auto", "no", "fp16", "bf16")
@@ -28,87 +28,143 @@ SPEC_VERSION = 1
 
 @dataclass(frozen=True, kw_only=True)
 class TrainOptions:
-    """What decides a training run's weights, fixed when it is submitted."""
+    """What decides a training run's weights, fixed when it is submitted. Each is declared
+    once, here: `sdq train`'s options are built from these declarations
+    (producer/cli/options.py)."""
 
-    steps: int
+    steps: int = option(help="Optimizer steps.", low=1)
     # Samples per optimizer step, over all ranks and accumulated micro-batches together.
-    batch_size: int = 8
-    lr: float = 1e-4
-    lr_warmup: int = 0
-    lr_schedule: str = "constant"
-    checkpoint_every: int = 100
+    batch_size: int = option(
+        8, low=1, help="Samples per optimizer step, over all ranks and micro-batches (the "
+        "global batch).",
+    )  # fmt: skip
+    lr: float = option(1e-4, low=0, help="AdamW learning rate, after warmup.")
+    lr_warmup: int = option(0, low=0, help="Steps of linear warmup from 0 to --lr.")
+    checkpoint_every: int = option(
+        100, low=1, help="Steps per train-shard job: each ends with a checkpoint."
+    )
     # A job also ends, with its checkpoint, after this many minutes of steps: a job's length
     # set in time (None: by --checkpoint-every and the train queue's time limit alone).
-    checkpoint_minutes: float | None = None
-    ema: float | None = 0.9999  # None: no EMA weights
-    min_snr: float | None = 5.0  # None: plain MSE
-    seed: int = 0
-    mixed_precision: str = "auto"
-    gradient_checkpointing: bool = False
-    compile: bool = False
+    checkpoint_minutes: float | None = option(
+        None, low=0, above=True, shown="--checkpoint-every alone",
+        help="Also end a job, with its checkpoint, after this many minutes of steps (its next "
+        "job goes on from there): a job's length in time. It must fit the train queue's time "
+        "limit.",
+    )  # fmt: skip
+    lr_schedule: str = option(
+        "constant", choices=LR_SCHEDULES,
+        help="After warmup: hold --lr, or bring it down to 0 by the last step.",
+    )  # fmt: skip
     # Data-parallel ranks (processes, one per GPU) each train-shard job runs on, spread
     # evenly over this many machines (nodes).
-    world_size: int = 1
-    nodes: int = 1
-    sharding: str = "none"
-    grad_comm: str = "fp32"
+    world_size: int = option(
+        1, low=1,
+        help="Data-parallel ranks, one GPU each (CPU processes without GPUs), that every "
+        "train-shard job runs on; each trains on its share of every batch. A worker started "
+        "with `sdq worker gpu --train-ranks N` takes runs of world size up to N.",
+    )  # fmt: skip
+    sharding: str = option(
+        "none", choices=SHARDINGS,
+        help="Spread the training state over the ranks (FSDP2): grad-op shards gradients, "
+        "optimizer and EMA (ZeRO-2); full shards the weights too (ZeRO-3), for a model whose "
+        "state does not fit one GPU. Checkpoints are then written by every rank, its own part.",
+    )  # fmt: skip
+    grad_comm: str = option(
+        "fp32", choices=GRAD_COMMS,
+        help="The precision gradients are averaged across ranks in: bf16 halves what crosses "
+        "between nodes, at bf16's rounding of each rank's gradient.",
+    )  # fmt: skip
+    nodes: int = option(
+        1, low=1,
+        help="Machines the --world-size ranks are spread over, evenly: each job's gang of "
+        "train workers gathers through the database (see the README's multi-node section).",
+    )  # fmt: skip
     # The run's samples come in this many lanes of shards, each read by one rank (see
-    # workers/train/loop/data.py): the world size divides it, and it divides the batch size.
-    # Fixed at submit (None: the default, see default_lanes), so that the run trains on the
-    # same samples whatever world size later resumes it.
-    data_lanes: int | None = None
+    # workers/train/loop/data.py): the world size divides it, and it divides the batch
+    # size. Fixed at submit (None: the default, see default_lanes), so that the run trains
+    # on the same samples whatever world size later resumes it.
+    data_lanes: int | None = option(
+        None, low=1, shown="the most, up to 8 or the world size, that divide the batch",
+        help="Lanes the run's latent shards are dealt to; each rank reads whole lanes, so the "
+        "world size must divide them, and they the batch size. Runs with the same lanes train "
+        "on the same samples at any world size.",
+    )  # fmt: skip
     # Micro-batches whose gradients add up to one optimizer step, on each rank.
-    grad_accumulation: int = 1
-    max_grad_norm: float | None = None  # None: gradients are not clipped
+    grad_accumulation: int = option(
+        1, low=1,
+        help="Micro-batches per optimizer step on each rank: a batch larger than fits at once.",
+    )  # fmt: skip
+    max_grad_norm: float | None = option(
+        None, low=0, above=True, zero_is_none=True,
+        help="Clip the gradients' global norm to this; 0 clips nothing.",
+    )  # fmt: skip
     # The share of samples trained on the empty prompt's embedding instead of their
     # caption's: what classifier-free guidance needs the model to know.
-    caption_dropout: float = 0.0
+    caption_dropout: float = option(
+        0.0, low=0, high=1, below=True,
+        help="Share of samples trained on the empty prompt instead of their caption, so that "
+        "the model serves classifier-free guidance (0.1 is usual for pre-training).",
+    )  # fmt: skip
     # Offset noise (Guttenberg 2023): a per-channel constant added to the noise, so the
     # model learns to change an image's mean brightness.
-    noise_offset: float = 0.0
+    noise_offset: float = option(
+        0.0, low=0,
+        help="Offset noise strength (0.05-0.1 lets the model learn very dark or bright images).",
+    )  # fmt: skip
     # Checkpoints kept in the store; older ones are deleted there, their rows kept.
-    keep_checkpoints: int | None = None  # None: every one
+    keep_checkpoints: int | None = option(
+        None, low=1, shown="every one",
+        help="Keep this many newest checkpoints in the store; older ones are deleted (their "
+        "rows stay, marked).",
+    )  # fmt: skip
     # Besides the last checkpoint (and those with validation renders), a whole pipeline
     # is written every this many steps; other checkpoints hold the training state only.
-    export_every: int | None = None
+    export_every: int | None = option(
+        None, low=1,
+        help="Also write a whole pipeline (a model `--model RUN@STEP` renders with) every this "
+        "many steps. The last checkpoint and those with validation renders always are; the "
+        "others hold the training state only.",
+    )  # fmt: skip
     # Start from random weights instead of the base's: of the base's architecture, or of
-    # `unet_config` (a diffusers U-Net config) when given.
-    from_scratch: bool = False
+    # `unet_config` (a diffusers U-Net config) when given (`--unet-config`, which names
+    # one: producer/train/cli.py).
+    from_scratch: bool = option(
+        False, help="Random weights instead of the base's U-Net, drawn from --seed."
+    )
     unet_config: dict[str, Any] | None = None
+    ema: float | None = option(
+        0.9999, low=0, high=1, above=True, below=True, zero_is_none=True,
+        help="EMA decay; 0 keeps none.",
+    )  # fmt: skip
+    min_snr: float | None = option(
+        5.0, low=0, above=True, zero_is_none=True, help="Min-SNR gamma; 0 for plain MSE."
+    )
+    seed: int = option(
+        0, help="Decides the data order and the noise: a rerun makes the same model."
+    )
+    # "auto": bf16 on a GPU, none on a CPU (which has no fast half-precision kernels).
+    mixed_precision: str = option(
+        "auto", choices=MIXED_PRECISION,
+        help="Autocast on the GPU (fp16 with a gradient scaler); auto is bf16 on a GPU and "
+        "none on a CPU.",
+    )  # fmt: skip
+    gradient_checkpointing: bool = option(
+        False, help="Recompute activations in the backward pass: less memory, more time."
+    )
+    compile: bool = option(False, help="torch.compile the U-Net.")
 
     def __post_init__(self) -> None:
-        """Refuses options that cannot train, naming them: choices, counts, how the batch
-        splits over ranks, lanes and micro-batches, and the recipe's ranges."""
+        """Refuses options that cannot train, naming them: each against its declaration,
+        then how the batch splits over ranks, lanes and micro-batches."""
         if self.data_lanes is None:
             object.__setattr__(self, "data_lanes", default_lanes(self.batch_size, self.world_size))
-        self._check_choices()
-        self._check_split()
-        self._check_ranges()
-
-    def _check_choices(self) -> None:
-        if self.mixed_precision not in MIXED_PRECISION:
-            raise ValueError(f"mixed precision must be one of {', '.join(MIXED_PRECISION)}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}")
-        if self.sharding not in SHARDINGS or self.grad_comm not in GRAD_COMMS:
-            raise ValueError(
-                f"--sharding must be one of {', '.join(SHARDINGS)}, --grad-comm one of "
-                f"{', '.join(GRAD_COMMS)}"
-            )
+        refuse_undeclared(self)
         if self.unet_config is not None and not self.from_scratch:
             raise ValueError("--unet-config sets the architecture of a U-Net --from-scratch")
+        self._check_split()
 
     def _check_split(self) -> None:
         """The global batch splits evenly over nodes, ranks, lanes and micro-batches."""
-        positive = (
-            *(self.steps, self.batch_size, self.checkpoint_every, self.world_size, self.nodes),
-            *(self.grad_accumulation, self.keep_checkpoints or 1, self.export_every or 1),
-        )
-        if min(positive) < 1 or self.lr_warmup < 0:
-            raise ValueError(
-                "steps, batch size, checkpoint interval, world size, nodes, gradient "
-                "accumulation, checkpoints kept and the export interval must be positive"
-            )
         if self.batch_size % (self.world_size * self.grad_accumulation):
             raise ValueError(
                 f"--batch-size {self.batch_size} must split into equal micro-batches: "
@@ -119,11 +175,7 @@ class TrainOptions:
             raise ValueError(
                 f"--world-size {self.world_size} must split evenly over --nodes {self.nodes}"
             )
-        if (
-            self.data_lanes < 1
-            or self.batch_size % self.data_lanes
-            or self.data_lanes % self.world_size
-        ):
+        if self.batch_size % self.data_lanes or self.data_lanes % self.world_size:
             raise ValueError(
                 f"--data-lanes {self.data_lanes} must divide --batch-size {self.batch_size} "
                 f"and be a multiple of --world-size {self.world_size} (each rank reads whole lanes)"
@@ -133,16 +185,6 @@ class TrainOptions:
                 f"--sharding {self.sharding} spreads the state over ranks: give --world-size 2 "
                 f"or more, or --sharding none"
             )
-
-    def _check_ranges(self) -> None:
-        if self.checkpoint_minutes is not None and self.checkpoint_minutes <= 0:
-            raise ValueError("--checkpoint-minutes must be positive")
-        if self.ema is not None and not 0 < self.ema < 1:
-            raise ValueError("--ema must be between 0 and 1")
-        if not 0 <= self.caption_dropout < 1:
-            raise ValueError(f"--caption-dropout must be in [0, 1), got {self.caption_dropout}")
-        if self.noise_offset < 0 or (self.max_grad_norm is not None and self.max_grad_norm <= 0):
-            raise ValueError("--noise-offset must not be negative, --max-grad-norm positive")
 
     @property
     def sharded(self) -> bool:

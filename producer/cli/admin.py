@@ -24,6 +24,7 @@ from sdq.producer.cli.common import (
     require_broker,
 )
 from sdq.producer.cli.common import table as rows_table
+from sdq.producer.launch import RANKED_WORKER
 from sdq.workers.app import SdqCelery
 
 
@@ -133,11 +134,12 @@ def _gpu_queues(_ctx, _param, value: str | None) -> tuple[str, ...]:
     "GPU keeps only those kinds' models. [default: all of them]",
 )
 @click.option(
-    "--train-ranks",
+    f"--{RANKED_WORKER}-ranks",
+    "ranks",
     type=click.IntRange(min=1),
-    help="The first N GPUs are one train worker, whose jobs run data-parallel on up to N "
-    "ranks (`sdq train --world-size`); the others serve the other queues. Without GPUs, "
-    "a train worker of its own whose jobs run on CPU ranks.",
+    help=f"The first N GPUs are one {RANKED_WORKER} worker, whose jobs run data-parallel on "
+    f"up to N ranks (`sdq {RANKED_WORKER} --world-size`); the others serve the other queues. "
+    f"Without GPUs, a {RANKED_WORKER} worker of its own whose jobs run on CPU ranks.",
 )
 @LOGLEVEL
 @pass_app
@@ -145,7 +147,7 @@ def gpu(
     app: SdqCelery,
     gpus: str | None,
     queues: tuple[str, ...],
-    train_ranks: int | None,
+    ranks: int | None,
     loglevel: str,
 ) -> None:
     """One process per GPU for the GPU queues; one CPU process if there is no GPU."""
@@ -153,8 +155,8 @@ def gpu(
 
     require_broker(app, "a worker")
     indices = [gpu.strip() for gpu in gpus.split(",") if gpu.strip()] if gpus else visible_gpus()
-    if train_ranks and indices and train_ranks > len(indices):
-        raise click.UsageError(f"--train-ranks {train_ranks}: there are {len(indices)} GPUs")
+    if ranks and indices and ranks > len(indices):
+        raise click.UsageError(f"--{RANKED_WORKER}-ranks {ranks}: there are {len(indices)} GPUs")
     if indices:
         # A CPU build of torch, or one for another CUDA, would have every GPU worker run on
         # the CPU, hours later noticed as slowness.
@@ -166,7 +168,7 @@ def gpu(
                 "machine with these GPUs, install the torch build for its CUDA (ops/Dockerfile "
                 "pins one); on one without, leave --gpus out"
             )
-    commands = gpu_workers(indices, loglevel=loglevel, queues=queues, train_ranks=train_ranks or 0)
+    commands = gpu_workers(indices, loglevel=loglevel, queues=queues, ranks=ranks or 0)
     sys.exit(supervise(commands))
 
 

@@ -104,11 +104,10 @@ def main(ctx: click.Context, verbose: bool) -> None:
     ctx.obj = create_app(settings)
 
 
-kinds = [kind.producer_module("cli") for kind in KINDS.values()]
-for group in (*kinds, datasets, runs, sql, admin):
-    for command in group.COMMANDS:
-        main.add_command(command)
+kinds = [kind.producer_hooks() for kind in KINDS.values()]
+for command in (*(c for kind in kinds for c in kind.commands), *datasets.COMMANDS,
+                *runs.COMMANDS, *sql.COMMANDS, *admin.COMMANDS):  # fmt: skip
+    main.add_command(command)
 # What a kind does to datasets (`sdq dataset filter`) joins the dataset commands.
-for kind in kinds:
-    for command in getattr(kind, "DATASET_COMMANDS", ()):
-        datasets.dataset.add_command(command)
+for command in (c for kind in kinds for c in kind.dataset_commands):
+    datasets.dataset.add_command(command)

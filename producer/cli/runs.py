@@ -95,7 +95,7 @@ def resume(app: SdqCelery, run_id: int, wait: bool, as_json: bool) -> None:
         else:
             click.echo(f"run {run_id}: sent {sent.jobs} jobs not done in {sent.messages} tasks")
         return
-    report_run = kind_named(run.kind).cli_hook("report_run")
+    report_run = kind_named(run.kind).producer_hooks().report_run
     if report_run is not None:  # as the kind's own command ends
         report_run(app, run_id, as_json)
         return

@@ -245,4 +245,3 @@ def _report_filter(submission: FilterSubmission, tasks: int, as_json: bool) -> N
 
 
 COMMANDS = (curate,)
-DATASET_COMMANDS = (filter_command,)

@@ -9,13 +9,13 @@ import click
 from sqlalchemy.orm import Session
 
 from sdq.models.datasets import BLOCKED_ADDRESS
-from sdq.models.store import LINK_SECONDS, StoreError
+from sdq.models.jobs.kinds import KINDS
+from sdq.models.store import LINK_SECONDS, ObjectStore, StoreError
 from sdq.producer import display
 from sdq.producer.cli.common import carry_out, json_option, lookup, pass_app, table
 from sdq.producer.datasets import lookups as dataset_lookups
 from sdq.producer.datasets.page import (
     dataset_html,
-    extreme_samples,
     first_samples,
     page_key,
 )
@@ -122,7 +122,8 @@ def show(app: SdqCelery, name: str, as_json: bool) -> None:
         try:
             kept = partial(dataset_lookups.kept_keys, session, name)
             samples = first_samples(app.store, summary, kept)
-            page = dataset_html(summary, samples, extreme_samples(app.store, summary)).encode()
+            sections = [section(summary, app.store) for section in kind_pages()]
+            page = dataset_html(summary, samples, "\n".join(sections)).encode()
             key = page_key(name)
             app.store.put_bytes(key, page, content_type="text/html; charset=utf-8")
         except StoreError as error:
@@ -130,6 +131,11 @@ def show(app: SdqCelery, name: str, as_json: bool) -> None:
         return {**summary, "page": app.store.link(key, expires_seconds=LINK_SECONDS)}
 
     lookup(app, summary_and_page, as_json=as_json, show=display.show_dataset)
+
+
+def kind_pages() -> list[Callable[[dict[str, Any], ObjectStore], str]]:
+    """The kinds' sections of a dataset's page (ProducerHooks.dataset_page)."""
+    return [page for kind in KINDS.values() if (page := kind.producer_hooks().dataset_page)]
 
 
 COMMANDS = (dataset,)

@@ -3,14 +3,13 @@ the latents encoded from them), what failed and why, where its shards are."""
 
 from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from sdq.models.datasets import BLOCKED_ADDRESS, SampleStatus, latent_prefix
 from sdq.models.datasets.tables import Dataset, LatentShard, Sample, Shard
-from sdq.models.jobs.kinds import DOWNLOAD
-from sdq.models.jobs.lifecycle import as_utc
-from sdq.models.tables import Job, Run
+from sdq.models.jobs.kinds import KINDS
+from sdq.models.tables import Run
 from sdq.producer.errors import NotFound
 
 
@@ -143,24 +142,21 @@ def list_datasets(session: Session) -> list[dict[str, Any]]:
 
 def dataset_summary(session: Session, name: str) -> dict[str, Any]:
     """What a dataset holds (`sdq dataset show`): its samples by status, the reasons the
-    failed ones failed, its shards, bytes and speed, and its latents."""
+    failed ones failed, its shards and bytes, its latents, and what each kind adds (the
+    download's speed, curate's scores: ProducerHooks.dataset_summary)."""
     dataset = dataset_named(session, name)
     by_status, reasons = _fates(session, dataset.id)
     shards = session.scalars(
         select(Shard).where(Shard.dataset_id == dataset.id).order_by(Shard.number)
     ).all()
-    ok = by_status.get(SampleStatus.success, 0)
-    seconds = _wall_seconds(session, name)
-    return {
+    summary = {
         "name": dataset.name,
         "options": dataset.options,
         "samples": sum(by_status.values()),
         "by_status": by_status,
         "reasons": reasons,
         "bytes": sum(shard.bytes or 0 for shard in shards),
-        "images_per_second": round(ok / seconds, 2) if seconds else None,
         "latents": latent_summary(session, dataset.id, dataset.name),
-        "scores": score_summary(session, dataset.name),
         # A dataset made of another's samples: of which, by what rules, and what each left out.
         "made_of": dataset.options.get("parent"),
         "filter": dataset.options.get("filter"),
@@ -177,69 +173,10 @@ def dataset_summary(session: Session, name: str) -> dict[str, Any]:
             for shard in shards
         ],
     }
-
-
-SCORES = ("clip_score", "aesthetic", "nsfw")
-HISTOGRAM_BINS = 20
-EXTREMES = 4  # samples shown at each end of each score
-
-
-def score_summary(session: Session, name: str) -> dict[str, Any] | None:
-    """Each score of the dataset's samples, as the view sample_quality has their latest:
-    its range and mean, its histogram, and the samples at either end (None before any
-    curate run scored them)."""
-    figures = ", ".join(f"min({score}), avg({score}), max({score})" for score in SCORES)
-    row = session.execute(
-        text(f"SELECT count(clip_score), {figures} FROM sample_quality WHERE dataset = :name"),
-        {"name": name},
-    ).one()
-    if not row[0]:
-        return None
-    summary: dict[str, Any] = {"samples": row[0]}
-    for index, score in enumerate(SCORES):
-        low, mean, high = row[1 + 3 * index : 4 + 3 * index]
-        if mean is not None:
-            summary[score] = {
-                "min": round(low, 3),
-                "mean": round(mean, 3),
-                "max": round(high, 3),
-                "histogram": _histogram(session, name, score, low, high),
-                "lowest": _extreme(session, name, score, "ASC"),
-                "highest": _extreme(session, name, score, "DESC"),
-            }
+    for kind in KINDS.values():
+        if (adds := kind.producer_hooks().dataset_summary) is not None:
+            summary |= adds(session, summary)
     return summary
-
-
-def _histogram(session: Session, name: str, score: str, low: float, high: float) -> list[int]:
-    """Samples per bin, HISTOGRAM_BINS equal bins from the lowest score to the highest."""
-    if high <= low:
-        return [session.scalar(text(f"SELECT count({score}) FROM sample_quality "
-                                    "WHERE dataset = :name"), {"name": name})]  # fmt: skip
-    width = (high - low) / HISTOGRAM_BINS
-    if session.get_bind().dialect.name == "postgresql":
-        binned = f"width_bucket({score}, :low, :high, {HISTOGRAM_BINS}) - 1"
-    else:
-        binned = f"CAST(({score} - :low) / :width AS INTEGER)"
-    counts = [0] * HISTOGRAM_BINS
-    for number, samples in session.execute(
-        text(f"SELECT {binned} AS bin, count(*) FROM sample_quality "
-             f"WHERE dataset = :name AND {score} IS NOT NULL GROUP BY bin"),
-        {"name": name, "low": low, "high": high, "width": width},
-    ):  # fmt: skip
-        counts[min(max(number, 0), HISTOGRAM_BINS - 1)] += samples  # the top edge: the last
-    return counts
-
-
-def _extreme(session: Session, name: str, score: str, order: str) -> list[dict[str, Any]]:
-    """The samples with the lowest (ASC) or highest (DESC) score, and their shards."""
-    rows = session.execute(
-        text(f"SELECT q.key, q.{score}, h.number FROM sample_quality q "
-             "JOIN samples s ON s.id = q.sample_id JOIN shards h ON h.id = s.shard_id "
-             f"WHERE q.dataset = :name AND q.{score} IS NOT NULL "
-             f"ORDER BY q.{score} {order}, q.key LIMIT {EXTREMES}"),
-        {"name": name},
-    )  # fmt: skip
-    return [{"key": key, "score": round(value, 3), "shard": shard} for key, value, shard in rows]
 
 
 def _fates(session: Session, dataset_id: int) -> tuple[dict[str, int], dict[str, int]]:
@@ -276,20 +213,6 @@ def removed_by_rule(session: Session, dataset_id: int) -> dict[str, int]:
             .order_by(func.count().desc())
         ).all()
     )
-
-
-def _wall_seconds(session: Session, name: str) -> float | None:
-    """From the first download job's start to the last one's end, across the dataset's
-    runs: what a person waited, whatever the number of workers."""
-    started, finished = session.execute(
-        select(func.min(Job.started_at), func.max(Job.finished_at))
-        .join(Run, Run.id == Job.run_id)
-        .where(Run.kind == DOWNLOAD.name, Run.options["dataset"].as_string() == name)
-        .where(Job.cached.is_(False), Job.started_at.is_not(None))
-    ).one()
-    if started is None or finished is None:
-        return None
-    return (as_utc(finished) - as_utc(started)).total_seconds()
 
 
 def latent_summary(session: Session, dataset_id: int, name: str) -> list[dict[str, Any]]:

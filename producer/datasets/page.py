@@ -1,6 +1,6 @@
-"""A dataset's page: what it holds, what failed and why, its scores (a histogram each, the
-filter's cut marked, the samples at either end), what a filter left out by which rule, and
-a sheet of its first samples with their captions. Written into the store
+"""A dataset's page: what it holds, what failed and why, what a filter left out by which
+rule, what each kind adds (curate's scores: ProducerHooks.dataset_page), and a sheet of its
+first samples with their captions. Written into the store
 (datasets/<name>/index.html) by `sdq dataset show`; the sample images are taken out of the
 shards and embedded in the page, so it opens from anywhere, a local file included, with no
 link to follow."""
@@ -39,7 +39,8 @@ figcaption {{ font-size: 11px; color: #555; }}
 <table class="reasons"><thead><tr><th>reason</th><th>samples</th></tr></thead><tbody>
 {reasons}
 </tbody></table>
-{scores}
+{made_of}
+{sections}
 <h2>First samples</h2>
 <div class="samples">{samples}</div>
 </body></html>
@@ -64,17 +65,6 @@ def first_samples(
     return samples[:SAMPLES_SHOWN]
 
 
-def extreme_samples(store: ObjectStore, summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The samples at either end of each score, with their images, by key."""
-    wanted: dict[int, set[str]] = {}
-    for figures in (summary.get("scores") or {}).values():
-        if isinstance(figures, dict):
-            for sample in figures["lowest"] + figures["highest"]:
-                wanted.setdefault(sample["shard"], set()).add(sample["key"])
-    return {sample["key"]: sample for number, keys in wanted.items()
-            for sample in shard_samples(store, summary, number, keys)}  # fmt: skip
-
-
 def shard_samples(
     store: ObjectStore, summary: dict[str, Any], number: int, keys: Container[str]
 ) -> list[dict[str, Any]]:
@@ -92,11 +82,8 @@ def shard_samples(
     ]
 
 
-def dataset_html(
-    summary: dict[str, Any],
-    samples: list[dict[str, Any]],
-    extremes: dict[str, dict[str, Any]],
-) -> str:
+def dataset_html(summary: dict[str, Any], samples: list[dict[str, Any]], sections: str) -> str:
+    """The page, with the kinds' `sections` (HTML) after what every dataset shows."""
     done = sum(shard["done"] for shard in summary["shards"])
     line = (
         f"{summary['samples']:,} samples in {len(summary['shards'])} shards ({done} written, "
@@ -107,53 +94,20 @@ def dataset_html(
         summary=html.escape(line),
         statuses=_rows(summary["by_status"]),
         reasons=_rows(summary["reasons"]) or '<tr><td colspan="2">none</td></tr>',
-        scores=_scores(summary, extremes),
-        samples="".join(_sample(sample) for sample in samples),
+        made_of=_made_of(summary),
+        sections=sections,
+        samples="".join(sample_html(sample) for sample in samples),
     )
 
 
-def _scores(summary: dict[str, Any], extremes: dict[str, dict[str, Any]]) -> str:
-    """Each score's histogram with the filter's cut, the samples at either end, and what
-    a filter left out by which rule."""
-    parts = []
-    if summary.get("removed") is not None:
-        said = ", ".join(f"{rule} {bound}" for rule, bound in summary["filter"].items())
-        parts += [f"<h2>Made of {html.escape(summary['made_of'])}: {html.escape(said)}</h2>",
-                  '<table class="removed"><thead><tr><th>left out by</th><th>samples</th>'
-                  f"</tr></thead><tbody>{_rows(summary['removed'])}</tbody></table>"]  # fmt: skip
-    cuts = summary["options"].get("cuts", {})
-    for score, figures in (summary.get("scores") or {}).items():
-        if not isinstance(figures, dict):
-            continue
-        parts += [f'<h2 class="score">{score}</h2>', _histogram(figures, cuts.get(score))]
-        for end in ("lowest", "highest"):
-            shown = [_scored(extremes[sample["key"]], sample["score"])
-                     for sample in figures[end] if sample["key"] in extremes]  # fmt: skip
-            parts.append(f'<h3>{end}</h3><div class="samples {end}">{"".join(shown)}</div>')
-    return "\n".join(parts)
-
-
-def _scored(sample: dict[str, Any], score: float) -> str:
-    return _sample({**sample, "key": f"{sample['key']} ({score})"})
-
-
-def _histogram(figures: dict[str, Any], cut: float | None) -> str:
-    """An SVG bar per bin from the lowest score to the highest, the cut as a red rule."""
-    counts, low, high = figures["histogram"], figures["min"], figures["max"]
-    width, height, bar = 400, 100, 400 / len(counts)
-    tallest = max(counts) or 1
-    bars = "".join(
-        f'<rect class="bar" x="{index * bar:.1f}" y="{height - count / tallest * height:.1f}" '
-        f'width="{bar - 1:.1f}" height="{count / tallest * height:.1f}">'
-        f"<title>{count}</title></rect>"
-        for index, count in enumerate(counts)
-    )
-    if cut is not None and high > low:
-        x = min(max((cut - low) / (high - low), 0), 1) * width
-        bars += f'<rect class="cut" x="{max(x - 1, 0):.1f}" y="0" width="2" height="{height}"/>'
-    return (f'<svg class="histogram" width="{width}" height="{height}">{bars}</svg>'
-            f"<p>{low} to {high}, mean {figures['mean']}"
-            f"{f', cut at {cut:g}' if cut is not None else ''}</p>")  # fmt: skip
+def _made_of(summary: dict[str, Any]) -> str:
+    """What a dataset made of another's samples left out, by which rule."""
+    if summary.get("removed") is None:
+        return ""
+    said = ", ".join(f"{rule} {bound}" for rule, bound in summary["filter"].items())
+    return (f"<h2>Made of {html.escape(summary['made_of'])}: {html.escape(said)}</h2>"
+            '<table class="removed"><thead><tr><th>left out by</th><th>samples</th>'
+            f"</tr></thead><tbody>{_rows(summary['removed'])}</tbody></table>")  # fmt: skip
 
 
 def _rows(counts: dict[str, int]) -> str:
@@ -163,7 +117,7 @@ def _rows(counts: dict[str, int]) -> str:
     )
 
 
-def _sample(sample: dict[str, Any]) -> str:
+def sample_html(sample: dict[str, Any]) -> str:
     data = base64.b64encode(sample["image"]).decode()
     caption = html.escape(sample["caption"] or "")
     return (

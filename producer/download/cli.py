@@ -124,11 +124,7 @@ def download(
             raise click.UsageError("give LIST... and --dataset NAME, or --retry-failed NAME")
         if reasons:
             raise click.UsageError("--reason goes with --retry-failed NAME")
-        columns = ListColumns(
-            url=url_col,
-            caption=caption_col,
-            save=tuple(column.strip() for column in save_columns.split(",") if column.strip()),
-        )
+        columns = _columns(url_col, caption_col, save_columns)
         submission = _submit(app, name, lists, columns, _options(name, image, rows_per_shard))
     carry_out_dataset_run(
         app,
@@ -137,6 +133,12 @@ def download(
         as_json=as_json,
         report_sent=lambda tasks: _report_submission(submission, tasks, as_json),
     )
+
+
+def _columns(url: str, caption: str, save: str) -> ListColumns:
+    """The list's columns to read, and those saved beside each image (comma-separated)."""
+    saved = tuple(column.strip() for column in save.split(",") if column.strip())
+    return ListColumns(url=url, caption=caption, save=saved)
 
 
 def _retry(

@@ -2,6 +2,7 @@
 model at one resolution. A shard already encoded so (the same file, the same model
 revision) is served from the store, as images are."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -50,36 +51,19 @@ def record_encode(
     (nothing is written when the dataset has nothing to encode)."""
     with sessions.begin() as session:
         # 1. The dataset's downloaded shards, or why there is nothing to encode.
-        try:
-            dataset, downloaded, waiting = downloaded_shards(session, name)
-        except NotReadable as error:
-            raise NothingToEncode(str(error)) from None
-        members = members_by_shard(session, dataset) if derived_from(dataset.options) else None
+        dataset, downloaded, waiting = _readable(session, name)
+        kept = _kept(session, dataset)
         # 2. The run and its jobs; a shard encoded already by this model is done as written.
         record_model(session, model)
         run = open_run(
             session,
             ENCODE,
             source=name,
-            options={
-                "dataset": name,
-                "model": model.name,
-                "revision": model.revision,
-                "resolution": resolution,
-            },
+            options={**_described(name, model), "resolution": resolution},
             jobs_per_message=1,  # a shard is a minute of GPU work: one per message
             task_options={"batch_size": batch_size},
         )
-        specs = [
-            _spec(
-                dataset,
-                shard,
-                model,
-                resolution,
-                None if members is None else members.get(shard.id, []),
-            )
-            for shard in downloaded
-        ]
+        specs = [_spec(dataset, shard, model, resolution, kept(shard.id)) for shard in downloaded]
         cached = add_jobs(session, run, ENCODE, specs)
     # 3. What was submitted, and whether the images are smaller than the resolution.
     return EncodeSubmission(
@@ -93,6 +77,28 @@ def record_encode(
         waiting=waiting,
         images_at=images_at if (images_at := dataset.options["resolution"]) < resolution else None,
     )
+
+
+def _readable(session: Session, name: str) -> tuple[Dataset, list[Shard], int]:
+    """The dataset's downloaded shards and how many wait, or why there is nothing to encode."""
+    try:
+        return downloaded_shards(session, name)
+    except NotReadable as error:
+        raise NothingToEncode(str(error)) from None
+
+
+def _kept(session: Session, dataset: Dataset) -> Callable[[int], list[str] | None]:
+    """A shard's samples the dataset keeps, by shard id: None, all of them, unless it is
+    made of another's samples."""
+    if not derived_from(dataset.options):
+        return lambda shard: None
+    members = members_by_shard(session, dataset)
+    return lambda shard: members.get(shard, [])
+
+
+def _described(name: str, model: ModelIdentity) -> dict[str, str]:
+    """The run's dataset and the model that encodes it."""
+    return {"dataset": name, "model": model.name, "revision": model.revision}
 
 
 def _spec(

@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from sdq.models.generate import galleries
+from sdq.models.generate.settings import GenerateSettings
 from sdq.models.generate.specs import SAMPLERS
 from sdq.models.loras import resolve_lora
 from sdq.models.registry import ModelNotFound, resolve_model
@@ -200,7 +201,7 @@ def prepare(app: SdqCelery, request: Request, *, show: bool) -> Submission:
         styles=styles,
         template=request.template,
     )
-    settings = app.settings.generate
+    settings = app.settings.group(GenerateSettings)
     batching = Batching(request.batch_size or settings.batch_size, settings.calls_per_task)
     try:
         with display.counting("writing jobs", show=show) as written:

@@ -6,16 +6,15 @@ whatever the size of the prompt file; a problem anywhere rolls the whole run bac
 bad file writes nothing. The messages are sent after the commit (the outbox).
 """
 
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from sdq.models.ahead import run_ahead
 from sdq.models.db import chunked
 from sdq.models.generate.generations import (
-    Chunk,
     PlannedJob,
     SharedSettings,
     insert_generation_jobs,
@@ -47,17 +46,6 @@ class Submission:
     cached: int
 
 
-def read_ahead(chunks: Iterator[Chunk]) -> Iterator[Chunk]:
-    """The chunks, each next one read, planned and hashed in a thread while the database
-    takes in this one: the two overlap instead of taking turns. An error in the file is
-    raised here, in the writer's transaction, which it rolls back."""
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sdq-plan") as planner:
-        ahead = planner.submit(next, chunks, None)
-        while chunk := ahead.result():
-            ahead = planner.submit(next, chunks, None)
-            yield chunk
-
-
 def record_run(
     sessions: sessionmaker[Session],
     planned: Iterable[PlannedJob],
@@ -84,7 +72,9 @@ def record_run(
         jobs = cached = 0
         settings = SharedSettings()
         chunks = (prepare_chunk(chunk, settings) for chunk in chunked(planned, CHUNK))
-        for chunk in read_ahead(chunks):
+        # Each next chunk read, planned and hashed on a thread while the database takes in
+        # this one; an error in the file is raised here, in the transaction, rolled back.
+        for chunk in run_ahead(chunks):
             jobs += len(chunk.jobs)
             cached += insert_generation_jobs(session, run.id, chunk, now)
             on_written(len(chunk.jobs))

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Row, func, select
 from sqlalchemy.orm import Session
 
 from sdq.models.generate.tables import Generation
@@ -36,29 +36,20 @@ def train_status(session: Session, run_id: int) -> dict[str, Any]:
     if run is None or run.kind != TRAIN.name:
         raise NotFound(f"no train run {run_id}")
     losses = session.execute(
-        select(
-            TrainStep.step,
-            TrainStep.loss,
-            TrainStep.samples_per_second,
-            TrainStep.world_size,
-            TrainStep.mfu,
-        )
+        select(TrainStep.step, TrainStep.loss, TrainStep.samples_per_second, TrainStep.mfu)
         .where(TrainStep.run_id == run_id)
         .order_by(TrainStep.step)
     ).all()
     checkpoints = session.scalars(
         select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.step)
     ).all()
-    # 2. How far it is, and how fast its recent steps went.
+    # 2. How far it is (steps reach the database as they are taken, ahead of the last
+    #    checkpoint), and how fast its recent steps went.
     steps = run.options["steps"]
     checkpointed = checkpoints[-1].step if checkpoints else 0
-    # Steps reach the database as they are taken, ahead of the last checkpoint.
     step = max(checkpointed, losses[-1][0] if losses else 0)
-    recent = losses[-RECENT_STEPS:]
-    speed = statistics.median(row[2] for row in recent) if recent else None
-    mfus = [row[4] for row in recent if row[4] is not None]
-    left = (steps - step) * run.options["batch_size"]
     status = _status(session, run_id, done=checkpointed >= steps)
+    left = (steps - step) * run.options["batch_size"] if status == "running" else 0
     # 3. All of it, with the shares of its wall time lost to data waits, gaps and checkpoints.
     return {
         "run_id": run_id,
@@ -70,23 +61,33 @@ def train_status(session: Session, run_id: int) -> dict[str, Any]:
         "checkpoint_step": checkpointed,
         "steps": steps,
         "world_size": run.options.get("world_size", 1),
-        "samples_per_second": round(speed, 2) if speed else None,
-        # Model FLOPs utilisation of the recent steps, on a GPU whose peak is known.
-        "mfu": round(statistics.median(mfus), 4) if mfus else None,
-        # Only while a job trains: a stopped or queued run has no time left to tell.
-        "eta_seconds": round(left / speed) if speed and left and status == "running" else None,
+        **_recent_speed(losses[-RECENT_STEPS:], left),
         **time_shares(session, run_id, run.options["batch_size"], checkpoints, steps),
         "losses": [[row[0], row[1]] for row in losses],
-        "checkpoints": [
-            {
-                "step": c.step,
-                "uri": c.uri,
-                "state_sha256": c.state_sha256,
-                "model_revision": c.model_revision,
-                "deleted": c.deleted_at is not None,
-            }
-            for c in checkpoints
-        ],
+        "checkpoints": [_checkpoint_row(checkpoint) for checkpoint in checkpoints],
+    }
+
+
+def _recent_speed(recent: Sequence[Row], left: int) -> dict[str, Any]:
+    """The recent steps' samples/s and model FLOPs utilisation (on a GPU whose peak is
+    known), and the time the `left` samples take at that speed (only while a job trains: a
+    stopped or queued run has no time left to tell)."""
+    speed = statistics.median(row[2] for row in recent) if recent else None
+    mfus = [row[3] for row in recent if row[3] is not None]
+    return {
+        "samples_per_second": round(speed, 2) if speed else None,
+        "mfu": round(statistics.median(mfus), 4) if mfus else None,
+        "eta_seconds": round(left / speed) if speed and left else None,
+    }
+
+
+def _checkpoint_row(checkpoint: Checkpoint) -> dict[str, Any]:
+    return {
+        "step": checkpoint.step,
+        "uri": checkpoint.uri,
+        "state_sha256": checkpoint.state_sha256,
+        "model_revision": checkpoint.model_revision,
+        "deleted": checkpoint.deleted_at is not None,
     }
 
 
@@ -98,20 +99,11 @@ def time_shares(
     steps: int,
 ) -> dict[str, Any]:
     """The run's samples/s over its wall time, from its first job's start to its last
-    checkpoint (job gaps and checkpoints included), and the shares of that time spent
-    starting (the first job's rank processes, process group, model and first data, up to
-    its first step), training, waiting for data, waiting for checkpoints (each one's copy
-    to host memory; until the run has its last step, all of the newest one's write), writing
-    the run's final checkpoint (once a run, whatever its length: nothing is left to overlap
-    it), and between jobs (handing over from one to the next, queueing, retries and
-    restarts)."""
-    started = session.scalar(
-        select(func.min(JobEvent.at))
-        .join(Job, Job.id == JobEvent.job_id)
-        .where(Job.run_id == run_id, JobEvent.status == JobStatus.running)
-    )
+    checkpoint (job gaps and checkpoints included), and the shares of that time (_shares)."""
+    unknown = {"wall_samples_per_second": None, "time_shares": None}
+    started = _first_run(session, run_id)
     if started is None or not checkpoints:
-        return {"wall_samples_per_second": None, "time_shares": None}
+        return unknown
     stepping, waiting, taken, last_ended = session.execute(
         select(
             func.sum(batch_size / TrainStep.samples_per_second),
@@ -120,33 +112,58 @@ def time_shares(
             func.max(TrainStep.at),
         ).where(TrainStep.run_id == run_id, TrainStep.step <= checkpoints[-1].step)
     ).one()
-    if not taken:
-        return {"wall_samples_per_second": None, "time_shares": None}
     # A checkpoint is recorded after its step ended, whatever the database's clock rounds
     # its time to (SQLite: the second).
-    ended = max(as_utc(checkpoints[-1].created_at), as_utc(last_ended))
-    wall = (ended - as_utc(started)).total_seconds()
+    ended = taken and max(as_utc(checkpoints[-1].created_at), as_utc(last_ended))
+    wall = (ended - as_utc(started)).total_seconds() if taken else 0
     if wall <= 0:
-        return {"wall_samples_per_second": None, "time_shares": None}
-    # The training waits for each checkpoint's copy to host memory; the newest one's write
-    # ends the wall time, from its last step to its record.
-    writing = sum(checkpoint.write_seconds or 0.0 for checkpoint in checkpoints[:-1])
-    newest = (ended - as_utc(last_ended)).total_seconds()
-    final = newest if checkpoints[-1].step >= steps else 0.0
+        return unknown
     starting = _first_step_start(session, run_id, batch_size) - as_utc(started)
-    starting_seconds = max(0.0, starting.total_seconds())
-    waiting = waiting or 0.0
-    shares = {
-        "start": starting_seconds,
+    shares = _shares(
+        wall, starting.total_seconds(), stepping, waiting or 0.0, checkpoints,
+        newest=(ended - as_utc(last_ended)).total_seconds(), steps=steps,
+    )  # fmt: skip
+    return {
+        "wall_samples_per_second": round(taken * batch_size / wall, 2),
+        "time_shares": {name: round(seconds / wall, 4) for name, seconds in shares.items()},
+    }
+
+
+def _first_run(session: Session, run_id: int) -> datetime | None:
+    """When the run's first job started running."""
+    return session.scalar(
+        select(func.min(JobEvent.at))
+        .join(Job, Job.id == JobEvent.job_id)
+        .where(Job.run_id == run_id, JobEvent.status == JobStatus.running)
+    )
+
+
+def _shares(
+    wall: float,
+    starting: float,
+    stepping: float,
+    waiting: float,
+    checkpoints: Sequence[Checkpoint],
+    *,
+    newest: float,
+    steps: int,
+) -> dict[str, float]:
+    """Seconds of the wall time spent starting (the first job's rank processes, process
+    group, model and first data, up to its first step), training, waiting for data, waiting
+    for checkpoints (each one's copy to host memory; until the run has its last step, all of
+    the `newest` one's write, which ends the wall time), writing the run's final checkpoint
+    (once a run, whatever its length: nothing is left to overlap it), and between jobs
+    (handing over from one to the next, queueing, retries and restarts)."""
+    writing = sum(checkpoint.write_seconds or 0.0 for checkpoint in checkpoints[:-1])
+    final = newest if checkpoints[-1].step >= steps else 0.0
+    starting = max(0.0, starting)
+    return {
+        "start": starting,
         "training": stepping - waiting,
         "data_wait": waiting,
         "checkpoint": writing + newest - final,
         "final_checkpoint": final,
-        "job_gap": max(0.0, wall - starting_seconds - stepping - writing - newest),
-    }
-    return {
-        "wall_samples_per_second": round(taken * batch_size / wall, 2),
-        "time_shares": {name: round(seconds / wall, 4) for name, seconds in shares.items()},
+        "job_gap": max(0.0, wall - starting - stepping - writing - newest),
     }
 
 

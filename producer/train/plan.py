@@ -12,6 +12,8 @@ from typing import Any
 
 import click
 
+from sdq.models.train.specs import TrainOptions
+
 PLANNER = "sdq.workers.train.plan"
 DEFAULT_GPU_MEMORY = "80GB"
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -66,3 +68,38 @@ def refusal(found: dict[str, Any]) -> str:
         f"of {found['micro_batch']}, over the {found['usable_bytes'] / gib:.1f} GiB usable of "
         f"{found['gpu_memory'] / gib:.1f} GiB{advice}"
     )
+
+
+GPU_MEMORY_OPTION = click.option(
+    "--gpu-memory",
+    default=DEFAULT_GPU_MEMORY,
+    show_default=True,
+    callback=memory_size,
+    help="Each GPU's memory (80GB, 40GiB, ...): a configuration planned on the meta device "
+    "(see `sdq train plan`) that it cannot hold is refused; `sdq train` plans runs given "
+    "--unet-config, before they are queued.",
+)
+
+
+def plan_request(options: TrainOptions, resolution: int, gpu_memory: int) -> dict[str, Any]:
+    return {
+        "unet_config": options.unet_config,
+        "resolution": resolution,
+        "batch_size": options.batch_size,
+        "world_size": options.world_size,
+        "sharding": options.sharding,
+        "grad_accumulation": options.grad_accumulation,
+        "mixed_precision": options.mixed_precision,
+        "gradient_checkpointing": options.gradient_checkpointing,
+        "ema": options.ema is not None,
+        "gpu_memory": gpu_memory,
+    }
+
+
+def check_fits(options: TrainOptions, resolution: int, gpu_memory: int) -> None:
+    try:
+        found = plan(plan_request(options, resolution, gpu_memory))
+    except CannotPlan as error:
+        raise click.UsageError(str(error)) from None
+    if not found["fits"]:
+        raise click.UsageError(f"this run {refusal(found)} (`sdq train plan` shows the parts)")

@@ -3,11 +3,11 @@ at the resolution) and its first train-shard job. Each job writes the next one w
 checkpoint; the run's job count says how many there will be."""
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.architectures import check_fits
 from sdq.models.datasets import empty_prompt_key, latent_key
 from sdq.models.datasets.tables import LatentShard, Shard
 from sdq.models.jobs.kinds import TRAIN
@@ -15,6 +15,7 @@ from sdq.models.jobs.outbox import add_jobs, open_run
 from sdq.models.registry import same_encoders
 from sdq.models.specs import ModelIdentity
 from sdq.models.store import PARQUET, ObjectStore
+from sdq.models.train.architectures import check_fits
 from sdq.models.train.models import encoders_lineage
 from sdq.models.train.specs import (
     LatentInput,
@@ -72,53 +73,19 @@ def record_train(
         # 1. The latent shards it trains on; an architecture from scratch must take them.
         shards = _latent_shards(session, name, base, resolution)
         if options.unet_config is not None:
-            tensors = shards[0][0].tensors
-            check_fits(
-                options.unet_config,
-                latent_channels=tensors["latents"]["shape"][0],
-                text_width=tensors["text_embeddings"]["shape"][-1],
-            )
+            _check_architecture(options.unet_config, shards[0][0])
         encoded_with = shards[0][0].model_revision
         empty_prompt = _empty_prompt(store, name, encoded_with) if options.caption_dropout else None
         # 2. The run, with everything that decides its weights.
-        run = open_run(
-            session,
-            TRAIN,
-            source=name,
-            options={
-                "dataset": name,
-                "base": base.name,
-                "base_revision": base.revision,
-                "resolution": resolution,
-                "into": into,
-                # The run it goes on from: the lineage view follows this back.
-                "start_run": start_from.run if start_from else None,
-                "start_step": start_from.step if start_from else None,
-                **asdict(options),
-            },
-        )
+        recorded = _recorded(name, base, resolution, into, start_from, options)
+        run = open_run(session, TRAIN, source=name, options=recorded)
         # 3. Its inputs, once: rows for SQL's lineage, a manifest in the store for the ranks
         #    (before the run is committed: a run never names a manifest that is not there).
         session.add_all(TrainInput(run_id=run.id, latent_shard_id=shard.id) for shard, _ in shards)
         inputs = [_input(name, shard, number) for shard, number in shards]
         store.put_bytes(inputs_key(run.id), inputs_manifest(inputs), content_type=PARQUET)
         # 4. Its first job; the others follow from each checkpoint.
-        first = TrainShardSpec(
-            run=run.id,
-            first_step=0,
-            last_step=min(options.checkpoint_every, options.steps),
-            model_name=into or str(run.id),
-            base_name=base.name,
-            base_source=base.source,
-            base_revision=base.revision,
-            prediction_type=base.scheduler_config.get("prediction_type", "epsilon"),
-            scheduler_config=base.scheduler_config,
-            options=options,
-            inputs_key=inputs_key(run.id),
-            validation=validation,
-            empty_prompt_key=empty_prompt,
-            start_from=start_from.prefix if start_from else None,
-        )
+        first = _first_job(run.id, base, options, into, validation, empty_prompt, start_from)
         add_jobs(session, run, TRAIN, [first])
         run.job_count = -(-options.steps // options.checkpoint_every)
     return TrainSubmission(
@@ -127,6 +94,65 @@ def record_train(
         model=first.model_name,
         jobs=run.job_count,
         samples=sum(shard.samples for shard, _ in shards),
+    )
+
+
+def _recorded(
+    name: str,
+    base: ModelIdentity,
+    resolution: int,
+    into: str | None,
+    start_from: StartFrom | None,
+    options: TrainOptions,
+) -> dict[str, Any]:
+    """What the run's row records of it: its inputs, its model's name and its options."""
+    return {
+        "dataset": name,
+        "base": base.name,
+        "base_revision": base.revision,
+        "resolution": resolution,
+        "into": into,
+        # The run it goes on from: the lineage view follows this back.
+        "start_run": start_from.run if start_from else None,
+        "start_step": start_from.step if start_from else None,
+        **asdict(options),
+    }
+
+
+def _check_architecture(unet_config: dict, shard: LatentShard) -> None:
+    """A U-Net from scratch takes the dataset's latents and text embeddings as they are."""
+    tensors = shard.tensors
+    check_fits(
+        unet_config,
+        latent_channels=tensors["latents"]["shape"][0],
+        text_width=tensors["text_embeddings"]["shape"][-1],
+    )
+
+
+def _first_job(
+    run_id: int,
+    base: ModelIdentity,
+    options: TrainOptions,
+    into: str | None,
+    validation: Validation | None,
+    empty_prompt: str | None,
+    start_from: StartFrom | None,
+) -> TrainShardSpec:
+    return TrainShardSpec(
+        run=run_id,
+        first_step=0,
+        last_step=min(options.checkpoint_every, options.steps),
+        model_name=into or str(run_id),
+        base_name=base.name,
+        base_source=base.source,
+        base_revision=base.revision,
+        prediction_type=base.scheduler_config.get("prediction_type", "epsilon"),
+        scheduler_config=base.scheduler_config,
+        options=options,
+        inputs_key=inputs_key(run_id),
+        validation=validation,
+        empty_prompt_key=empty_prompt,
+        start_from=start_from.prefix if start_from else None,
     )
 
 

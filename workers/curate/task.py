@@ -11,7 +11,6 @@ from sdq.workers.app import SdqCelery
 from sdq.workers.curate.dedup import DedupWork
 from sdq.workers.curate.work import CurateWork
 from sdq.workers.delivery import JobTask, deliver_task
-from sdq.workers.holding import hold
 from sdq.workers.weights import ModelFiles
 
 
@@ -29,7 +28,6 @@ def dedup_work(task) -> DedupWork:
 
 def curate_work(app: SdqCelery, batch_size: int) -> CurateWork:
     """The work of a message, made once its jobs are claimed (deliver_task)."""
-    hold(CURATE.name, scorers(app).clear)
     return CurateWork(
         store=app.store, sessions=app.sessions, scorers=scorers(app), batch_size=batch_size
     )

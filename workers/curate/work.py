@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from sdq.models.ahead import run_ahead
 from sdq.models.curate.specs import CurateSpec
 from sdq.models.curate.tables import SampleScore
 from sdq.models.datasets.tables import Dataset, Sample
@@ -27,7 +28,7 @@ from sdq.models.jobs.lifecycle import Output, utcnow
 from sdq.models.specs import canonical_sha256
 from sdq.models.store import PARQUET, ObjectStore
 from sdq.models.tables import Job
-from sdq.workers.ahead import ahead_of_device, run_ahead
+from sdq.workers.ahead import ahead_of_device
 from sdq.workers.shards.embeddings import embedding_shard_bytes
 from sdq.workers.shards.images import ImageShard, ShardUnreadable, fetch_image_shard
 from sdq.workers.weights import ModelUnavailable

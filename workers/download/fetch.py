@@ -29,7 +29,7 @@ from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 from urllib3.exceptions import HTTPError, ProtocolError, TimeoutError
 
 from sdq.models.datasets import BLOCKED_ADDRESS, is_transient
-from sdq.models.settings import DownloadSettings
+from sdq.models.download.settings import DownloadSettings
 
 READ_CHUNK = 64 * 1024
 REDIRECTS = (301, 302, 303, 307, 308)

@@ -5,6 +5,7 @@ from typing import Any
 
 from celery import shared_task
 
+from sdq.models.download.settings import DownloadSettings
 from sdq.models.jobs.kinds import DOWNLOAD
 from sdq.workers.app import SdqCelery
 from sdq.workers.delivery import JobTask, deliver_task
@@ -19,7 +20,7 @@ def download(self, job_ids: list[int]) -> dict[str, Any]:
 
 def download_work(app: SdqCelery) -> DownloadWork:
     """The work of a message, made once its jobs are claimed (deliver_task)."""
-    settings = app.settings.download
+    settings = app.settings.group(DownloadSettings)
     return DownloadWork(
         store=app.store, sessions=app.sessions, fetcher=fetcher(app), settings=settings
     )
@@ -28,4 +29,4 @@ def download_work(app: SdqCelery) -> DownloadWork:
 @cache
 def fetcher(app: SdqCelery) -> Fetcher:
     """This process's connection pools, made on the first task, after any fork."""
-    return Fetcher(app.settings.download)
+    return Fetcher(app.settings.group(DownloadSettings))

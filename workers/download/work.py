@@ -11,10 +11,10 @@ import pyarrow as pa
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.datasets import SampleStatus
+from sdq.models.download.settings import DownloadSettings
 from sdq.models.download.specs import SliceSpec
 from sdq.models.jobs.delivery import Work
 from sdq.models.jobs.lifecycle import Output, utcnow
-from sdq.models.settings import DownloadSettings
 from sdq.models.store import PARQUET, MissingObject, ObjectStore
 from sdq.models.tables import Job
 from sdq.workers.download.budget import PixelBudget

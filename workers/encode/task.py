@@ -9,7 +9,6 @@ from sdq.models.jobs.kinds import ENCODE
 from sdq.workers.app import SdqCelery
 from sdq.workers.delivery import JobTask, deliver_task
 from sdq.workers.encode.work import EncodeWork
-from sdq.workers.holding import hold
 from sdq.workers.weights import ModelFiles
 
 
@@ -20,7 +19,6 @@ def encode(self, job_ids: list[int], batch_size: int) -> dict[str, Any]:
 
 def encode_work(app: SdqCelery, batch_size: int) -> EncodeWork:
     """The work of a message, made once its jobs are claimed (deliver_task)."""
-    hold(ENCODE.name, encoders(app).clear)
     return EncodeWork(
         store=app.store, sessions=app.sessions, encoders=encoders(app), batch_size=batch_size
     )

@@ -19,6 +19,7 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from sdq.models.ahead import run_ahead
 from sdq.models.datasets.tables import Dataset, LatentShard, Shard
 from sdq.models.db import upsert
 from sdq.models.encode.specs import EncodeSpec
@@ -26,7 +27,7 @@ from sdq.models.jobs.delivery import Work
 from sdq.models.jobs.lifecycle import Output, utcnow
 from sdq.models.store import PARQUET, ObjectStore
 from sdq.models.tables import Job
-from sdq.workers.ahead import ahead_of_device, run_ahead
+from sdq.workers.ahead import ahead_of_device
 from sdq.workers.shards.images import ImageShard, ShardUnreadable, fetch_image_shard
 from sdq.workers.shards.latents import describe, latent_shard_bytes
 from sdq.workers.weights import ModelUnavailable
@@ -95,14 +96,7 @@ class EncodeWork(Work):
         ]
         encoded = join(encoders, parts, spec.resolution)
         # 2. The latent shard, with what it was made from; the empty prompt's embedding too.
-        about = {
-            "dataset": spec.dataset,
-            "shard": spec.shard,
-            "image_sha256": spec.shard_sha256,
-            "model_revision": spec.model_revision,
-            "resolution": spec.resolution,
-            "scaling_factor": encoders.vae.config.scaling_factor,
-        }
+        about = _made_from(spec, encoders.vae.config.scaling_factor)
         data = latent_shard_bytes(shard.lineage(), encoded, about)
         self._store_empty_prompt(spec, encoders)
         uri = self.store.put_bytes(spec.latent_key, data, content_type=PARQUET)
@@ -168,3 +162,15 @@ def _record(
             index_elements=key, set_={name: value for name, value in row.items() if name not in key}
         )
     )
+
+
+def _made_from(spec: EncodeSpec, scaling_factor: float) -> dict[str, Any]:
+    """What a latent shard records of what made it."""
+    return {
+        "dataset": spec.dataset,
+        "shard": spec.shard,
+        "image_sha256": spec.shard_sha256,
+        "model_revision": spec.model_revision,
+        "resolution": spec.resolution,
+        "scaling_factor": scaling_factor,
+    }

@@ -8,6 +8,7 @@ from celery import Task, shared_task
 from celery.utils.log import get_task_logger
 
 from sdq.models.generate import galleries
+from sdq.models.generate.settings import GenerateSettings
 from sdq.models.generate.specs import GenerationSpec
 from sdq.models.jobs.kinds import GENERATE
 from sdq.models.registry import resolve_model
@@ -15,7 +16,6 @@ from sdq.models.settings import Settings
 from sdq.workers.app import SdqCelery
 from sdq.workers.delivery import JobTask, deliver_task
 from sdq.workers.generate.work import GenerateWork
-from sdq.workers.holding import hold
 from sdq.workers.routing import consume_warm_queues
 from sdq.workers.weights import ModelFiles
 
@@ -31,12 +31,11 @@ def generate(self, job_ids: list[int], batch_size: int | None = None) -> dict[st
 
 def generate_work(app: SdqCelery, batch_size: int | None) -> GenerateWork:
     """The work of a message, made once its jobs are claimed (deliver_task)."""
-    hold(GENERATE.name, pipelines(app).clear)
     return GenerateWork(
         store=app.store,
         sessions=app.sessions,
         pipelines=pipelines(app),
-        batch_size=batch_size or app.settings.generate.batch_size,
+        batch_size=batch_size or app.settings.group(GenerateSettings).batch_size,
     )
 
 
@@ -52,14 +51,14 @@ def follow_warm_queues(task: Task) -> None:
 
 def warms(settings: Settings) -> bool:
     """Whether a generate worker warms up before it takes a job (workers/main.py)."""
-    return bool(settings.generate.warm_models)
+    return bool(settings.group(GenerateSettings).warm_models)
 
 
 def warm_up(app: SdqCelery, hostname: str) -> None:
     """Loads each of SDQ_WARM_MODELS, compiled at every batch size of SDQ_WARM_SHAPES,
     and has the worker consume their warm queues: before it takes a job."""
     cache = pipelines(app)
-    for name in app.settings.generate.warm_models:
+    for name in app.settings.group(GenerateSettings).warm_models:
         with app.sessions() as session:
             model = resolve_model(name, store=app.store, session=session)
         started = perf_counter()
@@ -79,7 +78,7 @@ def pipelines(app: SdqCelery):
     from sdq.workers.generate.pipelines import PipelineCache
     from sdq.workers.generate.shared_prompts import SharedPrompts
 
-    settings = app.settings.generate
+    settings = app.settings.group(GenerateSettings)
     shared = settings.prompt_cache_url and SharedPrompts(
         settings.prompt_cache_url, settings.shared_prompt_cache_size
     )

@@ -12,7 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.db import insert_rows, upsert
+from sdq.models.db import upsert
 from sdq.models.generate.generations import (
     PlannedJob,
     SharedSettings,
@@ -21,10 +21,10 @@ from sdq.models.generate.generations import (
 )
 from sdq.models.generate.specs import GenerationSpec
 from sdq.models.jobs.kinds import GENERATE, TRAIN
-from sdq.models.jobs.lifecycle import record_events, utcnow
-from sdq.models.jobs.outbox import job_row, open_run, record_submitted
+from sdq.models.jobs.lifecycle import utcnow
+from sdq.models.jobs.outbox import open_run, record_submitted, write_jobs
 from sdq.models.registry import STORE_SOURCE, record_stored_model
-from sdq.models.tables import Job, JobStatus, Run
+from sdq.models.tables import Run
 from sdq.models.train.specs import TrainShardSpec, checkpoint_prefix
 from sdq.models.train.tables import Checkpoint, TrainStep
 
@@ -173,13 +173,7 @@ def _next_job(session: Session, spec: TrainShardSpec, step: int) -> None:
         run = session.get(Run, spec.run)
         run.job_count += 1
     after = spec.next_after(step)
-    now = utcnow()
-    [job_id] = insert_rows(
-        session,
-        Job.__table__,
-        [job_row(spec.run, TRAIN, after.to_dict(), after.hash(), None, now)],
-    )
-    record_events(session, [job_id], JobStatus.queued, at=now)
+    write_jobs(session, spec.run, TRAIN, [after.to_dict()], [after.hash()], utcnow())
 
 
 def _validation_run(

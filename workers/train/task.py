@@ -10,6 +10,7 @@ from celery import shared_task
 from sdq.models.jobs.kinds import TRAIN, Pool
 from sdq.models.settings import Settings
 from sdq.models.train.routing import node_key
+from sdq.models.train.settings import TrainSettings
 from sdq.workers.app import SdqCelery, worker_identity
 from sdq.workers.delivery import JobTask, deliver_task
 from sdq.workers.holding import hold
@@ -30,7 +31,6 @@ def train(self, job_ids: list[int]) -> dict[str, Any]:
 def train_work(task) -> TrainWork:
     """The work of a message, made once its job is claimed (deliver_task)."""
     app = task.app
-    hold(TRAIN.name, live_states().clear)
     return TrainWork(
         store=app.store,
         sessions=app.sessions,
@@ -38,7 +38,7 @@ def train_work(task) -> TrainWork:
         live=live_states(),
         send_next=app.send_added_jobs(task),
         follow=partial(follow_the_run, task),
-        settings=app.settings.train,
+        settings=app.settings.group(TrainSettings),
         worker=worker_identity(TRAIN.pool).host,
         calls=None if task.request.is_eager else Calls(app),
         time_limit_seconds=time_limit(task),
@@ -67,8 +67,8 @@ def join(self, job_ids: list[int], gathering: int, goes_on: bool = False) -> dic
     """This worker as one more node of that gathering of the job's gang, or, where the gang
     `goes_on` from the run's last job, as the node it was (gang/member.py)."""
     [job_id] = job_ids
-    hold(TRAIN.name, live_states().clear)
-    worker, settings = worker_identity(Pool.gpu).host, self.app.settings.train
+    hold(TRAIN, self.app)
+    worker, settings = worker_identity(Pool.gpu).host, self.app.settings.group(TrainSettings)
     outcome = take_part(self.app.sessions, job_id, gathering, worker=worker,
                              settings=settings, ranks=live_states(), goes_on=goes_on)  # fmt: skip
     follow_the_run(self)
@@ -112,9 +112,9 @@ def live_states() -> LiveStates:
 def warms(settings: Settings) -> bool:
     """Whether a train worker starts anything before its first job (workers/main.py): the
     rank processes of a worker of several GPUs (`--train-ranks N`)."""
-    return (settings.train.ranks or 1) > 1
+    return (settings.group(TrainSettings).ranks or 1) > 1
 
 
 def warm_up(app: SdqCelery, hostname: str) -> None:
     """Spare rank processes, importing torch and the trainer while no run needs them."""
-    live_states().spare(app.settings.train.ranks)
+    live_states().spare(app.settings.group(TrainSettings).ranks)

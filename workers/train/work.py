@@ -21,9 +21,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.jobs.delivery import Work, check_lease, lease_held
 from sdq.models.jobs.lifecycle import Output, utcnow
-from sdq.models.settings import TrainSettings
 from sdq.models.store import ObjectStore
 from sdq.models.tables import Job
+from sdq.models.train.settings import TrainSettings
 from sdq.models.train.specs import TrainShardSpec, training_seconds
 from sdq.workers.train.gang.gathering import GangIncomplete
 from sdq.workers.train.gang.leader import GangCalls, run_as_leader

@@ -11,8 +11,8 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.db import upsert
-from sdq.models.settings import TrainSettings
 from sdq.models.tables import Job, JobStatus
+from sdq.models.train.settings import TrainSettings
 from sdq.models.train.tables import TrainGang
 from sdq.workers.train.ranks.processes import WATCH_SECONDS, Node, free_port
 

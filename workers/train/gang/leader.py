@@ -9,8 +9,8 @@ from typing import Protocol
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.jobs.delivery import check_lease
-from sdq.models.settings import TrainSettings
 from sdq.models.tables import Job
+from sdq.models.train.settings import TrainSettings
 from sdq.models.train.specs import TrainShardSpec
 from sdq.workers.train.gang.gathering import GangIncomplete, Sightings, lead, lost_node
 from sdq.workers.train.ranks.live import LiveStates

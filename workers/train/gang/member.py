@@ -5,8 +5,8 @@ from collections.abc import Callable
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.settings import TrainSettings
 from sdq.models.tables import Job
+from sdq.models.train.settings import TrainSettings
 from sdq.models.train.specs import TrainShardSpec
 from sdq.workers.train.gang.gathering import AttemptOver, NodeLost, Sightings, join
 from sdq.workers.train.ranks.live import LiveStates

@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from diffusers.training_utils import compute_snr
 
+from sdq.models.ahead import run_ahead
 from sdq.models.train.specs import TrainShardSpec
-from sdq.workers.ahead import run_ahead
 from sdq.workers.train.loop.build import autocast_dtype
 from sdq.workers.train.loop.data import Batch
 from sdq.workers.train.loop.state import TrainState

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sdq.models.settings import TrainSettings
 from sdq.models.store import ObjectStore
+from sdq.models.train.settings import TrainSettings
 from sdq.models.train.specs import LatentInput, TrainShardSpec, read_inputs_manifest
 from sdq.workers.gpu import peak_flops
 from sdq.workers.train.loop.checkpoints import Snapshot, snapshot

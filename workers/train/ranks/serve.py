@@ -29,6 +29,7 @@ import torch.distributed as dist
 from sdq.models.db import make_engine, session_factory
 from sdq.models.settings import Settings
 from sdq.models.store import ObjectStore, open_store
+from sdq.models.train.settings import TrainSettings
 from sdq.models.train.specs import TrainShardSpec
 from sdq.workers.train.loop.checkpoints import Snapshot, restore_state, write_checkpoint
 from sdq.workers.train.loop.sharding import ShardedSnapshot
@@ -63,7 +64,7 @@ def join_group(spec: TrainShardSpec, ranks: Ranks, settings: Settings) -> None:
         torch.cuda.set_device(ranks.local_rank)
     dist.init_process_group(
         "nccl" if torch.cuda.is_available() else "gloo",
-        timeout=timedelta(seconds=settings.train.collective_timeout_seconds),
+        timeout=timedelta(seconds=settings.group(TrainSettings).collective_timeout_seconds),
     )
 
 
@@ -97,7 +98,9 @@ def serve(folder: Path, ranks: Ranks, settings: Settings) -> NoReturn:
                 training.close()
             training = None  # its memory goes before the restored state takes its own
             state = restore_state(spec, store, files, ranks, node_folder=folder)
-            training = Training(spec, state, store, settings.train, live_steps(ranks, settings))
+            training = Training(
+                spec, state, store, settings.group(TrainSettings), live_steps(ranks, settings)
+            )
         steps = training.steps(spec, until_time(_stop_at(folder), training.state))
         done = folder / DONE_FILE.format(rank=ranks.local_rank)
         snapshot = training.checkpoint(spec)

@@ -1,172 +1,23 @@
-"""The object store: one interface over S3 (any S3-compatible endpoint) and a local folder.
-
-Every write is atomic: an object is visible under its final key complete or not at all.
-S3 gives that for a single PUT; the local store writes a temporary file and renames it.
-"""
+"""S3, or any S3-compatible server (MinIO, R2...), as the object store, through boto3: a single
+PUT (or a multipart upload's last part) makes an object visible complete, and botocore's
+errors become the store's own."""
 
 import io
 import os
-import shutil
-import tempfile
-from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import cache, cached_property
+from functools import cached_property
 from pathlib import Path
-from typing import BinaryIO, Protocol
 from urllib.parse import urlparse
-from urllib.request import url2pathname
 
-# The longest a presigned S3 link can live (SigV4): pages sdq writes stay openable a week.
-LINK_SECONDS = 7 * 24 * 3600
-PARQUET = "application/vnd.apache.parquet"
-# A large object (a latent shard, ~170 MB at SD 2's 256 px) is read as ranged GETs of this
-# size, this many at once.
-LARGE_PART = 8 * 1024 * 1024
-LARGE_PARTS_AT_ONCE = 8
-
-
-class StoreError(Exception):
-    """The store refused for a reason retrying will not fix (no bucket, bad credentials)."""
-
-
-class MissingObject(StoreError):
-    """No object under the key."""
-
-
-class StoreUnavailable(StoreError):
-    """The store could not be reached; the same call may succeed later."""
-
-
-class MissingBucket(StoreError):
-    """The S3 bucket is not there: `sdq db upgrade` makes it where the credentials may."""
-
-
-class ObjectStore(Protocol):
-    def put_bytes(self, key: str, data: bytes, *, content_type: str) -> str: ...
-    def put_file(self, key: str, source: Path) -> str: ...
-    def get_bytes(self, key: str) -> bytes: ...
-    def get_large(self, key: str) -> bytes | memoryview: ...
-    def get_file(self, key: str, destination: Path) -> None: ...
-    def exists(self, key: str) -> bool: ...
-    def delete(self, key: str) -> None: ...
-    def list_keys(self, prefix: str) -> Iterator[str]: ...
-    def uri(self, key: str) -> str: ...
-    def link(self, key: str, *, expires_seconds: int) -> str: ...
-    def check(self) -> None: ...
-    def ensure(self) -> bool: ...
-
-
-CHUNK = 8 * 1024 * 1024
-
-
-def _umask() -> int:
-    """The process's umask (reading it means setting it: set it straight back)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-# What a new file's mode becomes, read once at import, before any thread of the process
-# could create a file while the umask is briefly 0.
-FILE_MODE = 0o666 & ~_umask()
-
-
-@contextmanager
-def atomic_file(path: Path) -> Iterator[BinaryIO]:
-    """Write beside the target, then rename over it: readers see the old file or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        # mkstemp makes the file private (0600); the umask decides, as for any other file.
-        os.fchmod(fd, FILE_MODE)
-        with os.fdopen(fd, "wb") as handle:
-            yield handle
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _partial(path: Path) -> bool:
-    """A file atomic_file is still writing (a dotfile such as DCP's `.metadata` is not)."""
-    return path.name.startswith(".") and path.name.endswith(".tmp")
-
-
-class LocalStore:
-    def __init__(self, root: Path) -> None:
-        self.root = root.resolve()
-
-    def _path(self, key: str) -> Path:
-        path = (self.root / key).resolve()
-        if not path.is_relative_to(self.root):
-            raise StoreError(f"key escapes the store root: {key!r}")
-        return path
-
-    def put_bytes(self, key: str, data: bytes, *, content_type: str) -> str:
-        path = self._path(key)
-        with atomic_file(path) as handle:
-            handle.write(data)
-        return self.uri(key)
-
-    def put_file(self, key: str, source: Path) -> str:
-        with atomic_file(self._path(key)) as handle, source.open("rb") as reader:
-            shutil.copyfileobj(reader, handle, CHUNK)
-        return self.uri(key)
-
-    def get_bytes(self, key: str) -> bytes:
-        try:
-            return self._path(key).read_bytes()
-        except FileNotFoundError:
-            raise MissingObject(f"no object {self.uri(key)}") from None
-
-    def get_large(self, key: str) -> memoryview:
-        """A large object mapped into memory, not copied: its pages come from the page cache
-        as they are read, and a reader of a few columns touches only theirs."""
-        import pyarrow as pa  # here: every `sdq` command imports this module
-
-        try:
-            return memoryview(pa.memory_map(str(self._path(key))).read_buffer())
-        except FileNotFoundError:
-            raise MissingObject(f"no object {self.uri(key)}") from None
-
-    def get_file(self, key: str, destination: Path) -> None:
-        try:
-            with atomic_file(destination) as handle, self._path(key).open("rb") as reader:
-                shutil.copyfileobj(reader, handle, CHUNK)
-        except FileNotFoundError:
-            raise MissingObject(f"no object {self.uri(key)}") from None
-
-    def exists(self, key: str) -> bool:
-        return self._path(key).is_file()
-
-    def delete(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
-
-    def list_keys(self, prefix: str) -> Iterator[str]:
-        base = self._path(prefix)
-        if base.is_file():
-            yield prefix
-            return
-        for path in sorted(base.rglob("*")):
-            if path.is_file() and not _partial(path):
-                yield path.relative_to(self.root).as_posix()
-
-    def uri(self, key: str) -> str:
-        return self._path(key).as_uri()
-
-    def link(self, key: str, *, expires_seconds: int) -> str:
-        """What a browser opens: the file itself."""
-        return self.uri(key)
-
-    def check(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-
-    def ensure(self) -> bool:
-        """Makes the root folder; True when it was not there."""
-        made = not self.root.exists()
-        self.check()
-        return made
+from sdq.models.store.interface import (
+    LARGE_PART,
+    LARGE_PARTS_AT_ONCE,
+    MissingBucket,
+    MissingObject,
+    StoreError,
+    StoreUnavailable,
+)
 
 
 class S3Store:
@@ -363,49 +214,3 @@ class S3Store:
 
 def _code(error) -> str:
     return str(error.response.get("Error", {}).get("Code", ""))
-
-
-def open_store(url: str) -> ObjectStore:
-    """`s3://bucket/prefix`, `file:///path` or a plain path."""
-    parsed = urlparse(url)
-    if parsed.scheme == "s3":
-        return S3Store.from_uri(url)
-    if parsed.scheme == "file":
-        return LocalStore(Path(parsed.path))
-    if not parsed.scheme:
-        return LocalStore(Path(url))
-    raise StoreError(
-        f"unsupported store URL {url!r}: use s3://bucket/prefix, file:///path or a folder"
-    )
-
-
-# HEAD requests in flight at once when many outputs are checked.
-EXISTENCE_THREADS = 32
-
-
-def existing(uris: Iterable[str]) -> set[str]:
-    """Those of the URIs (s3:// or file://, as stores return them) whose object, or folder
-    of objects (a checkpoint), is there now: one HEAD each, many at once. A store that
-    cannot be asked raises."""
-    wanted = sorted(set(uris))
-    if not wanted:
-        return set()
-    with ThreadPoolExecutor(min(EXISTENCE_THREADS, len(wanted))) as pool:
-        found = pool.map(_exists, wanted)
-        return {uri for uri, there in zip(wanted, found, strict=True) if there}
-
-
-def _exists(uri: str) -> bool:
-    parsed = urlparse(uri)
-    if parsed.scheme == "s3":
-        bucket, key = _bucket(parsed.netloc), parsed.path.lstrip("/")
-        return bucket.exists(key) or bucket.holds_any(f"{key}/")
-    if parsed.scheme == "file":
-        return Path(url2pathname(parsed.path)).exists()
-    raise StoreError(f"not an object URI: {uri!r}")
-
-
-@cache
-def _bucket(name: str) -> S3Store:
-    """One store (and so one boto3 client) per bucket for the whole process."""
-    return S3Store(name)

@@ -1,0 +1,8 @@
+"""What the generate kind adds to the command line and the generic listings
+(models/jobs/kinds.py ProducerHooks)."""
+
+from sdq.models.jobs.kinds import ProducerHooks
+from sdq.producer.generate.cli import COMMANDS, report_run
+from sdq.producer.generate.lookups import job_fields
+
+HOOKS = ProducerHooks(commands=COMMANDS, report_run=report_run, job_fields=job_fields)

@@ -1,0 +1,9 @@
+"""What the train kind adds to the command line and the generic listings
+(models/jobs/kinds.py ProducerHooks)."""
+
+from sdq.models.jobs.kinds import ProducerHooks
+from sdq.producer.train.cli import COMMANDS
+from sdq.producer.train.lookups import spec_fields
+from sdq.producer.train.screens import report_status
+
+HOOKS = ProducerHooks(commands=COMMANDS, report_run=report_status, spec_fields=spec_fields)

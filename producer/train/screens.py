@@ -1,0 +1,98 @@
+"""What `sdq train` shows: a run's progress, speed, time shares, loss curve and checkpoints
+(in the terminal, or as JSON, with its page written anew), and a configuration's memory
+plan."""
+
+import functools
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from sdq.models.generate.galleries import store_image_link
+from sdq.models.store import LINK_SECONDS
+from sdq.producer.cli.common import lookup
+from sdq.producer.display import rows_table, stdout
+from sdq.producer.train import lookups as train_lookups
+from sdq.producer.train.page import page_key, training_html
+from sdq.workers.app import SdqCelery
+
+
+def show_training(status: dict[str, Any], *, render_command: str = "sdq submit") -> None:
+    """The run's progress and checkpoints; `render_command` is how this deployment renders
+    (`sdq run` with no broker)."""
+    stdout.print(
+        f"[bold]train run {status['run_id']}[/bold] ({status['status']}): step "
+        f"{status['step']} of {status['steps']}, {status['dataset']} on {status['base']}"
+    )
+    if status["samples_per_second"]:
+        eta = status["eta_seconds"]
+        left = f", about {eta // 60} min {eta % 60} s left" if eta else ""
+        ranks = f" on {status['world_size']} ranks" if status["world_size"] > 1 else ""
+        mfu = f", MFU {status['mfu']:.1%}" if status["mfu"] is not None else ""
+        stdout.print(f"{status['samples_per_second']:.1f} samples/s{ranks}{mfu}{left}")
+    if status["time_shares"]:
+        shares = status["time_shares"]
+        stdout.print(
+            f"over its wall time: {status['wall_samples_per_second']:.1f} samples/s; "
+            f"starting {shares['start']:.0%}, training {shares['training']:.0%}, "
+            f"data waits {shares['data_wait']:.0%}, "
+            f"checkpoints {shares['checkpoint']:.0%}, between jobs {shares['job_gap']:.0%}, "
+            f"final checkpoint {shares['final_checkpoint']:.0%}"
+        )
+    if status["losses"]:
+        stdout.print(f"loss {loss_curve([loss for _, loss in status['losses']])}")
+    checkpoints = status["checkpoints"]
+    if checkpoints:
+        rows = [
+            {**c, "holds": "deleted" if c["deleted"] else "model" if c["model_revision"] else
+             "training state"}
+            for c in checkpoints
+        ]  # fmt: skip
+        stdout.print(rows_table(rows, ["step", "holds", "uri"], title="checkpoints"))
+        stdout.print(
+            f"render with: {render_command} PROMPTS --model {status['model']}@STEP (a model)"
+        )
+    stdout.print(f"page: {status['page']}", soft_wrap=True)
+
+
+def show_plan(plan: dict[str, Any], refusal: str | None) -> None:
+    """A training configuration's memory per GPU by part, and whether it fits."""
+    gib = 2**30
+    rows = [{"part": name, "GiB": f"{size / gib:.2f}"} for name, size in plan["parts"].items()]
+    rows.append({"part": "per GPU", "GiB": f"{plan['per_gpu_bytes'] / gib:.2f}"})
+    stdout.print(rows_table(rows, ["part", "GiB"], title=f"micro-batch {plan['micro_batch']}"))
+    stdout.print(f"{plan['flops_per_sample'] / 1e9:,.0f} GFLOPs per sample (training)")
+    if refusal is None:
+        usable = plan["usable_bytes"] / gib
+        stdout.print(f"[green]fits[/green] within {usable:.1f} GiB usable of each GPU")
+    else:
+        stdout.print(f"[red]does not fit[/red]: {refusal}")
+
+
+def loss_curve(losses: list[float], width: int = 60) -> str:
+    """The loss as a line of block characters, averaged into `width` buckets."""
+    size = max(1, -(-len(losses) // width))
+    buckets = [
+        sum(losses[i : i + size]) / len(losses[i : i + size]) for i in range(0, len(losses), size)
+    ]
+    low, high = min(buckets), max(buckets)
+    bars = "▁▂▃▄▅▆▇█"
+    span = (high - low) or 1.0
+    line = "".join(bars[int((value - low) / span * (len(bars) - 1))] for value in buckets)
+    return f"{buckets[0]:.4f} {line} {buckets[-1]:.4f}"
+
+
+def report_status(app: SdqCelery, run_id: int, as_json: bool) -> None:
+    """The run's status, with its page (loss curve, validation images) written anew."""
+
+    def status_and_page(session: Session) -> dict[str, Any]:
+        status = train_lookups.train_status(session, run_id)
+        images = train_lookups.validation_images(session, run_id)
+        page = training_html(status, images, store_image_link(app.store))
+        key = page_key(run_id)
+        app.store.put_bytes(key, page.encode(), content_type="text/html; charset=utf-8")
+        status["page"] = app.store.link(key, expires_seconds=LINK_SECONDS)
+        return status
+
+    render_command = "sdq run" if app.settings.embedded else "sdq submit"
+    show = functools.partial(show_training, render_command=render_command)
+    lookup(app, status_and_page, as_json=as_json, show=show)
