@@ -1,10 +1,13 @@
 """The dependency rules of DESIGN.md, checked on the source and in running processes."""
 
 import ast
+import re
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import ROOT, WorkerProcess, write
 from tests.services import wait_for
@@ -34,9 +37,10 @@ PACKAGES = ("producer", "workers", "models", "migrations")
 
 
 def imports(path: Path) -> list[tuple[str, bool]]:
-    """(module, imported at module level?) for every absolute import in a file, the module
-    by its whole dotted name: every internal one starts with `sdq.`, so the layer it belongs
-    to is in the second part."""
+    """(name, imported at module level?) for every absolute import in a file, each by its
+    whole dotted name, `from a.b import c` as `a.b.c` (a module or a name in one: the graph
+    below tells which): every internal one starts with `sdq.`, so the layer it belongs to
+    is in the second part."""
     tree = ast.parse(path.read_text())
     top_level = set(map(id, tree.body))
     found = []
@@ -44,7 +48,7 @@ def imports(path: Path) -> list[tuple[str, bool]]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
         else:
             continue
         found += [(name, id(node) in top_level) for name in names]
@@ -101,60 +105,198 @@ def test_the_layer_guards_see_internal_imports(tmp_path: Path) -> None:
         "    import torch.nn\n",
     )
     assert forbidden_in_models(module) == [
-        "sdq.workers.app",
+        "sdq.workers.app.SdqCelery",
         "sdq.migrations.env",
-        "sdq.workers.train.work",
+        "sdq.workers.train.work.TrainWork",
         "torch.nn",
     ]
-    assert forbidden_in_producer(module) == ["sdq.workers.train.work", "torch.nn"]
-    assert imports(module)[0] == ("sdq.workers.app", True)
-    assert imports(module)[3] == ("sdq.workers.train.work", False)
+    assert forbidden_in_producer(module) == ["sdq.workers.train.work.TrainWork", "torch.nn"]
+    assert imports(module)[0] == ("sdq.workers.app.SdqCelery", True)
+    assert imports(module)[3] == ("sdq.workers.train.work.TrainWork", False)
 
 
-# The generic layers: a kind is found from its row (models/jobs/kinds.py), never named here.
-# models/ outside the kinds' folders holds the shared nouns (datasets, the registry, the
-# store) and the kind-neutral tables.
-GENERIC_MODULES = (
-    *(path for path in sources("models/jobs") if path.name != "kinds.py"),
-    *sorted((ROOT / "models").glob("*.py")),
-    *sources("models/tables"),
-    *sources("producer/cli"),
-    *(ROOT / "producer" / name for name in ("kinds.py", "lookups.py", "launch.py", "metrics.py")),
-    *(ROOT / "workers" / name for name in ("app.py", "main.py", "maintenance.py", "delivery.py")),
-)
+SIDES = ("producer", "workers", "models")
 
 
-def kinds_named(path: Path) -> list[str]:
-    """The kinds a module names: by importing a kind's own module or its row's constant, or
-    by a string that is a kind's name or queue."""
+def generic_modules() -> list[Path]:
+    """Every product module outside the kinds' folders (`<side>/<kind>/`), but the table of
+    kinds itself, the one place a kind is registered."""
     from sdq.models.jobs.kinds import KINDS
 
-    sides = ("producer", "workers", "models")
-    kind_packages = {f"sdq.{side}.{kind}" for side in sides for kind in KINDS}
+    return [
+        path
+        for side in SIDES
+        for path in sources(side)
+        if path.relative_to(ROOT).parts[1] not in KINDS
+        and path.relative_to(ROOT).as_posix() != "models/jobs/kinds.py"
+    ]
+
+
+def kind_relations() -> set[str]:
+    """The tables and views of every kind's own `tables` module."""
+    from importlib import import_module
+
+    from sqlalchemy.sql import TableClause
+
+    from sdq.models.jobs.kinds import KINDS
+
+    relations = set()
+    for kind in KINDS:
+        path = ROOT / "models" / kind / "tables.py"
+        if path.is_file():
+            module = import_module(f"sdq.models.{kind}.tables")
+            for value in vars(module).values():
+                if isinstance(value, TableClause) and value.name:
+                    relations.add(value.name)
+                elif getattr(value, "__module__", None) == module.__name__:
+                    relations.add(getattr(value, "__tablename__", None))
+    return relations - {None}
+
+
+def words(text: str) -> set[str]:
+    """The lower-case words of an identifier or a string: snake_case, CamelCase, --options."""
+    return {word.lower() for word in re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])", text)}
+
+
+def docstrings(tree: ast.AST) -> set[int]:
+    """The ids of the docstrings' nodes: words for people, not for the program."""
+    bodies = [tree, *(n for n in ast.walk(tree) if isinstance(n, DEFINITIONS))]
+    return {
+        id(body.body[0].value)
+        for body in bodies
+        if body.body and isinstance(body.body[0], ast.Expr)
+        and isinstance(body.body[0].value, ast.Constant)
+    }  # fmt: skip
+
+
+DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def kinds_named(path: Path, relations: set[str] | None = None) -> list[str]:
+    """The kinds a module names: by importing a kind's own module or its row's constant; by
+    a string that is a kind's name or queue, an option (`--train-ranks`) or SQL naming a
+    kind's table or view (`relations`); or by an identifier it defines or reads
+    (`train_ranks`, `TrainSettings`, `settings.train`)."""
+    from sdq.models.jobs.kinds import KINDS
+
+    kind_packages = {f"sdq.{side}.{kind}" for side in SIDES for kind in KINDS}
     constants = {kind.upper() for kind in KINDS}
     names = {word for kind in KINDS.values() for word in (kind.name, kind.queue)}
+    relations = kind_relations() if relations is None else relations
     tree = ast.parse(path.read_text())
+    prose = docstrings(tree)
+    called = {id(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
     named = [module for module, _ in imports(path) if within(module, kind_packages)]
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             named += [alias.name for alias in node.names if alias.name in constants]
-        elif isinstance(node, ast.Constant) and node.value in names:
-            named.append(repr(node.value))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = "" if id(node) in prose else node.value
+            if text in names or (text.startswith("--") and words(text) & set(KINDS)):
+                named.append(repr(text))
+            named += [repr(table) for table in relations if re.search(rf"\b{table}\b", text)]
+        named += [
+            identifier
+            for identifier in _identifiers(node, called)
+            if words(identifier) & set(KINDS)
+        ]
     return named
 
 
+def _identifiers(node: ast.AST, called: set[int]) -> list[str]:
+    """The names a node defines or reads: a definition's, an argument's, a variable's, a
+    keyword's, an attribute's (not a method called: `text.encode()`). A library's names it
+    only reads are the library's (`hf_hub_download`)."""
+    if isinstance(node, DEFINITIONS):
+        return [node.name]
+    if isinstance(node, ast.arg):
+        return [node.arg]
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+        return [node.id]
+    if isinstance(node, ast.keyword) and node.arg:
+        return [node.arg]
+    if isinstance(node, ast.Attribute) and id(node) not in called:
+        # A method taken off a new object (`JSONEncoder(...).encode`) is the object's.
+        return [] if isinstance(node.value, ast.Call) else [node.attr]
+    return []
+
+
 def test_generic_modules_never_name_a_kind(tmp_path: Path) -> None:
-    for path in GENERIC_MODULES:
-        assert not kinds_named(path), f"{path.relative_to(ROOT)} names {kinds_named(path)}"
+    relations = kind_relations()
+    assert {"generations", "train_steps", "sample_quality"} <= relations
+    modules = generic_modules()
+    # Derived, not listed: the shared nouns' rooms are generic too.
+    shared = {"producer/display.py", "producer/datasets/lookups.py", "workers/shards/latents.py"}
+    assert shared <= {path.relative_to(ROOT).as_posix() for path in modules}
+    for path in modules:
+        named = kinds_named(path, relations)
+        assert not named, f"{path.relative_to(ROOT)} names {named}"
     # The guard itself sees each way of naming one.
     module = write(
         tmp_path / "naming.py",
+        '"""A docstring may say train, generations and curate."""\n'
         "from sdq.models.jobs.kinds import TRAIN, KINDS\n"
         "from sdq.producer.generate.cli import report_run\n"
-        "def later():\n"
+        "def later(train_ranks, settings):\n"
+        "    settings.download.threads\n"
+        "    option('--encode-batch')\n"
+        "    text.encode()\n"
+        "    query = 'SELECT count(*) FROM train_steps'\n"
         "    return KINDS['encode']\n",
     )
-    assert kinds_named(module) == ["sdq.producer.generate.cli", "TRAIN", "'encode'"]
+    assert kinds_named(module, relations) == [
+        "sdq.producer.generate.cli.report_run",
+        "TRAIN",
+        "train_ranks",
+        "'train_steps'",
+        "download",
+        "'--encode-batch'",
+        "'encode'",
+    ]
+
+
+HOOK_TYPES = {"producer": "ProducerHooks", "models": "ModelHooks", "workers": "WorkerHooks"}
+
+
+def test_each_kind_declares_its_hooks_in_one_typed_place(tmp_path: Path) -> None:
+    """A kind's hooks are fields of its side's HOOKS (models/jobs/kinds.py): a misspelt one
+    fails as the kind loads, and a function named as a hook that its HOOKS does not hold
+    (defined, never declared) is refused here."""
+    from dataclasses import fields
+    from importlib import import_module
+
+    from sdq.models.jobs import kinds
+
+    for kind in kinds.KINDS.values():
+        declared = {"producer": kind.producer_hooks(), "models": kind.model_hooks(),
+                    "workers": kind.worker_hooks()}  # fmt: skip
+        assert declared["producer"].commands, f"{kind.name} has no commands"
+        for side, hooks in declared.items():
+            assert type(hooks).__name__ == HOOK_TYPES[side]
+            hook_names = {field.name for field in fields(hooks)}
+            held = {id(getattr(hooks, name)) for name in hook_names}
+            for path in sources(f"{side}/{kind.name}"):
+                module = import_module(
+                    ".".join(["sdq", *path.relative_to(ROOT).with_suffix("").parts])
+                )
+                named_as_hooks = [
+                    name for name in hook_names & set(vars(module))
+                    if callable(getattr(module, name)) and id(getattr(module, name)) not in held
+                ]  # fmt: skip
+                assert not named_as_hooks, f"{path}: {named_as_hooks} not in its HOOKS"
+    # A hook under a name its side does not have is refused as the module loads.
+    with pytest.raises(TypeError, match="at_run_ends"):
+        kinds.WorkerHooks(at_run_ends=print)
+    package = tmp_path / "sdq_fake_hooks"
+    package.mkdir()
+    write(package / "__init__.py", "")
+    write(package / "hooks.py", "from sdq.models.jobs.kinds import ModelHooks\nHOOKS = 3\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(TypeError, match="not WorkerHooks"):
+            kinds._hooks("sdq_fake_hooks.hooks", kinds.WorkerHooks)
+    finally:
+        sys.path.remove(str(tmp_path))
 
 
 # A train run's validation renders are generation runs: training writes their jobs and
@@ -182,19 +324,24 @@ def test_kind_folders_never_import_one_another() -> None:
                 assert not reached, f"{path.relative_to(ROOT)} imports {reached}"
 
 
-def module_graph() -> dict[str, set[str]]:
-    """Each of sdq's modules -> the sdq modules it imports, anywhere in it."""
-    modules = {
+def product_modules() -> dict[str, Path]:
+    """Each of sdq's modules by its dotted name, as installed."""
+    return {
         ".".join(["sdq", package, *path.relative_to(ROOT / package).with_suffix("").parts])
         .removesuffix(".__init__"): path
         for package in PACKAGES
         for path in sources(package)
     }  # fmt: skip
+
+
+def module_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Each module -> the modules it imports, anywhere in it: `from sdq.models.db import x`
+    is sdq.models.db, `from sdq.workers.train import gang` is sdq.workers.train.gang."""
     graph: dict[str, set[str]] = {}
     for module, path in modules.items():
         graph[module] = set()
         for name, _ in imports(path):
-            while name and name not in modules:  # `from sdq.models.db import x` -> sdq.models.db
+            while name and name not in modules:
                 name = name.rpartition(".")[0]
             if name and name != module:
                 graph[module].add(name)
@@ -215,9 +362,13 @@ def circles(graph: dict[str, set[str]]) -> list[set[str]]:
     return [set(group) for group in groups if len(group) > 1]
 
 
-def test_no_module_imports_itself_through_others() -> None:
-    assert circles(module_graph()) == []
+def test_no_module_imports_itself_through_others(tmp_path: Path) -> None:
+    assert circles(module_graph(product_modules())) == []
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    # A module imported from its package (`from pkg import b`) closes a circle too.
+    one = write(tmp_path / "a.py", "from pkg import b\n")
+    other = write(tmp_path / "b.py", "def later():\n    from pkg.a import x\n")
+    assert circles(module_graph({"pkg.a": one, "pkg.b": other})) == [{"pkg.a", "pkg.b"}]
 
 
 def test_heavy_libraries_only_in_gpu_modules() -> None:
