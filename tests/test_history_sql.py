@@ -1,5 +1,5 @@
 """SQL on the history: the views, `sdq sql` (read-only, table, CSV, JSON), and every query
-the README offers, run against a real run on Postgres and embedded on SQLite."""
+docs/sql.md offers, run against a real run on Postgres and embedded on SQLite."""
 
 import csv
 import io
@@ -18,8 +18,8 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def readme_queries() -> list[tuple[str, str]]:
-    """(question, query) for each query in the README's "Questions in SQL" section."""
-    section = (ROOT / "README.md").read_text().split("### Questions in SQL", 1)[1]
+    """(question, query) for each query docs/sql.md offers."""
+    section = (ROOT / "docs" / "sql.md").read_text()
     block = section.split("```sql", 1)[1].split("```", 1)[0]
     queries = []
     for chunk in block.split(";"):
