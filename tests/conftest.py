@@ -13,14 +13,7 @@ from click.testing import CliRunner, Result
 from sdq.models.db import make_engine
 from sdq.producer.cli.main import main
 from tests.netns_download import DOWNLOAD_ENV
-from tests.services import (
-    MotoServer,
-    aws_env,
-    clean_env,
-    scratch_database,
-    session_redis,
-    wait_for,
-)
+from tests.services import MotoServer, aws_env, clean_env, scratch_database, session_redis, wait_for
 from tests.services import s3_client as s3_client_for
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,15 +16,7 @@ import redis
 
 from sdq.models.generate.galleries import gallery_key
 from sdq.models.jobs.maintenance import EXPIRED
-from tests.conftest import (
-    BUCKET,
-    ROOT,
-    BeatProcess,
-    WorkerProcess,
-    sdq_json,
-    wait_for_run,
-    write,
-)
+from tests.conftest import BUCKET, ROOT, BeatProcess, WorkerProcess, sdq_json, wait_for_run, write
 from tests.services import free_port, listening, wait_for
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]

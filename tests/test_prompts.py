@@ -4,13 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from sdq.producer.prompts import (
-    InvalidInput,
-    check_template,
-    parse_size,
-    read_prompts,
-    read_styles,
-)
+from sdq.producer.prompts import InvalidInput, check_template, parse_size, read_prompts, read_styles
 from tests.conftest import write
 
 

@@ -11,11 +11,7 @@ import numpy as np
 import pytest
 import redis
 import torch
-from diffusers import (
-    EulerDiscreteScheduler,
-    StableDiffusionXLPipeline,
-    UNet2DConditionModel,
-)
+from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from sdq.models.registry import content_hash, file_sha256
 from sdq.models.train.specs import checkpoint_prefix
-from sdq.workers.train.loop.checkpoints import load_checkpoint
+from sdq.workers.train.loop.build import load_checkpoint
 from sdq.workers.train.loop.sharding import is_sharded, unet_weights
 from sdq.workers.train.loop.state import Ranks
 from tests.services import clean_env

@@ -23,8 +23,8 @@ from sdq.models.train.specs import LatentInput, TrainOptions, TrainShardSpec
 from sdq.workers.shards.latents import latent_shard_bytes
 from sdq.workers.tiny import build_unet
 from sdq.workers.train.gang.gathering import NodeLost
-from sdq.workers.train.loop.build import new_state
-from sdq.workers.train.loop.checkpoints import downloaded, snapshot
+from sdq.workers.train.loop.build import downloaded, new_state
+from sdq.workers.train.loop.checkpoints import snapshot
 from sdq.workers.train.loop.training import Training
 from sdq.workers.train.ranks.live import LiveStates
 from sdq.workers.train.ranks.processes import DONE_FILE, Node

@@ -22,20 +22,22 @@ from sdq.workers.tiny import build_unet
 from sdq.workers.train.loop.build import (
     LerpEMA,
     _data_parallel,
-    autocast_dtype,
     base_unet,
+    load_checkpoint,
     new_state,
+    restore_optimizer,
     use_fast_kernels,
 )
-from sdq.workers.train.loop.checkpoints import (
-    load_checkpoint,
-    restore_optimizer,
-    save_checkpoint,
-    snapshot,
-)
+from sdq.workers.train.loop.checkpoints import save_checkpoint, snapshot
 from sdq.workers.train.loop.files import save_unet
 from sdq.workers.train.loop.state import Ranks
-from sdq.workers.train.loop.step import draw, step_inputs, train_step, training_flops_per_sample
+from sdq.workers.train.loop.step import (
+    autocast_dtype,
+    draw,
+    step_inputs,
+    train_step,
+    training_flops_per_sample,
+)
 
 BATCH = 2
 

@@ -20,8 +20,8 @@ from sdq.models.registry import tiny_identity
 from sdq.models.store import LocalStore
 from sdq.models.train.specs import TrainOptions, TrainShardSpec, checkpoint_prefix
 from sdq.workers.tiny import build_unet
-from sdq.workers.train.loop.build import new_state
-from sdq.workers.train.loop.checkpoints import downloaded, load_checkpoint, write_checkpoint
+from sdq.workers.train.loop.build import downloaded, load_checkpoint, new_state
+from sdq.workers.train.loop.checkpoints import write_checkpoint
 from sdq.workers.train.loop.step import step_inputs, train_step
 from sdq.workers.train.loop.training import Training
 from sdq.workers.train.ranks.serve import exit_now, ranks_from_env

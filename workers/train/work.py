@@ -137,7 +137,8 @@ class TrainWork(Work):
     ) -> tuple[list[dict], Written]:
         """Steps on this process's device, then the checkpoint written while the next
         job's steps are taken on a thread."""
-        from sdq.workers.train.loop.checkpoints import restore_state, write_checkpoint
+        from sdq.workers.train.loop.build import restore_state
+        from sdq.workers.train.loop.checkpoints import write_checkpoint
         from sdq.workers.train.loop.state import Ranks
         from sdq.workers.train.loop.training import Training, until_time
 

@@ -1,9 +1,9 @@
-"""A rank's training state, built around a U-Net: the base model's, or a new one drawn from
-the run's seed; placed on the device, wrapped in DistributedDataParallel over several
-unsharded ranks (or sharded: sharding.py), compiled if asked, with its AdamW, learning-rate
-schedule and EMA. And the base model's files, which a checkpoint that is a model copies
-beside its U-Net. GPU-side: imports torch. The frozen VAE and text encoder are never
-loaded: the latent shards hold their outputs.
+"""A rank's training state: built around a U-Net (the base model's, or a new one drawn from
+the run's seed), or restored from a checkpoint in the store (once per node: the first local
+rank downloads it, the others read the same files); placed on the device, wrapped in
+DistributedDataParallel over several unsharded ranks (or sharded: sharding.py), compiled if
+asked, with its AdamW, learning-rate schedule and EMA. GPU-side: imports torch. The frozen
+VAE and text encoder are never loaded: the latent shards hold their outputs.
 
 On a GPU: bf16 autocast unless the run asks for fp16 (with a gradient scaler) or none, TF32
 for what runs in fp32, cuDNN's autotuner, SDPA attention (diffusers' default processor),
@@ -11,11 +11,16 @@ fused AdamW, optional gradient checkpointing and torch.compile, channels_last. O
 same code runs in fp32.
 """
 
+import fcntl
+import hashlib
+import io
 import shutil
 import tempfile
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from diffusers import DDPMScheduler, UNet2DConditionModel
@@ -26,15 +31,21 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from sdq.models import tiny
-from sdq.models.train.specs import TrainOptions, TrainShardSpec
-from sdq.workers.tiny import build_pipeline, build_unet
-from sdq.workers.train.loop.files import UNET_FOLDER, save_unet
-from sdq.workers.train.loop.sharding import shard, state_group
+from sdq.models.store import ObjectStore
+from sdq.models.train.specs import TrainOptions, TrainShardSpec, checkpoint_prefix
+from sdq.workers.tiny import build_unet
+from sdq.workers.train.loop.checkpoints import fetch_base_ahead
+from sdq.workers.train.loop.files import UNET_FOLDER, load_state
+from sdq.workers.train.loop.sharding import (
+    SHARDED_FOLDER,
+    is_sharded,
+    restore,
+    shard,
+    state_group,
+    unet_weights,
+)
 from sdq.workers.train.loop.state import ALONE, Ranks, TrainState
 from sdq.workers.weights import ModelFiles, check_tiny_revision
-
-AUTOCAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
 
 # diffusers' schedule names for --lr-schedule, each with --lr-warmup steps first.
 LR_SCHEDULERS = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}
@@ -65,13 +76,6 @@ def _base_unet_config(spec: TrainShardSpec, files: ModelFiles) -> dict:
     return UNet2DConditionModel.load_config(
         where.path, subfolder=UNET_FOLDER, revision=where.revision
     )
-
-
-def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
-    """The dtype the forward pass autocasts to; None: fp32 throughout."""
-    if mixed_precision == "auto":
-        return torch.bfloat16 if device.type == "cuda" else None
-    return AUTOCAST.get(mixed_precision)
 
 
 def use_fast_kernels(device: torch.device) -> None:
@@ -204,62 +208,122 @@ def _without_origin(unet: UNet2DConditionModel) -> UNet2DConditionModel:
     return unet
 
 
-def export_model(
-    unet_config: dict, weights: dict[str, torch.Tensor], base: Path, folder: Path
-) -> None:
-    """A whole diffusers pipeline in `folder`: the base model's files with this U-Net in
-    place of the base's."""
-    shutil.copytree(
-        base, folder, ignore=shutil.ignore_patterns(UNET_FOLDER, ".*"), dirs_exist_ok=True
-    )
-    save_unet(unet_config, weights, folder / UNET_FOLDER)
+def restore_state(
+    spec: TrainShardSpec,
+    store: ObjectStore,
+    files: ModelFiles,
+    ranks: Ranks,
+    node_folder: Path | None = None,
+) -> TrainState:
+    """The state the job starts from: the run's first (the base's U-Net, a new one, or the
+    weights of the checkpoint the run goes on from), or its checkpoint at the first step.
+    Ranks that share a `node_folder` (one node's) download a checkpoint once between them."""
+    if spec.first_step == 0:
+        state = new_state(spec, _first_unet(spec, store, files, node_folder), ranks)
+    else:
+        prefix = f"{checkpoint_prefix(spec.run, spec.first_step)}/state/"
+        with downloaded(store, prefix, node_folder) as folder:
+            state = load_checkpoint(spec, folder, ranks)
+    if spec.options.caption_dropout:
+        state.empty_prompt = empty_prompt(store, spec.empty_prompt_key).to(state.device)
+    if ranks.writes:
+        fetch_base_ahead(spec, files)  # after the restore: it may have fetched them already
+    return state
 
 
-# The base models' files being fetched for the checkpoints that export a model: one at a
-# time, on a thread started with the first.
-_fetcher = ThreadPoolExecutor(1, thread_name_prefix="sdq-base")
+def _first_unet(
+    spec: TrainShardSpec, store: ObjectStore, files: ModelFiles, node_folder: Path | None
+):
+    if spec.start_from is None:
+        return base_unet(spec, files)
+    state = f"{spec.start_from}/state/"
+    if next(store.list_keys(f"{state}{SHARDED_FOLDER}/"), None) is None:
+        with downloaded(store, f"{state}unet/", node_folder) as folder:
+            return UNet2DConditionModel.from_pretrained(folder)
+    # Written by a sharded run, at whatever world size: each rank reads the whole U-Net.
+    with downloaded(store, state, node_folder) as folder:
+        return unet_weights(folder)
 
 
-_bases: dict[tuple[str, str], Future[Path]] = {}
+@contextmanager
+def downloaded(store: ObjectStore, prefix: str, node_folder: Path | None) -> Iterator[Path]:
+    """The objects under a prefix, in a local folder while the block runs; in
+    `node_folder`, shared with the node's other ranks, who find it there (the first to
+    come downloads it, the others wait for it on a lock)."""
+    if node_folder is None:
+        with tempfile.TemporaryDirectory(prefix="sdq-checkpoint-") as folder:
+            _download(store, prefix, Path(folder))
+            yield Path(folder)
+        return
+    restores = node_folder / "restores"
+    restores.mkdir(exist_ok=True)
+    folder = restores / hashlib.sha256(prefix.encode()).hexdigest()[:16]
+    with (restores / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / DOWNLOADED).is_file():
+            # The node's earlier restores: every rank has gone past them, to this one.
+            for older in restores.iterdir():
+                if older.is_dir():
+                    shutil.rmtree(older)
+            _download(store, prefix, folder)
+            (folder / DOWNLOADED).touch()
+    yield folder
 
 
-def fetch_base_ahead(spec: TrainShardSpec, files: ModelFiles) -> None:
-    """Starts fetching the base model's files now: the run's last checkpoint copies them
-    beside its U-Net, and would otherwise fetch them (SD 2's VAE and text encoder: 1.7 GB)
-    or build them while the run waits for it to finish."""
-    key = (spec.base_source, spec.base_revision)
-    if key not in _bases:
-        _bases[key] = _fetcher.submit(base_folder, spec, files, files.cache_dir)
+# Marks a node's shared download complete.
+DOWNLOADED = ".downloaded"
 
 
-def fetched_base(spec: TrainShardSpec, files: ModelFiles) -> Path:
-    """The base model's files, as fetch_base_ahead has them (or fetched now); a fetch that
-    failed ahead is tried again, here, to fail with its own error."""
-    fetch_base_ahead(spec, files)
-    key = (spec.base_source, spec.base_revision)
-    try:
-        return _bases[key].result()
-    except Exception:
-        del _bases[key]
-        return base_folder(spec, files, files.cache_dir)
+def _download(store: ObjectStore, prefix: str, folder: Path) -> None:
+    for key in store.list_keys(prefix):
+        store.get_file(key, folder / key.removeprefix(prefix))
 
 
-def base_folder(spec: TrainShardSpec, files: ModelFiles, cache_dir: Path) -> Path:
-    """The base model's files on local disk, to copy beside the trained U-Net."""
-    if spec.base_source == tiny.TINY_NAME:
-        folder = cache_dir / f"tiny-{spec.base_revision[:16]}"
-        if not folder.is_dir():
-            cache_dir.mkdir(parents=True, exist_ok=True)
-            partial = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".tiny."))
-            build_pipeline().save_pretrained(partial)
-            try:
-                partial.rename(folder)
-            except OSError:  # another process saved it first; both are the same
-                shutil.rmtree(partial, ignore_errors=True)
-        return folder
-    where = files.locate(spec.base_source, spec.base_revision)
-    if where.revision is None:
-        return Path(where.path)
-    from huggingface_hub import snapshot_download
+def empty_prompt(store: ObjectStore, key: str | None) -> torch.Tensor:
+    """The text encoder's output for "" (tokens x hidden size), as the encode run stored it."""
+    if key is None:
+        raise ValueError("caption dropout needs the empty prompt's embedding; the spec has none")
+    return torch.from_numpy(np.load(io.BytesIO(store.get_bytes(key))).astype(np.float32))
 
-    return Path(snapshot_download(where.path, revision=where.revision))
+
+def load_checkpoint(spec: TrainShardSpec, folder: Path, ranks: Ranks = ALONE) -> TrainState:
+    """The state a checkpoint folder holds, as it was when written."""
+    if is_sharded(folder):
+        state = new_state(spec, _laid_out(folder), ranks)
+        restore(state, folder)
+        return state
+    state = new_state(spec, UNet2DConditionModel.from_pretrained(folder / UNET_FOLDER), ranks)
+    saved = load_state(folder, state.device)
+    state.step = saved["step"]
+    restore_optimizer(state.optimizer, saved["optimizer"])
+    state.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+    if state.ema is not None:
+        state.ema.load_state_dict(saved["ema"])
+    if state.scaler is not None:
+        state.scaler.load_state_dict(saved["scaler"])
+    return state
+
+
+def _laid_out(folder: Path) -> UNet2DConditionModel:
+    """The checkpoint's U-Net on the meta device: shapes, no memory, to be restored into."""
+    with torch.device("meta"):
+        return UNet2DConditionModel.from_config(
+            UNet2DConditionModel.load_config(folder / UNET_FOLDER)
+        )
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """The optimizer's saved state, each parameter's in the parameter's own memory layout:
+    a checkpoint gives it back contiguous, beside channels_last weights, which takes AdamW
+    off its fused and foreach paths (they need matching strides)."""
+    optimizer.load_state_dict(saved)
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            for name, value in optimizer.state.get(parameter, {}).items():
+                if (
+                    torch.is_tensor(value)
+                    and value.shape == parameter.shape
+                    and value.stride() != parameter.stride()
+                ):
+                    like = torch.empty_like(parameter, dtype=value.dtype)
+                    optimizer.state[parameter][name] = like.copy_(value)

@@ -1,48 +1,30 @@
 """A run's checkpoints: the state copied to host memory at a step (a snapshot), written to
 the object store from that copy on a thread while the training goes on (the devices wait
-for the copy, not for the upload), with the whole pipeline beside it when the checkpoint
-is a model; and a job's starting state restored from the store. Every checkpoint holds
-everything needed to go on exactly where it was written. GPU-side: imports torch.
+for the copy, not for the upload), with the whole pipeline beside it when the checkpoint is
+a model (the base model's VAE and text encoder, fetched from the run's first job on, around
+the trained U-Net). Every checkpoint holds everything needed to go on exactly where it was
+written (build.py restores it). GPU-side: imports torch.
 """
 
-import fcntl
-import hashlib
-import io
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from time import perf_counter
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
-from diffusers import UNet2DConditionModel
 
+from sdq.models import tiny
 from sdq.models.registry import content_hash, folder_content_hash
 from sdq.models.store import ObjectStore
 from sdq.models.train.specs import TrainShardSpec, checkpoint_prefix
-from sdq.workers.train.loop.build import (
-    base_unet,
-    export_model,
-    fetch_base_ahead,
-    fetched_base,
-    new_state,
-)
-from sdq.workers.train.loop.files import UNET_FOLDER, load_state, save_state, save_unet
-from sdq.workers.train.loop.sharding import (
-    SHARDED_FOLDER,
-    ShardedSnapshot,
-    every_rank_hashes,
-    is_sharded,
-    restore,
-    shard_hashes,
-    unet_weights,
-)
-from sdq.workers.train.loop.state import ALONE, Ranks, TrainState
+from sdq.workers.tiny import build_pipeline
+from sdq.workers.train.loop.files import UNET_FOLDER, save_state, save_unet
+from sdq.workers.train.loop.sharding import ShardedSnapshot, every_rank_hashes, shard_hashes
+from sdq.workers.train.loop.state import TrainState
 from sdq.workers.train.records import Written
 from sdq.workers.weights import ModelFiles
 
@@ -118,49 +100,6 @@ def save_checkpoint(snapshot: Snapshot, folder: Path) -> None:
     writes the same bytes, and any world size can go on from it."""
     save_unet(snapshot.unet_config, snapshot.unet, folder / UNET_FOLDER)
     save_state({"step": snapshot.step, **snapshot.training}, folder)
-
-
-def load_checkpoint(spec: TrainShardSpec, folder: Path, ranks: Ranks = ALONE) -> TrainState:
-    """The state a checkpoint folder holds, as it was when written."""
-    if is_sharded(folder):
-        state = new_state(spec, _laid_out(folder), ranks)
-        restore(state, folder)
-        return state
-    state = new_state(spec, UNet2DConditionModel.from_pretrained(folder / UNET_FOLDER), ranks)
-    saved = load_state(folder, state.device)
-    state.step = saved["step"]
-    restore_optimizer(state.optimizer, saved["optimizer"])
-    state.lr_scheduler.load_state_dict(saved["lr_scheduler"])
-    if state.ema is not None:
-        state.ema.load_state_dict(saved["ema"])
-    if state.scaler is not None:
-        state.scaler.load_state_dict(saved["scaler"])
-    return state
-
-
-def _laid_out(folder: Path) -> UNet2DConditionModel:
-    """The checkpoint's U-Net on the meta device: shapes, no memory, to be restored into."""
-    with torch.device("meta"):
-        return UNet2DConditionModel.from_config(
-            UNet2DConditionModel.load_config(folder / UNET_FOLDER)
-        )
-
-
-def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
-    """The optimizer's saved state, each parameter's in the parameter's own memory layout:
-    a checkpoint gives it back contiguous, beside channels_last weights, which takes AdamW
-    off its fused and foreach paths (they need matching strides)."""
-    optimizer.load_state_dict(saved)
-    for group in optimizer.param_groups:
-        for parameter in group["params"]:
-            for name, value in optimizer.state.get(parameter, {}).items():
-                if (
-                    torch.is_tensor(value)
-                    and value.shape == parameter.shape
-                    and value.stride() != parameter.stride()
-                ):
-                    like = torch.empty_like(parameter, dtype=value.dtype)
-                    optimizer.state[parameter][name] = like.copy_(value)
 
 
 T = TypeVar("T")
@@ -249,79 +188,62 @@ def _upload(
         return hashed.result()
 
 
-def restore_state(
-    spec: TrainShardSpec,
-    store: ObjectStore,
-    files: ModelFiles,
-    ranks: Ranks,
-    node_folder: Path | None = None,
-) -> TrainState:
-    """The state the job starts from: the run's first (the base's U-Net, a new one, or the
-    weights of the checkpoint the run goes on from), or its checkpoint at the first step.
-    Ranks that share a `node_folder` (one node's) download a checkpoint once between them."""
-    if spec.first_step == 0:
-        state = new_state(spec, _first_unet(spec, store, files, node_folder), ranks)
-    else:
-        prefix = f"{checkpoint_prefix(spec.run, spec.first_step)}/state/"
-        with downloaded(store, prefix, node_folder) as folder:
-            state = load_checkpoint(spec, folder, ranks)
-    if spec.options.caption_dropout:
-        state.empty_prompt = empty_prompt(store, spec.empty_prompt_key).to(state.device)
-    if ranks.writes:
-        fetch_base_ahead(spec, files)  # after the restore: it may have fetched them already
-    return state
+def export_model(
+    unet_config: dict, weights: dict[str, torch.Tensor], base: Path, folder: Path
+) -> None:
+    """A whole diffusers pipeline in `folder`: the base model's files with this U-Net in
+    place of the base's."""
+    shutil.copytree(
+        base, folder, ignore=shutil.ignore_patterns(UNET_FOLDER, ".*"), dirs_exist_ok=True
+    )
+    save_unet(unet_config, weights, folder / UNET_FOLDER)
 
 
-def _first_unet(
-    spec: TrainShardSpec, store: ObjectStore, files: ModelFiles, node_folder: Path | None
-):
-    if spec.start_from is None:
-        return base_unet(spec, files)
-    state = f"{spec.start_from}/state/"
-    if next(store.list_keys(f"{state}{SHARDED_FOLDER}/"), None) is None:
-        with downloaded(store, f"{state}unet/", node_folder) as folder:
-            return UNet2DConditionModel.from_pretrained(folder)
-    # Written by a sharded run, at whatever world size: each rank reads the whole U-Net.
-    with downloaded(store, state, node_folder) as folder:
-        return unet_weights(folder)
+# The base models' files being fetched for the checkpoints that export a model: one at a
+# time, on a thread started with the first.
+_fetcher = ThreadPoolExecutor(1, thread_name_prefix="sdq-base")
 
 
-@contextmanager
-def downloaded(store: ObjectStore, prefix: str, node_folder: Path | None) -> Iterator[Path]:
-    """The objects under a prefix, in a local folder while the block runs; in
-    `node_folder`, shared with the node's other ranks, who find it there (the first to
-    come downloads it, the others wait for it on a lock)."""
-    if node_folder is None:
-        with tempfile.TemporaryDirectory(prefix="sdq-checkpoint-") as folder:
-            _download(store, prefix, Path(folder))
-            yield Path(folder)
-        return
-    restores = node_folder / "restores"
-    restores.mkdir(exist_ok=True)
-    folder = restores / hashlib.sha256(prefix.encode()).hexdigest()[:16]
-    with (restores / ".lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (folder / DOWNLOADED).is_file():
-            # The node's earlier restores: every rank has gone past them, to this one.
-            for older in restores.iterdir():
-                if older.is_dir():
-                    shutil.rmtree(older)
-            _download(store, prefix, folder)
-            (folder / DOWNLOADED).touch()
-    yield folder
+_bases: dict[tuple[str, str], Future[Path]] = {}
 
 
-# Marks a node's shared download complete.
-DOWNLOADED = ".downloaded"
+def fetch_base_ahead(spec: TrainShardSpec, files: ModelFiles) -> None:
+    """Starts fetching the base model's files now: the run's last checkpoint copies them
+    beside its U-Net, and would otherwise fetch them (SD 2's VAE and text encoder: 1.7 GB)
+    or build them while the run waits for it to finish."""
+    key = (spec.base_source, spec.base_revision)
+    if key not in _bases:
+        _bases[key] = _fetcher.submit(base_folder, spec, files, files.cache_dir)
 
 
-def _download(store: ObjectStore, prefix: str, folder: Path) -> None:
-    for key in store.list_keys(prefix):
-        store.get_file(key, folder / key.removeprefix(prefix))
+def fetched_base(spec: TrainShardSpec, files: ModelFiles) -> Path:
+    """The base model's files, as fetch_base_ahead has them (or fetched now); a fetch that
+    failed ahead is tried again, here, to fail with its own error."""
+    fetch_base_ahead(spec, files)
+    key = (spec.base_source, spec.base_revision)
+    try:
+        return _bases[key].result()
+    except Exception:
+        del _bases[key]
+        return base_folder(spec, files, files.cache_dir)
 
 
-def empty_prompt(store: ObjectStore, key: str | None) -> torch.Tensor:
-    """The text encoder's output for "" (tokens x hidden size), as the encode run stored it."""
-    if key is None:
-        raise ValueError("caption dropout needs the empty prompt's embedding; the spec has none")
-    return torch.from_numpy(np.load(io.BytesIO(store.get_bytes(key))).astype(np.float32))
+def base_folder(spec: TrainShardSpec, files: ModelFiles, cache_dir: Path) -> Path:
+    """The base model's files on local disk, to copy beside the trained U-Net."""
+    if spec.base_source == tiny.TINY_NAME:
+        folder = cache_dir / f"tiny-{spec.base_revision[:16]}"
+        if not folder.is_dir():
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            partial = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".tiny."))
+            build_pipeline().save_pretrained(partial)
+            try:
+                partial.rename(folder)
+            except OSError:  # another process saved it first; both are the same
+                shutil.rmtree(partial, ignore_errors=True)
+        return folder
+    where = files.locate(spec.base_source, spec.base_revision)
+    if where.revision is None:
+        return Path(where.path)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(where.path, revision=where.revision))

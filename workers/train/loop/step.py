@@ -25,7 +25,6 @@ from diffusers.training_utils import compute_snr
 
 from sdq.models.ahead import run_ahead
 from sdq.models.train.specs import TrainShardSpec
-from sdq.workers.train.loop.build import autocast_dtype
 from sdq.workers.train.loop.data import Batch
 from sdq.workers.train.loop.state import TrainState
 
@@ -258,3 +257,13 @@ def training_flops_per_sample(state: TrainState, latents, embeddings) -> float:
     with torch.no_grad(), counter:
         state.unet(latents[:1], timesteps, embeddings[:1])
     return 3.0 * counter.get_total_flops()
+
+
+AUTOCAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
+    """The dtype the forward pass autocasts to; None: fp32 throughout."""
+    if mixed_precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    return AUTOCAST.get(mixed_precision)

@@ -31,7 +31,8 @@ from sdq.models.settings import Settings
 from sdq.models.store import ObjectStore, open_store
 from sdq.models.train.settings import TrainSettings
 from sdq.models.train.specs import TrainShardSpec
-from sdq.workers.train.loop.checkpoints import Snapshot, restore_state, write_checkpoint
+from sdq.workers.train.loop.build import restore_state
+from sdq.workers.train.loop.checkpoints import Snapshot, write_checkpoint
 from sdq.workers.train.loop.sharding import ShardedSnapshot
 from sdq.workers.train.loop.state import Ranks, TrainState
 from sdq.workers.train.loop.training import Stop, Training, rank0_decides, until_time
