@@ -8,16 +8,23 @@ from contextlib import contextmanager
 
 logger = logging.getLogger(__name__)
 # After a failed call, the next comes this soon, then twice as late each time, up to the
-# period: a database that restarts for a few seconds misses no more than that.
+# period or `retry_at_most`: a database that restarts for a few seconds misses no more.
 FIRST_RETRY_SECONDS = 0.5
 
 
 @contextmanager
-def every(seconds: float, action: Callable[[], None], *, name: str) -> Iterator[None]:
+def every(
+    seconds: float,
+    action: Callable[[], None],
+    *,
+    name: str,
+    retry_at_most: float | None = None,
+) -> Iterator[None]:
     """Calls `action` every `seconds` until the body ends, then waits for the thread. An
     error in one call (a database restarting) is logged, and the call tried again sooner,
-    with backoff: it never ends the thread."""
+    with backoff up to `retry_at_most` (else the period): it never ends the thread."""
     stop = threading.Event()
+    cap = min(seconds, retry_at_most or seconds)
 
     def loop() -> None:
         wait, retry = seconds, FIRST_RETRY_SECONDS
@@ -25,8 +32,8 @@ def every(seconds: float, action: Callable[[], None], *, name: str) -> Iterator[
             try:
                 action()
             except Exception as error:
-                logger.warning("%s failed, tried again in %.1f s: %r", name, retry, error)
-                wait, retry = min(retry, seconds), retry * 2
+                wait, retry = min(retry, cap), retry * 2
+                logger.warning("%s failed, tried again in %.1f s: %r", name, wait, error)
             else:
                 wait, retry = seconds, FIRST_RETRY_SECONDS
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from sdq.models.jobs.kinds import KINDS, POOL_QUEUES, Pool
+from sdq.workers.app import NAME_TAKEN
 
 CELERY_APP = "sdq.workers.main"
 # A dead worker is started again after 2, 4, 8... seconds, at most RESTART_BACKOFF_CAP; one
@@ -177,6 +178,7 @@ class Supervised:
         self.first_delay, self.cap, self.healthy_after = first_delay, cap, healthy_after
         self.quick_failures = 0
         self.restart_at: float | None = None
+        self.refused = False
         self.process = self._start()
 
     def _start(self) -> subprocess.Popen:
@@ -209,7 +211,11 @@ class Supervised:
                 self.process = self._start()
             return
         code = self.process.poll()
-        if code is None:
+        if code is None or self.refused:
+            return
+        if code == NAME_TAKEN:
+            _say(f"{self.name}: refused to start, its name is taken; not started again")
+            self.refused = True
             return
         ran = time.monotonic() - self.started
         self.quick_failures = 1 if ran > self.healthy_after else self.quick_failures + 1
@@ -254,7 +260,7 @@ def supervise(commands: list[WorkerCommand]) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
         signal.signal(signum, forward)
-    while not stopping:
+    while not stopping and not all(worker.refused for worker in workers):
         for worker in workers:
             worker.check()
         time.sleep(POLL_SECONDS)

@@ -1,5 +1,9 @@
 """The delivery settings the job lifecycle relies on, as the Celery app is configured."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from sdq.models.download.settings import DownloadSettings
@@ -86,3 +90,16 @@ def test_compiled_shapes_are_read_and_checked() -> None:
         Settings.from_env({"SDQ_WARM_SHAPES": "512x51"})
     with pytest.raises(ValueError, match="SDQ_COMPILE_BATCHES must be batch sizes"):
         Settings.from_env({"SDQ_COMPILE_BATCHES": "0,2"})
+
+
+def test_settings_whose_order_makes_no_sense_are_refused_at_start() -> None:
+    """A gang given longer to gather than its ranks' rendezvous waits would be given up by
+    the ranks first: refused as the settings are read, by every command and worker."""
+    with pytest.raises(ValueError, match=r"SDQ_TRAIN_GANG_TIMEOUT \(600\) must be below"):
+        Settings.from_env({"SDQ_TRAIN_GANG_TIMEOUT": "600", "SDQ_TRAIN_COLLECTIVE_TIMEOUT": "31"})
+    done = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", "worker", "gpu"],
+        env={**os.environ, "SDQ_TRAIN_GANG_TIMEOUT": "40", "SDQ_TRAIN_COLLECTIVE_TIMEOUT": "31"},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "SDQ_TRAIN_COLLECTIVE_TIMEOUT (31)" in done.stderr

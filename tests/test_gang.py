@@ -63,9 +63,13 @@ def test_a_gang_gathers_once_per_gathering_and_nothing_waits_for_ever(
     # Before its deadline, the leader calls again for the node still missing (a call may
     # sit with a worker that cannot answer it).
     monkeypatch.setattr(leading, "RECALL_SECONDS", 0)
-    patient = replace(SETTINGS, gang_timeout_seconds=600)
+    patient = replace(SETTINGS, gang_timeout_seconds=300)
     leader_watch(sessions, job_id, 1, nodes=3, settings=patient, call_nodes=calls.append)()
     assert calls == [1]
+    # Its ranks failing now (torch.distributed's store gave up on the rendezvous first) is
+    # the gang's outage too, whichever timed out first: the gang never gathered.
+    never = lost_node(sessions, job_id, 1, SETTINGS, nodes=3)
+    assert isinstance(never, GangIncomplete) and "had not joined gathering 1" in str(never)
     assert joined("c:3") == Node(2, "127.0.0.1", leader.master_port)
     assert joined("d:4") is None  # the gang is full
     watch()  # all there, all seen: no error
@@ -125,7 +129,7 @@ def test_a_node_unseen_fails_its_gathering_as_an_outage(migrated_postgres) -> No
     with pytest.raises(NodeLost, match=unseen):
         watch()
     assert issubclass(NodeLost, GangIncomplete)  # an outage: no attempt spent
-    assert "node 1" in str(lost_node(sessions, job_id, gathering, SETTINGS))
+    assert "node 1" in str(lost_node(sessions, job_id, gathering, SETTINGS, nodes=2))
     last_seen(0, 6)  # and the leader, as its member sees it
     with pytest.raises(AttemptOver, match="node 0 of job"):
         member()
@@ -168,8 +172,8 @@ def test_a_gang_that_goes_on_keeps_its_rendezvous_and_each_member_its_place(
         GangIncomplete, match=r"2 of the 3 nodes .* went on from the run's last job within 0 s"
     ):
         watch()
-    lost = lost_node(sessions, job_id, gathering, SETTINGS, going_on=3)
-    assert "1 member node(s) of job" in str(lost)
+    lost = lost_node(sessions, job_id, gathering, SETTINGS, nodes=3, going_on=True)
+    assert "1 member node(s) of job" in str(lost) and isinstance(lost, NodeLost)
 
 
 def test_a_database_outage_passes_the_gang_s_watches_by(migrated_postgres) -> None:

@@ -143,7 +143,8 @@ def test_gpus_that_torch_cannot_see_are_refused_instead_of_run_on_the_cpu(sdq, t
 
 
 def test_sigterm_to_the_launcher_stops_every_worker(service_env, tmp_path) -> None:
-    process = WorkerProcess(service_env, tmp_path / "worker.log").start()
+    # A host name of its own: the session's worker may be alive under the usual one.
+    process = WorkerProcess(service_env, tmp_path / "worker.log", host="stopping").start()
     group = process.process.pid
     assert len(process.children()) >= 3  # launcher, celery main, its pool process
     os.kill(process.process.pid, signal.SIGTERM)
@@ -249,3 +250,22 @@ def test_a_train_worker_refuses_a_job_of_more_ranks_than_it_was_started_with(
     )
     assert "`sdq worker gpu --train-ranks 2` starts one that can take it" in job.error
     assert "rank_start" not in log.read_text()
+
+
+def test_a_second_worker_of_a_name_already_alive_refuses_to_start(
+    own_deployment: dict[str, str], tmp_path
+) -> None:
+    """Two `sdq worker gpu` on one host would both be cpu-render@HOST (train@HOST with
+    --train-ranks), and workers are called by name (a gang calls its members so): the second
+    stops at once, says why, and its launcher does not start it again."""
+    first = WorkerProcess(own_deployment, tmp_path / "first.log").start()
+    try:
+        second = subprocess.run(
+            [sys.executable, "-m", "sdq.producer.cli", "worker", "gpu", "--loglevel", "info"],
+            env=own_deployment, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert second.returncode == 78, second.stderr[-2000:]
+        assert "already alive" in second.stderr and "not started again" in second.stderr
+        assert first.ready() and first.process.poll() is None  # the first works on
+    finally:
+        first.stop()

@@ -229,6 +229,34 @@ def test_a_task_past_its_time_limit_fails_its_job_and_never_leaves_it_running(
     assert attempts == 2 and "SoftTimeLimitExceeded" in error
 
 
+def test_a_task_killed_at_its_hard_time_limit_has_its_attempt_recorded_at_once(
+    own_deployment: dict[str, str], tmp_path: Path
+) -> None:
+    """A pool process that does not hear the soft limit (tests/deaf_to_soft_limits: stuck
+    in a C call) is killed at the hard one, 4 s. The worker's main process saw the kill: it
+    records the attempt failed, with the reason, and sends the job again, instead of the
+    job waiting, running, for its lease to run out and beat to notice (no beat runs here:
+    before, the job stayed `running` for ever). Two attempts, then dead."""
+    env = {**own_deployment, "SDQ_GENERATE_TASK_TIME_LIMIT": "4", "SDQ_MAX_ATTEMPTS": "2",
+           "SDQ_RETRY_BACKOFF_SECONDS": "1", "SDQ_LEASE_SECONDS": "600",
+           "SDQ_TEST_DEAF_TO_SOFT_LIMITS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "deaf_to_soft_limits"),
+                                          own_deployment.get("PYTHONPATH", "")])}  # fmt: skip
+    database_url = env["SDQ_DATABASE_URL"]
+    worker = WorkerProcess(env, tmp_path / "gpu.log").start()
+    try:
+        listing = prompts(tmp_path, 1, "killed slow")
+        run_id = sdq_json(env, "submit", str(listing), "--steps", "1000")["run_id"]
+        assert wait_for_run(database_url, run_id, timeout=90) == {"dead": 1}
+    finally:
+        worker.stop()
+    history = [(status, detail) for _, status, detail in events(database_url, run_id)]
+    assert [status for status, _ in history] == [
+        "queued", "running", "failed", "running", "dead"
+    ]  # fmt: skip
+    assert all("killed at the hard time limit of 4 s" in detail for _, detail in history[2::2])
+
+
 def queued_time_limits(broker_url: str, queue: str) -> list[list[int]]:
     """The time limits each message waiting on `queue` carries, as kombu stores them."""
     messages = redis.Redis.from_url(broker_url).lrange(queue, 0, -1)
@@ -257,3 +285,41 @@ def test_no_message_carries_time_limits_whoever_sends_it(
     finally:
         stop(processes)
     assert queued_time_limits(env["SDQ_BROKER_URL"], "generate") == submitted
+
+
+def test_a_failed_job_whose_retry_waits_where_nobody_looks_is_sent_again_by_beat(
+    heal_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A job is failed, waiting for its retry, whose message was sent to a warm queue that
+    no live worker consumes any more (its worker let go of what made it warm: a run's ranks
+    failed, a pipeline was evicted), or lost with the broker: beat sends it again once its
+    retry is overdue, and a worker does it, once."""
+    database_url = heal_env["SDQ_DATABASE_URL"]
+    run_id = sdq_json(heal_env, "submit", str(prompts(tmp_path, 3, "stranded")), "--steps", "1")[
+        "run_id"
+    ]
+    broker = redis.Redis.from_url(heal_env["SDQ_BROKER_URL"])
+    # The state a retry sent to the queue it came in on leaves: each job failed once, its
+    # retry due now, its message in `generate.warm.gone`, which nobody consumes.
+    stranded = 0
+    while broker.lmove("generate", "generate.warm.gone"):
+        stranded += 1
+    with psycopg.connect(database_url) as connection:
+        connection.execute(
+            "UPDATE jobs SET status = 'failed', attempts = 1, error = 'RankFailed: a peer died', "
+            "enqueued_at = now() WHERE run_id = %s",
+            (run_id,),
+        )
+    processes = started(
+        WorkerProcess(heal_env, tmp_path / "gpu.log"),
+        WorkerProcess(heal_env, tmp_path / "cpu.log", pool="cpu"),
+        BeatProcess(heal_env, tmp_path / "beat.log"),
+    )
+    try:
+        assert wait_for_run(database_url, run_id, timeout=120) == {"succeeded": 3}
+    finally:
+        stop(processes)
+    history = events(database_url, run_id)
+    assert Counter(job for job, _, detail in history if detail == RESENT).total() == 3
+    assert set(Counter(job for job, status, _ in history if status == "succeeded").values()) == {1}
+    assert stranded and broker.llen("generate.warm.gone") == stranded  # nobody read them

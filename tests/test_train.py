@@ -617,7 +617,7 @@ def test_a_run_over_two_nodes_goes_on_in_memory_and_gathers_again_when_a_node_di
     on one node."""
     env = {**own_deployment, **DOWNLOAD_ENV, "SDQ_TRAIN_NODE_ADDRESS": "127.0.0.1",
            "SDQ_TRAIN_NODE_TIMEOUT": "5", "SDQ_TRAIN_GANG_TIMEOUT": "900",
-           "SDQ_TRAIN_COLLECTIVE_TIMEOUT": "900", "SDQ_TRAIN_LOSS_EVERY": "5",
+           "SDQ_TRAIN_COLLECTIVE_TIMEOUT": "960", "SDQ_TRAIN_LOSS_EVERY": "5",
            # Two machines on two cores: a thread each, as if each had its own.
            "OMP_NUM_THREADS": "1"}  # fmt: skip
     database_url = env["SDQ_DATABASE_URL"]

@@ -21,7 +21,10 @@ def test_identical_submits_at_once_render_each_spec_once(
     env = own_deployment
     rows = "".join(f"twins at once {n},{n}\n" for n in range(SPECS))
     prompts = write(tmp_path / "p.csv", "prompt,seed\n" + rows)
-    workers = [WorkerProcess(env, tmp_path / f"gpu-{n}.log").start() for n in range(2)]
+    # Two machines: two worker names (cpu-render@twin0, @twin1), as each would have.
+    workers = [
+        WorkerProcess(env, tmp_path / f"gpu-{n}.log", host=f"twin{n}").start() for n in range(2)
+    ]
     try:
         with concurrent.futures.ThreadPoolExecutor(SUBMITS) as pool:
             submitted = list(

@@ -99,3 +99,30 @@ def test_each_shape_s_jobs_go_to_the_worker_that_has_it_warm(own_deployment, tmp
     finally:
         for worker in (first, second):
             worker.kill()
+
+
+def test_a_retry_goes_where_a_live_worker_will_take_it(own_deployment, tmp_path) -> None:
+    """A retry is routed as a new message is, not to the queue its message came in on: to
+    the warm queue while a live worker consumes it, else to the kind's queue, where any
+    worker takes it (a retry sent to a warm queue nobody consumes any more waited for ever)."""
+    from sdq.models.jobs.kinds import GENERATE
+    from sdq.workers.delivery import retry_queue
+
+    env = {**own_deployment, "SDQ_COMPILE": "1", "SDQ_COMPILE_BACKEND": "eager",
+           "SDQ_COMPILE_BATCHES": "1", "SDQ_WARM_SHAPES": "64x64"}  # fmt: skip
+    app = create_app(Settings.from_env(env))
+    listing = write(tmp_path / "retried.csv", "prompt,seed,width,height\nretried,1,64,64\n")
+    run_id = sdq_json(env, "submit", str(listing), "--model", "tiny", "--steps", "1")["run_id"]
+    with session_factory(make_engine(env["SDQ_DATABASE_URL"]))() as session:
+        job_ids = list(session.scalars(select(Job.id).where(Job.run_id == run_id)))
+    assert retry_queue(app, GENERATE, job_ids) == "generate"  # nobody has it warm
+    worker = Warm(env, "warm-a", "64x64", tmp_path / "a.log")
+    try:
+        wait_for(lambda: retry_queue(app, GENERATE, job_ids).startswith(f"generate{WARM}"),
+                 what="the warm worker's queue", timeout=60)  # fmt: skip
+        warm = retry_queue(app, GENERATE, job_ids)
+        app.control.cancel_consumer(warm, destination=[worker.node], reply=True)
+        assert retry_queue(app, GENERATE, job_ids) == "generate"  # let go of: the kind's
+        assert wait_for_run(env["SDQ_DATABASE_URL"], run_id) == {"succeeded": 1}
+    finally:
+        worker.kill()

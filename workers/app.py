@@ -23,6 +23,10 @@ from sdq.models.settings import Settings
 from sdq.models.store import ObjectStore, open_store
 from sdq.workers.routing import Routes, own_warm_queues
 
+# The exit code of a worker that refused to start because a live worker has its node name
+# (workers/main.py): its launcher does not start it again.
+NAME_TAKEN = 78  # EX_CONFIG
+
 # Beat's periodic tasks (workers/maintenance.py), all on the maintenance queue, each with
 # the setting (of MaintenanceSettings) that says how often: healing often, rollups less.
 MAINTENANCE_TASKS = {

@@ -1,30 +1,78 @@
 """The Celery side of delivery, written once for every kind: run the work through the
 generic skeleton, then turn its outcome into an acknowledgement or a retry."""
 
+import socket
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from celery import Task
+from celery.utils.log import get_logger
 from celery.utils.time import get_exponential_backoff_interval
+from celery.worker.request import Request
 
-from sdq.models.jobs.delivery import Work, deliver
-from sdq.models.jobs.kinds import Kind, Pool
+from sdq.models.jobs.delivery import Outcome, Work, deliver
+from sdq.models.jobs.kinds import KINDS, Kind, Pool
+from sdq.models.jobs.lifecycle import Worker, fail, retry_due
 from sdq.workers import sickness
-from sdq.workers.app import worker_identity
+from sdq.workers.app import SdqCelery, worker_identity
 from sdq.workers.holding import hold
 from sdq.workers.messages import CheckedTask
+from sdq.workers.routing import Routes
 
 # Retries of one message: a database outage of hours at the capped backoff, or a job held
 # by another worker through many leases. Jobs whose message gives up are still in the
 # database, where the relay finds them.
 MAX_RETRIES = 50
 
+logger = get_logger(__name__)
+
 
 class JobTask(CheckedTask):
-    """The base of every kind's task: its messages are checked, its retries bounded."""
+    """The base of every kind's task: its messages are checked, its retries bounded, and a
+    task killed at its hard time limit has its jobs' attempt recorded at once (JobRequest)."""
 
     max_retries = MAX_RETRIES
+    Request = "sdq.workers.delivery:JobRequest"
+
+
+class JobRequest(Request):
+    """A task message as the worker's main process holds it while a pool process runs it."""
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        super().on_timeout(soft, timeout)
+        if not soft and self.worker_pid is not None:
+            killed_at_time_limit(self.task, self.args, self.kwargs, self.worker_pid, timeout)
+
+
+def killed_at_time_limit(
+    task: Task, args: list, kwargs: dict[str, Any], pid: int, timeout: float
+) -> None:
+    """The jobs of a kind's task whose pool process the main process killed at the hard
+    time limit: their attempt failed now, as the kill is seen, not once their lease has
+    run out (the message is acknowledged, and nothing else would say so); those with
+    attempts left are sent again after the first backoff. A database that cannot be reached
+    leaves them to the lease."""
+    kind = next((kind for kind in KINDS.values() if kind.task_name == task.name), None)
+    if kind is None:  # a gang's join: the job is its leader's
+        return
+    app, [job_ids] = task.app, args[:1]
+    # The process that claimed them: host:pid, as worker_identity gave it there.
+    killed = Worker(f"{socket.gethostname()}:{pid}", device=kind.pool)
+    countdown = app.settings.jobs.retry_backoff_seconds
+    try:
+        with app.sessions.begin() as session:
+            retryable = fail(session, job_ids, error=f"TimeLimitExceeded: killed at the hard "
+                             f"time limit of {timeout:g} s", permanent=False,
+                             settings=app.settings.jobs, worker=killed)  # fmt: skip
+            retry_due(session, retryable, datetime.now(UTC) + timedelta(seconds=countdown))
+        if retryable:
+            app.send_task(kind.task_name, args=[retryable], kwargs=kwargs, countdown=countdown,
+                          queue=retry_queue(app, kind, retryable), time_limit=None,
+                          soft_time_limit=None)  # fmt: skip
+    except Exception:
+        logger.exception("jobs %s: their attempt killed at the time limit is left to the lease",
+                         job_ids)  # fmt: skip
 
 
 def backoff(task: Task) -> float:
@@ -60,19 +108,58 @@ def deliver_task(
         # over once their lease runs out.
         if task.request.is_eager:
             raise
-        raise task.retry(exc=error, countdown=backoff(task)) from error
-    if kind.pool is Pool.gpu and not task.request.is_eager:
-        sickness.after_task(task, job_ids, outcome, me=worker.host)
-    if outcome.outage and task.request.is_eager:
-        # In the caller's process (`sdq run`) a retry would come at once and meet the same
-        # outage: the jobs are back (no attempt spent) and the caller says why it stopped.
+        raise task.retry(
+            exc=error, countdown=backoff(task), queue=retry_queue(app, kind, job_ids)
+        ) from error
+    return _settle(task, kind, job_ids, outcome, me=worker.host)
+
+
+def _settle(task: Task, kind: Kind, job_ids: list[int], outcome: Outcome, *, me: str) -> dict:
+    """The delivery's outcome as Celery takes it: acknowledged, or retried (the failed jobs
+    after a backoff, those another worker holds once its lease may have run out)."""
+    eager = task.request.is_eager  # in the caller's process (`sdq run`): no worker, no broker
+    if eager and outcome.outage:
+        # A retry would come at once and meet the same outage: the jobs are back (no attempt
+        # spent) and the caller says why it stopped.
         raise outcome.outage
+    if not eager:
+        _after_work(task, kind, job_ids, outcome, me)
     countdowns = []
     if outcome.retry:
         countdowns.append(backoff(task))
-    # In-process runs (`sdq run`) have no other worker to wait for.
-    if outcome.held and not task.request.is_eager:
+    # In-process runs have no other worker to wait for.
+    if outcome.held and not eager:
         countdowns.append(max(1, (outcome.held_until - datetime.now(UTC)).total_seconds() + 1))
     if countdowns:
-        raise task.retry(args=[outcome.retry + outcome.held], countdown=max(countdowns))
+        again, countdown = outcome.retry + outcome.held, max(countdowns)
+        queue = None if eager else _retried(task, kind, outcome.retry, again, countdown)
+        raise task.retry(args=[again], countdown=countdown, queue=queue)
     return {"done": len(outcome.done), "reused": len(outcome.reused)}
+
+
+def _after_work(task: Task, kind: Kind, job_ids: list[int], outcome: Outcome, me: str) -> None:
+    """On a worker: its warm queues follow what its process holds now (the kind's `follow`:
+    before a retry is routed), and a GPU's failures are counted for its health."""
+    if (follow := kind.worker_hooks().follow) is not None:
+        follow(task)
+    if kind.pool is Pool.gpu:
+        sickness.after_task(task, job_ids, outcome, me=me)
+
+
+def _retried(task: Task, kind: Kind, failed: list[int], again: list[int], countdown: float) -> str:
+    """When the failed jobs' retry is due (for the relay, should its message be lost), and
+    the queue it goes to."""
+    with task.app.sessions.begin() as session:
+        retry_due(session, failed, datetime.now(UTC) + timedelta(seconds=countdown))
+    return retry_queue(task.app, kind, again)
+
+
+def retry_queue(app: SdqCelery, kind: Kind, job_ids: list[int]) -> str:
+    """Where a retry goes: where a new message of these jobs would (workers/routing.py), not
+    the queue the message came on. A warm queue whose worker has let go of what made it
+    warm (a run's ranks failed, a pipeline evicted) is consumed by nobody any more, and a
+    retry sent there would wait for ever; the kind's queue is where any worker takes it."""
+    try:
+        return Routes(app.settings, app.sessions, app.control)(kind, [job_ids])[0]
+    except Exception:  # the database or the broker failing: any worker can take it
+        return kind.queue

@@ -1,6 +1,8 @@
 """Entry point for the Celery command line: `celery -A sdq.workers.main worker -Q generate`."""
 
 import logging
+import os
+import sys
 from collections.abc import Iterable
 from importlib import import_module
 from time import monotonic
@@ -14,10 +16,38 @@ from sdq.workers import (
     memory,  # noqa: F401  (registers the device_memory control command)
     sickness,
 )
-from sdq.workers.app import create_app, quiet_libraries
+from sdq.workers.app import NAME_TAKEN, create_app, quiet_libraries
 
 quiet_libraries()
 app = create_app(Settings.from_env())
+
+
+@celeryd_after_setup.connect
+def refuse_a_taken_name(sender: str, instance, **_) -> None:
+    """A worker whose node name a live worker already has does not start: jobs and calls
+    are sent to a worker by its name (a run's gang calls its members so), and two workers of
+    one name would take each other's. It asks before its own control channel listens, so
+    any answer is another's; Celery itself only warns, and goes on."""
+    app = instance.app
+    # On a connection of its own, closed after: one left in the app's pool mid-read would
+    # be what each pool process forked later tries to close, and waits on for ever.
+    with app.connection_for_write() as connection:
+        taken = app.control.ping(
+            destination=[sender], timeout=NAME_CHECK_SECONDS, connection=connection
+        )
+    if taken:
+        print(
+            f"sdq: a worker named {sender} is already alive on this deployment's broker; "
+            "this one stops. Start another with a name of its own (one `sdq worker` per "
+            "host, or another --hostname).",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(NAME_TAKEN)  # before the pool and the consumer start: nothing to clean up
+
+
+# How long a starting worker waits for another of its name to answer.
+NAME_CHECK_SECONDS = 1.0
 
 
 @celeryd_after_setup.connect

@@ -296,7 +296,9 @@ def keep_leases(
 
     token = _lease.set(lease)
     try:
-        with every(settings.lease_seconds / 3, renew, name="sdq-lease"):
+        # A renewal that fails is tried again within a second, however long the database
+        # is gone: one that came back within the lease finds the lease still held.
+        with every(settings.lease_seconds / 3, renew, name="sdq-lease", retry_at_most=1.0):
             yield lease
     finally:
         _lease.reset(token)

@@ -133,6 +133,9 @@ class WorkerHooks:
     # compiles SDQ_WARM_MODELS). Meanwhile the worker consumes none of its queues.
     warms: Callable[[Any], bool] | None = None
     warm_up: Callable[[Any, str], None] | None = None
+    # (task): has the worker consume the kind's warm queues of what its process holds now,
+    # and no others (workers/routing.py); after every task, before a retry is routed.
+    follow: Callable[[Any], None] | None = None
 
 
 @cache

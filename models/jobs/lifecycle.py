@@ -105,7 +105,7 @@ def mark_resent(session: Session, job_ids: Sequence[int]) -> None:
     for chunk in chunked(job_ids):
         moved = session.scalars(
             update(Job)
-            .where(Job.id.in_(chunk), Job.status.in_((JobStatus.pending, JobStatus.queued)))
+            .where(Job.id.in_(chunk), Job.status.in_(CLAIMABLE))
             .values(status=JobStatus.queued, enqueued_at=now)
             .returning(Job.id)
         ).all()
@@ -188,7 +188,8 @@ def fail(
     settings: JobSettings,
     worker: Worker,
 ) -> list[int]:
-    """Records a failure; returns the jobs that may be tried again. An outage gives the
+    """Records a failure; returns the jobs that may be tried again, each due to be sent
+    again now (`retry_due` says when its retry's countdown ends). An outage gives the
     attempt back while the job's first failure is less than the outage budget ago."""
     now = utcnow()
     jobs = session.scalars(
@@ -205,6 +206,7 @@ def fail(
         job.error = error
         job.lease_expires_at = None
         job.finished_at = now if dead else None
+        job.enqueued_at = None if dead else now
     retryable = [job.id for job in jobs if job.status == JobStatus.failed]
     given_up = [job.id for job in jobs if job.status == JobStatus.dead]
     detail = f"{error} ({OUTAGE})" if forgiven else error
@@ -212,6 +214,16 @@ def fail(
     record_events(session, given_up, JobStatus.dead, worker=worker, detail=error, at=now)
     close_finished_runs(session, given_up)
     return retryable
+
+
+def retry_due(session: Session, job_ids: Sequence[int], at: datetime) -> None:
+    """When the retry of these failed jobs is due in a queue (its countdown's end): until
+    then the relay leaves them to their message (models/jobs/maintenance.py)."""
+    session.execute(
+        update(Job)
+        .where(Job.id.in_(job_ids), Job.status == JobStatus.failed)
+        .values(enqueued_at=at)
+    )
 
 
 def _within_outage_budget(

@@ -105,9 +105,11 @@ def relay(
     idle_queues: Collection[str],
 ) -> Relayed:
     """Sends again the jobs no message carries any more: pending ones (the broker was down
-    when they were sent, or their lease expired) at once, and queued ones that no worker
+    when they were sent, or their lease expired) at once; queued ones that no worker
     claimed within `relay_after` while their queue lies empty in the broker (it lost the
-    message: restarted empty, or flushed). A queue with messages in it is left to drain."""
+    message: restarted empty, or flushed); and failed ones whose retry was due that long
+    ago (its message lost, or sent to a warm queue that its worker no longer consumes). A
+    queue with messages in it is left to drain."""
     with sessions.begin() as session:
         if not holds_lock(session, Lock.relay):
             return Relayed(0, 0)
@@ -128,7 +130,7 @@ def relay(
 def _lost(relay_after: timedelta, idle_queues: Collection[str]) -> ColumnElement[bool]:
     idle_kinds = [kind.name for kind in KINDS.values() if kind.queue in idle_queues]
     unclaimed = and_(
-        Job.status == JobStatus.queued,
+        Job.status.in_((JobStatus.queued, JobStatus.failed)),
         Job.kind.in_(idle_kinds),
         Job.enqueued_at < utcnow() - relay_after,
     )

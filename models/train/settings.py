@@ -39,6 +39,15 @@ class TrainSettings:
     # sets it for its train worker); None: as many as a job asks for.
     ranks: int | None = setting("SDQ_TRAIN_RANKS", None, read=_count_or_none)
 
+    def __post_init__(self) -> None:
+        if self.gang_timeout_seconds >= self.collective_timeout_seconds:
+            raise ValueError(
+                f"SDQ_TRAIN_GANG_TIMEOUT ({self.gang_timeout_seconds}) must be below "
+                f"SDQ_TRAIN_COLLECTIVE_TIMEOUT ({self.collective_timeout_seconds}): the ranks' "
+                "rendezvous waits for the gang that long at most, so a gang would be given up "
+                "by its ranks before the leader's own deadline"
+            )
+
     def too_many_ranks(self, run: int, ranks_per_node: int) -> str | None:
         """Why this machine cannot take a node of a job of that many ranks a node."""
         if self.ranks is None or ranks_per_node <= self.ranks:

@@ -5,6 +5,12 @@ asking)."""
 
 from sdq.models.generate.galleries import write_gallery
 from sdq.models.jobs.kinds import WorkerHooks
-from sdq.workers.generate.task import pipelines, warm_up, warms
+from sdq.workers.generate.task import follow_warm_queues, pipelines, warm_up, warms
 
-HOOKS = WorkerHooks(holds=pipelines, at_run_end=write_gallery, warms=warms, warm_up=warm_up)
+HOOKS = WorkerHooks(
+    holds=pipelines,
+    at_run_end=write_gallery,
+    warms=warms,
+    warm_up=warm_up,
+    follow=follow_warm_queues,
+)

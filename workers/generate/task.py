@@ -24,9 +24,7 @@ logger = get_task_logger(__name__)
 
 @shared_task(bind=True, base=JobTask, name=GENERATE.task_name)
 def generate(self, job_ids: list[int], batch_size: int | None = None) -> dict[str, Any]:
-    outcome = deliver_task(self, GENERATE, job_ids, partial(generate_work, self.app, batch_size))
-    follow_warm_queues(self)
-    return outcome
+    return deliver_task(self, GENERATE, job_ids, partial(generate_work, self.app, batch_size))
 
 
 def generate_work(app: SdqCelery, batch_size: int | None) -> GenerateWork:

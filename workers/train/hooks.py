@@ -3,6 +3,8 @@ the run it last trained, and a worker of several GPUs starts spare rank processe
 its first job."""
 
 from sdq.models.jobs.kinds import WorkerHooks
-from sdq.workers.train.task import live_states, warm_up, warms
+from sdq.workers.train.task import follow_the_run, live_states, warm_up, warms
 
-HOOKS = WorkerHooks(holds=lambda app: live_states(), warms=warms, warm_up=warm_up)
+HOOKS = WorkerHooks(
+    holds=lambda app: live_states(), warms=warms, warm_up=warm_up, follow=follow_the_run
+)

@@ -191,24 +191,37 @@ def lost_node(
     job_id: int,
     gathering: int,
     settings: TrainSettings,
-    going_on: int | None = None,
-) -> NodeLost | None:
-    """After the leader's ranks failed: whether a node was lost (a dead peer breaks every
+    *,
+    nodes: int,
+    going_on: bool = False,
+) -> GangIncomplete | None:
+    """After the leader's ranks failed: whether the gang was at fault, not the job. A gang
+    of `nodes` that had not all joined never completed its rendezvous, whichever timed out
+    first (torch.distributed's store or the leader's watch); in a gang `going_on` from its
+    last job, a member that has not joined is lost (its ranks were already in the group, and
+    died with its worker). Else a node may have died mid-job (a dead peer breaks every
     collective), told apart from the job's own failure by waiting until a dead node's last
-    sighting is old enough to say so. In a gang `going_on` from its last job (of that many
-    nodes), a member that has not joined is lost too: its ranks were already in the group,
-    and died with its worker."""
+    sighting is old enough to say so."""
     deadline = monotonic() + settings.node_timeout_seconds + 2 * WATCH_SECONDS
     while True:
         try:
             joined = _seen_and_lost(sessions, job_id, gathering, 0, settings)
         except NodeLost as lost:
             return lost
-        if going_on is not None and joined < going_on:
-            return NodeLost(
-                f"{going_on - joined} member node(s) of job {job_id}'s gang did not go on with "
-                f"it from the run's last job (gathering {gathering}): its ranks are gone"
-            )
+        if joined < nodes:
+            return _incomplete(job_id, gathering, nodes - joined, going_on=going_on)
         if monotonic() >= deadline:
             return None
         sleep(WATCH_SECONDS)
+
+
+def _incomplete(job_id: int, gathering: int, missing: int, *, going_on: bool) -> GangIncomplete:
+    if going_on:
+        return NodeLost(
+            f"{missing} member node(s) of job {job_id}'s gang did not go on with it from the "
+            f"run's last job (gathering {gathering}): its ranks are gone"
+        )
+    return GangIncomplete(
+        f"{missing} node(s) of job {job_id}'s gang had not joined gathering {gathering} when "
+        "its ranks' rendezvous gave up: the gang never gathered"
+    )

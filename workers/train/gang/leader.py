@@ -114,7 +114,7 @@ def run_as_leader(
     try:
         return ranks.run_gang_node(spec, node, watch, stop_at, goes_on)
     except RankFailed as failure:
-        lost = lost_node(sessions, job.id, gathering, settings, nodes if goes_on else None)
+        lost = lost_node(sessions, job.id, gathering, settings, nodes=nodes, going_on=goes_on)
         if lost is not None:
             raise lost from failure
         raise
