@@ -13,7 +13,8 @@ from an S3 server over HTTP (moto), on one core.
   lanes, as a rank process builds it, reading ahead as a rank does), over `--bytes-shards`
   shards in a local folder (many more than the lanes hold at once, as in a real dataset:
   with few, one rank alone finds some of a lane's next shards held by another lane), and
-  the bytes each fetches are counted over two epochs' steps. `bytes_per_rank_over_ideal`
+  the bytes each fetches are counted over a run of two epochs' steps (read ahead within
+  it, never past its last step, as a run's ranks read). `bytes_per_rank_over_ideal`
   is, for each world size, the most any rank fetched over 1/N of what one rank alone did.
 
 Prints one JSON object with `speedup` (sdq's samples/s per core over the previous data
@@ -165,7 +166,10 @@ def bytes_per_rank(inputs: tuple, store: ObjectStore, args, world_size: int) -> 
 
         share = LANES // world_size
         lanes = range(rank * share, (rank + 1) * share)
-        for _ in islice(stream(inputs, read, args, ahead=1).batches(0, lanes), steps):
+        # A run of `steps` steps, as a rank reads one: ahead of each step, never past its
+        # last. Without that bound a rank went on fetching shards ahead of steps nobody
+        # took, and the figure moved with how far its threads had got when it stopped.
+        for _ in stream(inputs, read, args, ahead=1).batches(0, lanes, last_step=steps):
             pass
         fetched.append(count[0])
     return fetched

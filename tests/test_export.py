@@ -12,7 +12,8 @@ import pytest
 
 from tests.conftest import sdq_json, write
 
-pytestmark = pytest.mark.timeout(300)
+# Its tests share a module-wide fixture: in one test process when run in parallel.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("test_export")]
 
 
 @pytest.fixture(scope="module")

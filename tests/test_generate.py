@@ -32,6 +32,9 @@ from sdq.workers.app import create_app
 from tests.conftest import BUCKET, ROOT, write
 from tests.services import said_after, wait_for
 
+# Its tests share a module-wide fixture: in one test process when run in parallel.
+pytestmark = pytest.mark.xdist_group("test_generate")
+
 # A run of this many one-job messages takes seconds to send: time to press Ctrl-C during it.
 SENT = 20_000
 

@@ -14,7 +14,8 @@ import pytest
 from tests.conftest import ROOT, sdq_json, write
 from tests.services import clean_env
 
-pytestmark = pytest.mark.timeout(300)
+# Its tests share a module-wide fixture: in one test process when run in parallel.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("test_history_sql")]
 
 
 def readme_queries() -> list[tuple[str, str]]:

@@ -37,6 +37,9 @@ from sdq.workers.weights import ModelFiles
 from tests.conftest import BUCKET, write
 from tests.services import aws_env, free_port
 
+# Its tests share a module-wide fixture: in one test process when run in parallel.
+pytestmark = pytest.mark.xdist_group("test_rendering")
+
 # Pinned: the tiny model must be the same on every machine, in every CI run.
 TINY_CONTENT_HASH = "7cdee06cebe26e85a74cb5daead99b943047167755715c7ce556ffaed195aca6"
 

@@ -30,6 +30,9 @@ from sdq.workers.weights import ModelFiles, PipelineError
 from tests.conftest import BUCKET, write
 from tests.test_rendering import close, diffusers_renders, images_by_seed, pixels, run_json
 
+# Its tests share a module-wide fixture: in one test process when run in parallel.
+pytestmark = pytest.mark.xdist_group("test_sdxl_lora")
+
 POOLED = 16  # the second text encoder's projection: the pooled embedding's width
 TIME_IDS = 8  # each of SDXL's six time ids (sizes, crop) embedded this wide
 

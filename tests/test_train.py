@@ -524,11 +524,18 @@ def test_phases_checkpoints_and_the_recipe_on_one_machine(tmp_path: Path) -> Non
     assert "1024-wide text embeddings; the dataset's latents have 4 channels" in unfit.stderr
 
 
-def rank_processes() -> list[int]:
-    listed = subprocess.run(
-        ["pgrep", "-f", "sdq.workers.train.ranks "], capture_output=True, text=True
-    ).stdout
-    return [int(pid) for pid in listed.split()]
+def rank_processes(*workers: WorkerProcess) -> list[int]:
+    """The rank processes of these workers: in their process groups (a worker's launcher,
+    its Celery processes and their ranks), never another test's or anything else on the
+    machine that trains."""
+    return [
+        int(pid)
+        for worker in workers
+        for pid in subprocess.run(
+            ["pgrep", "-g", str(worker.process.pid), "-f", "sdq.workers.train.ranks "],
+            capture_output=True, text=True,
+        ).stdout.split()
+    ]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -551,22 +558,22 @@ def test_two_ranks_resume_exactly_after_a_rank_or_a_worker_dies(
         [loss for _, loss in one["losses"]], rel=1e-4
     )
     # The run done, its ranks are gone; two spares wait for the next run.
-    wait_for(lambda: len(rank_processes()) == 2, what="the spare ranks", timeout=60)
-    spares = set(rank_processes())
+    wait_for(lambda: len(rank_processes(worker)) == 2, what="the spare ranks", timeout=60)
+    spares = set(rank_processes(worker))
     run_id = sdq_json(download_env, *run, "--world-size", "2")["run_id"]
 
     def job_on_ranks(index: int, attempt: int) -> int | None:
         jobs = _jobs(database_url, run_id)
         if len(jobs) <= index or jobs[index][1:3] != ("running", attempt):
             return None
-        return jobs[index][0] if len(rank_processes()) >= 2 else None
+        return jobs[index][0] if len(rank_processes(worker)) >= 2 else None
 
     wait_for(lambda: job_on_ranks(0, 1), what="the first job", timeout=300)
     # The spares take the run's first job, the same processes its next: no process
     # started, no restart, no restore.
-    assert set(rank_processes()) == spares
+    assert set(rank_processes(worker)) == spares
     wait_for(lambda: job_on_ranks(1, 1), what="the second job", timeout=300)
-    assert set(rank_processes()) == spares
+    assert set(rank_processes(worker)) == spares
     first_ranks = spares
     os.kill(max(first_ranks), signal.SIGKILL)  # one rank dies, mid-job
     wait_for(lambda: job_on_ranks(1, 2), what="the job sent again", timeout=120)
@@ -576,11 +583,11 @@ def test_two_ranks_resume_exactly_after_a_rank_or_a_worker_dies(
         holder = connection.execute(
             "SELECT worker_host FROM jobs WHERE id = %s", (job,)
         ).fetchone()[0]
-    ranks = set(rank_processes())
+    ranks = set(rank_processes(worker))
     os.kill(int(holder.rsplit(":", 1)[1]), signal.SIGKILL)  # the worker dies
     # Its ranks die with it, whatever they were doing: none is left holding a device (the
     # next attempt's ranks, once its lease runs out, are others).
-    wait_for(lambda: not ranks & set(rank_processes()), what="the dead worker's ranks to go",
+    wait_for(lambda: not ranks & set(rank_processes(worker)), what="the dead worker's ranks to go",
              timeout=30)  # fmt: skip
 
     def finished() -> bool:
@@ -687,8 +694,7 @@ def test_a_run_over_two_nodes_goes_on_in_memory_and_gathers_again_when_a_node_di
 
         def gang_ranks() -> set[int]:
             """The rank processes of the two train workers (not the session worker's)."""
-            theirs = {pid for worker in workers for pid in worker.children()}
-            return theirs & set(rank_processes())
+            return set(rank_processes(*workers))
 
         wait_for(lambda: succeeded(2), what="the second job", timeout=300)
         ranks = gang_ranks()  # the gang's, kept for the third job
