@@ -24,7 +24,8 @@ from tests.conftest import ROOT
 
 OPS = ROOT / "ops"
 KUBERNETES_VERSION = "1.30"
-SETTINGS_SOURCE = (ROOT / "models/settings.py").read_text()
+# Where settings are declared: the generic ones, and each kind's group beside the kind.
+SETTINGS_SOURCE = "".join(path.read_text() for path in (ROOT / "models").rglob("settings.py"))
 
 # The part of KEDA's ScaledObject CRD that sdq relies on (keda.sh/v1alpha1).
 SCALED_OBJECT = {

@@ -16,7 +16,7 @@ from sdq.models.jobs.kinds import KINDS, Kind, Pool
 from sdq.models.jobs.lifecycle import Worker, fail, retry_due
 from sdq.workers import sickness
 from sdq.workers.app import SdqCelery, worker_identity
-from sdq.workers.holding import hold
+from sdq.workers.holding import hold_for
 from sdq.workers.messages import CheckedTask
 from sdq.workers.routing import Routes
 
@@ -93,7 +93,7 @@ def deliver_task(
     app = task.app
     worker = worker_identity(kind.pool)
     try:
-        hold(kind, app)
+        hold_for(kind, app)
         outcome = deliver(
             job_ids,
             make_work(),

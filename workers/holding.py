@@ -11,10 +11,16 @@ from sdq.models.jobs.kinds import Kind
 _held: dict[str, Callable[[], None]] = {}
 
 
-def hold(kind: Kind, app) -> None:
-    """Before a task of `kind` loads anything: what the other kinds hold is let go, and what
-    this one keeps (its WorkerHooks' `holds`) noted to be let go in turn."""
-    for other in [name for name in _held if name != kind.name]:
+def hold(kind: str, release: Callable[[], None] | None) -> None:
+    """Before a task of `kind` loads anything: what the other kinds hold is let go, and
+    `release` noted as how to let go of what this one keeps, in turn."""
+    for other in [name for name in _held if name != kind]:
         _held.pop(other)()
-    if (holds := kind.worker_hooks().holds) is not None:
-        _held[kind.name] = holds(app).clear
+    if release is not None:
+        _held[kind] = release
+
+
+def hold_for(kind: Kind, app) -> None:
+    """`hold` for a task of the kind, which keeps what its WorkerHooks' `holds` says."""
+    holds = kind.worker_hooks().holds
+    hold(kind.name, holds(app).clear if holds is not None else None)

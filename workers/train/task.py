@@ -13,7 +13,7 @@ from sdq.models.train.routing import node_key
 from sdq.models.train.settings import TrainSettings
 from sdq.workers.app import SdqCelery, worker_identity
 from sdq.workers.delivery import JobTask, deliver_task
-from sdq.workers.holding import hold
+from sdq.workers.holding import hold_for
 from sdq.workers.routing import consume_warm_queues
 from sdq.workers.train.gang.member import take_part
 from sdq.workers.train.ranks.live import LiveStates
@@ -67,7 +67,7 @@ def join(self, job_ids: list[int], gathering: int, goes_on: bool = False) -> dic
     """This worker as one more node of that gathering of the job's gang, or, where the gang
     `goes_on` from the run's last job, as the node it was (gang/member.py)."""
     [job_id] = job_ids
-    hold(TRAIN, self.app)
+    hold_for(TRAIN, self.app)
     worker, settings = worker_identity(Pool.gpu).host, self.app.settings.group(TrainSettings)
     outcome = take_part(self.app.sessions, job_id, gathering, worker=worker,
                              settings=settings, ranks=live_states(), goes_on=goes_on)  # fmt: skip
