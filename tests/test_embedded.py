@@ -244,8 +244,9 @@ def test_a_full_disk_stops_the_run_clearly_and_one_resume_finishes_it(
     assert 0 < statuses.pop("succeeded", 0) == finished < 64, said
     if full == "store":  # the database took the stop: nothing is left held
         assert "jobs in hand put back" in said and "running" not in statuses
-    else:
-        assert "the jobs in hand could not be put back (database or disk is full)" in said
+    else:  # the database fills too: whether it could still record the stop is the disk's call
+        assert re.search(r"the jobs in hand could not be put back \(database or disk is full\)|"
+                         r"0 jobs in hand put back", said), said  # fmt: skip
 
     ballast.unlink()
     resumed = sdq_json(env, "resume", "1", cwd=tmp_path)

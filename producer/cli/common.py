@@ -200,9 +200,11 @@ def work_here(
     except Exception as error:
         if not (full := full_disk(error)):
             raise
+        # soft_wrap: the places' paths stay whole, to be copied.
         display.console.print(
             f"no space left on a disk sdq writes to ({full}); space left: "
-            f"{free_space(app.settings)}"
+            f"{free_space(app.settings)}",
+            soft_wrap=True,
         )
         _stop_here(app, run_id, worker_identity(kind.pool), "stopped: disk full", DISK_FULL)
 
