@@ -121,8 +121,10 @@ def test_a_retry_goes_where_a_live_worker_will_take_it(own_deployment, tmp_path)
         wait_for(lambda: retry_queue(app, GENERATE, job_ids).startswith(f"generate{WARM}"),
                  what="the warm worker's queue", timeout=60)  # fmt: skip
         warm = retry_queue(app, GENERATE, job_ids)
+        # Its task done (after each, a worker's warm queues follow what it holds), the
+        # worker stops consuming the queue, as one that let its pipeline go does.
+        assert wait_for_run(env["SDQ_DATABASE_URL"], run_id) == {"succeeded": 1}
         app.control.cancel_consumer(warm, destination=[worker.node], reply=True)
         assert retry_queue(app, GENERATE, job_ids) == "generate"  # let go of: the kind's
-        assert wait_for_run(env["SDQ_DATABASE_URL"], run_id) == {"succeeded": 1}
     finally:
         worker.kill()
