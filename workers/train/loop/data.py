@@ -85,11 +85,18 @@ class Lane:
         self._pieces = pieces
         self._ahead: deque[Piece] = deque()
 
-    def upcoming(self, pieces: int) -> list[int]:
-        """The shards of its current piece and the `pieces - 1` after it."""
+    def upcoming(self, pieces: int, within: int | None = None) -> list[int]:
+        """The shards of its current piece and the `pieces - 1` after it; of those that
+        start within its next `within` samples, where given (a run's last step is near)."""
         while len(self._ahead) < pieces:
             self._ahead.append(next(self._pieces))
-        return [piece.shard for piece in list(self._ahead)[:pieces]]
+        shards, start = [], 0
+        for piece in list(self._ahead)[:pieces]:
+            if within is not None and start >= within:
+                break
+            shards.append(piece.shard)
+            start += len(piece.rows)
+        return shards
 
     def take(self, samples: int) -> list[Piece]:
         """The next samples, as the pieces (shard and rows) they come from."""
@@ -190,15 +197,23 @@ class LatentStream:
             )
             for step in steps:
                 pieces = [piece for lane in mine for piece in lane.take(per_lane)]
-                cache.want(self._wanted(pieces, mine))
+                left = None if last_step is None else (last_step - step) * per_lane
+                cache.want(self._wanted(pieces, mine, left))
                 yield _gather(step, pieces, cache, allocate)
         finally:
             cache.close()
 
-    def _wanted(self, pieces: list[Piece], lanes: list[Lane]) -> list[int]:
-        """This batch's shards first, then each lane's next ones, nearest first."""
-        upcoming = [lane.upcoming(1 + self.shards_ahead) for lane in lanes]
-        later = [shards[depth] for depth in range(1 + self.shards_ahead) for shards in upcoming]
+    def _wanted(self, pieces: list[Piece], lanes: list[Lane], left: int | None) -> list[int]:
+        """This batch's shards first, then each lane's next ones, nearest first: those the
+        `left` samples of each lane's steps still to come need, where the run's last step
+        bounds them."""
+        upcoming = [lane.upcoming(1 + self.shards_ahead, within=left) for lane in lanes]
+        later = [
+            shards[depth]
+            for depth in range(1 + self.shards_ahead)
+            for shards in upcoming
+            if depth < len(shards)
+        ]
         return [piece.shard for piece in pieces] + later
 
 
