@@ -24,6 +24,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import Pool
 from sqlalchemy.types import Enum as SqlEnum
 from sqlalchemy.types import TypeEngine
 
@@ -32,23 +33,42 @@ IN_LIST_LIMIT = 10_000
 T = TypeVar("T")
 
 
-def make_engine(database_url: str, *, create: bool = True) -> Engine:
+def make_engine(
+    database_url: str,
+    *,
+    create: bool = True,
+    poolclass: type[Pool] | None = None,
+    connect_timeout: int | None = None,
+) -> Engine:
     """An engine for the URL. An SQLite file is made on first connection, unless not
-    `create`: a command that only reads finds none rather than making an empty one."""
+    `create`: a command that only reads finds none rather than making an empty one. A
+    `poolclass` (NullPool: a connection per use, closed after) and a `connect_timeout` in
+    seconds (Postgres) are for a process that must not hold or wait on connections."""
     url = make_url(database_url)
     if url.get_backend_name() == "postgresql" and url.drivername == "postgresql":
         url = url.set(drivername="postgresql+psycopg")
+    pooling = {"poolclass": poolclass} if poolclass else {}
     if url.get_backend_name() != "sqlite":
-        return create_engine(url, pool_pre_ping=True)
+        connecting = {"connect_timeout": connect_timeout} if connect_timeout else {}
+        return create_engine(url, pool_pre_ping=True, connect_args=connecting, **pooling)
     if url.database and url.database != ":memory:":
         if create:
             Path(url.database).parent.mkdir(parents=True, exist_ok=True)
         else:
             path = Path(url.database).absolute().as_posix()
             url = url.set(database=f"file:{path}", query={"mode": "rw", "uri": "true"})
-    engine = create_engine(url, connect_args={"timeout": 30})
+    engine = create_engine(url, connect_args={"timeout": 30}, **pooling)
     event.listen(engine, "connect", _sqlite_pragmas)
     return engine
+
+
+def bound_waits(session: Session, seconds: int) -> None:
+    """No statement of the session's transaction waits longer than `seconds`, for a lock
+    or otherwise (Postgres; SQLite's own busy timeout bounds its waits)."""
+    if session.get_bind().dialect.name == "postgresql":
+        milliseconds = seconds * 1000
+        session.execute(text(f"SET LOCAL lock_timeout = {milliseconds}"))
+        session.execute(text(f"SET LOCAL statement_timeout = {milliseconds}"))
 
 
 def missing_sqlite(database_url: str) -> Path | None:

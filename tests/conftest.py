@@ -24,13 +24,6 @@ BUCKET = "sdq-test"
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-# Tests run in parallel (`-n auto`): each test process, and every process it starts (workers,
-# ranks, commands), takes its share of the cores for torch's threads, as a machine's ranks
-# share its cores, unless told otherwise. Each taking them all, the processes' threads waited
-# on each other. Tests of the thread counts themselves set their own.
-if (processes := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))) > 1:
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // processes)))
-
 
 @pytest.fixture(scope="session")
 def postgres_url() -> Iterator[str]:

@@ -530,13 +530,15 @@ def test_leases_outlive_a_short_database_outage(migrated_postgres, work: EchoWor
 def test_a_renewal_is_tried_every_second_while_the_database_is_gone(
     migrated_postgres, work: EchoWork
 ) -> None:
-    """Postgres unreachable for 12.5 s of a 15 s lease, from just after a renewal: the
-    renewal that fails is tried again every second, not with a backoff that grows past the
-    lease (0.5, 1, 2, 4 s then the period: the next try came at 22.6 s, after the lease ran
-    out at 20, and live work was redone), so the lease is renewed as soon as the database
-    is back and every job is done once, on its first attempt."""
+    """Postgres unreachable from 9 s to 26 s of a message's work under a 24 s lease, renewed
+    every 8 s and held while renewed within 21.6 s (the last renewal before the outage at
+    about 8.2 s): the renewal that fails is tried again every second, not with a backoff
+    that grows past the lease (0.5, 1, 2, 4 s, then the period: its try at 23.7 s fell
+    within the outage and the next at 31.7 s came after the lease was given up at 29.8 s,
+    and live work was redone), so the lease is renewed as soon as the database is back and
+    every job is done once, on its first attempt."""
     sessions, job_ids, outcome = delivered_through_an_outage(
-        migrated_postgres, work, lease_seconds=15, jobs=45, outage=(5.5, 12.5)
+        migrated_postgres, work, lease_seconds=24, jobs=64, outage=(9.0, 17.0)
     )
     assert outcome.error is None and outcome.done == job_ids
     assert statuses(sessions, job_ids) == [(JobStatus.succeeded, 1)] * len(job_ids)

@@ -307,7 +307,7 @@ def test_a_failed_job_whose_retry_waits_where_nobody_looks_is_sent_again_by_beat
     with psycopg.connect(database_url) as connection:
         connection.execute(
             "UPDATE jobs SET status = 'failed', attempts = 1, error = 'RankFailed: a peer died', "
-            "enqueued_at = now() WHERE run_id = %s",
+            "retry_at = now() WHERE run_id = %s",
             (run_id,),
         )
     processes = started(

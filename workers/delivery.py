@@ -9,8 +9,11 @@ from typing import Any
 from celery import Task
 from celery.utils.log import get_logger
 from celery.utils.time import get_exponential_backoff_interval
+from celery.worker import state as worker_state
 from celery.worker.request import Request
+from sqlalchemy.pool import NullPool
 
+from sdq.models.db import bound_waits, make_engine, session_factory
 from sdq.models.jobs.delivery import Outcome, Work, deliver
 from sdq.models.jobs.kinds import KINDS, Kind, Pool
 from sdq.models.jobs.lifecycle import Worker, fail, retry_due
@@ -41,38 +44,65 @@ class JobRequest(Request):
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         super().on_timeout(soft, timeout)
-        if not soft and self.worker_pid is not None:
+        # Not in a cold shutdown, where Celery itself records nothing either.
+        if not soft and self.worker_pid is not None and not worker_state.should_terminate:
             killed_at_time_limit(self.task, self.args, self.kwargs, self.worker_pid, timeout)
 
 
 def killed_at_time_limit(
     task: Task, args: list, kwargs: dict[str, Any], pid: int, timeout: float
 ) -> None:
-    """The jobs of a kind's task whose pool process the main process killed at the hard
-    time limit: their attempt failed now, as the kill is seen, not once their lease has
-    run out (the message is acknowledged, and nothing else would say so); those with
-    attempts left are sent again after the first backoff. A database that cannot be reached
-    leaves them to the lease."""
+    """The jobs of a kind's task whose pool process is killed at the hard time limit: their
+    attempt failed now, as the main process sees the limit, not once their lease has run out
+    (the message is acknowledged, and nothing else would say so); those with attempts left
+    are sent again, after the first backoff, to the kind's queue (the process that held
+    anything warm for them is gone). It runs in the main process's loop, just before the
+    kill: on connections of its own, closed after (the pool processes forked later inherit
+    nothing of them), and each wait bounded, so that the kill is late by seconds at most; a
+    database or broker it cannot reach leaves the jobs to their lease."""
     kind = next((kind for kind in KINDS.values() if kind.task_name == task.name), None)
-    if kind is None:  # a gang's join: the job is its leader's
+    if kind is None or not args:  # a gang's join: the job is its leader's
         return
-    app, [job_ids] = task.app, args[:1]
-    # The process that claimed them: host:pid, as worker_identity gave it there.
-    killed = Worker(f"{socket.gethostname()}:{pid}", device=kind.pool)
+    app, job_ids = task.app, args[0]
     countdown = app.settings.jobs.retry_backoff_seconds
     try:
-        with app.sessions.begin() as session:
-            retryable = fail(session, job_ids, error=f"TimeLimitExceeded: killed at the hard "
-                             f"time limit of {timeout:g} s", permanent=False,
-                             settings=app.settings.jobs, worker=killed)  # fmt: skip
-            retry_due(session, retryable, datetime.now(UTC) + timedelta(seconds=countdown))
+        retryable = _fail_killed(app, job_ids, Worker(f"{socket.gethostname()}:{pid}", kind.pool),
+                                 f"TimeLimitExceeded: killed at the hard time limit of "
+                                 f"{timeout:g} s", countdown)  # fmt: skip
         if retryable:
-            app.send_task(kind.task_name, args=[retryable], kwargs=kwargs, countdown=countdown,
-                          queue=retry_queue(app, kind, retryable), time_limit=None,
-                          soft_time_limit=None)  # fmt: skip
+            with (
+                app.connection_for_write() as connection,
+                app.producer_or_acquire(app.amqp.Producer(connection)) as producer,
+            ):
+                app.send_task(kind.task_name, args=[retryable], kwargs=kwargs, queue=kind.queue,
+                              countdown=countdown, producer=producer, retry=False,
+                              time_limit=None, soft_time_limit=None)  # fmt: skip
     except Exception:
         logger.exception("jobs %s: their attempt killed at the time limit is left to the lease",
                          job_ids)  # fmt: skip
+
+
+# How long the main process waits on the database for a killed task's jobs: their lease,
+# not this, is what heals them when it cannot say so at once.
+KILLED_RECORD_SECONDS = 2
+
+
+def _fail_killed(
+    app: SdqCelery, job_ids: list[int], killed: Worker, error: str, countdown: float
+) -> list[int]:
+    """Records the killed attempt of the jobs `killed` holds, on a connection of its own
+    with every wait bounded; returns those with attempts left, their retry due."""
+    engine = make_engine(app.settings.database_url, poolclass=NullPool,
+                         connect_timeout=KILLED_RECORD_SECONDS)  # fmt: skip
+    try:
+        with session_factory(engine).begin() as session:
+            bound_waits(session, KILLED_RECORD_SECONDS)
+            retryable = fail(session, job_ids, error=error, permanent=False,
+                             settings=app.settings.jobs, worker=killed)  # fmt: skip
+            retry_due(session, retryable, datetime.now(UTC) + timedelta(seconds=countdown))
+        return retryable
+    finally:
+        engine.dispose()
 
 
 def backoff(task: Task) -> float:
@@ -86,14 +116,21 @@ def backoff(task: Task) -> float:
 
 
 def deliver_task(
-    task: Task, kind: Kind, job_ids: list[int], make_work: Callable[[], Work]
+    task: Task,
+    kind: Kind,
+    job_ids: list[int],
+    make_work: Callable[[], Work],
+    *,
+    on_device: bool = True,
 ) -> dict[str, Any]:
-    """Runs the kind's work on the message's jobs. The work is made here, inside the guard:
-    a failure to set it up (an import cut short by a time limit) is retried like any other."""
+    """Runs the kind's work on the message's jobs; work `on_device` first has the other
+    kinds' models let go (workers/holding.py). The work is made here, inside the guard: a
+    failure to set it up (an import cut short by a time limit) is retried like any other."""
     app = task.app
     worker = worker_identity(kind.pool)
     try:
-        hold_for(kind, app)
+        if on_device:
+            hold_for(kind, app)
         outcome = deliver(
             job_ids,
             make_work(),
@@ -141,16 +178,24 @@ def _after_work(task: Task, kind: Kind, job_ids: list[int], outcome: Outcome, me
     """On a worker: its warm queues follow what its process holds now (the kind's `follow`:
     before a retry is routed), and a GPU's failures are counted for its health."""
     if (follow := kind.worker_hooks().follow) is not None:
-        follow(task)
+        try:
+            follow(task)
+        except Exception:  # the broker failing: the warm queues are followed after the next
+            logger.exception("%s: its warm queues were not followed", kind.name)
     if kind.pool is Pool.gpu:
         sickness.after_task(task, job_ids, outcome, me=me)
 
 
 def _retried(task: Task, kind: Kind, failed: list[int], again: list[int], countdown: float) -> str:
     """When the failed jobs' retry is due (for the relay, should its message be lost), and
-    the queue it goes to."""
-    with task.app.sessions.begin() as session:
-        retry_due(session, failed, datetime.now(UTC) + timedelta(seconds=countdown))
+    the queue it goes to. A database that fails here leaves the relay the time of the
+    failure: the retry is sent all the same."""
+    if failed:
+        try:
+            with task.app.sessions.begin() as session:
+                retry_due(session, failed, datetime.now(UTC) + timedelta(seconds=countdown))
+        except Exception:
+            logger.exception("jobs %s: their retry's due time is not recorded", failed)
     return retry_queue(task.app, kind, again)
 
 

@@ -106,7 +106,7 @@ def mark_resent(session: Session, job_ids: Sequence[int]) -> None:
         moved = session.scalars(
             update(Job)
             .where(Job.id.in_(chunk), Job.status.in_(CLAIMABLE))
-            .values(status=JobStatus.queued, enqueued_at=now)
+            .values(status=JobStatus.queued, enqueued_at=now, retry_at=None)
             .returning(Job.id)
         ).all()
         record_events(session, moved, JobStatus.queued, detail="sent again by the relay", at=now)
@@ -206,7 +206,7 @@ def fail(
         job.error = error
         job.lease_expires_at = None
         job.finished_at = now if dead else None
-        job.enqueued_at = None if dead else now
+        job.retry_at = None if dead else now
     retryable = [job.id for job in jobs if job.status == JobStatus.failed]
     given_up = [job.id for job in jobs if job.status == JobStatus.dead]
     detail = f"{error} ({OUTAGE})" if forgiven else error
@@ -220,9 +220,7 @@ def retry_due(session: Session, job_ids: Sequence[int], at: datetime) -> None:
     """When the retry of these failed jobs is due in a queue (its countdown's end): until
     then the relay leaves them to their message (models/jobs/maintenance.py)."""
     session.execute(
-        update(Job)
-        .where(Job.id.in_(job_ids), Job.status == JobStatus.failed)
-        .values(enqueued_at=at)
+        update(Job).where(Job.id.in_(job_ids), Job.status == JobStatus.failed).values(retry_at=at)
     )
 
 

@@ -129,12 +129,12 @@ def relay(
 
 def _lost(relay_after: timedelta, idle_queues: Collection[str]) -> ColumnElement[bool]:
     idle_kinds = [kind.name for kind in KINDS.values() if kind.queue in idle_queues]
-    unclaimed = and_(
-        Job.status.in_((JobStatus.queued, JobStatus.failed)),
-        Job.kind.in_(idle_kinds),
-        Job.enqueued_at < utcnow() - relay_after,
+    overdue = utcnow() - relay_after
+    unclaimed = or_(
+        and_(Job.status == JobStatus.queued, Job.enqueued_at < overdue),
+        and_(Job.status == JobStatus.failed, Job.retry_at < overdue),
     )
-    return or_(Job.status == JobStatus.pending, unclaimed)
+    return or_(Job.status == JobStatus.pending, and_(Job.kind.in_(idle_kinds), unclaimed))
 
 
 def _lost_jobs(session: Session, lost: ColumnElement[bool]) -> dict[int, list[int]]:

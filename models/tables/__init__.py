@@ -109,6 +109,8 @@ class Job(Base):
         DateTime(timezone=True), server_default=func.current_timestamp()
     )
     enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # A failed job's retry is due in a queue by then (beat's relay sends it again past it).
+    retry_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # Time spent getting ready for the work (loading a model), this job's share of it:

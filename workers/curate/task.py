@@ -18,7 +18,8 @@ from sdq.workers.weights import ModelFiles
 def curate(self, job_ids: list[int], batch_size: int = 64, dedup: bool = False) -> dict[str, Any]:
     """Scores image shards; or, for a filtered dataset's run (`dedup`), finds near-duplicates."""
     work = partial(dedup_work, self) if dedup else partial(curate_work, self.app, batch_size)
-    return deliver_task(self, CURATE, job_ids, work)
+    # Near-duplicates are found on the CPU: the device's models stay as they are.
+    return deliver_task(self, CURATE, job_ids, work, on_device=not dedup)
 
 
 def dedup_work(task) -> DedupWork:
@@ -27,7 +28,7 @@ def dedup_work(task) -> DedupWork:
 
 
 def curate_work(app: SdqCelery, batch_size: int) -> CurateWork:
-    """The work of a message, made once its jobs are claimed (deliver_task)."""
+    """The work of a message, made as its delivery starts (deliver_task)."""
     return CurateWork(
         store=app.store, sessions=app.sessions, scorers=scorers(app), batch_size=batch_size
     )

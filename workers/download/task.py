@@ -19,7 +19,7 @@ def download(self, job_ids: list[int]) -> dict[str, Any]:
 
 
 def download_work(app: SdqCelery) -> DownloadWork:
-    """The work of a message, made once its jobs are claimed (deliver_task)."""
+    """The work of a message, made as its delivery starts (deliver_task)."""
     settings = app.settings.group(DownloadSettings)
     return DownloadWork(
         store=app.store, sessions=app.sessions, fetcher=fetcher(app), settings=settings

@@ -18,7 +18,7 @@ def encode(self, job_ids: list[int], batch_size: int) -> dict[str, Any]:
 
 
 def encode_work(app: SdqCelery, batch_size: int) -> EncodeWork:
-    """The work of a message, made once its jobs are claimed (deliver_task)."""
+    """The work of a message, made as its delivery starts (deliver_task)."""
     return EncodeWork(
         store=app.store, sessions=app.sessions, encoders=encoders(app), batch_size=batch_size
     )

@@ -28,7 +28,7 @@ def generate(self, job_ids: list[int], batch_size: int | None = None) -> dict[st
 
 
 def generate_work(app: SdqCelery, batch_size: int | None) -> GenerateWork:
-    """The work of a message, made once its jobs are claimed (deliver_task)."""
+    """The work of a message, made as its delivery starts (deliver_task)."""
     return GenerateWork(
         store=app.store,
         sessions=app.sessions,

@@ -29,7 +29,7 @@ def train(self, job_ids: list[int]) -> dict[str, Any]:
 
 
 def train_work(task) -> TrainWork:
-    """The work of a message, made once its job is claimed (deliver_task)."""
+    """The work of a message, made as its delivery starts (deliver_task)."""
     app = task.app
     return TrainWork(
         store=app.store,

@@ -175,7 +175,7 @@ class LatentStream:
         last_step: int | None = None,
     ) -> Iterator[Batch]:
         """Batch after batch from the one step `first_step` trains on up to `last_step`
-        (the run's last: nothing past it is read or drawn), of each the samples of `lanes`
+        (the run's last: no shard past it is fetched), of each the samples of `lanes`
         (a rank's share; all of them by default)."""
         per_lane = self.batch_size // self.lanes
         mine = [
