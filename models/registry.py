@@ -110,8 +110,8 @@ def resolve_model(ref: str, *, store: ObjectStore, session: Session) -> ModelIde
     if (files := stored_files(ref)) is not None:
         return _pipeline(files)
     if (made := _made_by_a_run(session, ref)) is not None:
-        prefix, revision = made
-        return _identity(FoundModel(ref, f"{STORE_SOURCE}{prefix}", revision,
+        name, prefix, revision = made
+        return _identity(FoundModel(name, f"{STORE_SOURCE}{prefix}", revision,
                                     _store_reader(store, f"{prefix}/")))  # fmt: skip
     if (record := latest_pushed(session, ref)) is not None:
         return _resolve_pushed(record, store)
@@ -226,9 +226,10 @@ def _native_size(unet_config: bytes | None) -> int:
         return 512
 
 
-def _made_by_a_run(session: Session, ref: str) -> tuple[str, str] | None:
-    """A model a run made (a training checkpoint, RUN@STEP or NAME@STEP): its prefix in the
-    store and its revision, from the kind whose runs make models (its `made_model` hook)."""
+def _made_by_a_run(session: Session, ref: str) -> tuple[str, str, str] | None:
+    """A model a run made (a training checkpoint, RUN@STEP, NAME@STEP or RUN@best:METRIC):
+    its name (the step it is), prefix in the store and revision, from the kind whose runs
+    make models (its `made_model` hook)."""
     for kind in KINDS.values():
         made_model = kind.model_hooks().made_model
         if made_model is not None and (made := made_model(session, ref)) is not None:

@@ -17,6 +17,17 @@ class ClipIdentity:
     embedding_width: int  # the projection's width: what a head on the embedding takes
 
 
+@dataclass(frozen=True)
+class ScorerRef:
+    """What scores images: a CLIP model at a revision, and any heads on its embeddings
+    (stored by content, models/curate/specs.py's head_key)."""
+
+    model_source: str
+    model_revision: str
+    aesthetic_head: str | None = None
+    nsfw_head: str | None = None
+
+
 def resolve_clip(ref: str) -> ClipIdentity:
     """A local folder, an s3:// URI, or a hub id like openai/clip-vit-large-patch14 (pinned
     to its commit, so every shard is scored by the same weights)."""

@@ -4,6 +4,7 @@ given, and where its CLIP image embeddings go."""
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from sdq.models.curate.clip import ScorerRef
 from sdq.models.datasets import SPEC_VERSION
 from sdq.models.specs import canonical_sha256
 
@@ -40,6 +41,11 @@ class CurateSpec:
     @property
     def embeddings_key(self) -> str:
         return embeddings_key(self.dataset, self.model_revision, self.shard)
+
+    @property
+    def scorer(self) -> ScorerRef:
+        return ScorerRef(self.model_source, self.model_revision, self.aesthetic_head,
+                         self.nsfw_head)  # fmt: skip
 
 
 def embeddings_key(dataset: str, model_revision: str, shard: int) -> str:

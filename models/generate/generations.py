@@ -12,7 +12,8 @@ from sdq.models.db import copy_rows
 from sdq.models.generate.specs import GenerationSpec
 from sdq.models.generate.tables import Generation
 from sdq.models.jobs.kinds import GENERATE
-from sdq.models.jobs.outbox import write_jobs
+from sdq.models.jobs.lifecycle import utcnow
+from sdq.models.jobs.outbox import open_run, record_submitted, write_jobs
 from sdq.models.specs import CanonicalTemplate
 
 
@@ -108,3 +109,28 @@ def _generation_row(job_id: int, job: PlannedJob, batch_key: str) -> dict[str, A
         "source_line": job.source_line,
         "batch_key": batch_key,
     }
+
+
+def open_render_run(
+    session: Session, specs: list[GenerationSpec], *, source: str, options: dict[str, Any]
+) -> int:
+    """A generation run of fixed renders that another run asks for (a checkpoint's
+    validation prompts, an evaluation's), its jobs in one message: written in the caller's
+    transaction, each render served from the store when it exists. Returns its id."""
+    planned = [
+        PlannedJob(spec=spec, style=None, source_line=line, subject=spec.prompt)
+        for line, spec in enumerate(specs, start=1)
+    ]
+    run = open_run(
+        session,
+        GENERATE,
+        source=source,
+        options=options,
+        job_count=len(planned),
+        jobs_per_message=len(planned),
+        task_options={"batch_size": len(planned)},
+    )
+    cached = insert_generation_jobs(session, run.id, prepare_chunk(planned, SharedSettings()),
+                                    utcnow())  # fmt: skip
+    record_submitted(session, run.id, cached=cached)
+    return run.id

@@ -168,5 +168,39 @@ def batches(planned: list[tuple[int, str]], size: int) -> list[list[int]]:
     ]
 
 
+@dataclass(frozen=True, kw_only=True)
+class FixedRenders:
+    """Renders another run asks of a model at each of its checkpoints, with fixed prompts,
+    seeds and settings (validation images, an evaluation's renders): the same at every
+    checkpoint, so that what changes in them is what training changed."""
+
+    prompts: tuple[tuple[str, int], ...]  # (prompt, seed)
+    size: int
+    scheduler: str
+    dtype: str
+    steps: int = 25
+    guidance: float = 7.5
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "FixedRenders":
+        prompts = tuple((prompt, seed) for prompt, seed in data["prompts"])
+        return cls(**{**data, "prompts": prompts})
+
+    def specs(
+        self, model: tuple[str, str, str], scheduler_config: dict[str, Any]
+    ) -> list[GenerationSpec]:
+        """A render of each prompt by the model (name, source, revision)."""
+        return [self._spec(model, scheduler_config, prompt, seed) for prompt, seed in self.prompts]
+
+    def _spec(
+        self, model: tuple[str, str, str], scheduler_config: dict[str, Any], prompt: str, seed: int
+    ) -> GenerationSpec:
+        return GenerationSpec.by_model(
+            *model, scheduler=self.scheduler, scheduler_config=scheduler_config, prompt=prompt,
+            negative_prompt="", seed=seed, steps=self.steps, guidance=self.guidance,
+            width=self.size, height=self.size, dtype=self.dtype,
+        )  # fmt: skip
+
+
 def image_key(spec_hash: str) -> str:
     return f"images/{spec_hash}.png"

@@ -45,6 +45,9 @@ class Work(ABC):
     # A bucket that is gone is one: an object store that came back empty, not the job's
     # fault (once the outage budget is spent, the jobs fail as for any outage).
     outage_errors: tuple[type[Exception], ...] = (StoreUnavailable, MissingBucket)
+    # What the jobs need is not made yet (another kind's jobs make it, each bounded by its
+    # own attempts): tried again later, the attempt given back every time.
+    waiting_errors: tuple[type[Exception], ...] = ()
 
     def reuse(self, session: Session, jobs: Sequence[Job]) -> list[Output]:
         """Outputs that already exist for some of the jobs. By default: any job that
@@ -155,7 +158,7 @@ def _fail_the_rest(
     settings: JobSettings,
 ) -> None:
     """The jobs a failure left undone, failed: retried, dead (a permanent error, or out of
-    attempts), or waiting out an outage without spending an attempt."""
+    attempts), or waiting out an outage or their inputs without spending an attempt."""
     outcome.error = f"{type(error).__name__}: {error}"
     outcome.outage = error if work.is_outage(error) else None
     with sessions.begin() as session:
@@ -166,6 +169,7 @@ def _fail_the_rest(
             error=outcome.error,
             permanent=work.is_permanent(error),
             outage=outcome.outage is not None,
+            waiting=isinstance(error, work.waiting_errors),
             settings=settings,
             worker=worker,
         )

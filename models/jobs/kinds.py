@@ -111,9 +111,9 @@ class ModelHooks:
     # deployment warms nothing: a message goes to the kind's warm queue of its first job's
     # key when a live worker consumes it (workers/routing.py), else to the kind's queue.
     warm_routing: Callable[..., Callable[[dict[str, Any]], str | None] | None] | None = None
-    # (session, ref) -> (prefix in the store, revision) of a model the kind's runs made
-    # (a training checkpoint, RUN@STEP), or None.
-    made_model: Callable[..., tuple[str, str] | None] | None = None
+    # (session, ref) -> (name, prefix in the store, revision) of a model the kind's runs
+    # made (a training checkpoint, RUN@STEP or RUN@best:METRIC, named by its step), or None.
+    made_model: Callable[..., tuple[str, str, str] | None] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,8 +156,13 @@ DOWNLOAD = Kind("download", "download", Pool.cpu, "shards")
 ENCODE = Kind("encode", "encode", Pool.gpu, "shards", preload=("sdq.workers.encode.encoders",))
 TRAIN = Kind("train", "train", Pool.gpu, "train-shards", on_ranks=True)
 CURATE = Kind("curate", "curate", Pool.gpu, "shards", preload=("sdq.workers.curate.scoring",))
+# Scores models, a training run's checkpoints as they come, on GPUs of its own if need be:
+# never on a training rank, and a run's next job never waits for it.
+EVALUATE = Kind(
+    "evaluate", "evaluate", Pool.gpu, "scores", preload=("sdq.workers.evaluate.metrics",)
+)
 
-KINDS = {kind.name: kind for kind in (GENERATE, DOWNLOAD, CURATE, ENCODE, TRAIN)}
+KINDS = {kind.name: kind for kind in (GENERATE, DOWNLOAD, CURATE, ENCODE, TRAIN, EVALUATE)}
 
 # Every queue, with the pool that consumes it.
 POOL_QUEUES = {

@@ -19,6 +19,7 @@ from sdq.models.tables import CLAIMABLE, FINISHED, Job, JobEvent, JobStatus, Run
 # Jobs that wait for a message to be sent: never sent, or failed and to be sent again.
 UNSENT = (JobStatus.pending, JobStatus.failed)
 OUTAGE = "an outage: the attempt is not counted"
+WAITING = "waiting for its inputs: the attempt is not counted"
 
 
 def utcnow() -> datetime:
@@ -185,19 +186,24 @@ def fail(
     error: str,
     permanent: bool,
     outage: bool = False,
+    waiting: bool = False,
     settings: JobSettings,
     worker: Worker,
 ) -> list[int]:
     """Records a failure; returns the jobs that may be tried again, each due to be sent
     again now (`retry_due` says when its retry's countdown ends). An outage gives the
-    attempt back while the job's first failure is less than the outage budget ago."""
+    attempt back while the job's first failure is less than the outage budget ago; waiting
+    for inputs that other jobs make gives it back always."""
     now = utcnow()
     jobs = session.scalars(
         select(Job).where(
             Job.id.in_(job_ids), Job.status == JobStatus.running, Job.worker_host == worker.host
         )
     ).all()
-    forgiven = _within_outage_budget(session, jobs, settings, now) if outage else set()
+    if waiting:
+        forgiven = {job.id for job in jobs}
+    else:
+        forgiven = _within_outage_budget(session, jobs, settings, now) if outage else set()
     for job in jobs:
         if job.id in forgiven:
             job.attempts -= 1
@@ -209,7 +215,7 @@ def fail(
         job.retry_at = None if dead else now
     retryable = [job.id for job in jobs if job.status == JobStatus.failed]
     given_up = [job.id for job in jobs if job.status == JobStatus.dead]
-    detail = f"{error} ({OUTAGE})" if forgiven else error
+    detail = f"{error} ({WAITING if waiting else OUTAGE})" if forgiven else error
     record_events(session, retryable, JobStatus.failed, worker=worker, detail=detail, at=now)
     record_events(session, given_up, JobStatus.dead, worker=worker, detail=error, at=now)
     close_finished_runs(session, given_up)

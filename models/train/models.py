@@ -7,31 +7,33 @@ import re
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from sdq.models.evaluate.scores import NoScores, best_step
 from sdq.models.jobs.kinds import TRAIN
 from sdq.models.registry import ModelNotFound
 from sdq.models.tables import Run
 from sdq.models.train.tables import Checkpoint
 
-CHECKPOINT_REF = re.compile(r"(?P<owner>[^/@\s]+)@(?P<step>\d+)")
+CHECKPOINT_REF = re.compile(r"(?P<owner>[^/@\s]+)@(?:(?P<step>\d+)|best:(?P<best>\w+))")
 
 
-def made_model(session: Session, ref: str) -> tuple[str, str] | None:
-    """The registry's hook (models/jobs/kinds.py): the checkpoint `ref` names, as its model's
-    prefix in the store and revision."""
+def made_model(session: Session, ref: str) -> tuple[str, str, str] | None:
+    """The registry's hook (models/jobs/kinds.py): the checkpoint `ref` names, as its name
+    by its step, its model's prefix in the store and revision."""
     checkpoint = checkpoint_named(session, ref)
     if checkpoint is None:
         return None
-    return checkpoint.model_prefix, checkpoint.model_revision
+    owner = ref.partition("@")[0]
+    return f"{owner}@{checkpoint.step}", checkpoint.model_prefix, checkpoint.model_revision
 
 
 def checkpoint_named(session: Session, ref: str) -> Checkpoint | None:
     """`RUN@STEP` or `NAME@STEP` (a run's `--into` name): that step's checkpoint, when it
-    is a model in the store. A step of a known run with no such model is an error that
-    lists the steps that have one."""
+    is a model in the store; `RUN@best:METRIC`: the model whose METRIC scored best. A step
+    of a known run with no such model is an error that lists the steps that have one."""
     match = CHECKPOINT_REF.fullmatch(ref)
     if match is None:
         return None
-    owner, step = match["owner"], int(match["step"])
+    owner = match["owner"]
     runs = select(Run.id).where(Run.kind == TRAIN.name)
     if owner.isdigit():
         runs = runs.where(Run.id == int(owner))
@@ -45,6 +47,14 @@ def checkpoint_named(session: Session, ref: str) -> Checkpoint | None:
     if not checkpoints:
         return None
     models = [c for c in checkpoints if c.model_prefix is not None and c.deleted_at is None]
+    if match["best"] is not None:
+        try:
+            step = best_step(session, checkpoints[0].run_id, match["best"],
+                             [c.step for c in models])  # fmt: skip
+        except NoScores as error:
+            raise ModelNotFound(f"{ref}: {error}") from None
+    else:
+        step = int(match["step"])
     found = next((c for c in models if c.step == step), None)
     if found is None:
         raise ModelNotFound(

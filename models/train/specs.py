@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from sdq.models.evaluate.specs import Evaluation
+from sdq.models.generate.specs import FixedRenders
 from sdq.models.specs import canonical_sha256, option, refuse_undeclared
 
 # "auto": bf16 on a GPU, none on a CPU (which has no fast half-precision kernels).
@@ -100,6 +102,13 @@ class TrainOptions:
     )  # fmt: skip
     # The share of samples trained on the empty prompt's embedding instead of their
     # caption's: what classifier-free guidance needs the model to know.
+    # Samples chosen at submit, by sample and seeded, that the run never trains on
+    # (models/train/holdout.py): what evaluation's held-out loss and real images come from.
+    holdout: float = option(
+        0.0, low=0, high=1, below=True,
+        help="Share of the samples held out of training, chosen by sample from --seed: the "
+        "held-out loss and the real images of the Fréchet distances come from them.",
+    )  # fmt: skip
     caption_dropout: float = option(
         0.0, low=0, high=1, below=True,
         help="Share of samples trained on the empty prompt instead of their caption, so that "
@@ -236,19 +245,6 @@ class LatentInput:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Validation:
-    """Images rendered from every checkpoint with fixed prompts and seeds, so that a run's
-    page shows how they change as it trains."""
-
-    prompts: tuple[tuple[str, int], ...]  # (prompt, seed)
-    size: int
-    scheduler: str
-    dtype: str
-    steps: int = 25
-    guidance: float = 7.5
-
-
-@dataclass(frozen=True, kw_only=True)
 class TrainShardSpec:
     """One train-shard job: steps (first_step, last_step] of run `run`, from the
     checkpoint at first_step (none when 0) to the one at last_step."""
@@ -269,13 +265,16 @@ class TrainShardSpec:
     # Runs from before the manifest carry them here.
     inputs_key: str | None = None
     inputs: tuple[LatentInput, ...] = field(default=())
-    validation: Validation | None = None
+    # Images rendered from every checkpoint, so that a run's page shows how they change.
+    validation: FixedRenders | None = None
     # The text encoder's output for "", which caption dropout trains on (the encode run
     # stores it beside the latents).
     empty_prompt_key: str | None = None
     # Where the run's first state comes from: a checkpoint prefix of an earlier run whose
     # weights it goes on from (another resolution's phase, say); None: the base model.
     start_from: str | None = None
+    # What its checkpoints are scored by, on the evaluate queue (`--eval-metrics`).
+    evaluation: Evaluation | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -290,7 +289,17 @@ class TrainShardSpec:
             self.last_step == self.options.steps
             or self.validation is not None
             or (every is not None and self.last_step % every == 0)
+            or self.evaluates(self.last_step)
         )
+
+    def evaluates(self, step: int) -> bool:
+        """Whether this job's checkpoint at `step` is scored: the run's last, and one that
+        passes a multiple of --eval-every-checkpoints checkpoints' steps (a job stopped
+        early by its time limit shifts the later checkpoints' steps, not which are)."""
+        if self.evaluation is None:
+            return False
+        period = self.evaluation.every * self.options.checkpoint_every
+        return step == self.options.steps or step // period > self.first_step // period
 
     def next_after(self, step: int) -> "TrainShardSpec | None":
         """The run's job after this one ended at `step` (its last, or an earlier step where
@@ -303,16 +312,15 @@ class TrainShardSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainShardSpec":
         validation = data.get("validation")
-        if validation is not None:
-            prompts = tuple((prompt, seed) for prompt, seed in validation["prompts"])
-            validation = Validation(**{**validation, "prompts": prompts})
-        nested = ("options", "inputs", "validation")
+        nested = ("options", "inputs", "validation", "evaluation")
+        evaluation = data.get("evaluation")
         return cls(
             **{key: value for key, value in data.items() if key not in nested},
             # Runs from before data lanes read their shards in one lane.
             options=TrainOptions(**{"data_lanes": 1, **data["options"]}),
             inputs=tuple(LatentInput(**item) for item in data["inputs"]),
-            validation=validation,
+            validation=FixedRenders.from_dict(validation) if validation else None,
+            evaluation=Evaluation.from_dict(evaluation) if evaluation else None,
         )
 
     def hash(self) -> str:

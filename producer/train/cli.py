@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from sdq.models.generate.specs import FixedRenders
 from sdq.models.jobs.kinds import TRAIN
 from sdq.models.registry import ModelNotFound, resolve_model
 from sdq.models.tables import Run
@@ -16,7 +17,7 @@ from sdq.models.train.architectures import (
     InvalidArchitecture,
     unet_architecture,
 )
-from sdq.models.train.specs import TRAINING_SHARE_OF_TIME_LIMIT, TrainOptions, Validation
+from sdq.models.train.specs import TRAINING_SHARE_OF_TIME_LIMIT, TrainOptions
 from sdq.producer.cli.common import (
     exit_bad_input,
     found,
@@ -30,6 +31,11 @@ from sdq.producer.cli.common import (
 )
 from sdq.producer.cli.options import declared_options, from_command_line
 from sdq.producer.errors import InvalidInput
+from sdq.producer.evaluate.request import (
+    EvaluationRequest,
+    evaluation_request,
+    train_evaluation_options,
+)
 from sdq.producer.prompts import read_prompts
 from sdq.producer.train import lookups as train_lookups
 from sdq.producer.train import screens
@@ -82,14 +88,15 @@ def train() -> None:
     N`. A checkpoint written as a model is one `sdq submit --model RUN@STEP` renders with."""
 
 
-def _checkpoint_ref(_ctx, _param, value: str | None) -> tuple[int, int | None] | None:
-    """RUN or RUN@STEP."""
+def _checkpoint_ref(_ctx, _param, value: str | None) -> tuple[int, int | str | None] | None:
+    """RUN, RUN@STEP or RUN@best:METRIC."""
     if value is None:
         return None
     run, _, step = value.partition("@")
-    if not run.isdigit() or (step and not step.isdigit()):
-        raise click.BadParameter(f"{value!r} is not RUN or RUN@STEP (numbers)")
-    return int(run), int(step) if step else None
+    best = step.startswith("best:") and len(step) > len("best:")
+    if not run.isdigit() or (step and not step.isdigit() and not best):
+        raise click.BadParameter(f"{value!r} is not RUN, RUN@STEP (numbers) or RUN@best:METRIC")
+    return int(run), (step if best else int(step)) if step else None
 
 
 @train.command()
@@ -102,11 +109,12 @@ def _checkpoint_ref(_ctx, _param, value: str | None) -> tuple[int, int | None] |
 )
 @click.option(
     "--resume-from",
-    metavar="RUN[@STEP]",
+    metavar="RUN[@STEP|@best:METRIC]",
     callback=_checkpoint_ref,
-    help="Start from the weights of train run RUN's checkpoint (its newest, or at STEP), on "
-    "the same base: the next phase of a pre-training, e.g. at another --resolution. The "
-    "optimizer and the learning-rate schedule start afresh.",
+    help="Start from the weights of train run RUN's checkpoint (its newest, at STEP, or the "
+    "one whose evaluation METRIC scored best), on the same base: the next phase of a "
+    "pre-training, e.g. at another --resolution. The optimizer and the learning-rate "
+    "schedule start afresh.",
 )
 @click.option(
     "--resolution",
@@ -125,6 +133,7 @@ def _checkpoint_ref(_ctx, _param, value: str | None) -> tuple[int, int | None] |
     help="A prompt file (as `sdq submit` reads; a row without a seed gets its line): "
     "each checkpoint renders these, with the same seeds, on the generate queue.",
 )
+@train_evaluation_options
 @click.option("--into", metavar="MODELNAME", help="Register the checkpoints under this name.")
 @GPU_MEMORY_OPTION
 @click.option("--wait", is_flag=True, help="Show progress until the last step.")
@@ -134,10 +143,15 @@ def start(
     app: SdqCelery,
     name: str,
     base: str | None,
-    resume_from: tuple[int, int | None] | None,
+    resume_from: tuple[int, int | str | None] | None,
     resolution: int,
     into: str | None,
     validation_prompts: Path | None,
+    eval_metrics: str | None,
+    eval_prompts: Path | None,
+    eval_clip: str | None,
+    eval_every_checkpoints: int,
+    eval_samples: int,
     gpu_memory: int,
     wait: bool,
     as_json: bool,
@@ -150,12 +164,18 @@ def start(
     #    anything is written.
     train_options = _checked_options(app, base, resume_from, into, options)
     prompts = _validation_prompts(validation_prompts) if validation_prompts else ()
+    evaluation = None
+    if eval_metrics is not None:
+        evaluation = evaluation_request(eval_metrics, prompts=eval_prompts, clip=eval_clip,
+                                        holdout=train_options.holdout, samples=eval_samples,
+                                        every=eval_every_checkpoints)  # fmt: skip
     if train_options.unet_config is not None and can_plan():
         check_fits(train_options, resolution, gpu_memory)
     _check_job_length(train_options, app.settings.time_limits[TRAIN.queue].soft)
     # 2. The run and its first job.
     ready_to_submit(app)
-    submission = _submit(app, name, base, resume_from, resolution, train_options, into, prompts)
+    submission = _submit(app, name, base, resume_from, resolution, train_options, into, prompts,
+                         evaluation)  # fmt: skip
     # 3. Trained here, with its validation renders, or sent to the workers (and watched).
     if app.settings.embedded:
         _train_here(app, submission, train_options.steps)
@@ -171,7 +191,7 @@ def start(
 def _checked_options(
     app: SdqCelery,
     base: str | None,
-    resume_from: tuple[int, int | None] | None,
+    resume_from: tuple[int, int | str | None] | None,
     into: str | None,
     options: dict[str, Any],
 ) -> TrainOptions:
@@ -189,12 +209,13 @@ def _checked_options(
 
 
 def _train_here(app: SdqCelery, submission: TrainSubmission, steps: int) -> None:
-    """The run's jobs in this process, then its checkpoints' validation renders."""
+    """The run's jobs in this process, then what its checkpoints asked for: validation
+    renders, evaluations (each one's renders before its scoring)."""
     work_here(app, submission.run_id, jobs=submission.jobs,
               progress=(steps, steps_done(app, submission.run_id)))  # fmt: skip
     with app.sessions() as session:
-        validations = train_lookups.validation_runs(session, submission.run_id)
-    for run_id, jobs in validations:
+        asked_for = train_lookups.runs_asked_for(session, submission.run_id)
+    for run_id, jobs in asked_for:
         work_here(app, run_id, jobs=jobs)
 
 
@@ -239,11 +260,12 @@ def _submit(
     app: SdqCelery,
     name: str,
     base: str | None,
-    resume_from: tuple[int, int | None] | None,
+    resume_from: tuple[int, int | str | None] | None,
     resolution: int,
     options: TrainOptions,
     into: str | None,
     prompts: tuple[tuple[str, int], ...],
+    evaluation: EvaluationRequest | None,
 ) -> TrainSubmission:
     with found():
         try:
@@ -255,7 +277,7 @@ def _submit(
                     identity = resolve_model(base, store=app.store, session=session)
             validation = None
             if prompts:
-                validation = Validation(
+                validation = FixedRenders(
                     prompts=prompts,
                     size=resolution,
                     scheduler=identity.scheduler,
@@ -271,6 +293,7 @@ def _submit(
                 store=app.store,
                 validation=validation,
                 start_from=start_from,
+                evaluation=evaluation,
             )
         except (ModelNotFound, CannotTrain, InvalidArchitecture) as error:
             raise click.UsageError(str(error)) from None

@@ -6,9 +6,11 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Row, func, select
+from sqlalchemy import Row, func, or_, select
 from sqlalchemy.orm import Session
 
+from sdq.models.evaluate.scores import run_scores
+from sdq.models.evaluate.specs import Evaluation
 from sdq.models.generate.tables import Generation
 from sdq.models.jobs.kinds import GENERATE, TRAIN
 from sdq.models.jobs.lifecycle import as_utc
@@ -16,6 +18,7 @@ from sdq.models.registry import ModelNotFound, resolve_model
 from sdq.models.specs import ModelIdentity
 from sdq.models.store import ObjectStore
 from sdq.models.tables import FINISHED, Job, JobEvent, JobStatus, Run
+from sdq.models.train.specs import TrainShardSpec
 from sdq.models.train.tables import Checkpoint, TrainStep
 from sdq.producer.errors import NotFound
 
@@ -65,7 +68,16 @@ def train_status(session: Session, run_id: int) -> dict[str, Any]:
         **time_shares(session, run_id, run.options["batch_size"], checkpoints, steps),
         "losses": [[row[0], row[1]] for row in losses],
         "checkpoints": [_checkpoint_row(checkpoint) for checkpoint in checkpoints],
+        "scores": run_scores(session, run_id),
+        "resumed_from": _resumed_from(run.options),
     }
+
+
+def _resumed_from(options: dict[str, Any]) -> dict[str, int] | None:
+    """The checkpoint a run went on from (`--resume-from`), or None."""
+    if options.get("start_run") is None:
+        return None
+    return {"run": options["start_run"], "step": options["start_step"]}
 
 
 def _recent_speed(recent: Sequence[Row], left: int) -> dict[str, Any]:
@@ -213,15 +225,18 @@ def _status(session: Session, run_id: int, *, done: bool) -> str:
     return "running" if counts[JobStatus.running] else "queued" if unfinished else "stopped"
 
 
-def validation_runs(session: Session, run_id: int) -> list[tuple[int, int]]:
-    """(run id, jobs) of the train run's validation renders not finished yet."""
+def runs_asked_for(session: Session, run_id: int) -> list[tuple[int, int]]:
+    """(run id, jobs) of what the train run's checkpoints asked for and is not finished
+    yet, in the order it was asked: validation renders, evaluations' renders and their
+    evaluate jobs."""
+    asked = or_(
+        Run.options["validation_of"].as_integer() == run_id,
+        Run.options["evaluation_of"].as_integer() == run_id,
+    )
     return [
-        (validation.id, validation.job_count)
-        for validation in session.scalars(
-            select(Run)
-            .where(Run.kind == GENERATE.name, Run.finished_at.is_(None))
-            .where(Run.options["validation_of"].as_integer() == run_id)
-            .order_by(Run.id)
+        (asked_for.id, asked_for.job_count)
+        for asked_for in session.scalars(
+            select(Run).where(Run.finished_at.is_(None), asked).order_by(Run.id)
         )
     ]
 
@@ -242,3 +257,13 @@ def validation_images(session: Session, run_id: int) -> list[dict[str, Any]]:
         {"step": step, "prompt": prompt, "seed": seed, "status": status, "spec_hash": spec_hash}
         for step, prompt, seed, status, spec_hash in rows
     ]
+
+
+def run_evaluation(session: Session, run_id: int) -> Evaluation | None:
+    """What the train run's checkpoints are scored by (`--eval-metrics`), or None."""
+    spec = session.scalar(
+        select(Job.spec).where(Job.run_id == run_id, Job.kind == TRAIN.name).order_by(Job.id)
+    )
+    if spec is None:
+        raise NotFound(f"no train run {run_id}")
+    return TrainShardSpec.from_dict(spec).evaluation

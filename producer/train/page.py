@@ -25,7 +25,7 @@ td img {{ width: 128px; image-rendering: pixelated; display: block; }}
 </style></head><body>
 <h1>Train run {run_id}</h1><p>{summary}</p>
 <h2>Loss</h2>{curve}
-{validation}</body></html>
+{scores}{validation}</body></html>
 """
 VALIDATION = """<h2>Validation images</h2>
 <table><thead><tr><th>step</th>{prompt_headers}</tr></thead><tbody>
@@ -47,7 +47,11 @@ def training_html(
             f"{status['status']}: step {status['step']} of {status['steps']}, "
             f"{status['dataset']} on {status['base']}, model {status['model']}"
         ),
-        curve=_curve([loss for _, loss in status["losses"]]),
+        curve=_curve(status["losses"]),
+        scores="".join(
+            f"<h2>{html.escape(metric)}</h2>{_curve(curve)}"
+            for metric, curve in status["scores"].items()
+        ),
         validation=_validation(images, image_link) if images else "",
     )
 
@@ -77,21 +81,23 @@ def _validation(images: list[dict[str, Any]], image_link: ImageLink) -> str:
     )
 
 
-def _curve(losses: list[float]) -> str:
-    """The loss per step as an SVG polyline, scaled to the box."""
-    if not losses:
+def _curve(values: list[tuple[int, float]]) -> str:
+    """Values against their steps (the loss at every step, a score at each checkpoint
+    scored) as an SVG polyline, scaled to the box."""
+    if not values:
         return "<p>no steps yet</p>"
-    low, high = min(losses), max(losses)
-    span = (high - low) or 1.0
-    step_width = WIDTH / max(1, len(losses) - 1)
+    steps, ys = [step for step, _ in values], [value for _, value in values]
+    low, high = min(ys), max(ys)
+    span, first = (high - low) or 1.0, steps[0]
+    step_width = WIDTH / max(1, steps[-1] - first)
     points = " ".join(
-        f"{index * step_width:.1f},{HEIGHT - (loss - low) / span * HEIGHT:.1f}"
-        for index, loss in enumerate(losses)
+        f"{(step - first) * step_width:.1f},{HEIGHT - (value - low) / span * HEIGHT:.1f}"
+        for step, value in values
     )
     return (
         f'<svg width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}">'
         f'<polyline fill="none" stroke="#36c" points="{points}"/></svg>'
-        f"<p>{high:.4f} (top) to {low:.4f} (bottom), {len(losses)} steps</p>"
+        f"<p>{high:.4f} (top) to {low:.4f} (bottom), steps {first} to {steps[-1]}</p>"
     )
 
 

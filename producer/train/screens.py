@@ -7,6 +7,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from sdq.models.evaluate.specs import best_of
 from sdq.models.generate.galleries import store_image_link
 from sdq.models.store import LINK_SECONDS
 from sdq.producer.cli.common import lookup
@@ -51,7 +52,22 @@ def show_training(status: dict[str, Any], *, render_command: str = "sdq submit")
         stdout.print(
             f"render with: {render_command} PROMPTS --model {status['model']}@STEP (a model)"
         )
+    if status["scores"]:
+        stdout.print(rows_table(_score_rows(status["scores"]), ["metric", "latest", "best"],
+                                title="checkpoint scores"))  # fmt: skip
     stdout.print(f"page: {status['page']}", soft_wrap=True)
+
+
+def _score_rows(scores: dict[str, list[list[float]]]) -> list[dict[str, str]]:
+    """Each metric's latest value and its best, with their steps."""
+    rows = []
+    for metric, curve in scores.items():
+        values = {step: value for step, value in curve}
+        best = best_of(metric, values)
+        latest = curve[-1][0]
+        rows.append({"metric": metric, "latest": f"{values[latest]:.4f} at step {latest}",
+                     "best": f"{values[best]:.4f} at step {best}"})  # fmt: skip
+    return rows
 
 
 def show_plan(plan: dict[str, Any], refusal: str | None) -> None:

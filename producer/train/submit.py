@@ -2,7 +2,7 @@
 at the resolution) and its first train-shard job. Each job writes the next one with its
 checkpoint; the run's job count says how many there will be."""
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from sqlalchemy import select
@@ -10,6 +10,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.datasets import empty_prompt_key, latent_key
 from sdq.models.datasets.tables import LatentShard, Shard
+from sdq.models.evaluate.scores import NoScores, best_step
+from sdq.models.evaluate.specs import Evaluation
+from sdq.models.generate.specs import FixedRenders
 from sdq.models.jobs.kinds import TRAIN
 from sdq.models.jobs.outbox import add_jobs, open_run
 from sdq.models.registry import same_encoders
@@ -21,13 +24,14 @@ from sdq.models.train.specs import (
     LatentInput,
     TrainOptions,
     TrainShardSpec,
-    Validation,
     checkpoint_prefix,
     inputs_key,
     inputs_manifest,
 )
 from sdq.models.train.tables import Checkpoint, TrainInput
 from sdq.producer.datasets.lookups import dataset_named, no_usable_samples
+from sdq.producer.evaluate.request import EvaluationRequest
+from sdq.producer.train.evaluation import NothingHeldOut, run_evaluation
 
 
 class CannotTrain(Exception):
@@ -64,8 +68,9 @@ def record_train(
     options: TrainOptions,
     into: str | None,
     store: ObjectStore,
-    validation: Validation | None = None,
+    validation: FixedRenders | None = None,
     start_from: StartFrom | None = None,
+    evaluation: EvaluationRequest | None = None,
 ) -> TrainSubmission:
     """The train run, its inputs and its first job, in one transaction: the database drives
     the chain from there (each job's checkpoint writes the next job)."""
@@ -84,8 +89,16 @@ def record_train(
         session.add_all(TrainInput(run_id=run.id, latent_shard_id=shard.id) for shard, _ in shards)
         inputs = [_input(name, shard, number) for shard, number in shards]
         store.put_bytes(inputs_key(run.id), inputs_manifest(inputs), content_type=PARQUET)
-        # 4. Its first job; the others follow from each checkpoint.
-        first = _first_job(run.id, base, options, into, validation, empty_prompt, start_from)
+        # 4. What its checkpoints are scored by, its held-out samples listed.
+        scored_by = None
+        if evaluation is not None:
+            scored_by = _evaluation(session, store, run.id, evaluation, shards, inputs,
+                                    options=options, base=base, resolution=resolution)  # fmt: skip
+        # 5. Its first job; the others follow from each checkpoint.
+        first = replace(
+            _first_job(run.id, base, options, into, validation, empty_prompt, start_from),
+            evaluation=scored_by,
+        )
         add_jobs(session, run, TRAIN, [first])
         run.job_count = -(-options.steps // options.checkpoint_every)
     return TrainSubmission(
@@ -95,6 +108,22 @@ def record_train(
         jobs=run.job_count,
         samples=sum(shard.samples for shard, _ in shards),
     )
+
+
+def _evaluation(
+    session: Session,
+    store: ObjectStore,
+    run_id: int,
+    request: EvaluationRequest,
+    shards: list[tuple[LatentShard, int]],
+    inputs: list[LatentInput],
+    **made: Any,
+) -> Evaluation:
+    try:
+        return run_evaluation(session, store, run_id, request, [shard for shard, _ in shards],
+                              inputs, **made)  # fmt: skip
+    except NothingHeldOut as error:
+        raise CannotTrain(str(error)) from None
 
 
 def _recorded(
@@ -134,7 +163,7 @@ def _first_job(
     base: ModelIdentity,
     options: TrainOptions,
     into: str | None,
-    validation: Validation | None,
+    validation: FixedRenders | None,
     empty_prompt: str | None,
     start_from: StartFrom | None,
 ) -> TrainShardSpec:
@@ -167,13 +196,18 @@ def _empty_prompt(store: ObjectStore, name: str, encoded_with: str) -> str:
     return key
 
 
-def start_checkpoint(session: Session, run_id: int, step: int | None) -> StartFrom:
-    """The checkpoint `--resume-from RUN[@STEP]` names: the step's, or the run's newest,
-    still in the store."""
+def start_checkpoint(session: Session, run_id: int, step: int | str | None) -> StartFrom:
+    """The checkpoint `--resume-from RUN[@STEP|@best:METRIC]` names: the step's, the
+    run's newest, or the one with the best score, still in the store."""
     query = select(Checkpoint.step).where(
         Checkpoint.run_id == run_id, Checkpoint.deleted_at.is_(None)
     )
     steps = session.scalars(query.order_by(Checkpoint.step)).all()
+    if isinstance(step, str):
+        try:
+            step = best_step(session, run_id, step.removeprefix("best:"), steps)
+        except NoScores as error:
+            raise CannotTrain(f"--resume-from {run_id}@{step}: {error}") from None
     if not steps or (step is not None and step not in steps):
         wanted = f"{run_id}@{step}" if step is not None else str(run_id)
         raise CannotTrain(

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from transformers import CLIPImageProcessorPil, CLIPModel, CLIPTokenizer
 
-from sdq.models.curate.specs import CurateSpec
+from sdq.models.curate.clip import ScorerRef
 from sdq.models.store import ObjectStore
 from sdq.workers.curate.heads import aesthetic_head, nsfw_head, read_head
 from sdq.workers.gpu import device_name, release_device_memory
@@ -114,23 +114,22 @@ class LoadedScorers:
 
     def __init__(self, files: ModelFiles, store: ObjectStore) -> None:
         self.files, self.store = files, store
-        self._key: tuple[str, str, str | None, str | None] | None = None
+        self._key: ScorerRef | None = None
         self._scorer: Scorer | None = None
 
     def clear(self) -> None:
         self._key, self._scorer = None, None
         release_device_memory()
 
-    def get(self, spec: CurateSpec) -> Scorer:
-        key = (spec.model_source, spec.model_revision, spec.aesthetic_head, spec.nsfw_head)
-        if key != self._key or self._scorer is None:
+    def get(self, ref: ScorerRef) -> Scorer:
+        if ref != self._key or self._scorer is None:
             self._scorer = None  # the old weights go before the new ones load
-            self._scorer = self._load(spec)
-            self._key = key
+            self._scorer = self._load(ref)
+            self._key = ref
         return self._scorer
 
-    def _load(self, spec: CurateSpec) -> Scorer:
-        where = self.files.locate(spec.model_source, spec.model_revision, marker=CLIP_CONFIG)
+    def _load(self, ref: ScorerRef) -> Scorer:
+        where = self.files.locate(ref.model_source, ref.model_revision, marker=CLIP_CONFIG)
         device = torch.device(device_name())
         # Half precision on a GPU; scores are read as float32 either way.
         dtype = torch.float16 if device.type == "cuda" else torch.float32
@@ -141,8 +140,8 @@ class LoadedScorers:
                 CLIPImageProcessorPil.from_pretrained(where.path, revision=where.revision), device
             ),
             tokenizer=CLIPTokenizer.from_pretrained(where.path, revision=where.revision),
-            aesthetic=self._head(spec.aesthetic_head, aesthetic_head, device),
-            nsfw=self._head(spec.nsfw_head, nsfw_head, device),
+            aesthetic=self._head(ref.aesthetic_head, aesthetic_head, device),
+            nsfw=self._head(ref.nsfw_head, nsfw_head, device),
             device=device,
             dtype=dtype,
         )
@@ -163,7 +162,7 @@ class Batch:
 
 @dataclass(frozen=True)
 class Scores:
-    embeddings: np.ndarray  # float16, L2-normalised, one row per image
+    embeddings: np.ndarray  # float32, L2-normalised, one row per image
     clip_score: np.ndarray
     aesthetic: np.ndarray | None
     nsfw: np.ndarray | None
@@ -210,7 +209,7 @@ def score_batch(scorer: Scorer, batch: Batch) -> Scores:
     aesthetic = scorer.aesthetic(images).squeeze(-1) if scorer.aesthetic is not None else None
     nsfw = scorer.nsfw(images).squeeze(-1) if scorer.nsfw is not None else None
     return Scores(
-        embeddings=images.half().cpu().numpy(),
+        embeddings=images.cpu().numpy(),
         clip_score=clip_score.cpu().numpy(),
         aesthetic=aesthetic.cpu().numpy() if aesthetic is not None else None,
         nsfw=nsfw.cpu().numpy() if nsfw is not None else None,
@@ -220,7 +219,7 @@ def score_batch(scorer: Scorer, batch: Batch) -> Scores:
 def joined(parts: list[Scores], width: int) -> Scores:
     """A shard's batches' scores as one (a shard with no kept sample has none)."""
     if not parts:
-        return Scores(np.empty((0, width), np.float16), np.empty(0, np.float32), None, None)
+        return Scores(np.empty((0, width), np.float32), np.empty(0, np.float32), None, None)
 
     def cat(name: str) -> np.ndarray | None:
         values = [getattr(part, name) for part in parts]

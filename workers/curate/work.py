@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from time import perf_counter
 from typing import TYPE_CHECKING
 
+import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -82,7 +83,7 @@ class CurateWork(Work):
         started = perf_counter()
         # 1. The shard's batches, decoded and tokenized ahead of the device, then scored.
         try:
-            scorer = self.scorers.get(spec)
+            scorer = self.scorers.get(spec.scorer)
         except BadHead as error:
             raise BadHeadFile(str(error)) from None
         batches = prepare_batches(shard, scorer, batch_size=self.batch_size, decoders=decoders)
@@ -92,7 +93,7 @@ class CurateWork(Work):
         # 2. The embeddings as a shard beside the images.
         about = {"dataset": spec.dataset, "shard": spec.shard, "image_sha256": spec.shard_sha256,
                  "model_revision": spec.model_revision}  # fmt: skip
-        data = embedding_shard_bytes(shard.keys, scores.embeddings, about)
+        data = embedding_shard_bytes(shard.keys, scores.embeddings.astype(np.float16), about)
         uri = self.store.put_bytes(spec.embeddings_key, data, content_type=PARQUET)
         # 3. Every sample's scores; scoring a shard again rewrites its rows.
         with self.sessions.begin() as session:

@@ -13,16 +13,11 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.db import upsert
-from sdq.models.generate.generations import (
-    PlannedJob,
-    SharedSettings,
-    insert_generation_jobs,
-    prepare_chunk,
-)
-from sdq.models.generate.specs import GenerationSpec
-from sdq.models.jobs.kinds import GENERATE, TRAIN
+from sdq.models.evaluate.runs import ScoredModel, open_evaluation
+from sdq.models.generate.generations import open_render_run
+from sdq.models.jobs.kinds import TRAIN
 from sdq.models.jobs.lifecycle import utcnow
-from sdq.models.jobs.outbox import open_run, record_submitted, write_jobs
+from sdq.models.jobs.outbox import write_jobs
 from sdq.models.registry import STORE_SOURCE, record_stored_model
 from sdq.models.tables import Run
 from sdq.models.train.specs import TrainShardSpec, checkpoint_prefix
@@ -113,7 +108,8 @@ LIVE_STEPS_SECONDS = 5.0
 def record_checkpoint(
     session: Session, spec: TrainShardSpec, steps: list[dict[str, Any]], written: Written
 ) -> list[int]:
-    """Returns the runs given new jobs: this one (its next job) and a validation run."""
+    """Returns the runs given new jobs: this one (its next job), a validation run and an
+    evaluation's runs."""
     record_steps(session, steps)
     inserted = session.execute(
         upsert(session, Checkpoint)
@@ -134,13 +130,17 @@ def record_checkpoint(
     if inserted is None:
         return [spec.run]  # a second writer of this checkpoint: the rest is written already
     new_work = []
+    model = (
+        f"{spec.model_name}@{written.step}",
+        f"{STORE_SOURCE}{written.model_prefix}",
+        written.model_revision,
+    )
     if spec.validation is not None:
-        model = (
-            f"{spec.model_name}@{written.step}",
-            f"{STORE_SOURCE}{written.model_prefix}",
-            written.model_revision,
-        )
         new_work.append(_validation_run(session, spec, written.step, model))
+    if written.model_prefix is not None and spec.evaluates(written.step):
+        # Scored on the evaluate queue: the run's next job is sent whether or not it is.
+        scored = ScoredModel(*model, spec.scheduler_config, run=spec.run, step=written.step)
+        new_work += open_evaluation(session, scored, spec.evaluation)
     if written.step < spec.options.steps:
         _next_job(session, spec, written.step)
         new_work.append(spec.run)
@@ -180,46 +180,9 @@ def _validation_run(
     session: Session, spec: TrainShardSpec, step: int, model: tuple[str, str, str]
 ) -> int:
     """A generation run of the validation prompts from this checkpoint's model."""
-    planned = [
-        PlannedJob(
-            spec=_validation_spec(spec, model, prompt, seed),
-            style=None,
-            source_line=line,
-            subject=prompt,
-        )
-        for line, (prompt, seed) in enumerate(spec.validation.prompts, start=1)
-    ]
-    run = open_run(
+    return open_render_run(
         session,
-        GENERATE,
+        spec.validation.specs(model, spec.scheduler_config),
         source=f"validation of train run {spec.run} at step {step}",
         options={"validation_of": spec.run, "step": step},
-        job_count=len(planned),
-        jobs_per_message=len(planned),
-        task_options={"batch_size": len(planned)},
-    )
-    now = utcnow()
-    cached = insert_generation_jobs(session, run.id, prepare_chunk(planned, SharedSettings()), now)
-    record_submitted(session, run.id, cached=cached)
-    return run.id
-
-
-def _validation_spec(
-    spec: TrainShardSpec, model: tuple[str, str, str], prompt: str, seed: int
-) -> GenerationSpec:
-    """One validation render by the checkpoint's model: the same prompt, seed and settings
-    at every checkpoint, so that its images show what training changed."""
-    validation = spec.validation
-    return GenerationSpec.by_model(
-        *model,
-        scheduler=validation.scheduler,
-        scheduler_config=spec.scheduler_config,
-        prompt=prompt,
-        negative_prompt="",
-        seed=seed,
-        steps=validation.steps,
-        guidance=validation.guidance,
-        width=validation.size,
-        height=validation.size,
-        dtype=validation.dtype,
     )

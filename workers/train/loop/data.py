@@ -17,7 +17,7 @@ threads (parallel ranged GETs on S3) while the current ones are trained on. No t
 """
 
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -25,6 +25,7 @@ from itertools import count
 
 import numpy as np
 
+from sdq.models.train.holdout import kept_rows
 from sdq.models.train.specs import LatentInput
 from sdq.workers.shards.latents import read_training_tensors
 
@@ -58,11 +59,18 @@ def _share(count: int, *, seed: int, lanes: int, lane: int, epoch: int) -> np.nd
 
 
 def lane_pieces(
-    inputs: tuple[LatentInput, ...], *, seed: int, lanes: int, lane: int, offset: int
+    inputs: tuple[LatentInput, ...],
+    *,
+    seed: int,
+    lanes: int,
+    lane: int,
+    offset: int,
+    kept: Sequence[np.ndarray] | None = None,
 ) -> Iterator[Piece]:
-    """The pieces of a lane from its sample `offset` on. Whole epochs and shards before the
-    offset are skipped by their sizes: nothing is drawn for them."""
-    sizes = np.array([item.samples for item in inputs])
+    """The pieces of a lane from its sample `offset` on, of each shard only its `kept` rows
+    (all of them by default: none held out). Whole epochs and shards before the offset are
+    skipped by their sizes: nothing is drawn for them."""
+    sizes = np.array([len(rows) for rows in kept] if kept else [item.samples for item in inputs])
     deal = partial(_share, len(inputs), seed=seed, lanes=lanes, lane=lane)
     first = 0
     while offset >= (epoch_samples := int(sizes[deal(epoch=first)].sum())):
@@ -74,7 +82,7 @@ def lane_pieces(
                 offset -= int(sizes[shard])
                 continue
             rows = np.random.default_rng([seed, epoch, shard]).permutation(sizes[shard])
-            yield Piece(shard, rows[offset:])
+            yield Piece(shard, (kept[shard][rows] if kept else rows)[offset:])
             offset = 0
 
 
@@ -156,6 +164,7 @@ class LatentStream:
         load: LoadShard,
         shards_ahead: int,
         threads: int,
+        holdout: float = 0.0,
     ) -> None:
         if batch_size % lanes:
             raise ValueError(f"a batch of {batch_size} does not split over {lanes} data lanes")
@@ -166,6 +175,12 @@ class LatentStream:
         self.load = load
         self.shards_ahead = shards_ahead
         self.threads = threads
+        # Each shard's rows that are not held out (None: every row is trained on).
+        self.kept = (
+            [kept_rows(item.key, item.samples, holdout, seed) for item in inputs]
+            if holdout
+            else None
+        )
 
     def batches(
         self,
@@ -186,6 +201,7 @@ class LatentStream:
                     lanes=self.lanes,
                     lane=lane,
                     offset=first_step * per_lane,
+                    kept=self.kept,
                 )
             )
             for lane in lanes or range(self.lanes)

@@ -79,6 +79,7 @@ class Training:
             load=load_shards(shards, store.get_large),
             shards_ahead=settings.shards_ahead,
             threads=settings.fetch_threads,
+            holdout=spec.options.holdout,
         )
         self._batches = stream.batches(
             state.step,

@@ -1,0 +1,146 @@
+"""Evaluation as the producer, the train workers and the evaluate workers see it: what a
+run asks of its checkpoints, and the spec of one evaluate job (one model scored). No torch.
+
+Metrics, as the field computes them:
+- heldout_loss: the denoising loss (plain MSE against the model's target) of held-out
+  samples, each at the same fixed timesteps spread over the schedule, its noise drawn from
+  its key: every checkpoint is scored on exactly the same draws.
+- clip_score: torchmetrics' CLIP score (100 x the cosine of a render's CLIP image embedding
+  and its prompt's text embedding, 0 at worst), averaged over fixed prompts and seeds.
+- fd_clip: the Fréchet distance between the renders' and real held-out images' CLIP image
+  embeddings (Gaussians fitted to each, as FID does with Inception features).
+- kid: the kernel distance (unbiased MMD², cubic polynomial kernel, as KID) of the same
+  embeddings: unbiased, so it can be trusted at the few hundred images where FD cannot.
+"""
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from sdq.models.generate.specs import FixedRenders
+from sdq.models.specs import canonical_sha256
+
+METRICS = ("heldout_loss", "clip_score", "fd_clip", "kid")
+# The rest are best lowest (a loss, distances).
+HIGHER_IS_BETTER = frozenset({"clip_score"})
+# What needs images rendered by the model, a CLIP model, and real held-out images.
+RENDERED = frozenset({"clip_score", "fd_clip", "kid"})
+AGAINST_REAL = frozenset({"fd_clip", "kid"})
+SPEC_VERSION = 1
+
+
+def best_of(metric: str, values: dict[int, float]) -> int:
+    """The step whose value of `metric` is best: lowest for losses and distances, highest
+    for clip_score (the earliest of equals)."""
+    sign = -1 if metric in HIGHER_IS_BETTER else 1
+    return min(sorted(values), key=lambda step: sign * values[step])
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeldOut:
+    """A run's held-out samples (models/train/holdout.py): the first `samples` of them in
+    the order of the run's latent shards, listed at submit in the store under `key`
+    (held_out_manifest), each scored at `timesteps` timesteps."""
+
+    key: str
+    fraction: float
+    seed: int
+    samples: int
+    timesteps: int = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class Clip:
+    """The CLIP model that scores renders (models/curate/clip.py resolves it)."""
+
+    name: str
+    source: str
+    revision: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Evaluation:
+    """What a train run asks of its checkpoints (`--eval-metrics`): every `every`-th of its
+    checkpoints, and its last, is scored by an evaluate job of its own
+    (TrainShardSpec.evaluates)."""
+
+    metrics: tuple[str, ...]
+    every: int = 1
+    held_out: HeldOut | None = None
+    rendering: FixedRenders | None = None
+    clip: Clip | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Evaluation":
+        rendering = data.get("rendering")
+        return cls(
+            metrics=tuple(data["metrics"]),
+            every=data["every"],
+            held_out=HeldOut(**data["held_out"]) if data.get("held_out") else None,
+            rendering=FixedRenders.from_dict(rendering) if rendering else None,
+            clip=Clip(**data["clip"]) if data.get("clip") else None,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluateSpec:
+    """One model scored by `evaluation`'s metrics: a training checkpoint's (`run` and
+    `step` say where its scores belong) or any model's. The renders are generation jobs
+    of their own, named here by their spec hashes in the prompts' order."""
+
+    model_name: str
+    model_source: str
+    model_revision: str
+    evaluation: Evaluation
+    renders: tuple[str, ...] = ()
+    run: int | None = None
+    step: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "EvaluateSpec":
+        return cls(
+            **{key: value for key, value in data.items() if key not in ("evaluation", "renders")},
+            evaluation=Evaluation.from_dict(data["evaluation"]),
+            renders=tuple(data["renders"]),
+        )
+
+    def hash(self) -> str:
+        """What decides the scores: the model's weights (its revision), the metrics, the
+        held-out samples, the renders and the scorer; not the names it goes by, nor how
+        often a run asks (the same checkpoint and spec are scored once)."""
+        identity = asdict(replace(self.evaluation, every=1))
+        return canonical_sha256(
+            {
+                "model_revision": self.model_revision,
+                "evaluation": identity,
+                "renders": list(self.renders),
+                "version": SPEC_VERSION,
+            }
+        )
+
+    @property
+    def output_key(self) -> str:
+        return scores_key(self.hash())
+
+
+def held_out_key(run: int) -> str:
+    """A run's held-out samples as evaluation reads them: one parquet row each, its latent
+    shard and row, its key and caption, and its image shard (HELD_OUT_COLUMNS)."""
+    return f"train/{run}/held_out.parquet"
+
+
+HELD_OUT_COLUMNS = ("latent_key", "row", "key", "caption", "image_key", "image_format")
+
+
+def scores_key(spec_hash: str) -> str:
+    """An evaluate job's scores in the store, as JSON, named by its spec's hash."""
+    return f"evaluate/{spec_hash}.json"
+
+
+def reference_key(held_out: HeldOut, clip: Clip) -> str:
+    """The real held-out images' CLIP embeddings, computed once per (held-out samples,
+    CLIP model) and kept in the store for every checkpoint that is compared with them."""
+    digest = canonical_sha256({**asdict(held_out), "clip": clip.revision, "timesteps": None})
+    return f"evaluate/reference/{digest}.npy"

@@ -1,0 +1,176 @@
+"""`sdq evaluate`: any model scored, any time, on the same spec as a train run's
+checkpoints (its held-out samples, prompts and CLIP model), so that a fine-tune and its
+base, or two runs, are compared on the same draws."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import click
+from sqlalchemy import select
+
+from sdq.models.evaluate.runs import ScoredModel, open_evaluation
+from sdq.models.evaluate.specs import RENDERED, EvaluateSpec, Evaluation
+from sdq.models.evaluate.tables import CheckpointScore
+from sdq.models.generate.specs import FixedRenders
+from sdq.models.registry import ModelNotFound, resolve_model
+from sdq.models.specs import ModelIdentity
+from sdq.models.tables import Job
+from sdq.models.train.models import checkpoint_named
+from sdq.producer.cli.common import (
+    found,
+    json_option,
+    pass_app,
+    ready_to_submit,
+    send_run,
+    watch_run,
+    work_here,
+)
+from sdq.producer.display import rows_table, stdout
+from sdq.producer.evaluate.request import EvaluationRequest, evaluation_request
+from sdq.producer.train import lookups as train_lookups
+from sdq.workers.app import SdqCelery
+
+
+@click.command()
+@click.argument("model")
+@click.option(
+    "--metrics", required=True, metavar="METRIC[,METRIC...]",
+    help="What to score: heldout_loss, clip_score, fd_clip, kid (held-out samples come from "
+    "--like's run).",
+)  # fmt: skip
+@click.option(
+    "--like", metavar="RUN", type=int,
+    help="Score on train run RUN's evaluation spec: its held-out samples, prompts, render "
+    "settings and CLIP model. [default: MODEL's own run when it is a checkpoint]",
+)  # fmt: skip
+@click.option(
+    "--prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="One prompt a line, rendered at fixed seeds for clip_score. [default: --like's]",
+)  # fmt: skip
+@click.option("--clip", metavar="MODEL", help="The CLIP model renders are scored by.")
+@click.option("--wait", is_flag=True, help="Wait for the scores and show them.")
+@json_option
+@pass_app
+def evaluate(
+    app: SdqCelery,
+    model: str,
+    metrics: str,
+    like: int | None,
+    prompts: Path | None,
+    clip: str | None,
+    wait: bool,
+    as_json: bool,
+) -> None:
+    """Score MODEL (any --model source, a checkpoint RUN@STEP or RUN@best:METRIC) on the
+    evaluate queue. Without a broker the work runs here, in this process."""
+    ready_to_submit(app)
+    with found(), app.sessions.begin() as session:
+        identity, scored, like = _scored(app, session, model, like)
+        base = train_lookups.run_evaluation(session, like) if like is not None else None
+        request = evaluation_request(metrics, prompts=prompts, clip=clip or _clip_ref(base),
+                                     holdout=None)  # fmt: skip
+        evaluation = _evaluation(request, base, identity)
+        runs = open_evaluation(session, scored, evaluation)
+    for run_id in runs:
+        if app.settings.embedded:
+            work_here(app, run_id, jobs=1)
+        else:
+            send_run(app, run_id)
+    if app.settings.embedded or wait:
+        if not app.settings.embedded:
+            watch_run(app, runs[-1], jobs=1, show=not as_json)
+        _report_scores(app, runs[-1], as_json)
+    else:
+        _report_sent(runs[-1], scored, as_json)
+
+
+def _scored(
+    app: SdqCelery, session, model: str, like: int | None
+) -> tuple[ScoredModel, int | None]:
+    """The model, and where its scores belong: a checkpoint's run and step (its run is
+    the default --like)."""
+    try:
+        identity: ModelIdentity = resolve_model(model, store=app.store, session=session)
+        checkpoint = checkpoint_named(session, identity.name)
+    except ModelNotFound as error:
+        raise click.UsageError(str(error)) from None
+    run, step = (checkpoint.run_id, checkpoint.step) if checkpoint else (None, None)
+    scored = ScoredModel(identity.name, identity.source, identity.revision,
+                         identity.scheduler_config, run=run, step=step)  # fmt: skip
+    return identity, scored, like if like is not None else run
+
+
+def _clip_ref(base: Evaluation | None) -> str | None:
+    return base.clip.source if base is not None and base.clip is not None else None
+
+
+def _evaluation(
+    request: EvaluationRequest, base: Evaluation | None, model: ModelIdentity
+) -> Evaluation:
+    """The request on the run's spec: its held-out samples and its renders' settings (or
+    the model's own, with no run to be like)."""
+    if base is None and {"heldout_loss", "fd_clip", "kid"} & set(request.metrics):
+        raise click.UsageError(
+            "heldout_loss, fd_clip and kid need held-out samples: name a train run trained "
+            "with --holdout (--like RUN)"
+        )
+    rendering = base.rendering if base is not None else None
+    if RENDERED & set(request.metrics):
+        if request.prompts:
+            rendering = FixedRenders(
+                prompts=request.prompts,
+                size=rendering.size if rendering else model.default_size,
+                scheduler=rendering.scheduler if rendering else model.scheduler,
+                dtype=rendering.dtype if rendering else model.default_dtype,
+            )
+        elif rendering is None:
+            raise click.UsageError("clip_score renders prompts: give --prompts FILE")
+    evaluation = Evaluation(metrics=request.metrics, held_out=base.held_out if base else None,
+                            rendering=rendering, clip=request.clip)  # fmt: skip
+    return replace(evaluation, every=1)
+
+
+def _report_sent(run_id: int, scored: ScoredModel, as_json: bool) -> None:
+    fields = {"run_id": run_id, "model": scored.name, "model_revision": scored.revision}
+    if as_json:
+        click.echo(json.dumps(fields))
+    else:
+        stdout.print(f"evaluation of {scored.name} queued as run {run_id}: `sdq evaluate "
+                     f"{scored.name} ... --wait` or `sdq status {run_id}` follows it")  # fmt: skip
+
+
+def _report_scores(app: SdqCelery, run_id: int, as_json: bool) -> None:
+    with app.sessions() as session:
+        job = session.scalars(select(Job).where(Job.run_id == run_id)).one()
+        error, status = job.error, job.status
+        spec = EvaluateSpec.from_dict(job.spec)
+        rows = session.execute(
+            select(CheckpointScore.metric, CheckpointScore.value, CheckpointScore.samples)
+            .where(CheckpointScore.spec_hash == spec.hash())
+            .order_by(CheckpointScore.id)
+        ).all()
+    scores = {metric: {"value": value, "samples": samples} for metric, value, samples in rows}
+    result: dict[str, Any] = {
+        "run_id": run_id,
+        "status": status,
+        "model": spec.model_name,
+        "spec_hash": spec.hash(),
+        "scores": scores,
+        "error": error,
+    }
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    table = [
+        {"metric": m, "value": f"{s['value']:.4f}", "over": s["samples"]} for m, s in scores.items()
+    ]
+    stdout.print(
+        rows_table(table, ["metric", "value", "over"], title=f"{spec.model_name} ({status})")
+    )
+    if error:
+        stdout.print(f"[red]{error}[/red]")
+
+
+COMMANDS = (evaluate,)

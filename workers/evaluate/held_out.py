@@ -1,0 +1,50 @@
+"""A run's held-out samples as evaluation reads them: their latents and text embeddings
+from the run's latent shards, and their real images from the image shards they were
+encoded from, each shard read once. No torch here."""
+
+from collections import defaultdict
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from sdq.models.evaluate.specs import HeldOut
+from sdq.models.store import ObjectStore
+from sdq.workers.evaluate.metrics import HeldOutSamples
+from sdq.workers.shards.images import read_image_shard
+from sdq.workers.shards.latents import TRAINING_TENSORS, read_tensor
+
+
+def _manifest(store: ObjectStore, held_out: HeldOut) -> dict[str, list]:
+    return pq.read_table(pa.BufferReader(store.get_bytes(held_out.key))).to_pydict()
+
+
+def read_held_out(store: ObjectStore, held_out: HeldOut) -> HeldOutSamples:
+    """The held-out samples in the manifest's order."""
+    manifest = _manifest(store, held_out)
+    places = defaultdict(list)  # latent shard -> [(place in the manifest, row)]
+    for place, (key, row) in enumerate(zip(manifest["latent_key"], manifest["row"], strict=True)):
+        places[key].append((place, row))
+    latents, embeddings = [None] * len(manifest["row"]), [None] * len(manifest["row"])
+    for key, wanted in places.items():
+        table = pq.read_table(pa.BufferReader(store.get_large(key)), columns=[*TRAINING_TENSORS])
+        shard_latents, shard_embeddings = (read_tensor(table, name) for name in TRAINING_TENSORS)
+        for place, row in wanted:
+            latents[place], embeddings[place] = shard_latents[row], shard_embeddings[row]
+    return HeldOutSamples(
+        keys=manifest["key"],
+        captions=manifest["caption"],
+        latents=np.stack(latents),
+        text_embeddings=np.stack(embeddings),
+    )
+
+
+def real_images(store: ObjectStore, held_out: HeldOut) -> list[bytes]:
+    """The held-out samples' images as they were downloaded, in the manifest's order."""
+    manifest = _manifest(store, held_out)
+    shards = dict(zip(manifest["image_key"], manifest["image_format"], strict=True))
+    images: dict[str, bytes] = {}
+    for key, image_format in shards.items():
+        shard = read_image_shard(store.get_bytes(key), image_format)
+        images.update(zip(shard.keys, shard.images, strict=True))
+    return [images[key] for key in manifest["key"]]

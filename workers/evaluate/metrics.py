@@ -1,0 +1,193 @@
+"""The metrics on the device, each as the field computes it (models/evaluate/specs.py says
+what each is). GPU-side: imports torch and diffusers.
+
+The CLIP side is curate's scorer (workers/curate/scoring.py): the same image processing,
+the same CLIP score; the distances are computed in float64 on the CPU from float32
+embeddings, as torchmetrics computes FID and KID from its features.
+"""
+
+import hashlib
+import io
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from diffusers import DDPMScheduler, UNet2DConditionModel
+from PIL import Image
+
+from sdq.models import tiny
+from sdq.models.curate.clip import ScorerRef
+from sdq.models.evaluate.specs import Clip
+from sdq.models.specs import AUTO_DTYPE
+from sdq.models.store import ObjectStore
+from sdq.workers.curate.scoring import Batch, LoadedScorers, Scorer, score_batch
+from sdq.workers.gpu import device_name, release_device_memory, torch_dtype
+from sdq.workers.shards.pixels import to_rgb
+from sdq.workers.tiny import build_pipeline
+from sdq.workers.weights import ModelFiles, check_tiny_revision
+
+# Images through CLIP at once; samples x timesteps through the U-Net at once.
+CLIP_BATCH = 32
+UNET_BATCH = 16
+
+
+@dataclass(frozen=True)
+class HeldOutSamples:
+    """Held-out samples as training would read them (workers/evaluate/held_out.py)."""
+
+    keys: list[str]
+    captions: list[str]
+    latents: np.ndarray  # samples x channels x height x width, as stored
+    text_embeddings: np.ndarray  # samples x tokens x hidden size, as stored
+
+
+def fixed_timesteps(scheduler: DDPMScheduler, count: int) -> torch.Tensor:
+    """`count` timesteps spread evenly over the schedule, its ends included."""
+    last = scheduler.config.num_train_timesteps - 1
+    return torch.linspace(0, last, count).round().long()
+
+
+def sample_noise(key: str, timestep: int, shape: Sequence[int]) -> torch.Tensor:
+    """The noise of held-out sample `key` at `timestep`, from its own CPU generator: the
+    same draws for every checkpoint, on any device."""
+    digest = hashlib.blake2b(f"{key}/{timestep}".encode(), digest_size=8).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+    return torch.randn(tuple(shape), generator=generator)
+
+
+@torch.inference_mode()
+def heldout_loss(
+    unet: UNet2DConditionModel,
+    scheduler: DDPMScheduler,
+    samples: HeldOutSamples,
+    timesteps: int,
+) -> float:
+    """The mean denoising MSE of every sample at each of the fixed timesteps, against the
+    target the model is trained for (the noise, or the velocity)."""
+    device, dtype = unet.device, unet.dtype
+    pairs = [(index, int(t)) for index in range(len(samples.keys))
+             for t in fixed_timesteps(scheduler, timesteps)]  # fmt: skip
+    total = 0.0
+    for start in range(0, len(pairs), UNET_BATCH):
+        part = pairs[start : start + UNET_BATCH]
+        rows = [index for index, _ in part]
+        latents = torch.from_numpy(samples.latents[rows]).float()
+        embeddings = torch.from_numpy(samples.text_embeddings[rows]).to(device, dtype)
+        noise = torch.stack([sample_noise(samples.keys[i], t, latents.shape[1:]) for i, t in part])
+        steps = torch.tensor([t for _, t in part])
+        noisy = scheduler.add_noise(latents, noise, steps)
+        if scheduler.config.prediction_type == "v_prediction":
+            target = scheduler.get_velocity(latents, noise, steps)
+        else:
+            target = noise
+        prediction = unet(noisy.to(device, dtype), steps.to(device), embeddings).sample
+        errors = F.mse_loss(prediction.float().cpu(), target, reduction="none")
+        total += float(errors.mean(dim=[1, 2, 3]).sum())
+    return total / len(pairs)
+
+
+def _batches(scorer: Scorer, images: Sequence[bytes], texts: Sequence[str]) -> Iterator[Batch]:
+    """Images and texts as CLIP's processor and tokenizer make them, a batch at a time."""
+    length = scorer.model.config.text_config.max_position_embeddings
+
+    def pixels(data: bytes) -> np.ndarray:
+        with Image.open(io.BytesIO(data)) as image:
+            return scorer.pixels.cropped(to_rgb(image))
+
+    for start in range(0, len(images), CLIP_BATCH):
+        stop = start + CLIP_BATCH
+        tokens = scorer.tokenizer(
+            list(texts[start:stop]), padding="max_length", max_length=length, truncation=True,
+            return_tensors="pt",
+        )  # fmt: skip
+        yield Batch(
+            torch.from_numpy(np.stack([pixels(data) for data in images[start:stop]])),
+            tokens.input_ids,
+            tokens.attention_mask,
+        )
+
+
+def clip_embeddings(
+    scorer: Scorer, images: Sequence[bytes], texts: Sequence[str] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each image's L2-normalised CLIP image embedding (float32), and its CLIP score
+    against its text (0 for images without one)."""
+    texts = list(texts) if texts is not None else [""] * len(images)
+    scores = [score_batch(scorer, batch) for batch in _batches(scorer, images, texts)]
+    return (
+        np.concatenate([score.embeddings for score in scores]),
+        np.concatenate([score.clip_score for score in scores]),
+    )
+
+
+def frechet_distance(first: np.ndarray, second: np.ndarray) -> float:
+    """The Fréchet distance between Gaussians fitted to two sets of features (rows), as
+    torchmetrics computes FID: |mu1 - mu2|² + tr(S1) + tr(S2) - 2 tr(sqrt(S1 S2)), the
+    covariances unbiased, the square root's trace from the eigenvalues of S1 S2."""
+    a, b = (torch.from_numpy(np.asarray(x, np.float64)) for x in (first, second))
+    mean_a, mean_b = a.mean(dim=0), b.mean(dim=0)
+    cov_a, cov_b = torch.cov(a.T), torch.cov(b.T)
+    roots = torch.linalg.eigvals(cov_a @ cov_b).sqrt().real.sum()
+    return float((mean_a - mean_b).square().sum() + cov_a.trace() + cov_b.trace() - 2 * roots)
+
+
+def kernel_distance(first: np.ndarray, second: np.ndarray) -> float:
+    """KID: the unbiased MMD² of two sets of features under the cubic polynomial kernel
+    (x·y / d + 1)³, as torchmetrics computes it on one subset holding every feature."""
+    a, b = (torch.from_numpy(np.asarray(x, np.float64)) for x in (first, second))
+    width = a.shape[1]
+
+    def kernel(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (x @ y.T / width + 1) ** 3
+
+    m, n = len(a), len(b)
+    k_aa, k_bb, k_ab = kernel(a, a), kernel(b, b), kernel(a, b)
+    within_a = (k_aa.sum() - k_aa.diagonal().sum()) / (m * (m - 1))
+    within_b = (k_bb.sum() - k_bb.diagonal().sum()) / (n * (n - 1))
+    return float(within_a + within_b - 2 * k_ab.mean())
+
+
+class LoadedModels:
+    """What this process scores with, kept from job to job: the U-Net and noise schedule
+    of the last model whose held-out loss it took, and the last CLIP model (curate's
+    scorer). A run's evaluations come one checkpoint after another, each a new U-Net."""
+
+    def __init__(self, files: ModelFiles, store: ObjectStore) -> None:
+        self.files = files
+        self.scorers = LoadedScorers(files, store)
+        self._unet_of: tuple[str, str] | None = None
+        self._unet: tuple[UNet2DConditionModel, DDPMScheduler] | None = None
+
+    def clear(self) -> None:
+        self.scorers.clear()
+        self._unet_of, self._unet = None, None
+        release_device_memory()
+
+    def scorer(self, clip: Clip) -> Scorer:
+        return self.scorers.get(ScorerRef(clip.source, clip.revision))
+
+    def unet(self, source: str, revision: str) -> tuple[UNet2DConditionModel, DDPMScheduler]:
+        if (source, revision) != self._unet_of or self._unet is None:
+            self._unet = None  # the old weights go before the new ones load
+            self._unet = self._load_unet(source, revision)
+            self._unet_of = (source, revision)
+        return self._unet
+
+    def _load_unet(self, source: str, revision: str) -> tuple[UNet2DConditionModel, DDPMScheduler]:
+        dtype = torch_dtype(AUTO_DTYPE)
+        if source == tiny.TINY_NAME:
+            check_tiny_revision(revision)
+            pipeline = build_pipeline()
+            unet, config = pipeline.unet, pipeline.scheduler.config
+        else:
+            where = self.files.locate(source, revision)
+            unet = UNet2DConditionModel.from_pretrained(
+                where.path, subfolder="unet", revision=where.revision
+            )
+            config = DDPMScheduler.load_config(
+                where.path, subfolder="scheduler", revision=where.revision
+            )
+        unet = unet.to(device_name(), dtype).eval().requires_grad_(False)
+        return unet, DDPMScheduler.from_config(config)

@@ -1,0 +1,188 @@
+"""The evaluate work: one model scored by an evaluation's metrics, its scores stored as
+JSON (by the spec's hash: the same model and spec are scored once) and recorded as rows of
+checkpoint_scores. Plain code, no Celery; torch loads with the metrics."""
+
+import hashlib
+import io
+import json
+from collections.abc import Iterator, Sequence
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from sdq.models.db import upsert
+from sdq.models.evaluate.specs import AGAINST_REAL, RENDERED, EvaluateSpec, reference_key
+from sdq.models.evaluate.tables import CheckpointScore
+from sdq.models.generate.specs import image_key
+from sdq.models.jobs.delivery import Work
+from sdq.models.jobs.lifecycle import Output
+from sdq.models.store import MissingObject, ObjectStore
+from sdq.models.tables import Job, JobStatus
+from sdq.models.train.tables import Checkpoint
+from sdq.workers.evaluate.held_out import read_held_out, real_images
+from sdq.workers.weights import ModelUnavailable
+
+if TYPE_CHECKING:
+    from sdq.workers.evaluate.metrics import LoadedModels
+
+JSON = "application/json"
+NUMPY = "application/x-npy"
+# Scores by metric: (value, how many samples or images it is over).
+Scores = dict[str, tuple[float, int]]
+
+
+class RendersPending(Exception):
+    """Some of the evaluation's renders are not made yet: generate workers make them."""
+
+
+class RendersFailed(Exception):
+    """A render the evaluation needs will never be made (its job is dead or cancelled)."""
+
+
+class CheckpointGone(Exception):
+    """The checkpoint was deleted (--keep-checkpoints) before its evaluation ran."""
+
+
+class EvaluateWork(Work):
+    permanent_errors = (ModelUnavailable, RendersFailed, CheckpointGone)
+    waiting_errors = (RendersPending,)
+
+    def __init__(
+        self, *, store: ObjectStore, sessions: sessionmaker[Session], models: "LoadedModels"
+    ) -> None:
+        self.store = store
+        self.sessions = sessions
+        self.models = models
+
+    def run(self, jobs: Sequence[Job]) -> Iterator[Output]:
+        for job in jobs:
+            started = perf_counter()
+            spec = EvaluateSpec.from_dict(job.spec)
+            self._check_checkpoint(spec)
+            scores = self._scores(spec)
+            data = json.dumps(_document(spec, scores), sort_keys=True).encode()
+            uri = self.store.put_bytes(spec.output_key, data, content_type=JSON)
+            with self.sessions.begin() as session:
+                record_scores(session, job.id, spec, scores)
+            digest = hashlib.sha256(data).hexdigest()
+            yield Output(job.id, uri, digest, work_seconds=perf_counter() - started)
+
+    def _check_checkpoint(self, spec: EvaluateSpec) -> None:
+        if spec.run is None:
+            return
+        with self.sessions() as session:
+            deleted = session.scalar(
+                select(Checkpoint.deleted_at).where(
+                    Checkpoint.run_id == spec.run, Checkpoint.step == spec.step
+                )
+            )
+        if deleted is not None:
+            raise CheckpointGone(
+                f"train run {spec.run}'s checkpoint at step {spec.step} was deleted by its "
+                f"--keep-checkpoints before its evaluation ran: keep more checkpoints, or "
+                f"evaluate less often (--eval-every-checkpoints)"
+            )
+
+    def _scores(self, spec: EvaluateSpec) -> Scores:
+        from sdq.workers.evaluate import metrics
+
+        evaluation, scores = spec.evaluation, {}
+        if "heldout_loss" in evaluation.metrics:
+            unet, scheduler = self.models.unet(spec.model_source, spec.model_revision)
+            samples = read_held_out(self.store, evaluation.held_out)
+            loss = metrics.heldout_loss(unet, scheduler, samples, evaluation.held_out.timesteps)
+            scores["heldout_loss"] = (loss, len(samples.keys))
+        if RENDERED & set(evaluation.metrics):
+            scores.update(self._image_scores(spec, metrics))
+        return scores
+
+    def _image_scores(self, spec: EvaluateSpec, metrics) -> Scores:
+        """The CLIP score of the renders against their prompts, and their distances from
+        the real held-out images' embeddings (computed once, kept in the store)."""
+        evaluation = spec.evaluation
+        scorer = self.models.scorer(evaluation.clip)
+        prompts = [prompt for prompt, _ in evaluation.rendering.prompts]
+        renders = self._renders(spec)
+        embeddings, clip_scores = metrics.clip_embeddings(scorer, renders, prompts)
+        scores = {"clip_score": (float(clip_scores.mean()), len(renders))}
+        if AGAINST_REAL & set(evaluation.metrics):
+            real = self._reference(spec, scorer, metrics)
+            scores["fd_clip"] = (metrics.frechet_distance(embeddings, real), len(renders))
+            scores["kid"] = (metrics.kernel_distance(embeddings, real), len(renders))
+        return {metric: scores[metric] for metric in evaluation.metrics if metric in scores}
+
+    def _renders(self, spec: EvaluateSpec) -> list[bytes]:
+        """The renders' PNGs; a wait while any is still to be made."""
+        try:
+            return [self.store.get_bytes(image_key(spec_hash)) for spec_hash in spec.renders]
+        except MissingObject:
+            pass
+        with self.sessions() as session:
+            statuses = set(
+                session.scalars(select(Job.status).where(Job.spec_hash.in_(spec.renders)))
+            )
+        if statuses <= {JobStatus.dead, JobStatus.cancelled}:
+            made = ", ".join(sorted(statuses)) or "no jobs were written for them"
+            raise RendersFailed(f"the evaluation's renders will not be made: {made}")
+        raise RendersPending(f"{len(spec.renders)} renders of {spec.model_name} not all made yet")
+
+    def _reference(self, spec: EvaluateSpec, scorer, metrics) -> np.ndarray:
+        """The real held-out images' CLIP embeddings, computed once per held-out samples
+        and CLIP model and kept in the store."""
+        evaluation = spec.evaluation
+        key = reference_key(evaluation.held_out, evaluation.clip)
+        try:
+            return np.load(io.BytesIO(self.store.get_bytes(key)))
+        except MissingObject:
+            pass
+        real, _ = metrics.clip_embeddings(scorer, real_images(self.store, evaluation.held_out))
+        buffer = io.BytesIO()
+        np.save(buffer, real)
+        self.store.put_bytes(key, buffer.getvalue(), content_type=NUMPY)
+        return real
+
+
+def _document(spec: EvaluateSpec, scores: Scores) -> dict[str, Any]:
+    return {
+        "model": spec.model_name,
+        "model_revision": spec.model_revision,
+        "run": spec.run,
+        "step": spec.step,
+        "spec_hash": spec.hash(),
+        "scores": {metric: {"value": value, "samples": n} for metric, (value, n) in scores.items()},
+        "scorers": scorers_of(spec),
+    }
+
+
+def scorers_of(spec: EvaluateSpec) -> dict[str, str]:
+    clip = spec.evaluation.clip
+    return {"clip": clip.revision} if clip is not None else {}
+
+
+def record_scores(session: Session, job_id: int, spec: EvaluateSpec, scores: Scores) -> None:
+    """The scores as rows; an attempt that scores again writes the same."""
+    rows = [
+        {
+            "job_id": job_id,
+            "run_id": spec.run,
+            "step": spec.step,
+            "model_name": spec.model_name,
+            "model_revision": spec.model_revision,
+            "spec_hash": spec.hash(),
+            "metric": metric,
+            "value": value,
+            "samples": samples,
+            "scorers": scorers_of(spec),
+        }
+        for metric, (value, samples) in scores.items()
+    ]
+    insert = upsert(session, CheckpointScore).values(rows)
+    session.execute(
+        insert.on_conflict_do_update(
+            index_elements=["job_id", "metric"],
+            set_={"value": insert.excluded.value, "samples": insert.excluded.samples},
+        )
+    )
