@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from sdq.models import tiny
 from sdq.models.db import upsert
-from sdq.models.jobs.kinds import KINDS
+from sdq.models.jobs.kinds import KINDS, MadeModel
 from sdq.models.specs import AUTO_DTYPE, ModelIdentity
 from sdq.models.store import MissingObject, ObjectStore, S3Store
 from sdq.models.tables import ModelRecord
@@ -109,10 +109,10 @@ def resolve_model(ref: str, *, store: ObjectStore, session: Session) -> ModelIde
         return tiny_identity()
     if (files := stored_files(ref)) is not None:
         return _pipeline(files)
-    if (made := _made_by_a_run(session, ref)) is not None:
-        name, prefix, revision = made
-        return _identity(FoundModel(name, f"{STORE_SOURCE}{prefix}", revision,
-                                    _store_reader(store, f"{prefix}/")))  # fmt: skip
+    if (made := made_by_a_run(session, ref)) is not None:
+        return _identity(FoundModel(made.name, f"{STORE_SOURCE}{made.prefix}", made.revision,
+                                    _store_reader(store, f"{made.prefix}/"),
+                                    made_by=(made.run, made.step)))  # fmt: skip
     if (record := latest_pushed(session, ref)) is not None:
         return _resolve_pushed(record, store)
     if is_hub_id(ref):
@@ -136,6 +136,7 @@ class FoundModel:
     read: Callable[[str], bytes | None]
     encoders_hash: str | None = None
     local: bool = False
+    made_by: tuple[int, int] | None = None  # a checkpoint's run and step
 
 
 def stored_files(ref: str) -> FoundModel | None:
@@ -215,6 +216,7 @@ def _identity(files: FoundModel) -> ModelIdentity:
         default_dtype=AUTO_DTYPE,
         default_size=_native_size(files.read(UNET_CONFIG_FILE)),
         encoders_hash=files.encoders_hash,
+        made_by=files.made_by,
     )
 
 
@@ -226,10 +228,10 @@ def _native_size(unet_config: bytes | None) -> int:
         return 512
 
 
-def _made_by_a_run(session: Session, ref: str) -> tuple[str, str, str] | None:
-    """A model a run made (a training checkpoint, RUN@STEP, NAME@STEP or RUN@best:METRIC):
-    its name (the step it is), prefix in the store and revision, from the kind whose runs
-    make models (its `made_model` hook)."""
+def made_by_a_run(session: Session, ref: str) -> MadeModel | None:
+    """A model a run made (a training checkpoint, RUN@STEP, NAME@STEP or RUN@best:METRIC),
+    from the kind whose runs make models (its `made_model` hook); ModelNotFound for one of
+    a known run that is not there (deleted, or never written as a model)."""
     for kind in KINDS.values():
         made_model = kind.model_hooks().made_model
         if made_model is not None and (made := made_model(session, ref)) is not None:

@@ -27,6 +27,8 @@ class ModelIdentity:
     # The hash of its VAE, text encoder and tokenizer files, where known: latents made by
     # another model with the same encoders are the ones this one would make.
     encoders_hash: str | None = None
+    # The train run and step that made it (a checkpoint), where a run did.
+    made_by: tuple[int, int] | None = None
 
 
 # Canonical JSON: sorted keys, no spaces, UTF-8 text as it is.

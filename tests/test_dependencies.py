@@ -23,6 +23,7 @@ GPU_MODULES = {
     "workers/encode/encoders.py",
     "workers/curate/heads.py",
     "workers/curate/scoring.py",
+    "workers/evaluate/metrics.py",
     "workers/train/loop/build.py",
     "workers/train/loop/checkpoints.py",
     "workers/train/loop/files.py",
@@ -299,9 +300,12 @@ def test_each_kind_declares_its_hooks_in_one_typed_place(tmp_path: Path) -> None
         sys.path.remove(str(tmp_path))
 
 
-# A train run's validation renders are generation runs: training writes their jobs and
-# shows their images, the one kind that stands on another.
-STANDS_ON = {("train", "generate")}
+# Where a kind stands on another, and why: a train run's validation renders are generation
+# runs (training writes their jobs and shows their images), and its checkpoints are scored
+# by evaluate jobs it writes as they come; an evaluation's renders are generation runs and
+# its CLIP scores curate's.
+STANDS_ON = {("train", "generate"), ("train", "evaluate"), ("evaluate", "generate"),
+             ("evaluate", "curate")}  # fmt: skip
 
 
 def test_kind_folders_never_import_one_another() -> None:

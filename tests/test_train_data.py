@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from sdq.models.train.holdout import held_out
 from sdq.models.train.specs import LatentInput, TrainOptions, default_lanes
 from sdq.workers.shards.latents import Encoded, latent_shard_bytes, read_training_tensors
 from sdq.workers.train.loop.data import LatentStream
@@ -174,3 +175,25 @@ def test_a_run_reads_ahead_but_nothing_past_its_last_step(ahead: int) -> None:
     samples(stream(unbounded, lanes=4, batch_size=4, ahead=ahead, sizes=sizes), steps)
     # With no last step, it reads ahead past the steps it was asked for (on its threads).
     wait_for(lambda: len(set(unbounded.loaded)) > 4, what="shards read ahead", timeout=10)
+
+
+def test_held_out_samples_are_never_trained_on_and_ranks_still_train_what_one_does() -> None:
+    sizes = (6,) * 8
+    every = {n * 1000 + row for n, size in enumerate(sizes) for row in range(size)}
+    held = {n * 1000 + int(row) for n, size in enumerate(sizes)
+            for row in np.flatnonzero(held_out(str(n), size, 0.25, 7))}  # fmt: skip
+    assert 0 < len(held) < len(every) / 2
+
+    def held_stream(shards: Shards) -> LatentStream:
+        return LatentStream(inputs(sizes), seed=7, batch_size=4, lanes=4, load=shards.load,
+                            shards_ahead=1, threads=2, holdout=0.25)  # fmt: skip
+
+    trained = samples(held_stream(Shards(sizes)), 40)  # over three epochs of what is kept
+    assert set().union(*map(set, trained)) == every - held
+    parts = [samples(held_stream(Shards(sizes)), 40, lanes=range(r * 2, r * 2 + 2)) for r in (0, 1)]
+    assert [a + b for a, b in zip(*parts, strict=True)] == trained
+    # Holding out nothing is the run as it was.
+    assert samples(stream(Shards(sizes), lanes=4, sizes=sizes), 40) == samples(
+        LatentStream(inputs(sizes), seed=7, batch_size=4, lanes=4, load=Shards(sizes).load,
+                     shards_ahead=0, threads=2, holdout=0.0), 40
+    )  # fmt: skip

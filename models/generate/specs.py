@@ -180,6 +180,10 @@ class FixedRenders:
     dtype: str
     steps: int = 25
     guidance: float = 7.5
+    # The scheduler's settings every model is rendered with, where they are fixed too (an
+    # evaluation's: a checkpoint and a base compared on the same sampler); None: the
+    # model's own.
+    scheduler_config: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "FixedRenders":
@@ -196,7 +200,8 @@ class FixedRenders:
         self, model: tuple[str, str, str], scheduler_config: dict[str, Any], prompt: str, seed: int
     ) -> GenerationSpec:
         return GenerationSpec.by_model(
-            *model, scheduler=self.scheduler, scheduler_config=scheduler_config, prompt=prompt,
+            *model, scheduler=self.scheduler, prompt=prompt,
+            scheduler_config=self.scheduler_config or scheduler_config,
             negative_prompt="", seed=seed, steps=self.steps, guidance=self.guidance,
             width=self.size, height=self.size, dtype=self.dtype,
         )  # fmt: skip

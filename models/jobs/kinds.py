@@ -111,9 +111,21 @@ class ModelHooks:
     # deployment warms nothing: a message goes to the kind's warm queue of its first job's
     # key when a live worker consumes it (workers/routing.py), else to the kind's queue.
     warm_routing: Callable[..., Callable[[dict[str, Any]], str | None] | None] | None = None
-    # (session, ref) -> (name, prefix in the store, revision) of a model the kind's runs
-    # made (a training checkpoint, RUN@STEP or RUN@best:METRIC, named by its step), or None.
-    made_model: Callable[..., tuple[str, str, str] | None] | None = None
+    # (session, ref) -> the MadeModel a ref names (a training checkpoint, RUN@STEP or
+    # RUN@best:METRIC), or None.
+    made_model: Callable[..., "MadeModel | None"] | None = None
+
+
+@dataclass(frozen=True)
+class MadeModel:
+    """A model a run made: its name (by the step it is), where its files are in the store,
+    its revision, and the run and step that made it."""
+
+    name: str
+    prefix: str
+    revision: str
+    run: int
+    step: int
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,7 +8,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from sdq.models.evaluate.scores import NoScores, best_step
-from sdq.models.jobs.kinds import TRAIN
+from sdq.models.jobs.kinds import TRAIN, MadeModel
 from sdq.models.registry import ModelNotFound
 from sdq.models.tables import Run
 from sdq.models.train.tables import Checkpoint
@@ -16,14 +16,15 @@ from sdq.models.train.tables import Checkpoint
 CHECKPOINT_REF = re.compile(r"(?P<owner>[^/@\s]+)@(?:(?P<step>\d+)|best:(?P<best>\w+))")
 
 
-def made_model(session: Session, ref: str) -> tuple[str, str, str] | None:
-    """The registry's hook (models/jobs/kinds.py): the checkpoint `ref` names, as its name
-    by its step, its model's prefix in the store and revision."""
+def made_model(session: Session, ref: str) -> MadeModel | None:
+    """The registry's hook (models/jobs/kinds.py): the checkpoint `ref` names, as a model
+    named by its step."""
     checkpoint = checkpoint_named(session, ref)
     if checkpoint is None:
         return None
     owner = ref.partition("@")[0]
-    return f"{owner}@{checkpoint.step}", checkpoint.model_prefix, checkpoint.model_revision
+    return MadeModel(f"{owner}@{checkpoint.step}", checkpoint.model_prefix,
+                     checkpoint.model_revision, checkpoint.run_id, checkpoint.step)  # fmt: skip
 
 
 def checkpoint_named(session: Session, ref: str) -> Checkpoint | None:
@@ -56,6 +57,10 @@ def checkpoint_named(session: Session, ref: str) -> Checkpoint | None:
     else:
         step = int(match["step"])
     found = next((c for c in models if c.step == step), None)
+    if any(c.step == step and c.deleted_at is not None for c in checkpoints):
+        raise ModelNotFound(
+            f"{ref}: the checkpoint at step {step} was deleted (--keep-checkpoints)"
+        )
     if found is None:
         raise ModelNotFound(
             f"{ref}: no model at step {step} (a checkpoint holds the training state only "

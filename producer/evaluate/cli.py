@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from sdq.models.evaluate.runs import ScoredModel, open_evaluation
 from sdq.models.evaluate.specs import RENDERED, EvaluateSpec, Evaluation
@@ -16,8 +17,7 @@ from sdq.models.evaluate.tables import CheckpointScore
 from sdq.models.generate.specs import FixedRenders
 from sdq.models.registry import ModelNotFound, resolve_model
 from sdq.models.specs import ModelIdentity
-from sdq.models.tables import Job
-from sdq.models.train.models import checkpoint_named
+from sdq.models.tables import Job, Run
 from sdq.producer.cli.common import (
     found,
     json_option,
@@ -29,7 +29,6 @@ from sdq.producer.cli.common import (
 )
 from sdq.producer.display import rows_table, stdout
 from sdq.producer.evaluate.request import EvaluationRequest, evaluation_request
-from sdq.producer.train import lookups as train_lookups
 from sdq.workers.app import SdqCelery
 
 
@@ -68,7 +67,7 @@ def evaluate(
     ready_to_submit(app)
     with found(), app.sessions.begin() as session:
         identity, scored, like = _scored(app, session, model, like)
-        base = train_lookups.run_evaluation(session, like) if like is not None else None
+        base = _run_evaluation(session, like) if like is not None else None
         request = evaluation_request(metrics, prompts=prompts, clip=clip or _clip_ref(base),
                                      holdout=None)  # fmt: skip
         evaluation = _evaluation(request, base, identity)
@@ -87,19 +86,29 @@ def evaluate(
 
 
 def _scored(
-    app: SdqCelery, session, model: str, like: int | None
-) -> tuple[ScoredModel, int | None]:
+    app: SdqCelery, session: Session, model: str, like: int | None
+) -> tuple[ModelIdentity, ScoredModel, int | None]:
     """The model, and where its scores belong: a checkpoint's run and step (its run is
     the default --like)."""
     try:
         identity: ModelIdentity = resolve_model(model, store=app.store, session=session)
-        checkpoint = checkpoint_named(session, identity.name)
     except ModelNotFound as error:
         raise click.UsageError(str(error)) from None
-    run, step = (checkpoint.run_id, checkpoint.step) if checkpoint else (None, None)
+    run, step = identity.made_by or (None, None)
     scored = ScoredModel(identity.name, identity.source, identity.revision,
                          identity.scheduler_config, run=run, step=step)  # fmt: skip
     return identity, scored, like if like is not None else run
+
+
+def _run_evaluation(session: Session, run_id: int) -> Evaluation:
+    """What a run's checkpoints are scored by, as its submit recorded it."""
+    run = session.get(Run, run_id)
+    if run is None or "evaluation" not in run.options:
+        raise click.UsageError(
+            f"--like {run_id}: run {run_id} is not a train run whose checkpoints are "
+            f"evaluated (trained with --eval-metrics)"
+        )
+    return Evaluation.from_dict(run.options["evaluation"])
 
 
 def _clip_ref(base: Evaluation | None) -> str | None:
@@ -119,12 +128,11 @@ def _evaluation(
     rendering = base.rendering if base is not None else None
     if RENDERED & set(request.metrics):
         if request.prompts:
-            rendering = FixedRenders(
-                prompts=request.prompts,
-                size=rendering.size if rendering else model.default_size,
-                scheduler=rendering.scheduler if rendering else model.scheduler,
-                dtype=rendering.dtype if rendering else model.default_dtype,
-            )
+            like = rendering or FixedRenders(
+                prompts=(), size=model.default_size, scheduler=model.scheduler,
+                dtype=model.default_dtype, scheduler_config=model.scheduler_config,
+            )  # fmt: skip
+            rendering = replace(like, prompts=request.prompts)
         elif rendering is None:
             raise click.UsageError("clip_score renders prompts: give --prompts FILE")
     evaluation = Evaluation(metrics=request.metrics, held_out=base.held_out if base else None,

@@ -57,10 +57,11 @@ def evaluation_request(
 ) -> EvaluationRequest:
     """The request, or a usage error naming what is missing (`holdout` None: the held-out
     samples come from elsewhere)."""
-    asked = tuple(dict.fromkeys(name.strip() for name in metrics.split(",") if name.strip()))
-    unknown = [name for name in asked if name not in METRICS]
-    if unknown or not asked:
-        raise click.UsageError(f"--eval-metrics {metrics!r}: the metrics are {', '.join(METRICS)}")
+    names = {name.strip() for name in metrics.split(",") if name.strip()}
+    if not names or names - set(METRICS):
+        raise click.UsageError(f"metrics {metrics!r}: the metrics are {', '.join(METRICS)}")
+    # In one order, whatever order they were asked in: the same spec, scored once.
+    asked = tuple(metric for metric in METRICS if metric in names)
     needs_held_out = {"heldout_loss"} | AGAINST_REAL
     if holdout == 0 and (wanting := sorted(needs_held_out & set(asked))):
         raise click.UsageError(

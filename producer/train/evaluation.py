@@ -58,7 +58,8 @@ def run_evaluation(
         # Without a prompt file: the held-out samples' captions, each seeded by its place.
         prompts = request.prompts or tuple((caption or "", n) for n, caption in enumerate(captions))
         rendering = FixedRenders(prompts=prompts, size=resolution, scheduler=base.scheduler,
-                                 dtype=base.default_dtype)  # fmt: skip
+                                 dtype=base.default_dtype,
+                                 scheduler_config=base.scheduler_config)  # fmt: skip
     return Evaluation(metrics=request.metrics, every=request.every, held_out=held_out,
                       rendering=rendering, clip=request.clip)  # fmt: skip
 

@@ -10,7 +10,6 @@ from sqlalchemy import Row, func, or_, select
 from sqlalchemy.orm import Session
 
 from sdq.models.evaluate.scores import run_scores
-from sdq.models.evaluate.specs import Evaluation
 from sdq.models.generate.tables import Generation
 from sdq.models.jobs.kinds import GENERATE, TRAIN
 from sdq.models.jobs.lifecycle import as_utc
@@ -18,7 +17,6 @@ from sdq.models.registry import ModelNotFound, resolve_model
 from sdq.models.specs import ModelIdentity
 from sdq.models.store import ObjectStore
 from sdq.models.tables import FINISHED, Job, JobEvent, JobStatus, Run
-from sdq.models.train.specs import TrainShardSpec
 from sdq.models.train.tables import Checkpoint, TrainStep
 from sdq.producer.errors import NotFound
 
@@ -257,13 +255,3 @@ def validation_images(session: Session, run_id: int) -> list[dict[str, Any]]:
         {"step": step, "prompt": prompt, "seed": seed, "status": status, "spec_hash": spec_hash}
         for step, prompt, seed, status, spec_hash in rows
     ]
-
-
-def run_evaluation(session: Session, run_id: int) -> Evaluation | None:
-    """What the train run's checkpoints are scored by (`--eval-metrics`), or None."""
-    spec = session.scalar(
-        select(Job.spec).where(Job.run_id == run_id, Job.kind == TRAIN.name).order_by(Job.id)
-    )
-    if spec is None:
-        raise NotFound(f"no train run {run_id}")
-    return TrainShardSpec.from_dict(spec).evaluation

@@ -99,6 +99,8 @@ def record_train(
             _first_job(run.id, base, options, into, validation, empty_prompt, start_from),
             evaluation=scored_by,
         )
+        if scored_by is not None:  # what `sdq evaluate --like RUN` scores another model by
+            run.options = {**run.options, "evaluation": asdict(scored_by)}
         add_jobs(session, run, TRAIN, [first])
         run.job_count = -(-options.steps // options.checkpoint_every)
     return TrainSubmission(

@@ -3,6 +3,7 @@ from the run's latent shards, and their real images from the image shards they w
 encoded from, each shard read once. No torch here."""
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -10,9 +11,18 @@ import pyarrow.parquet as pq
 
 from sdq.models.evaluate.specs import HeldOut
 from sdq.models.store import ObjectStore
-from sdq.workers.evaluate.metrics import HeldOutSamples
 from sdq.workers.shards.images import read_image_shard
 from sdq.workers.shards.latents import TRAINING_TENSORS, read_tensor
+
+
+@dataclass(frozen=True)
+class HeldOutSamples:
+    """Held-out samples as training would read them (workers/evaluate/held_out.py)."""
+
+    keys: list[str]
+    captions: list[str]
+    latents: np.ndarray  # samples x channels x height x width, as stored
+    text_embeddings: np.ndarray  # samples x tokens x hidden size, as stored
 
 
 def _manifest(store: ObjectStore, held_out: HeldOut) -> dict[str, list]:

@@ -9,7 +9,7 @@ embeddings, as torchmetrics computes FID and KID from its features.
 import hashlib
 import io
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -23,24 +23,17 @@ from sdq.models.evaluate.specs import Clip
 from sdq.models.specs import AUTO_DTYPE
 from sdq.models.store import ObjectStore
 from sdq.workers.curate.scoring import Batch, LoadedScorers, Scorer, score_batch
+from sdq.workers.evaluate.held_out import HeldOutSamples
 from sdq.workers.gpu import device_name, release_device_memory, torch_dtype
 from sdq.workers.shards.pixels import to_rgb
 from sdq.workers.tiny import build_pipeline
 from sdq.workers.weights import ModelFiles, check_tiny_revision
 
-# Images through CLIP at once; samples x timesteps through the U-Net at once.
+# Images through CLIP at once; samples x timesteps through the U-Net at once; threads that
+# decode images.
 CLIP_BATCH = 32
 UNET_BATCH = 16
-
-
-@dataclass(frozen=True)
-class HeldOutSamples:
-    """Held-out samples as training would read them (workers/evaluate/held_out.py)."""
-
-    keys: list[str]
-    captions: list[str]
-    latents: np.ndarray  # samples x channels x height x width, as stored
-    text_embeddings: np.ndarray  # samples x tokens x hidden size, as stored
+DECODERS = 4
 
 
 def fixed_timesteps(scheduler: DDPMScheduler, count: int) -> torch.Tensor:
@@ -88,34 +81,49 @@ def heldout_loss(
     return total / len(pairs)
 
 
-def _batches(scorer: Scorer, images: Sequence[bytes], texts: Sequence[str]) -> Iterator[Batch]:
-    """Images and texts as CLIP's processor and tokenizer make them, a batch at a time."""
-    length = scorer.model.config.text_config.max_position_embeddings
+def _pixels(scorer: Scorer, images: Sequence[bytes]) -> Iterator[torch.Tensor]:
+    """The images decoded, resized and cropped as CLIP's processor does, a batch at a time,
+    on threads (Pillow decodes and resizes without the GIL)."""
 
     def pixels(data: bytes) -> np.ndarray:
         with Image.open(io.BytesIO(data)) as image:
             return scorer.pixels.cropped(to_rgb(image))
 
-    for start in range(0, len(images), CLIP_BATCH):
-        stop = start + CLIP_BATCH
-        tokens = scorer.tokenizer(
-            list(texts[start:stop]), padding="max_length", max_length=length, truncation=True,
-            return_tensors="pt",
-        )  # fmt: skip
-        yield Batch(
-            torch.from_numpy(np.stack([pixels(data) for data in images[start:stop]])),
-            tokens.input_ids,
-            tokens.attention_mask,
-        )
+    with ThreadPoolExecutor(DECODERS) as decoders:
+        for start in range(0, len(images), CLIP_BATCH):
+            batch = images[start : start + CLIP_BATCH]
+            yield torch.from_numpy(np.stack(list(decoders.map(pixels, batch))))
 
 
-def clip_embeddings(
-    scorer: Scorer, images: Sequence[bytes], texts: Sequence[str] | None = None
+@torch.inference_mode()
+def _image_embeddings(scorer: Scorer, pixels: torch.Tensor) -> np.ndarray:
+    """CLIPModel's image_embeds (its image tower and projection, L2-normalised), as float32,
+    without its text tower."""
+    values = scorer.pixels.normalized(pixels.to(scorer.device), scorer.dtype)
+    pooled = scorer.model.vision_model(pixel_values=values).pooler_output
+    embeddings = scorer.model.visual_projection(pooled).float()
+    return (embeddings / embeddings.norm(dim=-1, keepdim=True)).cpu().numpy()
+
+
+def image_embeddings(scorer: Scorer, images: Sequence[bytes]) -> np.ndarray:
+    """Each image's L2-normalised CLIP image embedding, as float32."""
+    return np.concatenate([_image_embeddings(scorer, batch) for batch in _pixels(scorer, images)])
+
+
+def clip_scores(
+    scorer: Scorer, images: Sequence[bytes], texts: Sequence[str]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Each image's L2-normalised CLIP image embedding (float32), and its CLIP score
-    against its text (0 for images without one)."""
-    texts = list(texts) if texts is not None else [""] * len(images)
-    scores = [score_batch(scorer, batch) for batch in _batches(scorer, images, texts)]
+    """Each image's embedding (as image_embeddings), and its CLIP score against its text
+    (curate's score_batch)."""
+    length = scorer.model.config.text_config.max_position_embeddings
+    scores = []
+    starts = range(0, len(images), CLIP_BATCH)
+    for start, pixels in zip(starts, _pixels(scorer, images), strict=True):
+        tokens = scorer.tokenizer(
+            list(texts[start : start + CLIP_BATCH]), padding="max_length", max_length=length,
+            truncation=True, return_tensors="pt",
+        )  # fmt: skip
+        scores.append(score_batch(scorer, Batch(pixels, tokens.input_ids, tokens.attention_mask)))
     return (
         np.concatenate([score.embeddings for score in scores]),
         np.concatenate([score.clip_score for score in scores]),

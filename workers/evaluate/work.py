@@ -19,9 +19,9 @@ from sdq.models.evaluate.tables import CheckpointScore
 from sdq.models.generate.specs import image_key
 from sdq.models.jobs.delivery import Work
 from sdq.models.jobs.lifecycle import Output
+from sdq.models.registry import ModelNotFound, made_by_a_run
 from sdq.models.store import MissingObject, ObjectStore
 from sdq.models.tables import Job, JobStatus
-from sdq.models.train.tables import Checkpoint
 from sdq.workers.evaluate.held_out import read_held_out, real_images
 from sdq.workers.weights import ModelUnavailable
 
@@ -71,20 +71,18 @@ class EvaluateWork(Work):
             yield Output(job.id, uri, digest, work_seconds=perf_counter() - started)
 
     def _check_checkpoint(self, spec: EvaluateSpec) -> None:
+        """A run's checkpoint may be gone (its run keeps only its newest) before its
+        evaluation comes: the job ends saying so."""
         if spec.run is None:
             return
-        with self.sessions() as session:
-            deleted = session.scalar(
-                select(Checkpoint.deleted_at).where(
-                    Checkpoint.run_id == spec.run, Checkpoint.step == spec.step
-                )
-            )
-        if deleted is not None:
+        try:
+            with self.sessions() as session:
+                made_by_a_run(session, spec.model_name)
+        except ModelNotFound as error:
             raise CheckpointGone(
-                f"train run {spec.run}'s checkpoint at step {spec.step} was deleted by its "
-                f"--keep-checkpoints before its evaluation ran: keep more checkpoints, or "
-                f"evaluate less often (--eval-every-checkpoints)"
-            )
+                f"{error}: it was not evaluated; keep more checkpoints, or evaluate less often "
+                f"(--eval-every-checkpoints)"
+            ) from None
 
     def _scores(self, spec: EvaluateSpec) -> Scores:
         from sdq.workers.evaluate import metrics
@@ -106,7 +104,7 @@ class EvaluateWork(Work):
         scorer = self.models.scorer(evaluation.clip)
         prompts = [prompt for prompt, _ in evaluation.rendering.prompts]
         renders = self._renders(spec)
-        embeddings, clip_scores = metrics.clip_embeddings(scorer, renders, prompts)
+        embeddings, clip_scores = metrics.clip_scores(scorer, renders, prompts)
         scores = {"clip_score": (float(clip_scores.mean()), len(renders))}
         if AGAINST_REAL & set(evaluation.metrics):
             real = self._reference(spec, scorer, metrics)
@@ -138,7 +136,7 @@ class EvaluateWork(Work):
             return np.load(io.BytesIO(self.store.get_bytes(key)))
         except MissingObject:
             pass
-        real, _ = metrics.clip_embeddings(scorer, real_images(self.store, evaluation.held_out))
+        real = metrics.image_embeddings(scorer, real_images(self.store, evaluation.held_out))
         buffer = io.BytesIO()
         np.save(buffer, real)
         self.store.put_bytes(key, buffer.getvalue(), content_type=NUMPY)

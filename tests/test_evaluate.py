@@ -1,0 +1,248 @@
+"""Evaluation: its metrics as torchmetrics computes them; a run's checkpoints scored on one
+machine (deterministic, served from the record when asked again, the best chosen by a
+score, bad input refused by name, a checkpoint gone before its evaluation); and on the
+services, training that never waits for its evaluations."""
+
+import io
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import psycopg
+import pytest
+import torch
+from PIL import Image
+from torchmetrics.image.fid import FrechetInceptionDistance
+from torchmetrics.image.kid import KernelInceptionDistance
+from transformers import CLIPModel, CLIPProcessor
+
+from sdq.models.curate.clip import ScorerRef, resolve_clip
+from sdq.models.evaluate.specs import METRICS
+from sdq.workers.curate.scoring import LoadedScorers
+from sdq.workers.evaluate.metrics import (
+    clip_scores,
+    frechet_distance,
+    image_embeddings,
+    kernel_distance,
+)
+from tests.conftest import ROOT, WorkerProcess, sdq_json
+from tests.netns_download import DOWNLOAD_ENV
+from tests.services import clean_env, wait_for
+from tests.test_curate import tiny_clip
+from tests.test_train import encoded_dataset
+
+pytestmark = pytest.mark.timeout(600)
+TRAIN = ["--base", "tiny", "--resolution", "64", "--batch-size", "4", "--steps", "20",
+         "--checkpoint-every", "10", "--holdout", "0.25", "--eval-samples", "4"]  # fmt: skip
+ALL = ",".join(METRICS)
+
+
+class Features(torch.nn.Module):
+    """The features as they are: torchmetrics' distances over features given directly."""
+
+    num_features = 16
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return features
+
+
+def test_the_distances_and_the_clip_score_are_torchmetrics_own(tmp_path: Path) -> None:
+    draw = np.random.default_rng(0)
+    real, fake = draw.normal(size=(40, 16)), draw.normal(0.3, 1.2, size=(40, 16))
+    fid = FrechetInceptionDistance(feature=Features())
+    kid = KernelInceptionDistance(feature=Features(), subsets=1, subset_size=40)
+    for metric in (fid, kid):
+        metric.update(torch.from_numpy(real), real=True)
+        metric.update(torch.from_numpy(fake), real=False)
+    assert frechet_distance(fake, real) == pytest.approx(float(fid.compute()), rel=1e-6)
+    assert kernel_distance(fake, real) == pytest.approx(float(kid.compute()[0]), rel=1e-6)
+
+    pixels = [draw.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(6)]
+    texts = [f"picture number {n}" for n in range(6)]
+    clip = agreeing(tiny_clip(tmp_path / "clip"), pixels, texts)
+    found = resolve_clip(str(clip))
+    scorer = LoadedScorers(_files(tmp_path), None).get(ScorerRef(found.source, found.revision))
+    pngs = [_png(p) for p in pixels]
+    embeddings, scores = clip_scores(scorer, pngs, texts)
+    cosines, wanted_embeddings = plain_cosines(clip, pixels, texts)
+    wanted = [max(0.0, 100 * cosine) for cosine in cosines]
+    assert scores.tolist() == pytest.approx(wanted, rel=1e-3, abs=1e-3)
+    assert any(score > 0 for score in wanted)
+    # What the distances are computed on: the same embeddings, before any clamp.
+    np.testing.assert_allclose(embeddings, wanted_embeddings, atol=1e-4)
+    np.testing.assert_allclose(image_embeddings(scorer, pngs), wanted_embeddings, atol=1e-4)
+
+
+def plain_cosines(
+    clip: Path, pixels: list[np.ndarray], texts: list[str]
+) -> tuple[list[float], np.ndarray]:
+    """Each image's and text's CLIP cosine, by transformers alone, and each image's
+    normalised embedding. (torchmetrics' CLIPScore is 100 x the cosine, 0 at worst; its
+    1.9 class fails on transformers 5, whose get_image_features returns an output object.)"""
+    model = CLIPModel.from_pretrained(clip).eval()
+    processor = CLIPProcessor.from_pretrained(clip)
+    cosines, embeddings = [], []
+    with torch.no_grad():
+        for image, text in zip(pixels, texts, strict=True):
+            inputs = processor(text=[text], images=[image], return_tensors="pt", padding=True)
+            out = model(**inputs)
+            image_embeds = out.image_embeds / out.image_embeds.norm(dim=-1, keepdim=True)
+            text_embeds = out.text_embeds / out.text_embeds.norm(dim=-1, keepdim=True)
+            cosines.append(float((image_embeds * text_embeds).sum()))
+            embeddings.append(image_embeds[0].numpy())
+    return cosines, np.stack(embeddings)
+
+
+def agreeing(clip: Path, pixels: list[np.ndarray], texts: list[str]) -> Path:
+    """The random CLIP with its text projection turned round where its images and texts
+    mostly disagree: positive scores to compare, not a clamp's 0s."""
+    if np.mean(plain_cosines(clip, pixels, texts)[0]) < 0:
+        model = CLIPModel.from_pretrained(clip)
+        with torch.no_grad():
+            model.text_projection.weight.neg_()
+        model.save_pretrained(clip)
+    return clip
+
+
+def _files(tmp_path: Path):
+    from sdq.workers.weights import ModelFiles
+
+    return ModelFiles(None, tmp_path / "model-cache")
+
+
+def _png(pixels: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _sdq(env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sdq.producer.cli", *args, "--json"], env=env,
+                          cwd=cwd, capture_output=True, text=True)  # fmt: skip
+
+
+def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
+    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT)}
+    clip = str(tiny_clip(tmp_path / "clip"))
+    encoded_dataset(env, "toy", 16, tmp_path)
+    database = tmp_path / "sdq-data/sdq.db"
+
+    # Bad input: refused by name, exit 2, no run written.
+    empty, binary = tmp_path / "empty.txt", tmp_path / "binary.txt"
+    empty.write_text("\n\n")
+    binary.write_bytes(b"a prompt\n\xff\xfe\n")
+    refusals = [
+        (["--holdout", "0", "--eval-metrics", "heldout_loss"], "give --holdout FRACTION above 0"),
+        (["--eval-metrics", "fid_clip"], "the metrics are heldout_loss, clip_score, fd_clip, kid"),
+        (["--eval-metrics", "clip_score"], "give --eval-clip MODEL"),
+        (["--eval-metrics", "clip_score", "--eval-clip", str(tmp_path)], "is not a CLIP model"),
+        (["--eval-metrics", "clip_score", "--eval-clip", clip, "--eval-prompts", str(empty)],
+         "no prompts (one prompt a line)"),
+        (["--eval-metrics", "clip_score", "--eval-clip", clip, "--eval-prompts", str(binary)],
+         "binary.txt:2: not UTF-8 text"),
+    ]  # fmt: skip
+    for options, message in refusals:
+        refused = _sdq(env, tmp_path, "train", "toy", *TRAIN, *options)
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr
+    with sqlite3.connect(database) as db:
+        assert db.execute("SELECT count(*) FROM runs WHERE kind = 'train'").fetchone() == (0,)
+
+    trained = sdq_json(env, "train", "toy", *TRAIN, "--eval-metrics", "kid,heldout_loss,"
+                       "clip_score,fd_clip", "--eval-clip", clip, cwd=tmp_path)  # fmt: skip
+    run = trained["run_id"]
+    scores = trained["scores"]
+    assert sorted(scores) == sorted(METRICS)
+    assert all([step for step, _ in curve] == [10, 20] for curve in scores.values())
+    assert all(value >= 0 for curve in scores.values() for _, value in curve)
+    with sqlite3.connect(database) as db:
+        counted = db.execute("SELECT metric, samples, count(*) FROM checkpoint_scores WHERE "
+                             "run_id = ? GROUP BY metric, samples", (run,)).fetchall()  # fmt: skip
+    assert sorted(counted) == sorted((metric, 4, 2) for metric in METRICS)
+    # The run's page plots every score against the step.
+    page = (tmp_path / f"sdq-data/store/runs/{run}/training.html").read_text()
+    assert all(f"<h2>{metric}</h2>" in page for metric in METRICS)
+
+    # The same checkpoint and spec, asked again: served from the record, the same values.
+    again = sdq_json(env, "evaluate", f"{run}@20", "--metrics", ALL, cwd=tmp_path)
+    assert {m: s["value"] for m, s in again["scores"].items()} == {
+        metric: curve[-1][1] for metric, curve in scores.items()
+    }
+    with sqlite3.connect(database) as db:
+        assert db.execute("SELECT cached FROM jobs WHERE run_id = ?",
+                          (again["run_id"],)).fetchone() == (1,)  # fmt: skip
+    # The base on the run's spec: the same held-out draws, another model's loss.
+    base = sdq_json(env, "evaluate", "tiny", "--like", str(run), "--metrics", "heldout_loss",
+                    cwd=tmp_path)["scores"]["heldout_loss"]  # fmt: skip
+    assert base["samples"] == 4 and base["value"] not in {v for _, v in scores["heldout_loss"]}
+
+    # Choosing by score: the lowest held-out loss, the highest CLIP score.
+    losses = dict(scores["heldout_loss"])
+    best = min(losses, key=losses.get)
+    resumed = sdq_json(env, "train", "toy", "--resume-from", f"{run}@best:heldout_loss",
+                       "--resolution", "64", "--batch-size", "4", "--steps", "2",
+                       cwd=tmp_path)  # fmt: skip
+    assert resumed["resumed_from"] == {"run": run, "step": best}
+    none_yet = _sdq(env, tmp_path, "train", "toy", "--resume-from", f"{resumed['run_id']}"
+                    "@best:clip_score", "--resolution", "64", "--steps", "2")  # fmt: skip
+    assert none_yet.returncode == 2 and "has no clip_score score" in none_yet.stderr
+
+    # A checkpoint deleted by --keep-checkpoints before its evaluation ran: that job ends
+    # saying so, the others score.
+    kept = sdq_json(env, "train", "toy", *TRAIN, "--keep-checkpoints", "1", "--eval-metrics",
+                    "heldout_loss", cwd=tmp_path)  # fmt: skip
+    assert [step for step, _ in kept["scores"]["heldout_loss"]] == [20]
+    with sqlite3.connect(database) as db:
+        [(status, attempts, error)] = db.execute(
+            "SELECT j.status, j.attempts, j.error FROM jobs j JOIN runs r ON r.id = j.run_id "
+            "WHERE r.kind = 'evaluate' AND j.status != 'succeeded' "
+            "AND json_extract(r.options, '$.evaluation_of') = ?", (kept["run_id"],),
+        ).fetchall()  # fmt: skip
+    assert (status, attempts) == ("dead", 1)
+    assert "the checkpoint at step 10 was deleted (--keep-checkpoints)" in error
+
+
+def _evaluations(database_url: str, run_id: int) -> list[tuple[str, int]]:
+    with psycopg.connect(database_url) as connection:
+        return connection.execute(
+            "SELECT j.status, j.attempts FROM jobs j JOIN runs r ON r.id = j.run_id "
+            "WHERE r.kind = 'evaluate' AND (r.options->>'evaluation_of')::int = %s ORDER BY j.id",
+            (run_id,),
+        ).fetchall()
+
+
+@pytest.mark.slow
+def test_evaluation_never_holds_training_and_a_later_worker_scores_every_checkpoint(
+    own_deployment: dict[str, str], tmp_path: Path
+) -> None:
+    env = {**own_deployment, **DOWNLOAD_ENV}
+    database_url = env["SDQ_DATABASE_URL"]
+    clip = str(tiny_clip(tmp_path / "clip"))
+    not_evaluating = ("--queues", "train,generate,encode")
+    workers = [
+        WorkerProcess(env, tmp_path / "cpu.log", pool="cpu").start(),
+        WorkerProcess(env, tmp_path / "gpu.log", args=not_evaluating).start(),
+    ]
+    try:
+        encoded_dataset(env, "evaluated", 16, tmp_path)
+        trained = sdq_json(env, "train", "evaluated", *TRAIN, "--eval-metrics", ALL,
+                           "--eval-clip", clip, "--wait", cwd=tmp_path)  # fmt: skip
+        # No worker consumes `evaluate`: the run went on and ended all the same.
+        assert (trained["status"], trained["step"]) == ("succeeded", 20)
+        assert trained["scores"] == {}
+        assert _evaluations(database_url, trained["run_id"]) == [("queued", 0), ("queued", 0)]
+        workers.append(
+            WorkerProcess(env, tmp_path / "evaluate.log", args=("--queues", "evaluate")).start()
+        )
+        wait_for(
+            lambda: _evaluations(database_url, trained["run_id"]) == [("succeeded", 1)] * 2,
+            what="both checkpoints' evaluations",
+            timeout=300,
+        )
+        scored = sdq_json(env, "train", "status", str(trained["run_id"]), cwd=tmp_path)["scores"]
+        assert sorted(scored) == sorted(METRICS)
+        assert all([step for step, _ in curve] == [10, 20] for curve in scored.values())
+    finally:
+        for worker in workers:
+            worker.stop()
