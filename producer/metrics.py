@@ -1,7 +1,7 @@
 """Prometheus metrics Flower does not have, read from the broker and the database at each
 scrape: queue depths, jobs by kind and status, outputs and images or samples per second,
 what each worker holds (jobs, memory, GPU memory), lease expiries, retries and dead jobs,
-workers out of rotation."""
+workers out of rotation; and what each kind adds (its ProducerHooks.metrics)."""
 
 from collections.abc import Iterator
 from datetime import datetime, timedelta
@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from sqlalchemy import ColumnElement, Select, func, select
 
+from sdq.models.jobs.kinds import KINDS
 from sdq.models.jobs.lifecycle import utcnow
 from sdq.models.jobs.maintenance import EXPIRED
 from sdq.models.tables import Job, JobEvent, JobStatus, SickWorker
@@ -76,6 +77,9 @@ class SdqCollector:
         with self.app.sessions() as session:
             yield from self._jobs(session)
             yield self._sick(session)
+            for kind in KINDS.values():
+                if (kind_metrics := kind.producer_hooks().metrics) is not None:
+                    yield from kind_metrics(session)
 
     def _memory(self) -> Iterator[Metric]:
         """Each live worker's memory, as it answers the device_memory control command: the

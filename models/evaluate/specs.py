@@ -11,6 +11,8 @@ Metrics, as the field computes them:
   embeddings (Gaussians fitted to each, as FID does with Inception features).
 - kid: the kernel distance (unbiased MMD², cubic polynomial kernel, as KID) of the same
   embeddings: unbiased, so it can be trusted at the few hundred images where FD cannot.
+- fid: the Fréchet distance on Inception-v3's 2048 pool features (the pt_inception-2015-12-05
+  weights torchmetrics and torch-fidelity use, given as a file): FID as papers report it.
 """
 
 from dataclasses import asdict, dataclass, replace
@@ -19,12 +21,14 @@ from typing import Any
 from sdq.models.generate.specs import FixedRenders
 from sdq.models.specs import canonical_sha256
 
-METRICS = ("heldout_loss", "clip_score", "fd_clip", "kid")
+METRICS = ("heldout_loss", "clip_score", "fd_clip", "kid", "fid")
 # The rest are best lowest (a loss, distances).
 HIGHER_IS_BETTER = frozenset({"clip_score"})
 # What needs images rendered by the model, a CLIP model, and real held-out images.
-RENDERED = frozenset({"clip_score", "fd_clip", "kid"})
-AGAINST_REAL = frozenset({"fd_clip", "kid"})
+RENDERED = frozenset({"clip_score", "fd_clip", "kid", "fid"})
+AGAINST_REAL = frozenset({"fd_clip", "kid", "fid"})
+# What scores with CLIP (the rest of the rendered metrics score with Inception).
+BY_CLIP = frozenset({"clip_score", "fd_clip", "kid"})
 SPEC_VERSION = 1
 
 
@@ -68,17 +72,22 @@ class Evaluation:
     held_out: HeldOut | None = None
     rendering: FixedRenders | None = None
     clip: Clip | None = None
+    # Inception-v3's weights for fid, in the store by their content (inception_key).
+    inception: str | None = None
+    # The trackers the scores go to besides SQL (the run's `--report-to`).
+    report_to: tuple[str, ...] = ()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Evaluation":
-        rendering = data.get("rendering")
-        return cls(
-            metrics=tuple(data["metrics"]),
-            every=data["every"],
-            held_out=HeldOut(**data["held_out"]) if data.get("held_out") else None,
-            rendering=FixedRenders.from_dict(rendering) if rendering else None,
-            clip=Clip(**data["clip"]) if data.get("clip") else None,
-        )
+        rendering, held_out, clip = data.get("rendering"), data.get("held_out"), data.get("clip")
+        return cls(**{
+            **data,
+            "metrics": tuple(data["metrics"]),
+            "report_to": tuple(data.get("report_to", ())),
+            "held_out": HeldOut(**held_out) if held_out else None,
+            "rendering": FixedRenders.from_dict(rendering) if rendering else None,
+            "clip": Clip(**clip) if clip else None,
+        })  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,8 +118,9 @@ class EvaluateSpec:
     def hash(self) -> str:
         """What decides the scores: the model's weights (its revision), the metrics, the
         held-out samples, the renders and the scorer; not the names it goes by, nor how
-        often a run asks (the same checkpoint and spec are scored once)."""
-        identity = asdict(replace(self.evaluation, every=1))
+        often a run asks, nor where the scores are reported (the same checkpoint and spec
+        are scored once)."""
+        identity = asdict(replace(self.evaluation, every=1, report_to=()))
         return canonical_sha256(
             {
                 "model_revision": self.model_revision,
@@ -139,8 +149,14 @@ def scores_key(spec_hash: str) -> str:
     return f"evaluate/{spec_hash}.json"
 
 
-def reference_key(held_out: HeldOut, clip: Clip) -> str:
-    """The real held-out images' CLIP embeddings, computed once per (held-out samples,
-    CLIP model) and kept in the store for every checkpoint that is compared with them."""
-    digest = canonical_sha256({**asdict(held_out), "clip": clip.revision, "timesteps": None})
+def reference_key(held_out: HeldOut, extractor: str) -> str:
+    """The real held-out images' features, computed once per (held-out samples, feature
+    extractor's revision) and kept in the store for every checkpoint compared with them."""
+    digest = canonical_sha256({**asdict(held_out), "extractor": extractor, "timesteps": None})
     return f"evaluate/reference/{digest}.npy"
+
+
+def inception_key(sha256: str) -> str:
+    """Inception-v3's weights in the store, named by their content: the spec's hash covers
+    them."""
+    return f"inception/{sha256}.pth"

@@ -19,7 +19,7 @@ Generic code (every module outside the kinds' folders but this one) never names 
 tests/test_dependencies.py checks it.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import cache
@@ -98,6 +98,9 @@ class ProducerHooks:
     dataset_summary: Callable[..., dict[str, Any]] | None = None
     show_dataset: Callable[[dict[str, Any]], None] | None = None
     dataset_page: Callable[..., str] | None = None
+    # What `sdq metrics` adds of the kind's at each scrape: (session) -> Prometheus metric
+    # families (a train run's step, speed and loss).
+    metrics: Callable[..., Iterable[Any]] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,6 +26,8 @@ SHARDINGS = ("none", "grad-op", "full")
 # The precision gradients cross between ranks in: bf16 halves the bytes sent between nodes.
 GRAD_COMMS = ("fp32", "bf16")
 SPEC_VERSION = 1
+# Where `--report-to` sends a run's figures besides SQL (workers/tracking.py).
+TRACKERS = ("tensorboard",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -275,6 +277,8 @@ class TrainShardSpec:
     start_from: str | None = None
     # What its checkpoints are scored by, on the evaluate queue (`--eval-metrics`).
     evaluation: Evaluation | None = None
+    # The trackers its figures go to besides SQL (`--report-to`, workers/tracking.py).
+    report_to: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -312,7 +316,7 @@ class TrainShardSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainShardSpec":
         validation = data.get("validation")
-        nested = ("options", "inputs", "validation", "evaluation")
+        nested = ("options", "inputs", "validation", "evaluation", "report_to")
         evaluation = data.get("evaluation")
         return cls(
             **{key: value for key, value in data.items() if key not in nested},
@@ -321,6 +325,7 @@ class TrainShardSpec:
             inputs=tuple(LatentInput(**item) for item in data["inputs"]),
             validation=FixedRenders.from_dict(validation) if validation else None,
             evaluation=Evaluation.from_dict(evaluation) if evaluation else None,
+            report_to=tuple(data.get("report_to", ())),
         )
 
     def hash(self) -> str:

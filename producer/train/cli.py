@@ -17,7 +17,7 @@ from sdq.models.train.architectures import (
     InvalidArchitecture,
     unet_architecture,
 )
-from sdq.models.train.specs import TRAINING_SHARE_OF_TIME_LIMIT, TrainOptions
+from sdq.models.train.specs import TRACKERS, TRAINING_SHARE_OF_TIME_LIMIT, TrainOptions
 from sdq.producer.cli.common import (
     exit_bad_input,
     found,
@@ -134,6 +134,14 @@ def _checkpoint_ref(_ctx, _param, value: str | None) -> tuple[int, int | str | N
     "each checkpoint renders these, with the same seeds, on the generate queue.",
 )
 @train_evaluation_options
+@click.option(
+    "--report-to",
+    multiple=True,
+    type=click.Choice(TRACKERS),
+    help="Also write the run's figures (loss, learning rate, samples/s, MFU, every score) "
+    "where this tracker reads them: TensorBoard event files under runs/RUN/tensorboard/ in "
+    "the store. Needs the `trackers` extra on the workers.",
+)
 @click.option("--into", metavar="MODELNAME", help="Register the checkpoints under this name.")
 @GPU_MEMORY_OPTION
 @click.option("--wait", is_flag=True, help="Show progress until the last step.")
@@ -152,6 +160,8 @@ def start(
     eval_clip: str | None,
     eval_every_checkpoints: int,
     eval_samples: int,
+    fid_weights: Path | None,
+    report_to: tuple[str, ...],
     gpu_memory: int,
     wait: bool,
     as_json: bool,
@@ -168,14 +178,15 @@ def start(
     if eval_metrics is not None:
         evaluation = evaluation_request(eval_metrics, prompts=eval_prompts, clip=eval_clip,
                                         holdout=train_options.holdout, samples=eval_samples,
-                                        every=eval_every_checkpoints)  # fmt: skip
+                                        every=eval_every_checkpoints,
+                                        fid_weights=fid_weights)  # fmt: skip
     if train_options.unet_config is not None and can_plan():
         check_fits(train_options, resolution, gpu_memory)
     _check_job_length(train_options, app.settings.time_limits[TRAIN.queue].soft)
     # 2. The run and its first job.
     ready_to_submit(app)
     submission = _submit(app, name, base, resume_from, resolution, train_options, into, prompts,
-                         evaluation)  # fmt: skip
+                         evaluation, report_to)  # fmt: skip
     # 3. Trained here, with its validation renders, or sent to the workers (and watched).
     if app.settings.embedded:
         _train_here(app, submission, train_options.steps)
@@ -266,6 +277,7 @@ def _submit(
     into: str | None,
     prompts: tuple[tuple[str, int], ...],
     evaluation: EvaluationRequest | None,
+    report_to: tuple[str, ...],
 ) -> TrainSubmission:
     with found():
         try:
@@ -294,6 +306,7 @@ def _submit(
                 validation=validation,
                 start_from=start_from,
                 evaluation=evaluation,
+                report_to=report_to,
             )
         except (ModelNotFound, CannotTrain, InvalidArchitecture) as error:
             raise click.UsageError(str(error)) from None

@@ -39,6 +39,7 @@ def run_evaluation(
     options: TrainOptions,
     base: ModelIdentity,
     resolution: int,
+    report_to: tuple[str, ...],
 ) -> Evaluation:
     """The run's Evaluation; its held-out samples' manifest written to the store first."""
     held_out, captions = None, []
@@ -61,7 +62,8 @@ def run_evaluation(
                                  dtype=base.default_dtype,
                                  scheduler_config=base.scheduler_config)  # fmt: skip
     return Evaluation(metrics=request.metrics, every=request.every, held_out=held_out,
-                      rendering=rendering, clip=request.clip)  # fmt: skip
+                      rendering=rendering, clip=request.clip,
+                      inception=request.inception(store), report_to=report_to)  # fmt: skip
 
 
 def _held_out_rows(

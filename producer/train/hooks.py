@@ -4,6 +4,9 @@
 from sdq.models.jobs.kinds import ProducerHooks
 from sdq.producer.train.cli import COMMANDS
 from sdq.producer.train.lookups import spec_fields
+from sdq.producer.train.metrics import train_gauges
 from sdq.producer.train.screens import report_status
 
-HOOKS = ProducerHooks(commands=COMMANDS, report_run=report_status, spec_fields=spec_fields)
+HOOKS = ProducerHooks(
+    commands=COMMANDS, report_run=report_status, spec_fields=spec_fields, metrics=train_gauges
+)

@@ -71,6 +71,7 @@ def record_train(
     validation: FixedRenders | None = None,
     start_from: StartFrom | None = None,
     evaluation: EvaluationRequest | None = None,
+    report_to: tuple[str, ...] = (),
 ) -> TrainSubmission:
     """The train run, its inputs and its first job, in one transaction: the database drives
     the chain from there (each job's checkpoint writes the next job)."""
@@ -93,11 +94,13 @@ def record_train(
         scored_by = None
         if evaluation is not None:
             scored_by = _evaluation(session, store, run.id, evaluation, shards, inputs,
-                                    options=options, base=base, resolution=resolution)  # fmt: skip
+                                    options=options, base=base, resolution=resolution,
+                                    report_to=report_to)  # fmt: skip
         # 5. Its first job; the others follow from each checkpoint.
         first = replace(
             _first_job(run.id, base, options, into, validation, empty_prompt, start_from),
             evaluation=scored_by,
+            report_to=report_to,
         )
         if scored_by is not None:  # what `sdq evaluate --like RUN` scores another model by
             run.options = {**run.options, "evaluation": asdict(scored_by)}

@@ -25,6 +25,7 @@ from sdq.models.store import ObjectStore
 from sdq.models.tables import Job
 from sdq.models.train.settings import TrainSettings
 from sdq.models.train.specs import TrainShardSpec, training_seconds
+from sdq.workers.tracking import Scalar, report
 from sdq.workers.train.gang.gathering import GangIncomplete
 from sdq.workers.train.gang.leader import GangCalls, run_as_leader
 from sdq.workers.train.ranks.live import LiveStates
@@ -189,6 +190,8 @@ class TrainWork(Work):
         checkpoints past --keep-checkpoints leave the store."""
         with self.sessions.begin() as session:
             new_work = record_checkpoint(session, spec, steps, written)
+        report(self.store, spec.run, f"steps-{spec.first_step:08d}", _figures(steps),
+               spec.report_to)  # fmt: skip
         if spec.options.keep_checkpoints is not None:
             self._prune(spec)
         output = Output(
@@ -209,3 +212,13 @@ class TrainWork(Work):
         for prefix in prefixes:
             for key in list(self.store.list_keys(f"{prefix}/")):
                 self.store.delete(key)
+
+
+# A step's figures and their tags in the trackers.
+TRACKED = {"loss": "train/loss", "lr": "train/learning_rate",
+           "samples_per_second": "train/samples_per_second", "mfu": "train/mfu"}  # fmt: skip
+
+
+def _figures(steps: list[dict[str, Any]]) -> list[Scalar]:
+    return [(tag, step["step"], step[name]) for step in steps
+            for name, tag in TRACKED.items() if step.get(name) is not None]  # fmt: skip
