@@ -1,6 +1,6 @@
 """Curation at scale: `sdq curate` against a plain batched CLIP loop on the same image
-shards, with a width-reduced CLIP (random weights, built here and saved as a transformers
-folder) and a LAION-layout aesthetic head.
+shards, with a width-reduced CLIP (random weights, built and saved as a transformers folder
+by benchmarks/clips.py) and a LAION-layout aesthetic head.
 
 The image shards are made once, untimed: N generated JPEGs of mixed sizes served over local
 HTTP, through `sdq download`. Then, in interleaved rounds, the same shards go through
@@ -34,13 +34,11 @@ import time
 from pathlib import Path
 
 import psycopg
-import torch
-from safetensors.torch import save_file
-from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.clips import build_clip, build_head  # noqa: E402
 from benchmarks.download import COMMAND_TIMEOUT, download_dataset  # noqa: E402
 from tests.conftest import WorkerProcess, sdq_json  # noqa: E402
 from tests.services import BENCH_BUCKET, deployment  # noqa: E402
@@ -48,47 +46,11 @@ from tests.services import BENCH_BUCKET, deployment  # noqa: E402
 DATASET = "curate-bench"
 ROWS_PER_SHARD = 256
 RESOLUTION = 128
-# A width-reduced ViT-B-like CLIP: the shape of the work, a fraction of its FLOPs.
-VISION = {"hidden_size": 192, "intermediate_size": 768, "num_hidden_layers": 4,
-          "num_attention_heads": 4, "image_size": 112, "patch_size": 16}  # fmt: skip
-TEXT = {"vocab_size": 1000, "hidden_size": 128, "intermediate_size": 512,
-        "num_hidden_layers": 4, "num_attention_heads": 4, "max_position_embeddings": 77,
-        "bos_token_id": 998, "eos_token_id": 999, "pad_token_id": 999}  # fmt: skip
-WIDTH = 128
 # The allocator setting `sdq worker gpu` gives its workers (glibc keeps freed buffers of up
 # to 32 MiB for reuse), given to the plain loop too: under glibc's defaults its speed is
 # the allocator's luck (165,000 to 670,000 page faults a pass over 2,048 images, from one
 # process to the next), and the ratio would credit sdq with a setting anyone can make.
 SAME_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
-
-
-def build_clip(folder: Path) -> Path:
-    """The benchmark's CLIP, its tokenizer (a byte-level vocabulary) and image processor."""
-    torch.manual_seed(0)
-    config = CLIPConfig(text_config=TEXT, vision_config=VISION, projection_dim=WIDTH)
-    CLIPModel(config).save_pretrained(folder)
-    letters = [chr(code) for code in range(33, 127)] + [
-        f"{chr(code)}</w>" for code in range(97, 123)
-    ]
-    vocab = {token: index for index, token in enumerate(letters)}
-    vocab.update({"<|startoftext|>": 998, "<|endoftext|>": 999})
-    CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77).save_pretrained(folder)
-    size = VISION["image_size"]
-    crop = {"height": size, "width": size}
-    CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size=crop).save_pretrained(folder)
-    return folder
-
-
-def build_head(path: Path) -> Path:
-    """LAION's improved aesthetic predictor's layout (layers.0, 2, 4, 6, 7) on WIDTH."""
-    torch.manual_seed(1)
-    widths, indices = [WIDTH, 1024, 128, 64, 16, 1], [0, 2, 4, 6, 7]
-    state = {}
-    for index, inputs, outputs in zip(indices, widths, widths[1:], strict=False):
-        layer = torch.nn.Linear(inputs, outputs)
-        state[f"layers.{index}.weight"], state[f"layers.{index}.bias"] = layer.weight, layer.bias
-    save_file({name: tensor.detach().contiguous() for name, tensor in state.items()}, path)
-    return path
 
 
 def forget_curation(database_url: str) -> None:

@@ -32,16 +32,14 @@ from pathlib import Path
 import boto3
 import numpy as np
 import psycopg
-import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import torch
-from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.download import COMMAND_TIMEOUT, download_dataset  # noqa: E402
+from benchmarks.plain_encode import PlainEncoder, save  # noqa: E402
 from sdq.models.datasets import latent_seed  # noqa: E402
 from sdq.workers.tiny import build_text_encoder, build_tokenizer, build_vae  # noqa: E402
 from tests.conftest import WorkerProcess, sdq_json  # noqa: E402
@@ -84,16 +82,15 @@ def through_sdq(env: dict[str, str], args) -> tuple[float, float]:
 
 
 class PlainLoop:
-    """The way a script does it: read a shard, encode it batch by batch, save, repeat."""
+    """The way a script does it: read a shard, encode it batch by batch, save, repeat
+    (benchmarks/plain_encode.py)."""
 
     def __init__(self, keys: list[str], args) -> None:
         self.bucket = boto3.resource("s3").Bucket(BENCH_BUCKET)
         self.keys, self.args = keys, args
-        self.vae, self.text_encoder = build_vae().eval(), build_text_encoder().eval()
-        self.tokenizer = build_tokenizer()
+        self.encoder = PlainEncoder(build_vae(), build_text_encoder(), build_tokenizer())
         self.output = Path(tempfile.mkdtemp(prefix="sdq-plain-encode-"))
 
-    @torch.inference_mode()
     def run(self) -> float:
         started = time.perf_counter()
         samples = 0
@@ -105,63 +102,35 @@ class PlainLoop:
             latents, embeddings = [], []
             for start in range(0, len(table), self.args.batch_size):
                 batch = table.slice(start, self.args.batch_size)
-                latent, embedding = self._encode(batch)
+                latent, embedding = self.encoder.encode(
+                    batch["jpg"].to_pylist(),
+                    batch["caption"].to_pylist(),
+                    seeds(batch["key"].to_pylist()),
+                )
                 latents.append(latent)
                 embeddings.append(embedding)
-            self._save(number, table, np.concatenate(latents), np.concatenate(embeddings))
+            save(self.output / f"{number:05d}.parquet", table["key"], np.concatenate(latents),
+                 np.concatenate(embeddings))  # fmt: skip
             samples += len(table)
         return samples / (time.perf_counter() - started)
 
-    def _encode(self, batch: pa.Table) -> tuple[np.ndarray, np.ndarray]:
-        pixels = np.stack(
-            [np.asarray(Image.open(io.BytesIO(data)).convert("RGB")) for data in batch["jpg"]]
-        )
-        images = torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 127.5 - 1
-        seeds = [latent_seed(DATASET, key) for key in batch["key"].to_pylist()]
-        generators = [torch.Generator().manual_seed(seed) for seed in seeds]
-        distribution = self.vae.encode(images).latent_dist
-        latents = distribution.sample(generator=generators) * self.vae.config.scaling_factor
-        tokens = self.tokenizer(
-            batch["caption"].to_pylist(), padding="max_length", max_length=77,
-            truncation=True, return_tensors="pt",
-        ).input_ids  # fmt: skip
-        return latents.numpy(), self.text_encoder(tokens)[0].numpy()
 
-    def _save(self, number: int, table: pa.Table, latents: np.ndarray, embeddings) -> None:
-        columns = {"key": table["key"]}
-        for name, array in (("latents", latents), ("text_embeddings", embeddings)):
-            flat = pa.array(array.reshape(-1))
-            columns[name] = pa.FixedSizeListArray.from_arrays(flat, int(np.prod(array.shape[1:])))
-        pq.write_table(pa.table(columns), self.output / f"{number:05d}.parquet")
+def seeds(keys) -> list[int]:
+    """The samples' seeds as sdq draws them, so every side draws the same latents."""
+    return [latent_seed(DATASET, key) for key in list(keys)]
 
 
 class RayEncoder:
     """Ray Data's way: the same encoding as a map_batches callable class, one actor."""
 
     def __init__(self) -> None:
-        self.vae, self.text_encoder = build_vae().eval(), build_text_encoder().eval()
-        self.tokenizer = build_tokenizer()
+        self.encoder = PlainEncoder(build_vae(), build_text_encoder(), build_tokenizer())
 
-    @torch.inference_mode()
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        pixels = np.stack(
-            [np.asarray(Image.open(io.BytesIO(data)).convert("RGB")) for data in batch["jpg"]]
+        latents, embeddings = self.encoder.encode(
+            list(batch["jpg"]), list(batch["caption"]), seeds(batch["key"])
         )
-        images = torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 127.5 - 1
-        seeds = [latent_seed(DATASET, key) for key in batch["key"]]
-        generators = [torch.Generator().manual_seed(seed) for seed in seeds]
-        distribution = self.vae.encode(images).latent_dist
-        latents = distribution.sample(generator=generators) * self.vae.config.scaling_factor
-        tokens = self.tokenizer(
-            list(batch["caption"]), padding="max_length", max_length=77, truncation=True,
-            return_tensors="pt",
-        ).input_ids  # fmt: skip
-        embeddings = self.text_encoder(tokens)[0]
-        return {
-            "key": batch["key"],
-            "latents": latents.numpy(),
-            "text_embeddings": embeddings.numpy(),
-        }
+        return {"key": batch["key"], "latents": latents, "text_embeddings": embeddings}
 
 
 def through_ray(keys: list[str], args) -> float:

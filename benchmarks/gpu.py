@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -98,18 +98,19 @@ def plain_call(pipeline, batch: list[GenerationSpec]) -> None:
 def flops_per_image(pipeline, args: argparse.Namespace) -> float:
     """U-Net passes (two per step: guidance runs it on the prompt and the negative) and one
     VAE decode, as torch's FLOP counter counts them."""
-    side = args.size // 8
+    unet = pipeline.unet.config
+    side = args.size // pipeline.vae_scale_factor
     device, dtype = pipeline.device, pipeline.unet.dtype
-    latents = torch.zeros((2, 4, side, side), device=device, dtype=dtype)
-    text = torch.zeros((2, 77, 768), device=device, dtype=dtype)
+    latents = torch.zeros((2, unet.in_channels, side, side), device=device, dtype=dtype)
+    text = torch.zeros((2, 77, unet.cross_attention_dim), device=device, dtype=dtype)
     counter = FlopCounterMode(display=False)
     with torch.inference_mode(), counter:
         pipeline.unet(latents, torch.tensor([500], device=device), text)
-    unet = counter.get_total_flops()
+    flops = counter.get_total_flops()
     counter = FlopCounterMode(display=False)
     with torch.inference_mode(), counter:
         pipeline.vae.decode(latents[:1])
-    return unet * args.steps + counter.get_total_flops()
+    return flops * args.steps + counter.get_total_flops()
 
 
 def measure(sides: dict[str, Call], batch: int, args, flops: float, **model) -> dict:
@@ -149,9 +150,10 @@ def ratio(row: dict, side: str, baseline: str) -> float:
     return round(row[side]["images_per_s"] / row[baseline]["images_per_s"], 3)
 
 
-def built(args: argparse.Namespace):
-    """The pipeline built in code, on the device, as a worker lays it out there."""
-    pipeline = sd15_pipeline().to(device_name(), getattr(torch, args.dtype))
+def built(args: argparse.Namespace, make: Callable[[], object] = sd15_pipeline):
+    """The pipeline built in code (SD 1.5's shape, or what `make` builds), on the device, as
+    a worker lays it out there."""
+    pipeline = make().to(device_name(), getattr(torch, args.dtype))
     pipeline.set_progress_bar_config(disable=True)
     if torch.cuda.is_available():
         pipeline.unet.to(memory_format=torch.channels_last)
@@ -215,11 +217,15 @@ def loading(args, folder: Path, cache: Path, flops: float) -> list[dict]:
     return rows
 
 
-def eager(args, flops: float) -> list[dict]:
-    pipeline = built(args)
+def eager_sides(pipeline) -> dict[str, Call]:
+    """The pipeline as built, called as a script calls it and by the worker's render()."""
     loaded = Loaded(pipeline, kept_prompts(pipeline))
-    sides = {"plain": lambda batch: plain_call(pipeline, batch),
-             "sdq": lambda batch: render(loaded, batch)}  # fmt: skip
+    return {"plain": lambda batch: plain_call(pipeline, batch),
+            "sdq": lambda batch: render(loaded, batch)}  # fmt: skip
+
+
+def eager(args, flops: float) -> list[dict]:
+    sides = eager_sides(built(args))
     rows = [measure(sides, batch, args, flops) for batch in args.batches]
     return [{**row, "sdq_vs_plain": ratio(row, "sdq", "plain")} for row in rows]
 
@@ -235,31 +241,54 @@ def compiled(args, flops: float) -> list[dict]:
     return rows
 
 
-def compiled_rows(args, mode: str, flops: float) -> list[dict]:
+@dataclass
+class Compiled:
+    """A fresh pipeline compiled as SDQ_COMPILE compiles it, its buckets warmed at the
+    shape (`warm_s`), and its two sides; each side's calls count the graphs compiled
+    during them (recompilations, after the warm-up)."""
+
+    sides: dict[str, Call]
+    warm_s: float
+    graphs_at_warm: int
+    recompiled: dict[str, list[int]]
+
+
+def compiled_sides(
+    args, mode: str, buckets: tuple[int, ...] = BUCKETS, make: Callable[[], object] = sd15_pipeline
+) -> Compiled:
     from torch._dynamo.utils import counters
 
     counters.clear()
-    pipeline = built(args)
+    pipeline = built(args, make)
     compile_pipeline(pipeline, mode, backend=args.compile_backend)
-    loaded = Loaded(pipeline, kept_prompts(pipeline), BUCKETS)
+    loaded = Loaded(pipeline, kept_prompts(pipeline), buckets)
     started = time.perf_counter()
     warm(loaded, specs(1, 0, args)[0], ((args.size, args.size),))
     warmed_in, graphs = time.perf_counter() - started, counters["stats"]["unique_graphs"]
-    recompiled = []
+    recompiled: dict[str, list[int]] = {"plain": [], "sdq": []}
 
-    def sdq(batch: list[GenerationSpec]) -> None:
-        before = counters["stats"]["unique_graphs"]
-        render(loaded, batch)
-        recompiled.append(counters["stats"]["unique_graphs"] - before)
+    def counted(name: str, run: Call) -> Call:
+        def call(batch: list[GenerationSpec]) -> None:
+            before = counters["stats"]["unique_graphs"]
+            run(batch)
+            recompiled[name].append(counters["stats"]["unique_graphs"] - before)
 
-    sides = {"plain": lambda batch: plain_call(pipeline, batch), "sdq": sdq}
+        return call
+
+    sides = {"plain": counted("plain", lambda batch: plain_call(pipeline, batch)),
+             "sdq": counted("sdq", lambda batch: render(loaded, batch))}  # fmt: skip
+    return Compiled(sides, warmed_in, graphs, recompiled)
+
+
+def compiled_rows(args, mode: str, flops: float) -> list[dict]:
+    done = compiled_sides(args, mode)
     rows = []
     for batch in args.compiled_batches:
-        row = measure(sides, batch, args, flops)
+        row = measure(done.sides, batch, args, flops)
         rows.append({"mode": mode, "cuda_graphs": "no-cudagraphs" not in mode,
-                     "warm_s": round(warmed_in, 1), "graphs_at_warm": graphs, **row,
-                     "sdq_vs_plain": ratio(row, "sdq", "plain")})  # fmt: skip
-    rows[-1]["sdq_recompiles_after_warm"] = sum(recompiled)
+                     "warm_s": round(done.warm_s, 1), "graphs_at_warm": done.graphs_at_warm,
+                     **row, "sdq_vs_plain": ratio(row, "sdq", "plain")})  # fmt: skip
+    rows[-1]["sdq_recompiles_after_warm"] = sum(done.recompiled["sdq"])
     return rows
 
 

@@ -17,7 +17,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import boto3
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -28,13 +27,13 @@ from safetensors.torch import load_file
 from transformers import CLIPImageProcessorPil, CLIPModel, CLIPTokenizer
 
 
-class PlainLoop:
-    """Read a shard, score it batch by batch, save."""
+class PlainScorer:
+    """CLIP, its processor and tokenizer, and an aesthetic head, as a script loads them; a
+    batch of JPEGs and their captions scored."""
 
-    def __init__(self, bucket: str, clip: Path, head: Path, batch_size: int) -> None:
-        self.bucket = boto3.resource("s3").Bucket(bucket)
-        self.batch_size = batch_size
-        self.model = CLIPModel.from_pretrained(clip).eval()
+    def __init__(self, clip: Path, head: Path, device="cpu", dtype=torch.float32) -> None:
+        self.device, self.dtype = torch.device(device), dtype
+        self.model = CLIPModel.from_pretrained(clip, dtype=dtype).to(device).eval()
         self.processor = CLIPImageProcessorPil.from_pretrained(clip)
         self.tokenizer = CLIPTokenizer.from_pretrained(clip)
         state = load_file(head)
@@ -44,42 +43,60 @@ class PlainLoop:
             layer = torch.nn.Linear(weight.shape[1], weight.shape[0])
             layer.load_state_dict({"weight": weight, "bias": bias})
             layers.append(layer)
-        self.head = torch.nn.Sequential(*layers).eval()
-        self.output = Path(tempfile.mkdtemp(prefix="sdq-plain-curate-"))
+        self.head = torch.nn.Sequential(*layers).to(device).eval()
 
     @torch.inference_mode()
+    def score(self, jpegs: list[bytes], captions: list[str]) -> dict[str, np.ndarray]:
+        images = [Image.open(io.BytesIO(data)).convert("RGB") for data in jpegs]
+        pixels = self.processor(images=images, return_tensors="pt").pixel_values
+        tokens = self.tokenizer(captions, padding="max_length", max_length=77,
+                                truncation=True, return_tensors="pt")  # fmt: skip
+        out = self.model(**tokens.to(self.device),
+                         pixel_values=pixels.to(self.device, self.dtype))  # fmt: skip
+        image_embeds, text_embeds = out.image_embeds.float(), out.text_embeds.float()
+        clip_score = (100 * (image_embeds * text_embeds).sum(-1)).clamp(min=0)
+        return {
+            "embedding": image_embeds.half().cpu().numpy(),
+            "clip_score": clip_score.cpu().numpy(),
+            "aesthetic": self.head(image_embeds).squeeze(-1).cpu().numpy(),
+        }
+
+
+def scores_table(keys, parts: list[dict[str, np.ndarray]]) -> pa.Table:
+    """A shard's keys and its batches' scores as one table."""
+    columns = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+    width = columns["embedding"].shape[1]
+    embeddings = pa.FixedSizeListArray.from_arrays(
+        pa.array(columns.pop("embedding").reshape(-1)), width
+    )
+    return pa.table({"key": keys, "embedding": embeddings, **columns})
+
+
+class PlainLoop:
+    """Read a shard, score it batch by batch, save."""
+
+    def __init__(self, bucket: str, clip: Path, head: Path, batch_size: int) -> None:
+        import boto3  # here: PlainScorer is used where boto3 is not installed
+
+        self.bucket = boto3.resource("s3").Bucket(bucket)
+        self.batch_size = batch_size
+        self.scorer = PlainScorer(clip, head)
+        self.output = Path(tempfile.mkdtemp(prefix="sdq-plain-curate-"))
+
     def run(self, keys: list[str]) -> int:
         samples = 0
         for number, key in enumerate(keys):
             table = pq.read_table(io.BytesIO(self.bucket.Object(key).get()["Body"].read()))
             table = table.filter(pc.equal(table["status"], "success"))
-            parts = [self._score(table.slice(start, self.batch_size))
-                     for start in range(0, len(table), self.batch_size)]  # fmt: skip
+            batches = [table.slice(start, self.batch_size)
+                       for start in range(0, len(table), self.batch_size)]  # fmt: skip
+            parts = [self.scorer.score(batch["jpg"].to_pylist(), batch["caption"].to_pylist())
+                     for batch in batches]  # fmt: skip
             if parts:
-                columns = {
-                    name: np.concatenate([part[name] for part in parts]) for name in parts[0]
-                }
-                width = columns["embedding"].shape[1]
-                embeddings = pa.FixedSizeListArray.from_arrays(
-                    pa.array(columns.pop("embedding").reshape(-1)), width
-                )
-                pq.write_table(pa.table({"key": table["key"], "embedding": embeddings, **columns}),
+                pq.write_table(scores_table(table["key"], parts),
                                self.output / f"{number:05d}.parquet")  # fmt: skip
             samples += len(table)
         return samples
-
-    def _score(self, batch: pa.Table) -> dict[str, np.ndarray]:
-        images = [Image.open(io.BytesIO(data)).convert("RGB") for data in batch["jpg"].to_pylist()]
-        pixels = self.processor(images=images, return_tensors="pt").pixel_values
-        tokens = self.tokenizer(batch["caption"].to_pylist(), padding="max_length",
-                                max_length=77, truncation=True, return_tensors="pt")  # fmt: skip
-        out = self.model(**tokens, pixel_values=pixels)
-        clip_score = (100 * (out.image_embeds * out.text_embeds).sum(-1)).clamp(min=0)
-        return {
-            "embedding": out.image_embeds.half().numpy(),
-            "clip_score": clip_score.numpy(),
-            "aesthetic": self.head(out.image_embeds).squeeze(-1).numpy(),
-        }
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ weights. No queue, no database, no object store, no checkpoints, and nothing of 
 sdq is measured against by benchmarks/train.py and benchmarks/train_scaling.py.
 
     torchrun --nproc-per-node N benchmarks/plain_ddp.py --shards DIR --unet-config FILE \\
-        --scheduler-config FILE --steps S --batch-size B [--timed-from K]
+        --scheduler-config FILE --steps S --batch-size B [--timed-from K] [--compile]
 """
 
 import argparse
@@ -70,6 +70,13 @@ def timer(cuda: bool) -> float:
     return time.perf_counter()
 
 
+def compiled_graphs() -> int:
+    """The graphs torch.compile has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def main(args) -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cuda = torch.cuda.is_available()
@@ -84,14 +91,17 @@ def main(args) -> None:
     optimizer = torch.optim.AdamW(unet.parameters(), lr=args.lr)
     ema = EMAModel(unet.parameters(), decay=args.ema)
     model = DistributedDataParallel(unet, device_ids=[device.index] if cuda else None)
+    if args.compile:
+        model = torch.compile(model, backend=args.compile_backend)
     dataset = latent_dataset(args.shards)
     sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(dataset, batch_size=args.batch_size // world_size, sampler=sampler,
                         drop_last=True, pin_memory=cuda)  # fmt: skip
     precision = torch.bfloat16 if cuda else None
-    step, epoch, started = 0, 0, None
+    step, epoch, started, graphs = 0, 0, None, None
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
+    loop_started = timer(cuda)
     while step < args.steps:
         sampler.set_epoch(epoch)
         for latents, embeddings in loader:
@@ -104,8 +114,11 @@ def main(args) -> None:
             optimizer.zero_grad(set_to_none=True)
             ema.step(unet.parameters())
             step += 1
+            if step == 1:  # compiled, the first step compiles
+                first_step = timer(cuda) - loop_started
             if step == args.timed_from:
                 started = timer(cuda)
+                graphs = compiled_graphs() if args.compile else None
             if step == args.steps:
                 break
         epoch += 1
@@ -118,7 +131,10 @@ def main(args) -> None:
             timed["samples_per_second"] = samples / (ended - started)
         if cuda:
             timed["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-        print(json.dumps({"steps": step, "last_loss": loss.item(), **timed}))
+        if graphs is not None:
+            timed["recompiles_after_warm"] = compiled_graphs() - graphs
+        print(json.dumps({"steps": step, "last_loss": loss.item(), "first_step_s": first_step,
+                          **timed}))  # fmt: skip
     # Freeing DDP's reducer at exit can deadlock with gloo's worker thread; nothing is left
     # to clean up.
     os._exit(0)
@@ -136,4 +152,6 @@ if __name__ == "__main__":
     parser.add_argument("--snr-gamma", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timed-from", type=int, help="also print samples/s after this step")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--compile-backend", default="inductor")
     main(parser.parse_args())

@@ -3,6 +3,7 @@ model's compute and memory without its weights, for the benchmarks (weights cann
 downloaded everywhere sdq is measured). tiny's tokenizer: its ids fit CLIP's vocabulary."""
 
 import torch
+from clips import VIT_L14_VISION, VIT_L14_WIDTH  # beside this script
 from diffusers import (
     AutoencoderKL,
     EulerDiscreteScheduler,
@@ -35,10 +36,8 @@ def sd15_text_encoder() -> CLIPTextModel:
 def sd15_safety_checker() -> StableDiffusionSafetyChecker:
     """SD 1.5's safety checker: CLIP ViT-L/14's vision tower and projection (its text tower
     is not part of it), with the concept embeddings it compares each image to."""
-    vision = {"hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16,
-              "num_hidden_layers": 24, "patch_size": 14, "image_size": 224}  # fmt: skip
-    config = CLIPConfig(vision_config=vision, text_config={"hidden_size": 768},
-                        projection_dim=768)  # fmt: skip
+    config = CLIPConfig(vision_config=VIT_L14_VISION, text_config={"hidden_size": 768},
+                        projection_dim=VIT_L14_WIDTH)  # fmt: skip
     return StableDiffusionSafetyChecker(config).eval()
 
 
