@@ -18,24 +18,19 @@ import torch
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
 from torchmetrics.image.fid import FrechetInceptionDistance
 from torchmetrics.image.kid import KernelInceptionDistance
 from transformers import CLIPModel, CLIPProcessor
 
-from sdq.models.curate.clip import ScorerRef, resolve_clip
-from sdq.models.evaluate.specs import METRICS, Clip, EvaluateSpec, Evaluation, HeldOut
+from sdq.models.curate.clip import ClipIdentity, ScorerRef, resolve_clip
+from sdq.models.evaluate.specs import METRICS, EvaluateSpec, Evaluation, HeldOut
 from sdq.models.generate.specs import FixedRenders
-from sdq.models.registry import file_sha256
-from sdq.models.store.local import LocalStore
 from sdq.models.train.specs import TrainOptions, TrainShardSpec
 from sdq.workers.curate.scoring import LoadedScorers
 from sdq.workers.evaluate.metrics import (
-    LoadedModels,
     clip_scores,
     frechet_distance,
     image_embeddings,
-    inception_features,
     kernel_distance,
 )
 from sdq.workers.weights import ModelFiles
@@ -50,17 +45,16 @@ pytestmark = pytest.mark.timeout(600)
 TRAIN = ["--base", "tiny", "--resolution", "64", "--batch-size", "4", "--steps", "20",
          "--checkpoint-every", "10", "--holdout", "0.25", "--eval-samples", "4"]  # fmt: skip
 ALL = ",".join(METRICS)
-# All but fid, which wants Inception's weights.
-BY_CLIP = ["heldout_loss", "clip_score", "fd_clip", "kid"]
 
 
 def test_an_evaluation_travels_in_a_spec_whole_and_its_hash_ignores_where_it_reports() -> None:
     evaluation = Evaluation(
-        metrics=("heldout_loss", "fid"), every=2, inception="inception/ab.pth",
+        metrics=("heldout_loss", "kid"), every=2,
         held_out=HeldOut(key="train/1/held_out.parquet", fraction=0.1, seed=3, samples=8),
         rendering=FixedRenders(prompts=(("a cat", 1),), size=64, scheduler="ddim",
                                dtype="auto", scheduler_config={"beta_end": 0.012}),
-        clip=Clip(name="clip", source="/clip", revision="c0"), report_to=("tensorboard",),
+        clip=ClipIdentity(name="clip", source="/clip", revision="c0", embedding_width=16),
+        report_to=("tensorboard",),
     )  # fmt: skip
     spec = EvaluateSpec(model_name="1@20", model_source="store:x", model_revision="r",
                         evaluation=evaluation, renders=("h1",), run=1, step=20)  # fmt: skip
@@ -83,24 +77,6 @@ class Features(torch.nn.Module):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return features
-
-
-def test_fid_is_torchmetrics_own_with_the_same_inception_weights(tmp_path: Path) -> None:
-    weights = inception_weights(tmp_path / "pt_inception.pth")
-    store, key = LocalStore(tmp_path / "store"), f"inception/{file_sha256(weights)}.pth"
-    store.put_file(key, weights)
-    inception = LoadedModels(ModelFiles(store, tmp_path / "model-cache"), store).inception(key)
-    draw = np.random.default_rng(1)
-    fake = [draw.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(12)]
-    real = [draw.integers(64, 192, (80, 96, 3), dtype=np.uint8) for _ in range(12)]
-    ours = frechet_distance(
-        inception_features(inception, [_png(p) for p in fake]),
-        inception_features(inception, [_png(p) for p in real]),
-    )
-    plain = FrechetInceptionDistance(feature=2048, feature_extractor_weights_path=str(weights))
-    plain.update(torch.from_numpy(np.stack(real)).permute(0, 3, 1, 2), real=True)
-    plain.update(torch.from_numpy(np.stack(fake)).permute(0, 3, 1, 2), real=False)
-    assert ours == pytest.approx(float(plain.compute()), rel=1e-3)
 
 
 def test_the_distances_and_the_clip_score_are_torchmetrics_own(tmp_path: Path) -> None:
@@ -162,21 +138,6 @@ def agreeing(clip: Path, pixels: list[np.ndarray], texts: list[str]) -> Path:
     return clip
 
 
-def inception_weights(path: Path) -> Path:
-    """Inception-v3's weights file in torch-fidelity's layout, random (the published ones
-    cannot be downloaded here): the network as it builds itself, saved before any load."""
-
-    class Unloaded(FeatureExtractorInceptionV3):
-        def load_state_dict(self, state_dict, strict=True, assign=False):  # built, not loaded
-            return None
-
-    torch.save({}, path)
-    torch.manual_seed(0)
-    network = Unloaded("inception-v3-compat", ["2048"], feature_extractor_weights_path=str(path))
-    torch.save(network.state_dict(), path)
-    return path
-
-
 def _files(tmp_path: Path) -> ModelFiles:
     return ModelFiles(None, tmp_path / "model-cache")
 
@@ -204,9 +165,8 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
     binary.write_bytes(b"a prompt\n\xff\xfe\n")
     refusals = [
         (["--holdout", "0", "--eval-metrics", "heldout_loss"], "give --holdout FRACTION above 0"),
-        (["--eval-metrics", "fid_clip"], "metrics are heldout_loss, clip_score, fd_clip, kid, fid"),
+        (["--eval-metrics", "fid_clip"], "metrics are heldout_loss, clip_score, fd_clip, kid"),
         (["--eval-metrics", "clip_score"], "give --eval-clip MODEL"),
-        (["--eval-metrics", "fid"], "give --fid-weights FILE"),
         (["--eval-metrics", "clip_score", "--eval-clip", str(tmp_path)], "is not a CLIP model"),
         (["--eval-metrics", "clip_score", "--eval-clip", clip, "--eval-prompts", str(empty)],
          "no prompts (one prompt a line)"),
@@ -219,10 +179,9 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
     with sqlite3.connect(database) as db:
         assert db.execute("SELECT count(*) FROM runs WHERE kind = 'train'").fetchone() == (0,)
 
-    weights = str(inception_weights(tmp_path / "pt_inception.pth"))
-    trained = sdq_json(env, "train", "toy", *TRAIN, "--eval-metrics", "kid,heldout_loss,fid,"
-                       "clip_score,fd_clip", "--eval-clip", clip, "--fid-weights", weights,
-                       "--report-to", "tensorboard", cwd=tmp_path)  # fmt: skip
+    trained = sdq_json(env, "train", "toy", *TRAIN, "--eval-metrics", "kid,heldout_loss,"
+                       "clip_score,fd_clip", "--eval-clip", clip, "--report-to", "tensorboard",
+                       cwd=tmp_path)  # fmt: skip
     run = trained["run_id"]
     scores = trained["scores"]
     assert sorted(scores) == sorted(METRICS)
@@ -283,7 +242,7 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
             "AND json_extract(r.options, '$.evaluation_of') = ?", (kept["run_id"],),
         ).fetchall()  # fmt: skip
     assert (status, attempts) == ("dead", 1)
-    assert "the checkpoint at step 10 was deleted (--keep-checkpoints)" in error
+    assert "no model at step 10" in error and "keep more checkpoints" in error
 
 
 def _evaluations(database_url: str, run_id: int) -> list[tuple[str, int]]:
@@ -331,7 +290,7 @@ def test_evaluation_never_holds_training_and_a_later_worker_scores_every_checkpo
     ]
     try:
         encoded_dataset(env, "evaluated", 16, tmp_path)
-        trained = sdq_json(env, "train", "evaluated", *TRAIN, "--eval-metrics", ",".join(BY_CLIP),
+        trained = sdq_json(env, "train", "evaluated", *TRAIN, "--eval-metrics", ALL,
                            "--eval-clip", clip, "--wait", cwd=tmp_path)  # fmt: skip
         # No worker consumes `evaluate`: the run went on and ended all the same.
         assert (trained["status"], trained["step"]) == ("succeeded", 20)
@@ -347,7 +306,7 @@ def test_evaluation_never_holds_training_and_a_later_worker_scores_every_checkpo
             timeout=300,
         )
         status = sdq_json(env, "train", "status", str(trained["run_id"]), cwd=tmp_path)
-        assert sorted(status["scores"]) == sorted(BY_CLIP)
+        assert sorted(status["scores"]) == sorted(METRICS)
         assert all([step for step, _ in curve] == [10, 20] for curve in status["scores"].values())
         # `sdq metrics` shows the run's training as gauges, for a while after its end too.
         gauges = scraped(env, {"sdq_train_step", "sdq_train_loss", "sdq_train_samples_per_second"})

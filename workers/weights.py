@@ -61,13 +61,11 @@ class ModelFiles:
     def lora_file(self, source: str, sha256: str) -> Path:
         """A LoRA's file as the spec names it (models/loras.py): a stored or s3:// one copied
         here once per content, a local one checked to be the content the job was made for."""
-        here = self.cache_dir / "loras" / f"{sha256}.safetensors"
         if source.startswith(registry.STORE_SOURCE):
-            key = source.removeprefix(registry.STORE_SOURCE)
-            return self._pull_file(self.store, key, sha256, here)
+            return self._pull_file(self.store, source.removeprefix(registry.STORE_SOURCE), sha256)
         if source.startswith("s3://"):
             bucket, _, key = source.removeprefix("s3://").partition("/")
-            return self._pull_file(S3Store(bucket), key, sha256, here)
+            return self._pull_file(S3Store(bucket), key, sha256)
         path = Path(source)
         if not path.is_file():
             raise ModelUnavailable(f"LoRA file {source} does not exist on this worker")
@@ -75,12 +73,8 @@ class ModelFiles:
             raise ModelUnavailable(f"LoRA file {source} is not the one the job was made for")
         return path
 
-    def stored_file(self, key: str, sha256: str) -> Path:
-        """A file of the deployment's store named by its content (an evaluation's Inception
-        weights), copied here once."""
-        return self._pull_file(self.store, key, sha256, self.cache_dir / key)
-
-    def _pull_file(self, store: ObjectStore, key: str, sha256: str, path: Path) -> Path:
+    def _pull_file(self, store: ObjectStore, key: str, sha256: str) -> Path:
+        path = self.cache_dir / "loras" / f"{sha256}.safetensors"
         if path.is_file():
             return path
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -88,7 +82,7 @@ class ModelFiles:
         store.get_file(key, partial)
         if registry.file_sha256(partial) != sha256:
             partial.unlink()
-            raise ModelUnavailable(f"{store.uri(key)} changed since the job was made")
+            raise ModelUnavailable(f"LoRA {store.uri(key)} changed since the job was made")
         os.replace(partial, path)  # another process may have finished first: the same bytes
         return path
 

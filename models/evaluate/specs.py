@@ -11,24 +11,21 @@ Metrics, as the field computes them:
   embeddings (Gaussians fitted to each, as FID does with Inception features).
 - kid: the kernel distance (unbiased MMD², cubic polynomial kernel, as KID) of the same
   embeddings: unbiased, so it can be trusted at the few hundred images where FD cannot.
-- fid: the Fréchet distance on Inception-v3's 2048 pool features (the pt_inception-2015-12-05
-  weights torchmetrics and torch-fidelity use, given as a file): FID as papers report it.
 """
 
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from sdq.models.curate.clip import ClipIdentity
 from sdq.models.generate.specs import FixedRenders
 from sdq.models.specs import canonical_sha256
 
-METRICS = ("heldout_loss", "clip_score", "fd_clip", "kid", "fid")
+METRICS = ("heldout_loss", "clip_score", "fd_clip", "kid")
 # The rest are best lowest (a loss, distances).
 HIGHER_IS_BETTER = frozenset({"clip_score"})
 # What needs images rendered by the model, a CLIP model, and real held-out images.
-RENDERED = frozenset({"clip_score", "fd_clip", "kid", "fid"})
-AGAINST_REAL = frozenset({"fd_clip", "kid", "fid"})
-# What scores with CLIP (the rest of the rendered metrics score with Inception).
-BY_CLIP = frozenset({"clip_score", "fd_clip", "kid"})
+RENDERED = frozenset({"clip_score", "fd_clip", "kid"})
+AGAINST_REAL = frozenset({"fd_clip", "kid"})
 SPEC_VERSION = 1
 
 
@@ -53,15 +50,6 @@ class HeldOut:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Clip:
-    """The CLIP model that scores renders (models/curate/clip.py resolves it)."""
-
-    name: str
-    source: str
-    revision: str
-
-
-@dataclass(frozen=True, kw_only=True)
 class Evaluation:
     """What a train run asks of its checkpoints (`--eval-metrics`): every `every`-th of its
     checkpoints, and its last, is scored by an evaluate job of its own
@@ -71,9 +59,7 @@ class Evaluation:
     every: int = 1
     held_out: HeldOut | None = None
     rendering: FixedRenders | None = None
-    clip: Clip | None = None
-    # Inception-v3's weights for fid, in the store by their content (inception_key).
-    inception: str | None = None
+    clip: ClipIdentity | None = None  # what scores renders
     # The trackers the scores go to besides SQL (the run's `--report-to`).
     report_to: tuple[str, ...] = ()
 
@@ -86,7 +72,7 @@ class Evaluation:
             "report_to": tuple(data.get("report_to", ())),
             "held_out": HeldOut(**held_out) if held_out else None,
             "rendering": FixedRenders.from_dict(rendering) if rendering else None,
-            "clip": Clip(**clip) if clip else None,
+            "clip": ClipIdentity(**clip) if clip else None,
         })  # fmt: skip
 
 
@@ -149,14 +135,8 @@ def scores_key(spec_hash: str) -> str:
     return f"evaluate/{spec_hash}.json"
 
 
-def reference_key(held_out: HeldOut, extractor: str) -> str:
-    """The real held-out images' features, computed once per (held-out samples, feature
-    extractor's revision) and kept in the store for every checkpoint compared with them."""
-    digest = canonical_sha256({**asdict(held_out), "extractor": extractor, "timesteps": None})
+def reference_key(held_out: HeldOut, clip: ClipIdentity) -> str:
+    """The real held-out images' CLIP embeddings, computed once per (held-out samples,
+    CLIP model) and kept in the store for every checkpoint compared with them."""
+    digest = canonical_sha256({**asdict(held_out), "clip": clip.revision, "timesteps": None})
     return f"evaluate/reference/{digest}.npy"
-
-
-def inception_key(sha256: str) -> str:
-    """Inception-v3's weights in the store, named by their content: the spec's hash covers
-    them."""
-    return f"inception/{sha256}.pth"

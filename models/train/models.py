@@ -57,10 +57,6 @@ def checkpoint_named(session: Session, ref: str) -> Checkpoint | None:
     else:
         step = int(match["step"])
     found = next((c for c in models if c.step == step), None)
-    if any(c.step == step and c.deleted_at is not None for c in checkpoints):
-        raise ModelNotFound(
-            f"{ref}: the checkpoint at step {step} was deleted (--keep-checkpoints)"
-        )
     if found is None:
         raise ModelNotFound(
             f"{ref}: no model at step {step} (a checkpoint holds the training state only "

@@ -17,7 +17,6 @@ from sdq.models.evaluate.tables import CheckpointScore
 from sdq.models.generate.specs import FixedRenders
 from sdq.models.registry import ModelNotFound, resolve_model
 from sdq.models.specs import ModelIdentity
-from sdq.models.store import ObjectStore
 from sdq.models.tables import Job, Run
 from sdq.producer.cli.common import (
     found,
@@ -29,7 +28,7 @@ from sdq.producer.cli.common import (
     work_here,
 )
 from sdq.producer.display import rows_table, stdout
-from sdq.producer.evaluate.request import FID_WEIGHTS, EvaluationRequest, evaluation_request
+from sdq.producer.evaluate.request import EvaluationRequest, evaluation_request
 from sdq.workers.app import SdqCelery
 
 
@@ -50,7 +49,6 @@ from sdq.workers.app import SdqCelery
     help="One prompt a line, rendered at fixed seeds for clip_score. [default: --like's]",
 )  # fmt: skip
 @click.option("--clip", metavar="MODEL", help="The CLIP model renders are scored by.")
-@FID_WEIGHTS
 @click.option("--wait", is_flag=True, help="Wait for the scores and show them.")
 @json_option
 @pass_app
@@ -61,7 +59,6 @@ def evaluate(
     like: int | None,
     prompts: Path | None,
     clip: str | None,
-    fid_weights: Path | None,
     wait: bool,
     as_json: bool,
 ) -> None:
@@ -72,9 +69,8 @@ def evaluate(
         identity, scored, like = _scored(app, session, model, like)
         base = _run_evaluation(session, like) if like is not None else None
         request = evaluation_request(metrics, prompts=prompts, clip=clip or _clip_ref(base),
-                                     holdout=None, fid_weights=fid_weights,
-                                     stored_inception=base.inception if base else None)  # fmt: skip
-        evaluation = _evaluation(request, base, identity, app.store)
+                                     holdout=None)  # fmt: skip
+        evaluation = _evaluation(request, base, identity)
         runs = open_evaluation(session, scored, evaluation)
     for run_id in runs:
         if app.settings.embedded:
@@ -120,14 +116,14 @@ def _clip_ref(base: Evaluation | None) -> str | None:
 
 
 def _evaluation(
-    request: EvaluationRequest, base: Evaluation | None, model: ModelIdentity, store: ObjectStore
+    request: EvaluationRequest, base: Evaluation | None, model: ModelIdentity
 ) -> Evaluation:
     """The request on the run's spec: its held-out samples and its renders' settings (or
     the model's own, with no run to be like)."""
     if base is None and ({"heldout_loss"} | AGAINST_REAL) & set(request.metrics):
         raise click.UsageError(
-            "heldout_loss, fd_clip, kid and fid need held-out samples: name a train run "
-            "trained with --holdout (--like RUN)"
+            "heldout_loss, fd_clip and kid need held-out samples: name a train run trained "
+            "with --holdout (--like RUN)"
         )
     rendering = base.rendering if base is not None else None
     if RENDERED & set(request.metrics):
@@ -140,8 +136,7 @@ def _evaluation(
         elif rendering is None:
             raise click.UsageError("clip_score renders prompts: give --prompts FILE")
     return Evaluation(metrics=request.metrics, held_out=base.held_out if base else None,
-                      rendering=rendering, clip=request.clip,
-                      inception=request.inception(store))  # fmt: skip
+                      rendering=rendering, clip=request.clip)  # fmt: skip
 
 
 def _report_sent(run_id: int, scored: ScoredModel, as_json: bool) -> None:

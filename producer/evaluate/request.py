@@ -7,10 +7,9 @@ from pathlib import Path
 
 import click
 
-from sdq.models.curate.clip import resolve_clip
-from sdq.models.evaluate.specs import AGAINST_REAL, BY_CLIP, METRICS, Clip, inception_key
-from sdq.models.registry import ModelNotFound, file_sha256
-from sdq.models.store import ObjectStore
+from sdq.models.curate.clip import ClipIdentity, resolve_clip
+from sdq.models.evaluate.specs import AGAINST_REAL, METRICS, RENDERED
+from sdq.models.registry import ModelNotFound
 
 # Held-out samples scored per checkpoint (and real images the renders are compared with).
 DEFAULT_SAMPLES = 64
@@ -20,20 +19,9 @@ DEFAULT_SAMPLES = 64
 class EvaluationRequest:
     metrics: tuple[str, ...]
     prompts: tuple[tuple[str, int], ...]  # (prompt, seed); none: held-out captions
-    clip: Clip | None
+    clip: ClipIdentity | None
     samples: int = DEFAULT_SAMPLES
     every: int = 1
-    fid_weights: Path | None = None  # Inception-v3's, for fid
-    stored_inception: str | None = None  # or those in the store already (a run's)
-
-    def inception(self, store: ObjectStore) -> str | None:
-        """The Inception weights in the store, named by their content (stored once)."""
-        if self.fid_weights is None:
-            return self.stored_inception
-        key = inception_key(file_sha256(self.fid_weights))
-        if not store.exists(key):
-            store.put_file(key, self.fid_weights)
-        return key
 
 
 def read_prompt_lines(path: Path) -> tuple[tuple[str, int], ...]:
@@ -66,8 +54,6 @@ def evaluation_request(
     holdout: float | None,
     samples: int = DEFAULT_SAMPLES,
     every: int = 1,
-    fid_weights: Path | None = None,
-    stored_inception: str | None = None,
 ) -> EvaluationRequest:
     """The request, or a usage error naming what is missing (`holdout` None: the held-out
     samples come from elsewhere)."""
@@ -83,40 +69,25 @@ def evaluation_request(
             f"them, the renders are compared with their images): give --holdout FRACTION "
             f"above 0, e.g. --holdout 0.02"
         )
-    if BY_CLIP & set(asked) and clip is None:
+    if RENDERED & set(asked) and clip is None:
         raise click.UsageError(
-            f"{', '.join(sorted(BY_CLIP & set(asked)))} score renders with a CLIP model: give "
+            f"{', '.join(sorted(RENDERED & set(asked)))} score renders with a CLIP model: give "
             f"--eval-clip MODEL (a hub id like openai/clip-vit-large-patch14, a folder or s3://)"
-        )
-    if "fid" in asked and fid_weights is None and stored_inception is None:
-        raise click.UsageError(
-            "fid compares Inception-v3's features: give --fid-weights FILE (the "
-            "pt_inception-2015-12-05 weights torchmetrics and torch-fidelity use)"
         )
     return EvaluationRequest(
         metrics=asked,
         prompts=read_prompt_lines(prompts) if prompts else (),
-        clip=_clip(clip) if clip and BY_CLIP & set(asked) else None,
+        clip=_clip(clip) if clip and RENDERED & set(asked) else None,
         samples=samples,
         every=every,
-        fid_weights=fid_weights if "fid" in asked else None,
-        stored_inception=stored_inception if "fid" in asked else None,
     )
 
 
-def _clip(ref: str) -> Clip:
+def _clip(ref: str) -> ClipIdentity:
     try:
-        found = resolve_clip(ref)
+        return resolve_clip(ref)
     except ModelNotFound as error:
         raise click.UsageError(f"--eval-clip: {error}") from None
-    return Clip(name=found.name, source=found.source, revision=found.revision)
-
-
-FID_WEIGHTS = click.option(
-    "--fid-weights", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="Inception-v3's weights for fid: the pt_inception-2015-12-05 file torchmetrics and "
-    "torch-fidelity use (stored once, by its content).",
-)  # fmt: skip
 
 
 def train_evaluation_options(command):
@@ -147,7 +118,6 @@ def train_evaluation_options(command):
             help="Held-out samples each evaluation reads: the held-out loss's, and the real "
             "images the renders are compared with.",
         ),
-        FID_WEIGHTS,
     ]  # fmt: skip
     for option in reversed(options):
         command = option(command)

@@ -160,7 +160,6 @@ def start(
     eval_clip: str | None,
     eval_every_checkpoints: int,
     eval_samples: int,
-    fid_weights: Path | None,
     report_to: tuple[str, ...],
     gpu_memory: int,
     wait: bool,
@@ -178,8 +177,7 @@ def start(
     if eval_metrics is not None:
         evaluation = evaluation_request(eval_metrics, prompts=eval_prompts, clip=eval_clip,
                                         holdout=train_options.holdout, samples=eval_samples,
-                                        every=eval_every_checkpoints,
-                                        fid_weights=fid_weights)  # fmt: skip
+                                        every=eval_every_checkpoints)  # fmt: skip
     if train_options.unet_config is not None and can_plan():
         check_fits(train_options, resolution, gpu_memory)
     _check_job_length(train_options, app.settings.time_limits[TRAIN.queue].soft)

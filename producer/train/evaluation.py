@@ -62,8 +62,7 @@ def run_evaluation(
                                  dtype=base.default_dtype,
                                  scheduler_config=base.scheduler_config)  # fmt: skip
     return Evaluation(metrics=request.metrics, every=request.every, held_out=held_out,
-                      rendering=rendering, clip=request.clip,
-                      inception=request.inception(store), report_to=report_to)  # fmt: skip
+                      rendering=rendering, clip=request.clip, report_to=report_to)  # fmt: skip
 
 
 def _held_out_rows(

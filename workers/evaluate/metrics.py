@@ -8,10 +8,8 @@ embeddings, as torchmetrics computes FID and KID from its features.
 
 import hashlib
 import io
-import pickle
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -20,8 +18,7 @@ from diffusers import DDPMScheduler, UNet2DConditionModel
 from PIL import Image
 
 from sdq.models import tiny
-from sdq.models.curate.clip import ScorerRef
-from sdq.models.evaluate.specs import Clip
+from sdq.models.curate.clip import ClipIdentity, ScorerRef
 from sdq.models.specs import AUTO_DTYPE
 from sdq.models.store import ObjectStore
 from sdq.workers.curate.scoring import Batch, LoadedScorers, Scorer, score_batch
@@ -29,7 +26,7 @@ from sdq.workers.evaluate.held_out import HeldOutSamples
 from sdq.workers.gpu import device_name, release_device_memory, torch_dtype
 from sdq.workers.shards.pixels import to_rgb
 from sdq.workers.tiny import build_pipeline
-from sdq.workers.weights import ModelFiles, ModelUnavailable, check_tiny_revision
+from sdq.workers.weights import ModelFiles, check_tiny_revision
 
 # Images through CLIP at once; samples x timesteps through the U-Net at once; threads that
 # decode images.
@@ -132,30 +129,6 @@ def clip_scores(
     )
 
 
-def inception_features(inception: torch.nn.Module, images: Sequence[bytes]) -> np.ndarray:
-    """Inception-v3's 2048 pool features of each image, as torch-fidelity (and torchmetrics'
-    FID) compute them: the uint8 image as it is, resized inside the network. Consecutive
-    images of one size go through together."""
-    device = next(inception.parameters()).device
-    features, batch = [], []
-
-    def flush() -> None:
-        if batch:
-            pixels = torch.from_numpy(np.stack(batch)).permute(0, 3, 1, 2).to(device)
-            with torch.inference_mode():
-                features.append(inception(pixels)[0].double().cpu().numpy())
-            batch.clear()
-
-    for data in images:
-        with Image.open(io.BytesIO(data)) as image:
-            pixels = np.asarray(to_rgb(image))
-        if batch and (pixels.shape != batch[0].shape or len(batch) == CLIP_BATCH):
-            flush()
-        batch.append(pixels)
-    flush()
-    return np.concatenate(features)
-
-
 def frechet_distance(first: np.ndarray, second: np.ndarray) -> float:
     """The Fréchet distance between Gaussians fitted to two sets of features (rows), as
     torchmetrics computes FID: |mu1 - mu2|² + tr(S1) + tr(S2) - 2 tr(sqrt(S1 S2)), the
@@ -193,37 +166,14 @@ class LoadedModels:
         self.scorers = LoadedScorers(files, store)
         self._unet_of: tuple[str, str] | None = None
         self._unet: tuple[UNet2DConditionModel, DDPMScheduler] | None = None
-        self._inception_of: str | None = None
-        self._inception: torch.nn.Module | None = None
 
     def clear(self) -> None:
         self.scorers.clear()
         self._unet_of, self._unet = None, None
-        self._inception_of, self._inception = None, None
         release_device_memory()
 
-    def scorer(self, clip: Clip) -> Scorer:
+    def scorer(self, clip: ClipIdentity) -> Scorer:
         return self.scorers.get(ScorerRef(clip.source, clip.revision))
-
-    def inception(self, key: str) -> torch.nn.Module:
-        """Inception-v3 with the weights stored under `key`, as torch-fidelity builds it."""
-        if self._inception_of != key or self._inception is None:
-            self._inception = None
-            self._inception = self._load_inception(key)
-            self._inception_of = key
-        return self._inception
-
-    def _load_inception(self, key: str) -> torch.nn.Module:
-        from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
-
-        path = str(self.files.stored_file(key, sha256=Path(key).stem))
-        try:
-            model = FeatureExtractorInceptionV3(
-                "inception-v3-compat", ["2048"], feature_extractor_weights_path=path
-            )
-        except (RuntimeError, KeyError, pickle.UnpicklingError) as error:
-            raise ModelUnavailable(f"{key}: not Inception-v3's weights for FID: {error}") from None
-        return model.to(device_name())
 
     def unet(self, source: str, revision: str) -> tuple[UNet2DConditionModel, DDPMScheduler]:
         if (source, revision) != self._unet_of or self._unet is None:

@@ -15,7 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.db import upsert
-from sdq.models.evaluate.specs import BY_CLIP, RENDERED, EvaluateSpec, reference_key
+from sdq.models.evaluate.specs import AGAINST_REAL, RENDERED, EvaluateSpec, reference_key
 from sdq.models.evaluate.tables import CheckpointScore
 from sdq.models.generate.specs import image_key
 from sdq.models.jobs.delivery import Work
@@ -106,28 +106,17 @@ class EvaluateWork(Work):
 
     def _image_scores(self, spec: EvaluateSpec, metrics) -> Scores:
         """The CLIP score of the renders against their prompts, and their distances from
-        the real held-out images' features (computed once per extractor, kept in the
-        store): CLIP's embeddings, and Inception's pool features for fid."""
-        evaluation, asked = spec.evaluation, set(spec.evaluation.metrics)
-        renders, scores = self._renders(spec), {}
-        if BY_CLIP & asked:
-            scorer = self.models.scorer(evaluation.clip)
-            prompts = [prompt for prompt, _ in evaluation.rendering.prompts]
-            embeddings, clip_scores = metrics.clip_scores(scorer, renders, prompts)
-            scores["clip_score"] = (float(clip_scores.mean()), len(renders))
-            if {"fd_clip", "kid"} & asked:
-                real = self._reference(
-                    spec, evaluation.clip.revision, partial(metrics.image_embeddings, scorer)
-                )
-                scores["fd_clip"] = (metrics.frechet_distance(embeddings, real), len(renders))
-                scores["kid"] = (metrics.kernel_distance(embeddings, real), len(renders))
-        if "fid" in asked:
-            inception = self.models.inception(evaluation.inception)
-            features = metrics.inception_features(inception, renders)
-            real = self._reference(
-                spec, evaluation.inception, partial(metrics.inception_features, inception)
-            )
-            scores["fid"] = (metrics.frechet_distance(features, real), len(renders))
+        the real held-out images' CLIP embeddings (computed once, kept in the store)."""
+        evaluation = spec.evaluation
+        scorer = self.models.scorer(evaluation.clip)
+        prompts = [prompt for prompt, _ in evaluation.rendering.prompts]
+        renders = self._renders(spec)
+        embeddings, clip_scores = metrics.clip_scores(scorer, renders, prompts)
+        scores = {"clip_score": (float(clip_scores.mean()), len(renders))}
+        if AGAINST_REAL & set(evaluation.metrics):
+            real = self._reference(spec, partial(metrics.image_embeddings, scorer))
+            scores["fd_clip"] = (metrics.frechet_distance(embeddings, real), len(renders))
+            scores["kid"] = (metrics.kernel_distance(embeddings, real), len(renders))
         return {metric: scores[metric] for metric in evaluation.metrics if metric in scores}
 
     def _renders(self, spec: EvaluateSpec) -> list[bytes]:
@@ -146,17 +135,17 @@ class EvaluateWork(Work):
         raise RendersPending(f"{len(spec.renders)} renders of {spec.model_name} not all made yet")
 
     def _reference(
-        self, spec: EvaluateSpec, extractor: str, features: Callable[[list[bytes]], np.ndarray]
+        self, spec: EvaluateSpec, embeddings: Callable[[list[bytes]], np.ndarray]
     ) -> np.ndarray:
-        """The real held-out images' features by the extractor of revision `extractor`,
-        computed once per held-out samples and extractor and kept in the store."""
+        """The real held-out images' CLIP embeddings, computed once per held-out samples and
+        CLIP model and kept in the store."""
         held_out = spec.evaluation.held_out
-        key = reference_key(held_out, extractor)
+        key = reference_key(held_out, spec.evaluation.clip)
         try:
             return np.load(io.BytesIO(self.store.get_bytes(key)))
         except MissingObject:
             pass
-        real = features(real_images(self.store, held_out))
+        real = embeddings(real_images(self.store, held_out))
         buffer = io.BytesIO()
         np.save(buffer, real)
         self.store.put_bytes(key, buffer.getvalue(), content_type=NUMPY)
@@ -177,11 +166,8 @@ def _document(spec: EvaluateSpec, scores: Scores) -> dict[str, Any]:
 
 def scorers_of(spec: EvaluateSpec) -> dict[str, str]:
     """The revisions of what scored the model, by role."""
-    evaluation = spec.evaluation
-    scorers = {"clip": evaluation.clip.revision} if evaluation.clip is not None else {}
-    if evaluation.inception is not None:
-        scorers["inception"] = evaluation.inception
-    return scorers
+    clip = spec.evaluation.clip
+    return {"clip": clip.revision} if clip is not None else {}
 
 
 def record_scores(session: Session, job_id: int, spec: EvaluateSpec, scores: Scores) -> None:
