@@ -25,54 +25,33 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPTokenizer
+from transformers import CLIPModel
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.clips import VIT_L14_TEXT, VIT_L14_VISION, VIT_L14_WIDTH, build_clip  # noqa: E402
 from benchmarks.plain_evaluate import PlainScorer  # noqa: E402
 from sdq.models.curate.clip import ScorerRef, resolve_clip  # noqa: E402
-from sdq.models.tiny import tokenizer_vocab  # noqa: E402
 from sdq.workers.curate.scoring import LoadedScorers  # noqa: E402
 from sdq.workers.evaluate import metrics  # noqa: E402
 from sdq.workers.weights import ModelFiles  # noqa: E402
 
-# ViT-L/14's shape, and a CPU's fraction of it.
-VIT_L = ({"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
-          "num_attention_heads": 16, "image_size": 224, "patch_size": 14},
-         {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
-          "num_attention_heads": 12}, 768)  # fmt: skip
-SMALL = ({"hidden_size": 192, "intermediate_size": 768, "num_hidden_layers": 4,
-          "num_attention_heads": 4, "image_size": 112, "patch_size": 16},
-         {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4,
-          "num_attention_heads": 4}, 128)  # fmt: skip
 
-
-def clip_folder(folder: Path, shape) -> Path:
-    vision, text, width = shape
-    vocab = tokenizer_vocab()
-    end = vocab["<|endoftext|>"]
-    text = {**text, "vocab_size": len(vocab), "max_position_embeddings": 77,
-            "bos_token_id": vocab["<|startoftext|>"], "eos_token_id": end,
-            "pad_token_id": end}  # fmt: skip
-    torch.manual_seed(0)
-    config = CLIPConfig(text_config=text, vision_config=vision, projection_dim=width)
-    model = CLIPModel(config).eval()
-    # Random towers disagree as often as not: turned round where they mostly do, its CLIP
-    # scores are positive values to compare rather than a clamp's 0s.
+def clip_folder(folder: Path, gpu: bool) -> Path:
+    """ViT-L/14's shape on a GPU, a width-reduced CLIP on a CPU (benchmarks/clips.py). Random
+    towers disagree as often as not: turned round where they mostly do, its CLIP scores are
+    positive values to compare rather than a clamp's 0s."""
+    shape = (VIT_L14_VISION, VIT_L14_TEXT, VIT_L14_WIDTH) if gpu else ()
+    build_clip(folder, *shape)
+    model = CLIPModel.from_pretrained(folder).eval()
+    size = model.config.vision_config.image_size
     with torch.no_grad():
-        size = vision["image_size"]
         out = model(input_ids=torch.arange(1, 9)[None].repeat(4, 1),
                     pixel_values=torch.randn(4, 3, size, size))  # fmt: skip
         if (out.image_embeds * out.text_embeds).sum() < 0:
             model.text_projection.weight.neg_()
-    model.save_pretrained(folder)
-    CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77).save_pretrained(folder)
-    size = vision["image_size"]
-    processor = CLIPImageProcessorPil(
-        size={"shortest_edge": size}, crop_size={"height": size, "width": size}
-    )
-    processor.save_pretrained(folder)
+            model.save_pretrained(folder)
     return folder
 
 
@@ -128,7 +107,7 @@ def main() -> None:
     args = parser.parse_args()
     gpu = torch.cuda.is_available()
     with tempfile.TemporaryDirectory() as scratch:
-        folder = clip_folder(Path(scratch) / "clip", VIT_L if gpu else SMALL)
+        folder = clip_folder(Path(scratch) / "clip", gpu)
         found = resolve_clip(str(folder))
         scorer = LoadedScorers(ModelFiles(None, Path(scratch)), None).get(
             ScorerRef(found.source, found.revision)
