@@ -200,10 +200,7 @@ def fail(
             Job.id.in_(job_ids), Job.status == JobStatus.running, Job.worker_host == worker.host
         )
     ).all()
-    if waiting:
-        forgiven = {job.id for job in jobs}
-    else:
-        forgiven = _within_outage_budget(session, jobs, settings, now) if outage else set()
+    forgiven = _forgiven(session, jobs, settings, now, outage=outage, waiting=waiting)
     for job in jobs:
         if job.id in forgiven:
             job.attempts -= 1
@@ -228,6 +225,22 @@ def retry_due(session: Session, job_ids: Sequence[int], at: datetime) -> None:
     session.execute(
         update(Job).where(Job.id.in_(job_ids), Job.status == JobStatus.failed).values(retry_at=at)
     )
+
+
+def _forgiven(
+    session: Session,
+    jobs: Sequence[Job],
+    settings: JobSettings,
+    now: datetime,
+    *,
+    outage: bool,
+    waiting: bool,
+) -> set[int]:
+    """The jobs whose attempt is given back: every one waiting for its inputs, those in an
+    outage within its budget."""
+    if waiting:
+        return {job.id for job in jobs}
+    return _within_outage_budget(session, jobs, settings, now) if outage else set()
 
 
 def _within_outage_budget(

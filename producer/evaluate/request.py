@@ -4,6 +4,7 @@ the prompt file, the CLIP model."""
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -88,6 +89,24 @@ def _clip(ref: str) -> ClipIdentity:
         return resolve_clip(ref)
     except ModelNotFound as error:
         raise click.UsageError(f"--eval-clip: {error}") from None
+
+
+def pop_evaluation_options(options: dict[str, Any]) -> dict[str, Any]:
+    """`sdq train`'s evaluation options (train_evaluation_options), taken out of the run's."""
+    return {name: options.pop(f"eval_{name}") for name in EVALUATION_OPTIONS}
+
+
+def train_evaluation_request(asked: dict[str, Any], holdout: float) -> EvaluationRequest | None:
+    """What `sdq train`'s evaluation options ask for, or None (no --eval-metrics)."""
+    if asked["metrics"] is None:
+        return None
+    return evaluation_request(asked["metrics"], prompts=asked["prompts"], clip=asked["clip"],
+                              holdout=holdout, samples=asked["samples"],
+                              every=asked["every_checkpoints"])  # fmt: skip
+
+
+# The options below, by their names after `eval_`.
+EVALUATION_OPTIONS = ("metrics", "prompts", "clip", "every_checkpoints", "samples")
 
 
 def train_evaluation_options(command):

@@ -10,7 +10,7 @@ import click
 
 from sdq.models.generate.specs import FixedRenders
 from sdq.models.jobs.kinds import TRAIN
-from sdq.models.registry import ModelNotFound, resolve_model
+from sdq.models.registry import ModelNotFound
 from sdq.models.tables import Run
 from sdq.models.train.architectures import (
     UNET_ARCHITECTURES,
@@ -33,8 +33,9 @@ from sdq.producer.cli.options import declared_options, from_command_line
 from sdq.producer.errors import InvalidInput
 from sdq.producer.evaluate.request import (
     EvaluationRequest,
-    evaluation_request,
+    pop_evaluation_options,
     train_evaluation_options,
+    train_evaluation_request,
 )
 from sdq.producer.prompts import read_prompts
 from sdq.producer.train import lookups as train_lookups
@@ -49,7 +50,7 @@ from sdq.producer.train.plan import (
 )
 from sdq.producer.train.plan import plan as plan_memory
 from sdq.producer.train.screens import report_status
-from sdq.producer.train.submit import CannotTrain, TrainSubmission, record_train, start_checkpoint
+from sdq.producer.train.submit import CannotTrain, TrainSubmission, base_and_start, record_train
 from sdq.workers.app import SdqCelery
 
 
@@ -155,11 +156,6 @@ def start(
     resolution: int,
     into: str | None,
     validation_prompts: Path | None,
-    eval_metrics: str | None,
-    eval_prompts: Path | None,
-    eval_clip: str | None,
-    eval_every_checkpoints: int,
-    eval_samples: int,
     report_to: tuple[str, ...],
     gpu_memory: int,
     wait: bool,
@@ -171,13 +167,10 @@ def start(
     Without a broker (SDQ_BROKER_URL unset) the work runs here, in this process."""
     # 1. Options that cannot go together, a configuration that cannot fit: refused before
     #    anything is written.
+    evaluation_asked = pop_evaluation_options(options)
     train_options = _checked_options(app, base, resume_from, into, options)
     prompts = _validation_prompts(validation_prompts) if validation_prompts else ()
-    evaluation = None
-    if eval_metrics is not None:
-        evaluation = evaluation_request(eval_metrics, prompts=eval_prompts, clip=eval_clip,
-                                        holdout=train_options.holdout, samples=eval_samples,
-                                        every=eval_every_checkpoints)  # fmt: skip
+    evaluation = train_evaluation_request(evaluation_asked, holdout=train_options.holdout)
     if train_options.unet_config is not None and can_plan():
         check_fits(train_options, resolution, gpu_memory)
     _check_job_length(train_options, app.settings.time_limits[TRAIN.queue].soft)
@@ -280,19 +273,12 @@ def _submit(
     with found():
         try:
             with app.sessions() as session:
-                start_from = start_checkpoint(session, *resume_from) if resume_from else None
-                if start_from is not None:
-                    identity = train_lookups.run_base(session, start_from.run, store=app.store)
-                else:
-                    identity = resolve_model(base, store=app.store, session=session)
+                identity, start_from = base_and_start(session, app.store, base, resume_from)
             validation = None
             if prompts:
-                validation = FixedRenders(
-                    prompts=prompts,
-                    size=resolution,
-                    scheduler=identity.scheduler,
-                    dtype=identity.default_dtype,
-                )
+                validation = FixedRenders(prompts=prompts, size=resolution,
+                                          scheduler=identity.scheduler,
+                                          dtype=identity.default_dtype)  # fmt: skip
             return record_train(
                 app.sessions,
                 name,

@@ -11,13 +11,13 @@ from sqlalchemy.orm import Session, sessionmaker
 from sdq.models.datasets import empty_prompt_key, latent_key
 from sdq.models.datasets.tables import LatentShard, Shard
 from sdq.models.evaluate.scores import NoScores, best_step
-from sdq.models.evaluate.specs import Evaluation
 from sdq.models.generate.specs import FixedRenders
 from sdq.models.jobs.kinds import TRAIN
 from sdq.models.jobs.outbox import add_jobs, open_run
-from sdq.models.registry import same_encoders
+from sdq.models.registry import resolve_model, same_encoders
 from sdq.models.specs import ModelIdentity
 from sdq.models.store import PARQUET, ObjectStore
+from sdq.models.tables import Run
 from sdq.models.train.architectures import check_fits
 from sdq.models.train.models import encoders_lineage
 from sdq.models.train.specs import (
@@ -32,6 +32,7 @@ from sdq.models.train.tables import Checkpoint, TrainInput
 from sdq.producer.datasets.lookups import dataset_named, no_usable_samples
 from sdq.producer.evaluate.request import EvaluationRequest
 from sdq.producer.train.evaluation import NothingHeldOut, run_evaluation
+from sdq.producer.train.lookups import run_base
 
 
 class CannotTrain(Exception):
@@ -77,11 +78,7 @@ def record_train(
     the chain from there (each job's checkpoint writes the next job)."""
     with sessions.begin() as session:
         # 1. The latent shards it trains on; an architecture from scratch must take them.
-        shards = _latent_shards(session, name, base, resolution)
-        if options.unet_config is not None:
-            _check_architecture(options.unet_config, shards[0][0])
-        encoded_with = shards[0][0].model_revision
-        empty_prompt = _empty_prompt(store, name, encoded_with) if options.caption_dropout else None
+        shards, empty_prompt = _usable_shards(session, store, name, base, resolution, options)
         # 2. The run, with everything that decides its weights.
         recorded = _recorded(name, base, resolution, into, start_from, options)
         run = open_run(session, TRAIN, source=name, options=recorded)
@@ -90,45 +87,57 @@ def record_train(
         session.add_all(TrainInput(run_id=run.id, latent_shard_id=shard.id) for shard, _ in shards)
         inputs = [_input(name, shard, number) for shard, number in shards]
         store.put_bytes(inputs_key(run.id), inputs_manifest(inputs), content_type=PARQUET)
-        # 4. What its checkpoints are scored by, its held-out samples listed.
-        scored_by = None
+        # 4. Its first job, with what its checkpoints are scored by; the others follow.
+        first = _first_job(run.id, base, options, into, validation, empty_prompt, start_from)
+        first = replace(first, report_to=report_to)
         if evaluation is not None:
-            scored_by = _evaluation(session, store, run.id, evaluation, shards, inputs,
-                                    options=options, base=base, resolution=resolution,
-                                    report_to=report_to)  # fmt: skip
-        # 5. Its first job; the others follow from each checkpoint.
-        first = replace(
-            _first_job(run.id, base, options, into, validation, empty_prompt, start_from),
-            evaluation=scored_by,
-            report_to=report_to,
-        )
-        if scored_by is not None:  # what `sdq evaluate --like RUN` scores another model by
-            run.options = {**run.options, "evaluation": asdict(scored_by)}
+            first = _scored_by(session, store, run, first, evaluation, shards, inputs,
+                               resolution=resolution, base=base)  # fmt: skip
         add_jobs(session, run, TRAIN, [first])
         run.job_count = -(-options.steps // options.checkpoint_every)
-    return TrainSubmission(
-        run_id=run.id,
-        dataset=name,
-        model=first.model_name,
-        jobs=run.job_count,
-        samples=sum(shard.samples for shard, _ in shards),
-    )
+    samples = sum(shard.samples for shard, _ in shards)
+    return TrainSubmission(run.id, name, first.model_name, run.job_count, samples)
 
 
-def _evaluation(
+def _scored_by(
     session: Session,
     store: ObjectStore,
-    run_id: int,
+    run: Run,
+    first: TrainShardSpec,
     request: EvaluationRequest,
     shards: list[tuple[LatentShard, int]],
     inputs: list[LatentInput],
     **made: Any,
-) -> Evaluation:
+) -> TrainShardSpec:
+    """The first job with what the run's checkpoints are scored by (their held-out samples
+    listed in the store), recorded with the run too: `sdq evaluate --like RUN` scores other
+    models by it."""
     try:
-        return run_evaluation(session, store, run_id, request, [shard for shard, _ in shards],
-                              inputs, **made)  # fmt: skip
+        evaluation = run_evaluation(session, store, run.id, request,
+                                    [shard for shard, _ in shards], inputs, options=first.options,
+                                    report_to=first.report_to, **made)  # fmt: skip
     except NothingHeldOut as error:
         raise CannotTrain(str(error)) from None
+    run.options = {**run.options, "evaluation": asdict(evaluation)}
+    return replace(first, evaluation=evaluation)
+
+
+def _usable_shards(
+    session: Session,
+    store: ObjectStore,
+    name: str,
+    base: ModelIdentity,
+    resolution: int,
+    options: TrainOptions,
+) -> tuple[list[tuple[LatentShard, int]], str | None]:
+    """The latent shards a run trains on, checked against its architecture, and the key of
+    the empty prompt's embedding where caption dropout needs it."""
+    shards = _latent_shards(session, name, base, resolution)
+    if options.unet_config is not None:
+        _check_architecture(options.unet_config, shards[0][0])
+    encoded_with = shards[0][0].model_revision
+    empty_prompt = _empty_prompt(store, name, encoded_with) if options.caption_dropout else None
+    return shards, empty_prompt
 
 
 def _recorded(
@@ -199,6 +208,20 @@ def _empty_prompt(store: ObjectStore, name: str, encoded_with: str) -> str:
             f"by an older sdq): encode it again into a new dataset name"
         )
     return key
+
+
+def base_and_start(
+    session: Session,
+    store: ObjectStore,
+    base: str | None,
+    resume_from: tuple[int, int | str | None] | None,
+) -> tuple[ModelIdentity, StartFrom | None]:
+    """The base model, and the checkpoint the run starts from (--resume-from: on its run's
+    base)."""
+    start_from = start_checkpoint(session, *resume_from) if resume_from else None
+    if start_from is not None:
+        return run_base(session, start_from.run, store=store), start_from
+    return resolve_model(base, store=store, session=session), None
 
 
 def start_checkpoint(session: Session, run_id: int, step: int | str | None) -> StartFrom:
