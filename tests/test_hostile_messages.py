@@ -117,9 +117,17 @@ def test_bad_messages_are_rejected_and_the_worker_goes_on(
 
 @pytest.mark.timeout(300)
 def test_bad_messages_on_the_maintenance_queue_leave_the_cpu_pool_working(
-    cpu_worker: WorkerProcess, service_env: dict[str, str]
+    own_deployment: dict[str, str], tmp_path
 ) -> None:
-    broker = service_env["SDQ_BROKER_URL"]
+    # A broker of its own: no message another test left on the CPU queues goes before the tick.
+    cpu_worker = WorkerProcess(own_deployment, tmp_path / "cpu.log", pool="cpu").start()
+    try:
+        send_bad_ticks_then_a_good_one(cpu_worker, own_deployment["SDQ_BROKER_URL"])
+    finally:
+        cpu_worker.stop()
+
+
+def send_bad_ticks_then_a_good_one(cpu_worker: WorkerProcess, broker: str) -> None:
     relay = "sdq.maintenance.relay"
     for body in BAD_MAINTENANCE_BODIES:
         publish(broker, "maintenance", relay, body)
