@@ -110,9 +110,7 @@ def resolve_model(ref: str, *, store: ObjectStore, session: Session) -> ModelIde
     if (files := stored_files(ref)) is not None:
         return _pipeline(files)
     if (made := made_by_a_run(session, ref)) is not None:
-        return _identity(FoundModel(made.name, f"{STORE_SOURCE}{made.prefix}", made.revision,
-                                    _store_reader(store, f"{made.prefix}/"),
-                                    made_by=(made.run, made.step)))  # fmt: skip
+        return _made_identity(made, store)
     if (record := latest_pushed(session, ref)) is not None:
         return _resolve_pushed(record, store)
     if is_hub_id(ref):
@@ -239,6 +237,12 @@ def made_by_a_run(session: Session, ref: str) -> MadeModel | None:
     return None
 
 
+def _made_identity(made: MadeModel, store: ObjectStore) -> ModelIdentity:
+    return _identity(FoundModel(made.name, f"{STORE_SOURCE}{made.prefix}", made.revision,
+                                _store_reader(store, f"{made.prefix}/"),
+                                made_by=(made.run, made.step)))  # fmt: skip
+
+
 def _resolve_pushed(record: ModelRecord, store: ObjectStore) -> ModelIdentity:
     return _identity(FoundModel(record.name, f"{STORE_SOURCE}{record.store_prefix}",
                                 record.revision, _store_reader(store, f"{record.store_prefix}/"),
@@ -342,17 +346,43 @@ class Pushed:
 
 
 def push_model(folder: Path, name: str, *, store: ObjectStore, session: Session) -> Pushed:
-    """Copies a pipeline folder into the store once per revision; the registry row, written
-    last, marks the copy complete."""
+    """A pipeline folder copied into the store under `name`."""
     if (files := stored_files(str(folder))) is None or not files.local:
         raise ModelNotFound(f"no folder {folder}")
-    identity = _pipeline(files)
+
+    def put_files(prefix: str) -> None:
+        for path in pipeline_files(folder):
+            store.put_file(f"{prefix}/{path.relative_to(folder).as_posix()}", path)
+
+    return _push(_pipeline(files), name, session, put_files)
+
+
+def push_made_model(ref: str, name: str, *, store: ObjectStore, session: Session) -> Pushed | None:
+    """The model a run made that `ref` names (RUN@STEP, NAME@STEP, RUN@best:METRIC), copied
+    within the store under `name`, so that the keep policy deleting the run's old
+    checkpoints leaves it; None when `ref` names no run's model. Its revision, so its
+    lineage, stays the checkpoint's."""
+    made = made_by_a_run(session, ref)
+    if made is None:
+        return None
+
+    def copy_files(prefix: str) -> None:
+        for key in store.list_keys(f"{made.prefix}/"):
+            store.copy(key, f"{prefix}/{key.removeprefix(f'{made.prefix}/')}")
+
+    return _push(_made_identity(made, store), name, session, copy_files)
+
+
+def _push(
+    identity: ModelIdentity, name: str, session: Session, put_files: Callable[[str], None]
+) -> Pushed:
+    """Puts a model's files in the store once per revision (`put_files` given the prefix);
+    the registry row, written last, marks the copy complete."""
     prefix = f"models/{name}/{identity.revision[:16]}"
     pushed = replace(identity, name=name, source=f"{STORE_SOURCE}{prefix}")
     known = latest_pushed(session, name)
     if known is not None and known.revision == identity.revision:
         return Pushed(pushed, prefix, uploaded=False)
-    for path in pipeline_files(folder):
-        store.put_file(f"{prefix}/{path.relative_to(folder).as_posix()}", path)
+    put_files(prefix)
     record_model(session, pushed, store_prefix=prefix)
     return Pushed(pushed, prefix, uploaded=True)

@@ -230,6 +230,28 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
                     "@best:clip_score", "--resolution", "64", "--steps", "2")  # fmt: skip
     assert none_yet.returncode == 2 and "has no clip_score score" in none_yet.stderr
 
+    # The best by CLIP score pushed as a model of its own: the checkpoint's files, copied
+    # within the store, its revision (so its lineage), and the same held-out loss.
+    clip_scores = dict(scores["clip_score"])
+    highest = max(clip_scores, key=clip_scores.get)
+    pushed = sdq_json(env, "model", "push", f"{run}@best:clip_score", "best-toy", cwd=tmp_path)
+    assert (pushed["run"], pushed["step"], pushed["uploaded"]) == (run, highest, True)
+    with sqlite3.connect(database) as db:
+        [(prefix, revision)] = db.execute(
+            "SELECT model_prefix, model_revision FROM checkpoints WHERE run_id = ? AND step = ?",
+            (run, highest),
+        ).fetchall()  # fmt: skip
+    assert pushed["revision"] == revision
+    store = tmp_path / "sdq-data/store"
+    copied = store / f"models/best-toy/{revision[:16]}"
+    assert pushed["uri"] == copied.as_uri()
+    assert _files(copied) == _files(store / prefix)
+    scored = sdq_json(env, "evaluate", "best-toy", "--like", str(run), "--metrics",
+                      "heldout_loss", cwd=tmp_path)["scores"]["heldout_loss"]  # fmt: skip
+    assert scored["value"] == losses[highest]
+    unknown = _sdq(env, tmp_path, "model", "push", f"{run}@best:fid", "nothing")
+    assert unknown.returncode == 2 and "fid" in unknown.stderr, unknown.stderr
+
     # A checkpoint deleted by --keep-checkpoints before its evaluation ran: that job ends
     # saying so, the others score.
     kept = sdq_json(env, "train", "toy", *TRAIN, "--keep-checkpoints", "1", "--eval-metrics",
@@ -243,6 +265,11 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
         ).fetchall()  # fmt: skip
     assert (status, attempts) == ("dead", 1)
     assert "no model at step 10" in error and "keep more checkpoints" in error
+
+
+def _files(folder: Path) -> dict[Path, bytes]:
+    return {path.relative_to(folder): path.read_bytes() for path in folder.rglob("*")
+            if path.is_file()}  # fmt: skip
 
 
 def _evaluations(database_url: str, run_id: int) -> list[tuple[str, int]]:

@@ -46,8 +46,15 @@ def test_round_trip(store, tmp_path: Path) -> None:
     store.get_file("models/m/unet/weights.bin", tmp_path / "copy" / "weights.bin")
     assert (tmp_path / "copy" / "weights.bin").read_bytes() == source.read_bytes()
     assert sorted(store.list_keys("models/m/")) == ["models/m/unet/weights.bin"]
+    assert store.copy("models/m/unet/weights.bin", "models/n/unet/weights.bin") == store.uri(
+        "models/n/unet/weights.bin"
+    )
+    assert store.get_bytes("models/n/unet/weights.bin") == source.read_bytes()
     with pytest.raises(MissingObject):
         store.get_bytes("images/missing.png")
+    with pytest.raises(MissingObject):
+        store.copy("images/missing.png", "images/copy.png")
+    assert not store.exists("images/copy.png")
 
 
 def test_a_large_object_reads_whole_and_from_s3_in_parallel_ranged_parts(store) -> None:

@@ -92,6 +92,12 @@ class LocalStore:
         except FileNotFoundError:
             raise MissingObject(f"no object {self.uri(key)}") from None
 
+    def copy(self, source: str, key: str) -> str:
+        try:
+            return self.put_file(key, self._path(source))
+        except FileNotFoundError:
+            raise MissingObject(f"no object {self.uri(source)}") from None
+
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 

@@ -11,7 +11,7 @@ import click
 from sdq.models.db import make_engine
 from sdq.models.jobs.kinds import POOL_QUEUES, Pool
 from sdq.models.loras import push_lora
-from sdq.models.registry import ModelNotFound, push_model
+from sdq.models.registry import ModelNotFound, push_made_model, push_model
 from sdq.models.store import StoreError
 from sdq.models.tables import SickWorker
 from sdq.producer import display, lookups
@@ -66,33 +66,50 @@ def model() -> None:
 
 
 @model.command()
-@click.argument("source", type=click.Path(exists=True, path_type=Path))
+@click.argument("source")
 @click.argument("name")
 @json_option
 @pass_app
-def push(app: SdqCelery, source: Path, name: str, as_json: bool) -> None:
-    """Copy SOURCE into the store, registered as NAME: a pipeline folder (`--model NAME`)
-    or a LoRA's .safetensors file (`--lora NAME`)."""
+def push(app: SdqCelery, source: str, name: str, as_json: bool) -> None:
+    """Copy SOURCE into the store, registered as NAME: a pipeline folder or a model a
+    training run made (RUN@STEP, NAME@STEP, RUN@best:METRIC) for `--model NAME`, or a
+    LoRA's .safetensors file for `--lora NAME`."""
     ready_to_submit(app)
     try:
         with app.sessions.begin() as session:
-            if source.is_file():
-                lora = push_lora(source, name, store=app.store, session=session)
-                revision, where, uploaded = lora.sha256, app.store.uri(lora.key), lora.uploaded
-            else:
-                pushed = push_model(source, name, store=app.store, session=session)
-                revision, uploaded = pushed.identity.revision, pushed.uploaded
-                where = app.store.uri(pushed.prefix)
+            pushed = _pushed(app, Path(source), name, session)
     except ModelNotFound as error:
         raise InputError(str(error)) from None
     except StoreError as error:
         raise click.ClickException(str(error)) from None
+    revision, where, uploaded, made_by = pushed
+    made = {"run": made_by[0], "step": made_by[1]} if made_by else {}
     if as_json:
         display.print_json({"name": name, "revision": revision, "uri": where,
-                            "uploaded": uploaded})  # fmt: skip
+                            "uploaded": uploaded, **made})  # fmt: skip
         return
     done = "pushed to" if uploaded else "already in the store at"
-    click.echo(f"{name}: revision {revision[:16]} {done} {where}")
+    taken = f" (run {made['run']}, step {made['step']})" if made else ""
+    click.echo(f"{name}: revision {revision[:16]}{taken} {done} {where}")
+
+
+def _pushed(
+    app: SdqCelery, source: Path, name: str, session
+) -> tuple[str, str, bool, tuple[int, int] | None]:
+    """The revision pushed, where it is, whether it was copied now, and the run and step
+    that made it (a checkpoint's model)."""
+    if source.is_file():
+        lora = push_lora(source, name, store=app.store, session=session)
+        return lora.sha256, app.store.uri(lora.key), lora.uploaded, None
+    if source.is_dir():
+        pushed = push_model(source, name, store=app.store, session=session)
+    elif (pushed := push_made_model(str(source), name, store=app.store, session=session)) is None:
+        raise ModelNotFound(
+            f"{source}: no such file or folder, and no training run's model "
+            "(RUN@STEP, NAME@STEP or RUN@best:METRIC)"
+        )
+    identity = pushed.identity
+    return identity.revision, app.store.uri(pushed.prefix), pushed.uploaded, identity.made_by
 
 
 @model.command(name="list")
