@@ -6,6 +6,7 @@ services, training that never waits for its evaluations."""
 import io
 import json
 import sqlite3
+import struct
 import subprocess
 import sys
 from dataclasses import replace
@@ -154,7 +155,10 @@ def _sdq(env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProc
 
 
 def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
-    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT)}
+    wandb_dir = tmp_path / "wandb"
+    wandb_dir.mkdir()
+    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline",
+           "WANDB_DIR": str(wandb_dir)}  # fmt: skip
     clip = str(tiny_clip(tmp_path / "clip"))
     encoded_dataset(env, "toy", 16, tmp_path)
     database = tmp_path / "sdq-data/sdq.db"
@@ -181,7 +185,7 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
 
     trained = sdq_json(env, "train", "toy", *TRAIN, "--eval-metrics", "kid,heldout_loss,"
                        "clip_score,fd_clip", "--eval-clip", clip, "--report-to", "tensorboard",
-                       cwd=tmp_path)  # fmt: skip
+                       "--report-to", "wandb", cwd=tmp_path)  # fmt: skip
     run = trained["run_id"]
     scores = trained["scores"]
     assert sorted(scores) == sorted(METRICS)
@@ -205,6 +209,15 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
         assert [event.step for event in shown] == [step for step, _ in curve]
         assert [event.value for event in shown] == pytest.approx([v for _, v in curve], rel=1e-6)
     assert len(events.Scalars("train/learning_rate")) == 20
+    # W&B (offline) gets the same figures in its run sdq-run-RUN, each against its own step.
+    logged = _wandb_history(wandb_dir, run)
+    assert [(row["train/step"], row["train/loss"]) for row in logged if "train/loss" in row] == [
+        tuple(point) for point in trained["losses"]
+    ]
+    for metric, curve in scores.items():
+        points = sorted((row["evaluate/step"], row[f"evaluate/{metric}"]) for row in logged
+                        if f"evaluate/{metric}" in row)  # fmt: skip
+        assert points == [tuple(point) for point in curve]
 
     # The same checkpoint and spec, asked again: served from the record, the same values.
     again = sdq_json(env, "evaluate", f"{run}@20", "--metrics", ALL, cwd=tmp_path)
@@ -265,6 +278,35 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
         ).fetchall()  # fmt: skip
     assert (status, attempts) == ("dead", 1)
     assert "no model at step 10" in error and "keep more checkpoints" in error
+
+
+def _wandb_history(folder: Path, run: int) -> list[dict]:
+    """Every row W&B logged offline to the run `sdq-run-RUN`, read from its `.wandb` files
+    (what `wandb sync` uploads: protobuf records in LevelDB's log format, 32 KiB blocks of
+    chunks each with a 7-byte header: CRC, length, FULL/FIRST/MIDDLE/LAST)."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    rows = []
+    for path in sorted(folder.glob(f"wandb/offline-run-*-sdq-run-{run}/run-sdq-run-{run}.wandb")):
+        data, record = path.read_bytes(), b""
+        assert data[:4] == b":W&B"
+        position = 7
+        while position + 7 <= len(data):
+            left = 32768 - position % 32768
+            _crc, length, chunk = struct.unpack("<IHB", data[position : position + 7])
+            if left < 7 or chunk == 0:  # the block's trailer
+                position += left
+                continue
+            record += data[position + 7 : position + 7 + length]
+            position += 7 + length
+            if chunk in (1, 4):  # FULL, LAST
+                parsed = Record.FromString(record)
+                record = b""
+                if parsed.WhichOneof("record_type") == "history":
+                    # A key with a slash travels as its parts.
+                    rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                 for item in parsed.history.item})  # fmt: skip
+    return rows
 
 
 def _files(folder: Path) -> dict[Path, bytes]:

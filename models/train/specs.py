@@ -27,7 +27,7 @@ SHARDINGS = ("none", "grad-op", "full")
 GRAD_COMMS = ("fp32", "bf16")
 SPEC_VERSION = 1
 # Where `--report-to` sends a run's figures besides SQL (workers/tracking.py).
-TRACKERS = ("tensorboard",)
+TRACKERS = ("tensorboard", "wandb")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -139,9 +139,10 @@ def _checkpoint_ref(_ctx, _param, value: str | None) -> tuple[int, int | str | N
     "--report-to",
     multiple=True,
     type=click.Choice(TRACKERS),
-    help="Also write the run's figures (loss, learning rate, samples/s, MFU, every score) "
-    "where this tracker reads them: TensorBoard event files under runs/RUN/tensorboard/ in "
-    "the store. Needs the `trackers` extra on the workers.",
+    help="Also send the run's figures (loss, learning rate, samples/s, MFU, every score) "
+    "to this tracker (repeatable): TensorBoard event files under runs/RUN/tensorboard/ in "
+    "the store; the W&B run sdq-run-RUN (WANDB_PROJECT, else sdq; W&B's own WANDB_* "
+    "variables on the workers). Needs the `trackers` extra on the workers.",
 )
 @click.option("--into", metavar="MODELNAME", help="Register the checkpoints under this name.")
 @GPU_MEMORY_OPTION
