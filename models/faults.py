@@ -25,7 +25,8 @@ def full_disk(error: BaseException) -> BaseException | None:
     for link in _chain(error):
         if isinstance(link, OSError) and link.errno in FULL_ERRNOS:
             return link
-        if isinstance(link, sqlite3.Error) and link.sqlite_errorcode == sqlite3.SQLITE_FULL:
+        # The sqlite3 module's own errors (one statement at a time...) carry no code.
+        if getattr(link, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
             return link
     return None
 

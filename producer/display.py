@@ -201,9 +201,14 @@ def health_table(checks: list[Any]) -> Table:
 
 
 def rows_table(
-    rows: list[dict[str, Any]], columns: list[str], *, title: str | None = None
+    rows: list[dict[str, Any]],
+    columns: list[str],
+    *,
+    title: str | None = None,
+    headers: list[str] | None = None,
 ) -> Table:
-    table = Table(*columns, title=title)
+    """The rows' `columns`, under `headers` where given (else the columns' names)."""
+    table = Table(*(headers or columns), title=title)
     for row in rows:
         table.add_row(*(_cell(column, row.get(column)) for column in columns))
     return table

@@ -73,6 +73,33 @@ def test_sdq_sql_only_reads(rendered_run: dict, service_env: dict[str, str]) -> 
     assert table.returncode == 0 and re.search(r"\b6\b", table.stdout)
 
 
+def test_columns_come_as_the_database_returns_them(
+    rendered_run: dict, service_env: dict[str, str]
+) -> None:
+    """Postgres names each unaliased aggregate after its function: `min, max, min`."""
+    run_id = rendered_run["run_id"]
+    ids = sorted(job["id"] for job in rendered_run["jobs"])
+    aggregates = sql(service_env, f"SELECT min(id), max(id), min(run_id) FROM jobs "
+                     f"WHERE run_id = {run_id}", "--csv")  # fmt: skip
+    assert aggregates.stdout == f"min,max,min\n{ids[0]},{ids[-1]},{run_id}\n"
+    check_rows_as_the_database_returns_them(service_env)
+
+
+def check_rows_as_the_database_returns_them(env: dict[str, str]) -> None:
+    """Two columns of one name both printed, in JSON the later one with a suffix that names
+    no other column; two statements refused as such, by name, with no traceback."""
+    twice = "SELECT 7 AS a, 8 AS a, 9 AS a_2"
+    assert sql(env, twice, "--csv").stdout == "a,a,a_2\n7,8,9\n"
+    assert json.loads(sql(env, twice, "--json").stdout) == [{"a": 7, "a_3": 8, "a_2": 9}]
+    table = sql(env, twice).stdout
+    assert re.search(r"\ba\b.*\ba\b.*\ba_2\b", table) and re.search(r"\b7\b.*\b8\b.*\b9\b", table)
+    for query in ["SELECT 1; SELECT 2", "SELECT 1 AS x;\n SELECT * FROM jobs;"]:
+        refused = sql(env, query)
+        assert refused.returncode == 2 and "one statement at a time" in refused.stderr
+        assert "Traceback" not in refused.stderr
+    assert json.loads(sql(env, "SELECT 1 AS one; -- a comment", "--json").stdout) == [{"one": 1}]
+
+
 def test_every_readme_question_is_answered(rendered_run: dict, service_env: dict[str, str]) -> None:
     queries = readme_queries()
     assert len(queries) >= 6
@@ -125,3 +152,4 @@ def test_embedded_history_is_sql_too(tmp_path: Path) -> None:
     assert as_csv.stdout == f"run_id,succeeded\n{run['run_id']},1\n".encode()  # LF, as on POSIX
     refused = sql(env, "DROP TABLE jobs")
     assert refused.returncode == 2 and "sdq sql only reads" in refused.stderr
+    check_rows_as_the_database_returns_them(env)
