@@ -125,6 +125,17 @@ def failures(session: Session, run_id: int) -> list[dict[str, Any]]:
     ]
 
 
+def first_dead(session: Session, run_id: int) -> tuple[int, str | None, int] | None:
+    """The run's first dead job, its error and how many are dead; None when none is."""
+    dead = Job.run_id == run_id, Job.status == JobStatus.dead
+    first = session.execute(
+        select(Job.id, Job.error).where(*dead).order_by(Job.id).limit(1)
+    ).first()
+    if first is None:
+        return None
+    return first.id, first.error, session.scalar(select(func.count()).where(*dead))
+
+
 def run_jobs(session: Session, run: Run) -> list[dict[str, Any]]:
     rows = session.execute(
         select(Job.id, Job.status, Job.output_uri).where(Job.run_id == run.id).order_by(Job.id)

@@ -719,15 +719,17 @@ def test_a_run_over_two_nodes_goes_on_in_memory_and_gathers_again_when_a_node_di
 
 
 @pytest.mark.slow
-def test_a_job_runs_under_its_worker_s_time_limit_not_its_sender_s(
+def test_a_job_runs_under_its_worker_s_limits_not_its_sender_s(
     own_deployment: dict[str, str], tmp_path: Path
 ) -> None:
     """The train worker's soft time limit is 6 s (a cold worker's first job loads its model
     within it on a busy machine); the submit runs with the default 30 minutes. The
     worker's limit is the one its jobs run under (each stops for it and checkpoints
-    early), not the one the sending process would have stamped on them."""
+    early), not the one the sending process would have stamped on them. The worker takes
+    1 rank at most: a run of 2 goes dead, and `--wait` fails saying why."""
     worker_env = {**own_deployment, **DOWNLOAD_ENV, "SDQ_TRAIN_TASK_SOFT_TIME_LIMIT": "6",
-                  "SDQ_TRAIN_TASK_TIME_LIMIT": "600", "SDQ_TRAIN_LOSS_EVERY": "5"}  # fmt: skip
+                  "SDQ_TRAIN_TASK_TIME_LIMIT": "600", "SDQ_TRAIN_LOSS_EVERY": "5",
+                  "SDQ_TRAIN_RANKS": "1"}  # fmt: skip
     workers = [WorkerProcess(worker_env, tmp_path / "gpu.log").start(),
                WorkerProcess(worker_env, tmp_path / "cpu.log", pool="cpu").start()]  # fmt: skip
     try:
@@ -735,12 +737,19 @@ def test_a_job_runs_under_its_worker_s_time_limit_not_its_sender_s(
         encoded_dataset(env, "limit-birds", 8, tmp_path)
         run = sdq_json(env, "train", "limit-birds", *TRAIN, "--steps", "300",
                        "--checkpoint-every", "300", "--wait")  # fmt: skip
+        refused = subprocess.run(
+            [sys.executable, "-m", "sdq.producer.cli", "train", "limit-birds", *TRAIN,
+             "--steps", "2", "--world-size", "2", "--wait"],
+            env=env, cwd=ROOT, capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
     finally:
         for worker in workers:
             worker.stop()
     steps = [checkpoint["step"] for checkpoint in run["checkpoints"]]
     assert len(steps) > 1 and steps[-1] == 300 and run["status"] == "succeeded"
     assert all(step % 5 == 0 for step in steps)
+    assert refused.returncode == 1, refused.stderr
+    assert "1 job(s) dead" in refused.stderr and "trains on 2 ranks a node" in refused.stderr
 
 
 @pytest.mark.slow

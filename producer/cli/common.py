@@ -27,6 +27,7 @@ from sdq.workers.app import SdqCelery, worker_identity
 BAD_INPUT = 2
 INTERRUPTED = 130  # as a shell reports a command stopped by SIGINT
 DISK_FULL = 1
+DEAD_JOBS = 1  # a run waited for ended with dead jobs
 T = TypeVar("T")
 
 pass_app = click.make_pass_decorator(SdqCelery)
@@ -290,6 +291,19 @@ def carry_out(app: SdqCelery, run_id: int, *, jobs: int, wait: bool, as_json: bo
         return sent
     watch_run(app, run_id, jobs=jobs, show=not as_json)
     return None
+
+
+def exit_if_dead(app: SdqCelery, run_id: int) -> None:
+    """A run that ended with dead jobs fails the command that did it or waited for it
+    (a script sees it), with the first dead job's reason."""
+    with app.sessions() as session:
+        dead = lookups.first_dead(session, run_id)
+    if dead is None:
+        return
+    job_id, error, count = dead
+    click.echo(f"run {run_id}: {count} job(s) dead; the first, job {job_id}: {error} "
+               f"(`sdq show {job_id}`)", err=True)  # fmt: skip
+    sys.exit(DEAD_JOBS)
 
 
 def exit_bad_input(problems: InvalidInput) -> NoReturn:

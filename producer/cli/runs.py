@@ -12,6 +12,7 @@ from sdq.producer import display, lookups
 from sdq.producer.cli.common import (
     carry_out,
     ensure_store,
+    exit_if_dead,
     found,
     json_option,
     lookup,
@@ -98,9 +99,10 @@ def resume(app: SdqCelery, run_id: int, wait: bool, as_json: bool) -> None:
     report_run = kind_named(run.kind).producer_hooks().report_run
     if report_run is not None:  # as the kind's own command ends
         report_run(app, run_id, as_json)
-        return
-    lookup(app, lambda session: lookups.run_status(session, run_id, with_jobs=False),
-           as_json=as_json, show=display.show_status)  # fmt: skip
+    else:
+        lookup(app, lambda session: lookups.run_status(session, run_id, with_jobs=False),
+               as_json=as_json, show=display.show_status)  # fmt: skip
+    exit_if_dead(app, run_id)
 
 
 RETRYABLE = (JobStatus.dead, JobStatus.failed, JobStatus.cancelled)

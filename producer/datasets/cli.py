@@ -12,7 +12,7 @@ from sdq.models.datasets import BLOCKED_ADDRESS
 from sdq.models.jobs.kinds import KINDS
 from sdq.models.store import LINK_SECONDS, ObjectStore, StoreError
 from sdq.producer import display
-from sdq.producer.cli.common import carry_out, json_option, lookup, pass_app, table
+from sdq.producer.cli.common import carry_out, exit_if_dead, json_option, lookup, pass_app, table
 from sdq.producer.datasets import lookups as dataset_lookups
 from sdq.producer.datasets.page import (
     dataset_html,
@@ -52,6 +52,7 @@ def carry_out_dataset_run(
         report_sent(sent.messages)
     else:
         report_dataset(app, submission.dataset, as_json)
+        exit_if_dead(app, submission.run_id)
 
 
 def report_dataset(app: SdqCelery, name: str, as_json: bool) -> None:

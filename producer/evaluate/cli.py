@@ -19,6 +19,7 @@ from sdq.models.registry import ModelNotFound, resolve_model
 from sdq.models.specs import ModelIdentity
 from sdq.models.tables import Job, Run
 from sdq.producer.cli.common import (
+    exit_if_dead,
     found,
     json_option,
     pass_app,
@@ -81,6 +82,7 @@ def evaluate(
         if not app.settings.embedded:
             watch_run(app, runs[-1], jobs=1, show=not as_json)
         _report_scores(app, runs[-1], as_json)
+        exit_if_dead(app, runs[-1])
     else:
         _report_sent(runs[-1], scored, as_json)
 

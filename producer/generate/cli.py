@@ -1,6 +1,5 @@
 """The generate commands: submit and run prompt files, find and fetch images, galleries."""
 
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from sdq.producer import display, lookups
 from sdq.producer.cli.common import (
     ensure_store,
     exit_bad_input,
+    exit_if_dead,
     found,
     json_option,
     lookup,
@@ -277,8 +277,7 @@ def report_run(app: SdqCelery, run_id: int, as_json: bool) -> None:
         display.show_status(status)
         display.stdout.print(f"images: {app.store.uri('images/')}", soft_wrap=True)
         display.stdout.print(f"gallery: {gallery['gallery_link']}", soft_wrap=True)
-    if status["dead"]:
-        sys.exit(1)
+    exit_if_dead(app, run_id)
 
 
 def write_gallery(app: SdqCelery, run_id: int) -> dict[str, str]:

@@ -20,6 +20,7 @@ from sdq.models.train.architectures import (
 from sdq.models.train.specs import TRACKERS, TRAINING_SHARE_OF_TIME_LIMIT, TrainOptions
 from sdq.producer.cli.common import (
     exit_bad_input,
+    exit_if_dead,
     found,
     json_option,
     pass_app,
@@ -189,6 +190,7 @@ def start(
             return
         _watch(app, submission.run_id, train_options.steps, show=not as_json)
     report_status(app, submission.run_id, as_json)
+    exit_if_dead(app, submission.run_id)
 
 
 def _checked_options(
