@@ -4,6 +4,7 @@ Runs on the producer side: no torch here. A model is identified by what it is (a
 hash, or a hub commit), so the spec hash of an image changes when the weights change.
 """
 
+import difflib
 import hashlib
 import json
 from collections.abc import Callable, Iterable
@@ -118,9 +119,19 @@ def resolve_model(ref: str, *, store: ObjectStore, session: Session) -> ModelIde
     if latest_pushed(session, ref, LORA_FORMAT) is not None:
         raise ModelNotFound(f"{ref!r} is a LoRA, not a pipeline: pass it with --lora")
     raise ModelNotFound(
-        f"unknown model {ref!r}: not 'tiny', a local folder, an s3:// URI, "
-        "a name registered with `sdq model push`, or a hub id like org/name"
+        f"unknown model {ref!r}{_did_you_mean(session, ref)}: not 'tiny', a local folder, an "
+        "s3:// URI, a name registered with `sdq model push` or by training, or a hub id like "
+        "org/name"
     )
+
+
+def _did_you_mean(session: Session, ref: str) -> str:
+    """` (did you mean 'tiny'?)` for a misspelt name of a model sdq knows, else nothing."""
+    names = session.scalars(
+        select(ModelRecord.name).where(ModelRecord.format == PIPELINE_FORMAT).distinct()
+    )
+    close = difflib.get_close_matches(ref, [tiny.TINY_NAME, *names], n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 @dataclass(frozen=True)

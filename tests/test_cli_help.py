@@ -79,7 +79,11 @@ def test_typos_are_named_not_taken_for_something_else(tmp_path, monkeypatch) -> 
         main, ["flower", "--basic-auth", "nocolon"], env={"SDQ_BROKER_URL": "redis://x:1/0"}
     )
     assert flower.exit_code == 2
-    assert "'nocolon' is not USER:PASSWORD" in flower.output
+    assert "--basic-auth: 'nocolon' is not USER:PASSWORD" in flower.output
+    from_env = runner.invoke(main, ["flower"], env={"SDQ_BROKER_URL": "redis://x:1/0",
+                                                    "FLOWER_BASIC_AUTH": "nocolon"})  # fmt: skip
+    assert from_env.exit_code == 2
+    assert "FLOWER_BASIC_AUTH: 'nocolon' is not USER:PASSWORD" in from_env.output
 
 
 def test_a_folder_without_an_embedded_home_says_so_and_makes_none(tmp_path, monkeypatch) -> None:

@@ -184,7 +184,10 @@ def test_encode_refuses_what_it_cannot_do_by_name(download_env: dict[str, str]) 
     assert "--resolution 100 is not a multiple of 8" in odd.stderr
     model = encode("birds", "--model", "no-such-model")
     assert model.returncode == 2
-    assert "unknown model 'no-such-model'" in model.stderr
+    assert "unknown model 'no-such-model':" in model.stderr
+    misspelt = encode("birds", "--model", "tinny")
+    assert misspelt.returncode == 2
+    assert "unknown model 'tinny' (did you mean 'tiny'?)" in misspelt.stderr
 
 
 def test_a_dataset_with_no_usable_samples_is_named_so_by_encode_and_train(

@@ -195,6 +195,8 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
         counted = db.execute("SELECT metric, samples, count(*) FROM checkpoint_scores WHERE "
                              "run_id = ? GROUP BY metric, samples", (run,)).fetchall()  # fmt: skip
     assert sorted(counted) == sorted((metric, 4, 2) for metric in METRICS)
+    no_gallery = _sdq(env, tmp_path, "gallery", str(run))
+    assert no_gallery.returncode == 2 and f"run {run} is a train run" in no_gallery.stderr
     # The run's page plots every score against the step.
     page = (tmp_path / f"sdq-data/store/runs/{run}/training.html").read_text()
     assert all(f"<h2>{metric}</h2>" in page for metric in METRICS)

@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from sdq.models.db import make_engine
 from sdq.models.jobs.kinds import POOL_QUEUES, Pool
@@ -246,8 +247,12 @@ def _credentials(ctx: click.Context, param: click.Parameter, value: str | None) 
     for pair in (value or "").split(","):
         user, colon, password = pair.partition(":")
         if value and not (user and colon and password):
-            raise click.BadParameter(
-                f"{pair!r} is not USER:PASSWORD (pairs separated by commas)", ctx, param
+            # Named where it was given: a variable set long ago is not the option typed.
+            from_env = ctx.get_parameter_source(param.name) is ParameterSource.ENVIRONMENT
+            raise click.UsageError(
+                f"{'FLOWER_BASIC_AUTH' if from_env else '--basic-auth'}: {pair!r} is not "
+                "USER:PASSWORD (pairs separated by commas)",
+                ctx,
             )
     return value
 

@@ -5,10 +5,12 @@ from pathlib import Path
 from typing import Any
 
 import click
+from sqlalchemy.orm import Session
 
 from sdq.models.generate import galleries
 from sdq.models.generate.settings import GenerateSettings
 from sdq.models.generate.specs import SAMPLERS
+from sdq.models.jobs.kinds import GENERATE
 from sdq.models.loras import resolve_lora
 from sdq.models.registry import ModelNotFound, resolve_model
 from sdq.models.specs import DTYPES
@@ -16,6 +18,7 @@ from sdq.models.store import StoreError
 from sdq.models.tables import JobStatus
 from sdq.producer import display, lookups
 from sdq.producer.cli.common import (
+    InputError,
     ensure_store,
     exit_bad_input,
     exit_if_dead,
@@ -281,9 +284,20 @@ def report_run(app: SdqCelery, run_id: int, as_json: bool) -> None:
 
 
 def write_gallery(app: SdqCelery, run_id: int) -> dict[str, str]:
-    with app.sessions() as session, found():
-        lookups.get_run(session, run_id)
+    with app.sessions() as session:
+        _generation_run(session, run_id)
     return galleries.write_gallery(app.sessions, app.store, run_id)
+
+
+def _generation_run(session: Session, run_id: int) -> None:
+    """Refuses a run that renders no images: its gallery would be an empty page."""
+    with found():
+        run = lookups.get_run(session, run_id)
+    if run.kind != GENERATE.name:
+        raise InputError(
+            f"run {run_id} is a {run.kind} run: a gallery shows a {GENERATE.name} run's "
+            f"images (`sdq status {run_id}` shows this one)"
+        )
 
 
 @click.command()
@@ -302,8 +316,8 @@ def gallery(app: SdqCelery, run_id: int, output: Path | None, as_json: bool) -> 
     for 7 days) in S3. With -o DIR, a local copy: DIR/gallery.html and DIR/images/."""
     try:
         if output:
-            with app.sessions() as session, found():
-                lookups.get_run(session, run_id)
+            with app.sessions() as session:
+                _generation_run(session, run_id)
                 jobs = galleries.gallery_jobs(session, run_id)
             page = copy_gallery(app.store, run_id, jobs, output)
             written = {"gallery": str(page), "gallery_link": page.resolve().as_uri()}
