@@ -213,8 +213,11 @@ def sdq(service_env: dict[str, str]):
     return run
 
 
-def sdq_json(env: dict[str, str], *args: str, cwd: Path = ROOT, timeout: float = 240) -> dict:
-    """Runs an sdq command as a user does, in a process of its own, and reads its JSON."""
+def sdq_json(
+    env: dict[str, str], *args: str, cwd: Path = ROOT, timeout: float = 240, exit_code: int = 0
+) -> dict:
+    """Runs an sdq command as a user does, in a process of its own, and reads its JSON
+    (printed also when it fails, with `exit_code`)."""
     result = subprocess.run(
         [sys.executable, "-m", "sdq.producer.cli", *args, "--json"],
         env=env,
@@ -223,7 +226,7 @@ def sdq_json(env: dict[str, str], *args: str, cwd: Path = ROOT, timeout: float =
         text=True,
         timeout=timeout,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == exit_code, result.stderr[-3000:]
     return json.loads(result.stdout)
 
 

@@ -157,7 +157,7 @@ def test_curate_and_filter_name_a_dataset_with_no_usable_samples(tmp_path: Path)
         listing = tmp_path / "gone.csv"
         listing.write_text("url,caption\n" + "".join(
             f"{server.base}/missing-{n}.jpg,gone {n}\n" for n in range(3)))  # fmt: skip
-        sdq_json(env, "download", str(listing), "--dataset", "gone", cwd=tmp_path)
+        sdq_json(env, "download", str(listing), "--dataset", "gone", cwd=tmp_path, exit_code=1)
     said = "dataset 'gone' has no usable samples: all 3 downloaded so far failed or were duplicates"
     for args in (("curate", "gone", "--model", str(clip)),
                  ("dataset", "filter", "gone", "--into", "kept", "--min-size", "8")):  # fmt: skip

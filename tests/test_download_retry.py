@@ -73,8 +73,9 @@ def test_retry_failed_fetches_only_transient_failures_again(tmp_path: Path) -> N
 
         # A dataset whose failures will not pass has nothing to retry: a run with no jobs,
         # finished as it is written.
-        write_list(tmp_path / "gone.csv", [rows[2]])
-        sdq_json(env, "download", str(tmp_path / "gone.csv"), "--dataset", "gone", cwd=tmp_path)
+        write_list(tmp_path / "gone.csv", [rows[2]])  # none of its rows fetched: exit 1
+        sdq_json(env, "download", str(tmp_path / "gone.csv"), "--dataset", "gone", cwd=tmp_path,
+                 exit_code=1)  # fmt: skip
         nothing = sdq_json(env, "download", "--retry-failed", "gone", cwd=tmp_path)
         assert nothing["by_status"] == {"failed": 1}
     assert again["reasons"] == {"http 404": 1, "http 429": 1}
@@ -107,10 +108,11 @@ def test_every_retry_fetches_the_rows_it_names_though_the_last_one_failed_alike(
         write_list(
             tmp_path / "list.csv", [{"url": f"{server.base}/down-for/4.jpg", "caption": "x"}]
         )
-        sdq_json(env, "download", str(tmp_path / "list.csv"), "--dataset", "down", cwd=tmp_path)
+        sdq_json(env, "download", str(tmp_path / "list.csv"), "--dataset", "down", cwd=tmp_path,
+                 exit_code=1)  # fmt: skip
         shard = tmp_path / "sdq-data/store/datasets/down/images/00000.parquet"
         before = shard.read_bytes()
-        first = sdq_json(env, "download", "--retry-failed", "down", cwd=tmp_path)
+        first = sdq_json(env, "download", "--retry-failed", "down", cwd=tmp_path, exit_code=1)
         assert first["reasons"] == {"http 503": 1}
         assert shard.read_bytes() == before
         second = sdq_json(env, "download", "--retry-failed", "down", cwd=tmp_path)
@@ -132,9 +134,10 @@ def test_blocked_hosts_are_explained_and_fetched_once_their_network_is_allowed(
              "--dataset", "mirror", "--json"],
             env=env, cwd=tmp_path, capture_output=True, text=True,
         )  # fmt: skip
-        assert blocked.returncode == 0, blocked.stderr
+        assert blocked.returncode == 1, blocked.stderr
         hint = " ".join(blocked.stderr.split())
         assert "3 of 3 samples were not fetched" in hint
+        assert "none of the 3 rows was fetched; why: `sdq dataset show mirror`" in hint
         assert "opens them; it opened 127.0.0.1/32 where they were fetched (here," in hint
         assert "in this shell" in hint
         assert '`sdq download --retry-failed mirror --reason "blocked address"`' in hint
@@ -156,7 +159,7 @@ def test_blocked_hosts_are_explained_and_fetched_once_their_network_is_allowed(
         assert "its failures: 'blocked address' (3)" in said
         for _ in range(2):
             still = sdq_json(env, "download", "--retry-failed", "mirror", "--reason",
-                             "blocked address", cwd=tmp_path)  # fmt: skip
+                             "blocked address", cwd=tmp_path, exit_code=1)  # fmt: skip
             assert still["by_status"] == {"failed": 3}
         assert not server.server.RequestHandlerClass.hits
         opened = {**env, "SDQ_DOWNLOAD_ALLOW_NETWORKS": "127.0.0.0/8"}

@@ -200,7 +200,7 @@ def test_a_dataset_with_no_usable_samples_is_named_so_by_encode_and_train(
         listing = tmp_path / "gone.csv"
         listing.write_text("url,caption\n" + "".join(
             f"{server.base}/missing-{n}.jpg,gone {n}\n" for n in range(3)))  # fmt: skip
-        sdq_json(env, "download", str(listing), "--dataset", "gone", cwd=tmp_path)
+        sdq_json(env, "download", str(listing), "--dataset", "gone", cwd=tmp_path, exit_code=1)
 
     def refused(*args: str) -> str:
         result = subprocess.run(

@@ -38,9 +38,10 @@ def carry_out_dataset_run(
     wait: bool,
     as_json: bool,
     report_sent: Callable[[int], None],
-) -> None:
+) -> bool:
     """Does or sends a run that adds to a dataset: reports what was sent (given the number
-    of task messages) when the run is left to the workers, else the dataset as it now is."""
+    of task messages) when the run is left to the workers, else the dataset as it now is.
+    True when the run ended here (done, or waited for)."""
     sent = carry_out(
         app,
         submission.run_id,
@@ -50,9 +51,10 @@ def carry_out_dataset_run(
     )
     if sent:
         report_sent(sent.messages)
-    else:
-        report_dataset(app, submission.dataset, as_json)
-        exit_if_dead(app, submission.run_id)
+        return False
+    report_dataset(app, submission.dataset, as_json)
+    exit_if_dead(app, submission.run_id)
+    return True
 
 
 def report_dataset(app: SdqCelery, name: str, as_json: bool) -> None:

@@ -1,5 +1,6 @@
 """The download command: turn URL lists into a dataset (producer/datasets/ looks at them)."""
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -13,11 +14,14 @@ from sdq.producer.cli.common import (
     report_submission,
 )
 from sdq.producer.datasets.cli import carry_out_dataset_run
+from sdq.producer.download.lookups import fetched_of
 from sdq.workers.app import SdqCelery
 
 # The list reading and its planning (producer/download/lists.py) stand on pyarrow, whose
 # import, numpy's with it, is a tenth of a second of every `sdq` command's start: they are
 # imported by the commands that use them.
+NOTHING_FETCHED = 1
+
 if TYPE_CHECKING:
     from sdq.producer.download.submit import DatasetOptions, DownloadSubmission
 
@@ -126,13 +130,26 @@ def download(
             raise click.UsageError("--reason goes with --retry-failed NAME")
         columns = _columns(url_col, caption_col, save_columns)
         submission = _submit(app, name, lists, columns, _options(name, image, rows_per_shard))
-    carry_out_dataset_run(
+    ended = carry_out_dataset_run(
         app,
         submission,
         wait=wait,
         as_json=as_json,
         report_sent=lambda tasks: _report_submission(submission, tasks, as_json),
     )
+    if ended:
+        _exit_if_none_fetched(app, submission)
+
+
+def _exit_if_none_fetched(app: SdqCelery, submission: "DownloadSubmission") -> None:
+    """A download that fetched none of its rows failed, whatever its jobs did (each one
+    ended, recording why every row failed): a script sees it."""
+    with app.sessions() as session:
+        fetched, rows = fetched_of(session, submission.run_id)
+    if rows and not fetched:
+        click.echo(f"none of the {rows} rows was fetched; why: `sdq dataset show "
+                   f"{submission.dataset}`", err=True)  # fmt: skip
+        sys.exit(NOTHING_FETCHED)
 
 
 def _columns(url: str, caption: str, save: str) -> ListColumns:

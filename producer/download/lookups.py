@@ -3,10 +3,11 @@ were fetched at."""
 
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
 
 from sdq.models.datasets import SampleStatus
+from sdq.models.datasets.tables import Dataset, Sample, Shard
 from sdq.models.jobs.kinds import DOWNLOAD
 from sdq.models.jobs.lifecycle import as_utc
 from sdq.models.tables import Job, Run
@@ -16,6 +17,26 @@ def spec_fields(spec: dict[str, Any]) -> dict[str, Any]:
     """A job's dataset, shard and the list rows it covers, from its spec."""
     first, last = spec["first_row"], spec["first_row"] + spec["row_count"] - 1
     return {"dataset": spec["dataset"], "shard": spec["shard"], "rows": f"{first}-{last}"}
+
+
+def fetched_of(session: Session, run_id: int) -> tuple[int, int]:
+    """How many samples of the shards a download run wrote were fetched, and of how many."""
+    written = and_(
+        Job.spec["dataset"].as_string() == Dataset.name,
+        Job.spec["shard"].as_integer() == Shard.number,
+    )
+    shards = (
+        select(Shard.id)
+        .join(Dataset, Dataset.id == Shard.dataset_id)
+        .join(Job, written)
+        .where(Job.run_id == run_id)
+    )
+    fetched, rows = session.execute(
+        select(func.count().filter(Sample.status == SampleStatus.success), func.count()).where(
+            Sample.shard_id.in_(shards)
+        )
+    ).one()
+    return fetched, rows
 
 
 def _wall_seconds(session: Session, name: str) -> float | None:
