@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT, BeatProcess, WorkerProcess
-from tests.services import free_port, wait_for
+from tests.services import free_port, scratch_database, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -56,6 +56,18 @@ def test_parts_that_are_down_are_named(service_env: dict[str, str]) -> None:
     assert checks["workers: train"] == {
         "name": "workers: train", "ok": False, "detail": "not asked: no broker"
     }  # fmt: skip
+
+
+def test_a_database_before_its_schema_says_what_to_do_once(service_env: dict[str, str]) -> None:
+    """Before `sdq db upgrade`: the database's row says to run it; the rows read from its
+    tables are not asked, instead of each printing the missing table's error."""
+    with scratch_database("sdq_bare") as bare:
+        code, checks = health({**service_env, "SDQ_DATABASE_URL": bare})
+    assert code == 1
+    assert "run `sdq db upgrade`" in checks["database"]["detail"]
+    for name in ("devices", "beat"):
+        assert checks[name] == {"name": name, "ok": False,
+                                "detail": "not asked: the database is not ready"}  # fmt: skip
 
 
 def test_a_worker_whose_device_keeps_failing_is_taken_out_of_rotation(
