@@ -155,7 +155,10 @@ class SdqCollector:
     def _events(self, session) -> Iterator[Metric]:
         for name, (text, which) in SETBACK_COUNTERS.items():
             family = CounterMetricFamily(name, text, labels=["kind"])
-            for kind, count in session.execute(events_by_kind(which)):
+            # Every kind from 0: a counter that appears only once it is 1 cannot be
+            # alerted on by its rate, and a dashboard shows "no data" for "none".
+            counts = dict.fromkeys(KINDS, 0) | dict(session.execute(events_by_kind(which)).all())
+            for kind, count in counts.items():
                 family.add_metric([kind], count)
             yield family
 

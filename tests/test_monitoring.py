@@ -17,7 +17,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sdq.models.jobs.kinds import POOL_QUEUES, QUEUES, Pool
+from sdq.models.jobs.kinds import KINDS, POOL_QUEUES, QUEUES, Pool
 from tests.conftest import ROOT, sdq_json
 from tests.services import free_port, listening, wait_for
 
@@ -123,6 +123,9 @@ def test_sdq_metrics_serves_what_flower_does_not(
     }
     queues = {dict(labels)["queue"] for name, labels in samples if name == "sdq_queue_messages"}
     assert queues == set(QUEUES)
+    # The setback counters are served from 0, for every kind.
+    for counter in ("sdq_lease_expiries_total", "sdq_retries_total", "sdq_dead_jobs_total"):
+        assert {dict(labels)["kind"] for name, labels in samples if name == counter} == set(KINDS)
     succeeded = (("kind", "generate"), ("status", "succeeded"))
     assert samples[("sdq_jobs", succeeded)] >= 1
     assert samples[("sdq_outputs_per_second", (("kind", "generate"),))] > 0
@@ -142,7 +145,7 @@ def test_sdq_metrics_serves_what_flower_does_not(
         for target in panel.get("targets", [])
         for name in re.findall(r"\b(sdq_[a-z_]+)", target.get("expr", ""))
     }
-    # A counter's samples are named <family>_total (and none is listed while it is empty).
+    # A counter's samples are named <family>_total.
     served = {family.name for family in families} | {
         f"{family.name}_total" for family in families if family.type == "counter"
     }
