@@ -3,6 +3,7 @@
 import csv
 import html
 import json
+import os
 import re
 import shutil
 import signal
@@ -45,6 +46,9 @@ def test_run_does_the_whole_job_in_one_process(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     # sdq's output is sdq's: no library chatter about parts it never uses.
     assert "torchvision" not in done.stderr
+    # The work here takes its share of the cores, and says so.
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert f"working here on {threads} torch thread" in done.stderr
     status = json.loads(done.stdout)
     subjects = len((tmp_path / "examples/subjects.csv").read_text().splitlines()) - 1
     styles = sum(

@@ -47,13 +47,13 @@ def test_a_rank_dies_with_its_worker_even_while_it_imports(tmp_path) -> None:
     assert json.loads(ended.stdout.splitlines()[-1]) == {"signaled": True, "signal": 9}
 
 
-def threads_when_training_here(omp: str | None) -> int:
-    """torch's threads in a fresh process once it trains in-process, as a worker does."""
+def threads_when_working_here(omp: str | None) -> int:
+    """torch's threads in a fresh process once it does device work, as a worker does."""
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
     if omp:
         env["OMP_NUM_THREADS"] = omp
     script = (
-        "import torch; from sdq.workers.train.ranks.processes import share_cores; "
+        "import torch; from sdq.workers.cores import share_cores; "
         "share_cores(); print(torch.get_num_threads())"
     )
     done = subprocess.run(
@@ -63,9 +63,9 @@ def threads_when_training_here(omp: str | None) -> int:
     return int(done.stdout)
 
 
-def test_training_in_the_worker_s_process_takes_a_rank_s_share_of_the_cores() -> None:
+def test_device_work_in_a_process_takes_its_share_of_the_cores() -> None:
     """Not torch's default (every core), which a busy CPU turns into threads waiting on one
     another; OMP_NUM_THREADS, when set, decides."""
     cores = len(os.sched_getaffinity(0))
-    assert threads_when_training_here(None) == max(1, cores // 2)
-    assert threads_when_training_here(str(cores)) == cores
+    assert threads_when_working_here(None) == max(1, cores // 2)
+    assert threads_when_working_here(str(cores)) == cores

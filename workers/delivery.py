@@ -19,6 +19,7 @@ from sdq.models.jobs.kinds import KINDS, Kind, Pool
 from sdq.models.jobs.lifecycle import Worker, fail, retry_due
 from sdq.workers import sickness
 from sdq.workers.app import SdqCelery, worker_identity
+from sdq.workers.cores import share_cores
 from sdq.workers.holding import hold_for
 from sdq.workers.messages import CheckedTask
 from sdq.workers.routing import Routes
@@ -131,6 +132,8 @@ def deliver_task(
     try:
         if on_device:
             hold_for(kind, app)
+        if kind.pool is Pool.gpu:
+            share_cores()
         outcome = deliver(
             job_ids,
             make_work(),

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from sdq.models.db import make_engine
 from sdq.models.faults import free_space, full_disk
-from sdq.models.jobs.kinds import kind_named
+from sdq.models.jobs.kinds import Pool, kind_named
 from sdq.models.jobs.lifecycle import Worker, release_jobs
 from sdq.models.jobs.outbox import EnqueueFailed, Sent, enqueue, messages
 from sdq.models.store import StoreError
@@ -23,6 +23,7 @@ from sdq.models.tables import FINISHED, Job, JobStatus, Run
 from sdq.producer import display, lookups
 from sdq.producer.errors import InvalidInput, NotFound
 from sdq.workers.app import SdqCelery, worker_identity
+from sdq.workers.cores import cores, torch_threads
 
 BAD_INPUT = 2
 INTERRUPTED = 130  # as a shell reports a command stopped by SIGINT
@@ -186,6 +187,13 @@ def work_here(
         take_back_orphans(session, run_id)
     kind = kind_named(run.kind)
     task = app.tasks[kind.task_name]
+    if kind.pool is Pool.gpu:
+        threads = torch_threads()
+        display.console.print(
+            f"[dim]working here on {threads} torch thread{'s' * (threads != 1)} of {cores()} "
+            "cores (OMP_NUM_THREADS sets it)[/dim]",
+            highlight=False,
+        )
     try:
         total, done = progress or (jobs, finished_jobs(app, run_id))
         with display.following(f"run {run_id}", total, done), ctrl_c_kept() as pressed:

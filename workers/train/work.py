@@ -29,7 +29,6 @@ from sdq.workers.tracking import Scalar, report
 from sdq.workers.train.gang.gathering import GangIncomplete
 from sdq.workers.train.gang.leader import GangCalls, run_as_leader
 from sdq.workers.train.ranks.live import LiveStates
-from sdq.workers.train.ranks.processes import share_cores
 from sdq.workers.train.records import (
     LiveSteps,
     Written,
@@ -143,7 +142,6 @@ class TrainWork(Work):
         from sdq.workers.train.loop.state import Ranks
         from sdq.workers.train.loop.training import Training, until_time
 
-        share_cores()
         training = self.live.take(spec)
         if training is None:
             state = restore_state(spec, self.store, self.files, Ranks())

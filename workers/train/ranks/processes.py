@@ -28,6 +28,7 @@ from pathlib import Path
 from sdq.models.store import StoreUnavailable
 from sdq.models.train.routing import node_key, run_key
 from sdq.models.train.specs import TrainOptions, TrainShardSpec
+from sdq.workers.cores import torch_threads
 from sdq.workers.weights import ModelUnavailable
 
 RANK_MODULE = "sdq.workers.train.ranks"
@@ -85,29 +86,6 @@ def rendezvous(options: TrainOptions, node: Node, local: int) -> dict[str, str]:
     }
 
 
-def threads_per_rank(local_ranks: int) -> int:
-    """OMP_NUM_THREADS where set, else each rank's share of the cores (rank_threads)."""
-    return int(os.environ.get("OMP_NUM_THREADS") or rank_threads(local_ranks))
-
-
-def rank_threads(local_ranks: int) -> int:
-    """Torch's threads for each of a node's training processes: the cores this process may
-    use, shared between the ranks and, within each, between the two threads that run torch
-    at once (the step, and the next step's batch and draws). Each taking every core, a
-    busy CPU made the threads wait on each other: 19 samples/s against 96 with one thread
-    (the tiny model, two cores, two other busy processes)."""
-    return max(1, len(os.sched_getaffinity(0)) // (2 * local_ranks))
-
-
-def share_cores() -> None:
-    """Training in this process takes its share of the cores, as a rank process does,
-    unless OMP_NUM_THREADS says otherwise."""
-    import torch
-
-    if not os.environ.get("OMP_NUM_THREADS"):
-        torch.set_num_threads(rank_threads(1))
-
-
 def free_port(address: str = "127.0.0.1") -> int:
     with socket.socket() as probe:
         probe.bind((address, 0))
@@ -154,7 +132,7 @@ class RankGroup:
             write_job(self.folder, spec, None)
             for local, process in enumerate(self.processes):
                 joining = {**rendezvous(spec.options, self.node, local),
-                           "threads": threads_per_rank(local_ranks)}  # fmt: skip
+                           "threads": torch_threads(local_ranks)}  # fmt: skip
                 process.stdin.write(json.dumps(joining).encode() + b"\n")
                 process.stdin.flush()
         except BaseException:
@@ -217,7 +195,7 @@ def start(local_ranks: int, folder: Path) -> list[subprocess.Popen]:
                 "LOCAL_RANK": str(local),
                 "SDQ_RANK_PARENT": str(os.getpid()),
                 # The machine's cores shared between its ranks, not each taking them all.
-                "OMP_NUM_THREADS": str(threads_per_rank(local_ranks)),
+                "OMP_NUM_THREADS": str(torch_threads(local_ranks)),
             }
             command = [sys.executable, "-m", RANK_MODULE, str(folder)]
             with (folder / f"rank{local}.log").open("wb") as log:
