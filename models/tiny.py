@@ -57,6 +57,24 @@ TEXT_ENCODER_CONFIG: dict[str, Any] = {
     "layer_norm_eps": 1e-5,
     "projection_dim": 32,
 }
+# The `tiny` CLIP (curate's and evaluate's `--model tiny`): a CLIPModel of random weights on
+# the same character-level tokenizer, so that the whole chain runs without a download.
+CLIP_TEXT_CONFIG: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 37,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 77,
+}
+CLIP_VISION_CONFIG: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 37,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "image_size": 32,
+    "patch_size": 8,
+}
+CLIP_PROJECTION_DIM = 16
 
 
 def byte_level_alphabet() -> list[str]:
@@ -101,6 +119,20 @@ def definition() -> dict[str, Any]:
 @cache
 def content_hash() -> str:
     return canonical_sha256(definition())
+
+
+@cache
+def clip_revision() -> str:
+    """The tiny CLIP's identity: a hash of its definition, as the pipeline's."""
+    return canonical_sha256({
+        "name": f"{TINY_NAME}-clip",
+        "generator_version": TINY_GENERATOR_VERSION,
+        "weight_seed": TINY_WEIGHT_SEED,
+        "text": CLIP_TEXT_CONFIG,
+        "vision": CLIP_VISION_CONFIG,
+        "projection_dim": CLIP_PROJECTION_DIM,
+        "vocab_size": len(tokenizer_vocab()),
+    })  # fmt: skip
 
 
 @cache

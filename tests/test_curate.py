@@ -18,11 +18,11 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import save_file
-from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPTokenizer
+from transformers import CLIPImageProcessorPil, CLIPModel, CLIPTokenizer
 
-from sdq.models import tiny
 from sdq.workers.curate.scoring import Pixels
 from sdq.workers.shards.embeddings import read_embeddings
+from sdq.workers.tiny import build_clip
 from tests.conftest import BUCKET, ROOT, WorkerProcess, sdq_json
 from tests.hostile_server import HostileServer
 from tests.netns_download import DOWNLOAD_ENV
@@ -34,31 +34,10 @@ WIDTH = 16  # the tiny CLIP's embedding
 
 
 def tiny_clip(folder: Path) -> Path:
-    """A CLIPModel of random weights, its tokenizer and image processor, as a folder."""
-    vocab = tiny.tokenizer_vocab()
-    end = vocab["<|endoftext|>"]
-    text = {
-        "vocab_size": len(vocab),
-        "hidden_size": 32,
-        "intermediate_size": 37,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "max_position_embeddings": 77,
-        "bos_token_id": vocab["<|startoftext|>"],
-        "eos_token_id": end,
-        "pad_token_id": end,
-    }
-    vision = {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "image_size": 32, "patch_size": 8}  # fmt: skip
-    torch.manual_seed(0)
-    CLIPModel(
-        CLIPConfig(text_config=text, vision_config=vision, projection_dim=WIDTH)
-    ).save_pretrained(folder)
-    CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77).save_pretrained(folder)
-    processor = CLIPImageProcessorPil(
-        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
-    )
-    processor.save_pretrained(folder)
+    """The `tiny` CLIP (workers/tiny.py) saved as a transformers folder: a CLIP given by
+    path, as a user's own is."""
+    for part in build_clip():
+        part.save_pretrained(folder)
     return folder
 
 
@@ -150,9 +129,13 @@ def test_curate_embedded_scores_as_a_plain_clip_loop_and_refuses_bad_inputs(
     narrow = head_state([WIDTH * 2, 8, 1], [0, 2], seed=3)
     save_file(narrow, tmp_path / "narrow.safetensors")
     refusals = [
-        (("pets", "--model", str(clip), "--aesthetic-head", str(tmp_path / "narrow.safetensors")),
-         f"--aesthetic-head {tmp_path / 'narrow.safetensors'}: the head takes 32-wide embeddings; "
+        (("pets", "--model", str(clip), "--nsfw-head", str(tmp_path / "narrow.safetensors")),
+         f"--nsfw-head {tmp_path / 'narrow.safetensors'}: the head takes 32-wide embeddings; "
          f"CLIP model tiny-clip makes {WIDTH}-wide ones"),
+        # An NSFW head given as the aesthetic one: not LAION's predictor's layers.
+        (("pets", "--model", "tiny", "--aesthetic-head", str(tmp_path / "nsfw.safetensors")),
+         f"--aesthetic-head {tmp_path / 'nsfw.safetensors'}: layers of widths {WIDTH} -> 64 -> "
+         "32 -> 1, not LAION's aesthetic predictor"),
         (("nowhere", "--model", str(clip)), "no dataset named 'nowhere'"),
         (("pets", "--model", str(tmp_path / "sdq-data")), "is not a CLIP model"),
     ]  # fmt: skip
@@ -207,6 +190,18 @@ def test_curate_embedded_scores_as_a_plain_clip_loop_and_refuses_bad_inputs(
     with sqlite3.connect(tmp_path / "sdq-data/sdq.db") as db:
         cached = db.execute("SELECT count(*) FROM jobs WHERE kind = 'curate' AND cached").fetchone()
     assert cached == (3,)
+    # `--model tiny`: the same CLIP built in code, no folder needed, the same scores.
+    built_here = curate("pets", "--model", "tiny", *heads)
+    assert built_here.returncode == 0, built_here.stderr
+    with sqlite3.connect(tmp_path / "sdq-data/sdq.db") as db:
+        again_rows = db.execute(
+            "SELECT key, caption, clip_score, aesthetic, nsfw, kept FROM sample_quality "
+            "WHERE dataset = 'pets' ORDER BY key"
+        ).fetchall()
+    assert [row[:2] for row in again_rows] == [row[:2] for row in rows]
+    for row, before in zip(again_rows, rows, strict=True):
+        # Batches of 64 here, of 3 before: the same figures to float32's rounding.
+        assert row[2:5] == (pytest.approx(before[2:5], rel=1e-5) if before[5] else (None,) * 3)
 
 
 def test_curate_on_services_scores_in_postgres_and_stores_embeddings_in_s3(

@@ -77,7 +77,7 @@ def test_a_filtered_dataset_is_encoded_trained_on_and_traced_to_the_urls_it_kept
     refusals = [
         (("--max-nsfw", "2"), "Invalid value for '--max-nsfw': 2.0 is not in the range 0<=x<=1"),
         (("--max-nsfw", "0.5"), "--max-nsfw: 15 of the 15 kept samples of 'pets' have no nsfw"),
-        (("--min-aesthetic", "99"), "'--min-aesthetic': 99.0 is not in the range 0<=x<=10"),
+        (("--min-aesthetic", "99"), "keep none of the 15 samples of 'pets'"),
         (("--min-clip-score", "100"), "keep none of the 15 samples of 'pets'"),
         (("--into", "pets", "--min-size", "8"), "--into pets: a dataset of that name exists"),
         ((), "give at least one rule"),

@@ -5,7 +5,14 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel
 from diffusers import schedulers as diffusers_schedulers
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+from transformers import (
+    CLIPConfig,
+    CLIPImageProcessorPil,
+    CLIPModel,
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTokenizer,
+)
 
 from sdq.models import tiny
 
@@ -54,6 +61,23 @@ def build_pipeline() -> StableDiffusionPipeline:
         feature_extractor=None,
         requires_safety_checker=False,
     )
+
+
+def build_clip() -> tuple[CLIPModel, CLIPTokenizer, CLIPImageProcessorPil]:
+    """The tiny CLIP (models/tiny.py): the model, its tokenizer and its image processor."""
+    vocab = tiny.tokenizer_vocab()
+    end = vocab["<|endoftext|>"]
+    text = {**tiny.CLIP_TEXT_CONFIG, "vocab_size": len(vocab), "bos_token_id":
+            vocab["<|startoftext|>"], "eos_token_id": end, "pad_token_id": end}  # fmt: skip
+    config = CLIPConfig(text_config=text, vision_config=tiny.CLIP_VISION_CONFIG,
+                        projection_dim=tiny.CLIP_PROJECTION_DIM)  # fmt: skip
+    model = CLIPModel(config)
+    fill_weights(model, seed=tiny.TINY_WEIGHT_SEED + 3)
+    side = tiny.CLIP_VISION_CONFIG["image_size"]
+    processor = CLIPImageProcessorPil(
+        size={"shortest_edge": side}, crop_size={"height": side, "width": side}
+    )
+    return model, build_tokenizer(), processor
 
 
 def fill_weights(module: torch.nn.Module, *, seed: int) -> None:

@@ -106,11 +106,11 @@ class ModelFiles:
         return folder
 
 
-def check_tiny_revision(revision: str) -> None:
-    """The tiny model is built from code: a job made for another version of that code
-    would get different weights under the revision it names."""
-    if revision != tiny.content_hash():
+def check_tiny_revision(revision: str, built: str | None = None) -> None:
+    """The tiny model (or the tiny CLIP, `built`) is built from code: a job made for another
+    version of that code would get different weights under the revision it names."""
+    built = built or tiny.content_hash()
+    if revision != built:
         raise ModelUnavailable(
-            f"this worker's tiny model is revision {tiny.content_hash()[:12]}, "
-            f"the job asks for {revision[:12]}"
+            f"this worker's tiny model is revision {built[:12]}, the job asks for {revision[:12]}"
         )

@@ -4,6 +4,7 @@ or a hub id (pinned to its commit), with the figures a head must fit. No torch h
 import json
 from dataclasses import dataclass
 
+from sdq.models import tiny
 from sdq.models.registry import ModelNotFound, hub_files, is_hub_id, stored_files
 
 CONFIG_FILE = "config.json"
@@ -29,14 +30,17 @@ class ScorerRef:
 
 
 def resolve_clip(ref: str) -> ClipIdentity:
-    """A local folder, an s3:// URI, or a hub id like openai/clip-vit-large-patch14 (pinned
-    to its commit, so every shard is scored by the same weights)."""
+    """`tiny`, a local folder, an s3:// URI, or a hub id like openai/clip-vit-large-patch14
+    (pinned to its commit, so every shard is scored by the same weights)."""
+    if ref == tiny.TINY_NAME:
+        return ClipIdentity(name=ref, source=ref, revision=tiny.clip_revision(),
+                            embedding_width=tiny.CLIP_PROJECTION_DIM)  # fmt: skip
     if (files := stored_files(ref)) is None and is_hub_id(ref):
         files = hub_files(ref)
     if files is None:
         raise ModelNotFound(
-            f"unknown CLIP model {ref!r}: not a local folder, an s3:// URI or a hub id like "
-            "openai/clip-vit-large-patch14"
+            f"unknown CLIP model {ref!r}: not 'tiny', a local folder, an s3:// URI or a hub id "
+            "like openai/clip-vit-large-patch14"
         )
     raw = files.read(CONFIG_FILE)
     try:

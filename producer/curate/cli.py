@@ -40,7 +40,8 @@ HEAD_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
     "--model",
     required=True,
     help="The CLIP model: a transformers CLIPModel folder, s3://... or a hub id "
-    "(openai/clip-vit-large-patch14).",
+    "(openai/clip-vit-large-patch14); `tiny`, a small random-weight one built here, runs "
+    "the chain without a download (its scores mean nothing).",
 )
 @click.option(
     "--aesthetic-head",
@@ -150,8 +151,9 @@ def _report_submission(submission: CurateSubmission, tasks: int, as_json: bool) 
 )
 @click.option(
     "--min-aesthetic",
-    type=click.FloatRange(0, 10),
-    help="Leave out samples whose aesthetic score (about 1 to 10) is under this.",
+    type=float,
+    help="Leave out samples whose aesthetic score is under this (LAION's predictor scores "
+    "about 1 to 10; `sdq dataset show` gives the dataset's range).",
 )
 @click.option(
     "--max-nsfw",

@@ -22,6 +22,10 @@ from sdq.models.store import ObjectStore
 from sdq.producer.datasets.lookups import downloaded_shards
 
 HEAD_READER = "sdq.workers.curate.heads"
+# LAION's improved aesthetic predictor after the embedding: Linear(D, 1024), Linear(1024,
+# 128), Linear(128, 64), Linear(64, 16), Linear(16, 1). Another stack (an NSFW head given
+# by mistake) would score on another scale, and its scores replace the dataset's.
+AESTHETIC_LAYOUT = [1024, 128, 64, 16, 1]
 SAFETENSORS = ".safetensors"
 
 
@@ -52,6 +56,12 @@ def checked_head(path: Path, option: str, clip: ClipIdentity) -> list[int]:
     """The head's layer widths, refused when it is not a stack of linear layers ending in
     one output, or does not take the CLIP model's embedding."""
     widths = head_widths(path, option)
+    if option == "--aesthetic-head" and widths[1:] != AESTHETIC_LAYOUT:
+        raise CannotCurate(
+            f"{option} {path}: layers of widths {' -> '.join(map(str, widths))}, not LAION's "
+            f"aesthetic predictor (D -> {' -> '.join(map(str, AESTHETIC_LAYOUT))}); is it "
+            "another head?"
+        )
     if widths[0] != clip.embedding_width:
         raise CannotCurate(
             f"{option} {path}: the head takes {widths[0]}-wide embeddings; CLIP model "

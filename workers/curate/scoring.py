@@ -13,13 +13,15 @@ import torch
 from PIL import Image
 from transformers import CLIPImageProcessorPil, CLIPModel, CLIPTokenizer
 
+from sdq.models import tiny
 from sdq.models.curate.clip import ScorerRef
 from sdq.models.store import ObjectStore
 from sdq.workers.curate.heads import aesthetic_head, nsfw_head, read_head
 from sdq.workers.gpu import device_name, release_device_memory
 from sdq.workers.shards.images import ImageShard
 from sdq.workers.shards.pixels import to_rgb
-from sdq.workers.weights import ModelFiles, ModelUnavailable
+from sdq.workers.tiny import build_clip
+from sdq.workers.weights import ModelFiles, ModelUnavailable, check_tiny_revision
 
 CLIP_CONFIG = "config.json"
 
@@ -129,21 +131,29 @@ class LoadedScorers:
         return self._scorer
 
     def _load(self, ref: ScorerRef) -> Scorer:
-        where = self.files.locate(ref.model_source, ref.model_revision, marker=CLIP_CONFIG)
         device = torch.device(device_name())
         # Half precision on a GPU; scores are read as float32 either way.
         dtype = torch.float16 if device.type == "cuda" else torch.float32
-        model = CLIPModel.from_pretrained(where.path, revision=where.revision, dtype=dtype)
+        model, tokenizer, processor = self._clip(ref)
         return Scorer(
-            model=model.to(device).eval().requires_grad_(False),
-            pixels=Pixels.of(
-                CLIPImageProcessorPil.from_pretrained(where.path, revision=where.revision), device
-            ),
-            tokenizer=CLIPTokenizer.from_pretrained(where.path, revision=where.revision),
+            model=model.to(device, dtype).eval().requires_grad_(False),
+            pixels=Pixels.of(processor, device),
+            tokenizer=tokenizer,
             aesthetic=self._head(ref.aesthetic_head, aesthetic_head, device),
             nsfw=self._head(ref.nsfw_head, nsfw_head, device),
             device=device,
             dtype=dtype,
+        )
+
+    def _clip(self, ref: ScorerRef) -> tuple[CLIPModel, CLIPTokenizer, CLIPImageProcessorPil]:
+        if ref.model_source == tiny.TINY_NAME:
+            check_tiny_revision(ref.model_revision, tiny.clip_revision())
+            return build_clip()
+        where = self.files.locate(ref.model_source, ref.model_revision, marker=CLIP_CONFIG)
+        return (
+            CLIPModel.from_pretrained(where.path, revision=where.revision),
+            CLIPTokenizer.from_pretrained(where.path, revision=where.revision),
+            CLIPImageProcessorPil.from_pretrained(where.path, revision=where.revision),
         )
 
     def _head(self, key: str | None, build, device: torch.device) -> torch.nn.Module | None:
