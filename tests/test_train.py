@@ -817,7 +817,8 @@ def test_on_one_machine_the_bar_counts_steps_and_a_stopped_run_promises_nothing(
     assert "6/6" in short.stderr and "2/2" not in short.stderr  # steps, not its two jobs
     short_run = int(re.search(r"train run (\d+)", short.stdout)[1])
     said = " ".join(short.stdout.split())
-    assert f"render with: sdq run PROMPTS --model {short_run}@STEP" in said
+    # Only the last checkpoint is a model (no validation prompts, no --export-every).
+    assert f"render with: sdq run PROMPTS --model {short_run}@STEP (STEP: 6)" in said
     run_id = short_run + 1
     page = (tmp_path / f"sdq-data/store/runs/{short_run}/training.html").read_text()
     assert "<polyline" in page and "Validation images" not in page  # none asked for
@@ -843,9 +844,18 @@ def test_on_one_machine_the_bar_counts_steps_and_a_stopped_run_promises_nothing(
     running.send_signal(signal.SIGINT)
     stderr = said_after(running, timeout=120)
     assert running.returncode == 130, stderr
+    assert "1 job in hand put back" in " ".join(stderr.split())
     stopped = sdq_json(env, "train", "status", str(run_id), cwd=tmp_path)
     # Its job in hand went back to the queue, which only `sdq resume` works on here.
     assert (stopped["status"], stopped["eta_seconds"]) == ("queued", None)
+    shown = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", "train", "status", str(run_id)],
+        env=env, cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    # The steps taken past its last checkpoint are taken again: it says from where.
+    last = stopped["checkpoint_step"]
+    assert stopped["step"] > last and last >= 20
+    assert f"(goes on from its checkpoint at step {last})" in " ".join(shown.stdout.split())
     assert stopped["samples_per_second"]  # it has a speed; nothing works at it
     counted = sdq_json(env, "status", str(run_id), cwd=tmp_path)
     assert sum(counted["counts"].values()) == counted["total"] == 30

@@ -275,7 +275,7 @@ def _stop_here(app: SdqCelery, run_id: int, worker: Worker, reason: str, code: i
     try:
         with app.sessions.begin() as session:
             released = release_jobs(session, run_id, worker=worker, reason=reason)
-        put_back = f"{len(released)} jobs in hand put back"
+        put_back = f"{len(released)} job{'s' * (len(released) != 1)} in hand put back"
     except DBAPIError as error:
         put_back = f"the jobs in hand could not be put back ({error.orig}) and will be first"
     with app.sessions() as session:

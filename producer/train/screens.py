@@ -22,7 +22,8 @@ def show_training(status: dict[str, Any], *, render_command: str = "sdq submit")
     (`sdq run` with no broker)."""
     stdout.print(
         f"[bold]train run {status['run_id']}[/bold] ({status['status']}): step "
-        f"{status['step']} of {status['steps']}, {status['dataset']} on {status['base']}"
+        f"{status['step']} of {status['steps']}{_goes_on_from(status)}, {status['dataset']} "
+        f"on {status['base']}"
     )
     if status["samples_per_second"]:
         eta = status["eta_seconds"]
@@ -49,13 +50,23 @@ def show_training(status: dict[str, Any], *, render_command: str = "sdq submit")
             for c in checkpoints
         ]  # fmt: skip
         stdout.print(rows_table(rows, ["step", "holds", "uri"], title="checkpoints"))
-        stdout.print(
-            f"render with: {render_command} PROMPTS --model {status['model']}@STEP (a model)"
-        )
+        models = [str(row["step"]) for row in rows if row["holds"] == "model"]
+        if models:
+            stdout.print(f"render with: {render_command} PROMPTS --model {status['model']}@STEP "
+                         f"(STEP: {', '.join(models)})")  # fmt: skip
     if status["scores"]:
         stdout.print(rows_table(_score_rows(status["scores"]), ["metric", "latest", "best"],
                                 title="checkpoint scores"))  # fmt: skip
     stdout.print(f"page: {status['page']}", soft_wrap=True)
+
+
+def _goes_on_from(status: dict[str, Any]) -> str:
+    """Where a run no job trains now goes on from, when steps were taken past its last
+    checkpoint (Ctrl-C, a lost worker): those are taken again."""
+    last = status["checkpoint_step"]
+    if status["status"] == "running" or status["step"] <= last:
+        return ""
+    return f" (goes on from {f'its checkpoint at step {last}' if last else 'the start'})"
 
 
 def _score_rows(scores: dict[str, list[list[float]]]) -> list[dict[str, str]]:
