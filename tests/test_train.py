@@ -798,8 +798,8 @@ def test_on_one_machine_the_bar_counts_steps_and_a_stopped_run_promises_nothing(
     tmp_path: Path,
 ) -> None:
     """Embedded: the bar counts steps, the hint renders with `sdq run`; Ctrl-C leaves a run
-    that `sdq train status` shows with no time left, and whose job counts add up to its
-    total."""
+    that `sdq train status` shows with no time left and where it goes on from, and whose
+    job counts add up to its total; `sdq resume` finishes it, counting steps."""
     # Steps reach the database 5 at a time: a job's steps show before its checkpoint does.
     env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT), "SDQ_TRAIN_LOSS_EVERY": "5"}
     with HostileServer() as server:
@@ -825,7 +825,7 @@ def test_on_one_machine_the_bar_counts_steps_and_a_stopped_run_promises_nothing(
 
     database = tmp_path / "sdq-data/sdq.db"
     running = subprocess.Popen(
-        train("--steps", "600", "--checkpoint-every", "20", "--json"), env=env, cwd=tmp_path,
+        train("--steps", "200", "--checkpoint-every", "20", "--json"), env=env, cwd=tmp_path,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
@@ -858,5 +858,11 @@ def test_on_one_machine_the_bar_counts_steps_and_a_stopped_run_promises_nothing(
     assert f"(goes on from its checkpoint at step {last})" in " ".join(shown.stdout.split())
     assert stopped["samples_per_second"]  # it has a speed; nothing works at it
     counted = sdq_json(env, "status", str(run_id), cwd=tmp_path)
-    assert sum(counted["counts"].values()) == counted["total"] == 30
+    assert sum(counted["counts"].values()) == counted["total"] == 10
     assert counted["counts"]["planned"] > 0 and counted["eta_seconds"] is None
+    # `sdq resume` trains the rest here, its bar counting steps as `sdq train`'s does.
+    resumed = subprocess.run([sys.executable, "-m", "sdq.producer.cli", "resume", str(run_id)],
+                             env=env, cwd=tmp_path, capture_output=True, text=True)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert "200/200" in resumed.stderr and "10/10" not in resumed.stderr
+    assert f"train run {run_id} (succeeded): step 200 of 200" in resumed.stdout

@@ -292,7 +292,9 @@ def carry_out(app: SdqCelery, run_id: int, *, jobs: int, wait: bool, as_json: bo
     """Embedded (no broker): does the run here. Otherwise sends it to the workers and, with
     `wait`, watches it finish. Returns what was sent when the run was left to them."""
     if app.settings.embedded:
-        work_here(app, run_id, jobs=jobs)
+        with app.sessions() as session:
+            kind = kind_named(session.get_one(Run, run_id).kind)
+        (kind.producer_hooks().work_here or work_here)(app, run_id, jobs=jobs)
         return None
     sent = send_run(app, run_id)
     if not wait:

@@ -182,7 +182,7 @@ def start(
                          evaluation, report_to)  # fmt: skip
     # 3. Trained here, with its validation renders, or sent to the workers (and watched).
     if app.settings.embedded:
-        _train_here(app, submission, train_options.steps)
+        train_here(app, submission.run_id, submission.jobs)
     else:
         sent = send_run(app, submission.run_id)
         if not wait:
@@ -213,15 +213,16 @@ def _checked_options(
     return train_options
 
 
-def _train_here(app: SdqCelery, submission: TrainSubmission, steps: int) -> None:
-    """The run's jobs in this process, then what its checkpoints asked for: validation
-    renders, evaluations (each one's renders before its scoring)."""
-    work_here(app, submission.run_id, jobs=submission.jobs,
-              progress=(steps, steps_done(app, submission.run_id)))  # fmt: skip
+def train_here(app: SdqCelery, run_id: int, jobs: int) -> None:
+    """The run's jobs in this process, the bar counting steps, then what its checkpoints
+    asked for: validation renders, evaluations (each one's renders before its scoring)."""
     with app.sessions() as session:
-        asked_for = train_lookups.runs_asked_for(session, submission.run_id)
-    for run_id, jobs in asked_for:
-        work_here(app, run_id, jobs=jobs)
+        steps = session.get_one(Run, run_id).options["steps"]
+    work_here(app, run_id, jobs=jobs, progress=(steps, steps_done(app, run_id)))
+    with app.sessions() as session:
+        asked_for = train_lookups.runs_asked_for(session, run_id)
+    for asked, asked_jobs in asked_for:
+        work_here(app, asked, jobs=asked_jobs)
 
 
 def _train_options(unet_config: str | None, **options: Any) -> TrainOptions:

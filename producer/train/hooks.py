@@ -2,11 +2,10 @@
 (models/jobs/kinds.py ProducerHooks)."""
 
 from sdq.models.jobs.kinds import ProducerHooks
-from sdq.producer.train.cli import COMMANDS
+from sdq.producer.train.cli import COMMANDS, train_here
 from sdq.producer.train.lookups import spec_fields
 from sdq.producer.train.metrics import train_gauges
 from sdq.producer.train.screens import report_status
 
-HOOKS = ProducerHooks(
-    commands=COMMANDS, report_run=report_status, spec_fields=spec_fields, metrics=train_gauges
-)
+HOOKS = ProducerHooks(commands=COMMANDS, work_here=train_here, report_run=report_status,
+                      spec_fields=spec_fields, metrics=train_gauges)  # fmt: skip
