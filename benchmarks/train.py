@@ -118,7 +118,7 @@ class PlainLoop:
             "--steps", str(args.steps), "--batch-size", str(args.batch_size),
         ]  # fmt: skip
         # Each rank its share of the cores, as torchrun's users set it. (sdq's ranks give
-        # torch half of theirs, beside their staging threads: workers/cores.py.)
+        # torch half of theirs, beside their staging threads: models/cores.py.)
         threads = max(1, (os.cpu_count() or 1) // world_size)
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         started = time.perf_counter()

@@ -84,11 +84,11 @@ class ProducerHooks:
     # Its command groups (`sdq <name> ...`), and its commands under `sdq dataset`.
     commands: tuple[Any, ...] = ()
     dataset_commands: tuple[Any, ...] = ()
-    # How a run of the kind is done here, without a broker, by `sdq resume`: (app, run_id,
-    # jobs) -> None (a train run's bar counts its steps); None: job by job, the bar counting
-    # jobs. And what `sdq resume` prints once it is done, (app, run_id, as_json); None: the
+    # How `sdq resume` does a run of the kind here, without a broker: (app, run_id, jobs)
+    # -> None (a train run's bar counts its steps); None: job by job, the bar counting
+    # jobs. And what it prints once the run is done, (app, run_id, as_json); None: the
     # run's status.
-    work_here: Callable[..., None] | None = None
+    resume_here: Callable[..., None] | None = None
     report_run: Callable[..., None] | None = None
     # The kind's own fields of its jobs (a prompt and seed, a URL...) for the generic
     # listings: (session, job_ids) -> {job_id: fields} where they live in its tables, or

@@ -13,6 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from sdq.models.cores import cores, torch_threads
 from sdq.models.db import make_engine
 from sdq.models.faults import free_space, full_disk
 from sdq.models.jobs.kinds import Pool, kind_named
@@ -23,7 +24,6 @@ from sdq.models.tables import FINISHED, Job, JobStatus, Run
 from sdq.producer import display, lookups
 from sdq.producer.errors import InvalidInput, NotFound
 from sdq.workers.app import SdqCelery, worker_identity
-from sdq.workers.cores import cores, torch_threads
 
 BAD_INPUT = 2
 INTERRUPTED = 130  # as a shell reports a command stopped by SIGINT
@@ -294,7 +294,7 @@ def carry_out(app: SdqCelery, run_id: int, *, jobs: int, wait: bool, as_json: bo
     if app.settings.embedded:
         with app.sessions() as session:
             kind = kind_named(session.get_one(Run, run_id).kind)
-        (kind.producer_hooks().work_here or work_here)(app, run_id, jobs=jobs)
+        (kind.producer_hooks().resume_here or work_here)(app, run_id, jobs=jobs)
         return None
     sent = send_run(app, run_id)
     if not wait:

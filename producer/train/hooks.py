@@ -7,5 +7,5 @@ from sdq.producer.train.lookups import spec_fields
 from sdq.producer.train.metrics import train_gauges
 from sdq.producer.train.screens import report_status
 
-HOOKS = ProducerHooks(commands=COMMANDS, work_here=train_here, report_run=report_status,
+HOOKS = ProducerHooks(commands=COMMANDS, resume_here=train_here, report_run=report_status,
                       spec_fields=spec_fields, metrics=train_gauges)  # fmt: skip

@@ -25,10 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sdq.models.cores import torch_threads
 from sdq.models.store import StoreUnavailable
 from sdq.models.train.routing import node_key, run_key
 from sdq.models.train.specs import TrainOptions, TrainShardSpec
-from sdq.workers.cores import torch_threads
 from sdq.workers.weights import ModelUnavailable
 
 RANK_MODULE = "sdq.workers.train.ranks"
