@@ -150,11 +150,8 @@ def test_curate_embedded_scores_as_a_plain_clip_loop_and_refuses_bad_inputs(
              "--nsfw-head", str(tmp_path / "nsfw.safetensors"))  # fmt: skip
     done = curate("pets", "--model", str(clip), *heads, "--batch-size", "3")
     assert done.returncode == 0, done.stderr
+    rows = quality(tmp_path)
     with sqlite3.connect(tmp_path / "sdq-data/sdq.db") as db:
-        rows = db.execute(
-            "SELECT key, caption, clip_score, aesthetic, nsfw, kept FROM sample_quality "
-            "WHERE dataset = 'pets' ORDER BY key"
-        ).fetchall()
         statuses = db.execute("SELECT status, count(*) FROM jobs WHERE kind = 'curate' "
                               "GROUP BY status").fetchall()  # fmt: skip
     assert statuses == [("succeeded", 3)]
@@ -193,15 +190,20 @@ def test_curate_embedded_scores_as_a_plain_clip_loop_and_refuses_bad_inputs(
     # `--model tiny`: the same CLIP built in code, no folder needed, the same scores.
     built_here = curate("pets", "--model", "tiny", *heads)
     assert built_here.returncode == 0, built_here.stderr
-    with sqlite3.connect(tmp_path / "sdq-data/sdq.db") as db:
-        again_rows = db.execute(
-            "SELECT key, caption, clip_score, aesthetic, nsfw, kept FROM sample_quality "
-            "WHERE dataset = 'pets' ORDER BY key"
-        ).fetchall()
+    again_rows = quality(tmp_path)
     assert [row[:2] for row in again_rows] == [row[:2] for row in rows]
     for row, before in zip(again_rows, rows, strict=True):
         # Batches of 64 here, of 3 before: the same figures to float32's rounding.
         assert row[2:5] == (pytest.approx(before[2:5], rel=1e-5) if before[5] else (None,) * 3)
+
+
+def quality(home: Path) -> list[tuple]:
+    """Each sample of 'pets' with its latest scores, as the sample_quality view gives them."""
+    with sqlite3.connect(home / "sdq-data/sdq.db") as db:
+        return db.execute(
+            "SELECT key, caption, clip_score, aesthetic, nsfw, kept FROM sample_quality "
+            "WHERE dataset = 'pets' ORDER BY key"
+        ).fetchall()
 
 
 def test_curate_on_services_scores_in_postgres_and_stores_embeddings_in_s3(
