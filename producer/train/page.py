@@ -1,5 +1,6 @@
-"""A train run's page: the loss curve and, per checkpoint, the validation images (the
-section is left out when the run renders none).
+"""A train run's page: where it stands and how fast, the loss curve and every score's, its
+checkpoints and, per checkpoint, the validation images (the section is left out when the
+run renders none).
 
 Written into the store beside the galleries (runs/<run>/training.html), linking its images
 as they do: relative in a local store folder, presigned in S3.
@@ -23,9 +24,14 @@ th {{ background: #f6f6f6; font-weight: 600; }}
 td img {{ width: 128px; image-rendering: pixelated; display: block; }}
 .missing {{ width: 128px; color: #a00; }}
 </style></head><body>
-<h1>Train run {run_id}</h1><p>{summary}</p>
+<h1>Train run {run_id}</h1><p>{summary}</p><p>{speed}</p>
 <h2>Loss</h2>{curve}
-{scores}{validation}</body></html>
+{scores}{checkpoints}{validation}</body></html>
+"""
+CHECKPOINTS = """<h2>Checkpoints</h2>
+<table><thead><tr><th>step</th><th>holds</th><th>where</th></tr></thead><tbody>
+{rows}
+</tbody></table>
 """
 VALIDATION = """<h2>Validation images</h2>
 <table><thead><tr><th>step</th>{prompt_headers}</tr></thead><tbody>
@@ -47,13 +53,40 @@ def training_html(
             f"{status['status']}: step {status['step']} of {status['steps']}, "
             f"{status['dataset']} on {status['base']}, model {status['model']}"
         ),
+        speed=html.escape(speed_text(status)),
         curve=_curve(status["losses"]),
         scores="".join(
             f"<h2>{html.escape(metric)}</h2>{_curve(curve)}"
             for metric, curve in status["scores"].items()
         ),
+        checkpoints=_checkpoints(status["checkpoints"]) if status["checkpoints"] else "",
         validation=_validation(images, image_link) if images else "",
     )
+
+
+def speed_text(status: dict[str, Any]) -> str:
+    """The recent steps' speed, MFU and the time left, as `sdq train status` says them."""
+    if not status["samples_per_second"]:
+        return "no speed yet"
+    eta = status["eta_seconds"]
+    left = f", about {eta // 60} min {eta % 60} s left" if eta else ""
+    ranks = f" on {status['world_size']} ranks" if status["world_size"] > 1 else ""
+    mfu = f", MFU {status['mfu']:.1%}" if status["mfu"] is not None else ""
+    return f"{status['samples_per_second']:.1f} samples/s{ranks}{mfu}{left}"
+
+
+def checkpoint_holds(checkpoint: dict[str, Any]) -> str:
+    if checkpoint["deleted"]:
+        return "deleted"
+    return "model" if checkpoint["model_revision"] else "training state"
+
+
+def _checkpoints(checkpoints: list[dict[str, Any]]) -> str:
+    rows = "\n".join(
+        f"<tr><td>{c['step']}</td><td>{checkpoint_holds(c)}</td><td>{html.escape(c['uri'])}</td></tr>"
+        for c in checkpoints
+    )
+    return CHECKPOINTS.format(rows=rows)
 
 
 def _validation(images: list[dict[str, Any]], image_link: ImageLink) -> str:

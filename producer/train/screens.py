@@ -13,7 +13,7 @@ from sdq.models.store import LINK_SECONDS
 from sdq.producer.cli.common import lookup
 from sdq.producer.display import rows_table, stdout
 from sdq.producer.train import lookups as train_lookups
-from sdq.producer.train.page import page_key, training_html
+from sdq.producer.train.page import checkpoint_holds, page_key, speed_text, training_html
 from sdq.workers.app import SdqCelery
 
 
@@ -26,11 +26,7 @@ def show_training(status: dict[str, Any], *, render_command: str = "sdq submit")
         f"on {status['base']}"
     )
     if status["samples_per_second"]:
-        eta = status["eta_seconds"]
-        left = f", about {eta // 60} min {eta % 60} s left" if eta else ""
-        ranks = f" on {status['world_size']} ranks" if status["world_size"] > 1 else ""
-        mfu = f", MFU {status['mfu']:.1%}" if status["mfu"] is not None else ""
-        stdout.print(f"{status['samples_per_second']:.1f} samples/s{ranks}{mfu}{left}")
+        stdout.print(speed_text(status))
     if status["time_shares"]:
         shares = status["time_shares"]
         stdout.print(
@@ -44,11 +40,7 @@ def show_training(status: dict[str, Any], *, render_command: str = "sdq submit")
         stdout.print(f"loss {loss_curve([loss for _, loss in status['losses']])}")
     checkpoints = status["checkpoints"]
     if checkpoints:
-        rows = [
-            {**c, "holds": "deleted" if c["deleted"] else "model" if c["model_revision"] else
-             "training state"}
-            for c in checkpoints
-        ]  # fmt: skip
+        rows = [{**c, "holds": checkpoint_holds(c)} for c in checkpoints]
         stdout.print(rows_table(rows, ["step", "holds", "uri"], title="checkpoints"))
         models = [str(row["step"]) for row in rows if row["holds"] == "model"]
         if models:
