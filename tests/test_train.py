@@ -749,7 +749,10 @@ def test_a_job_runs_under_its_worker_s_limits_not_its_sender_s(
     assert len(steps) > 1 and steps[-1] == 300 and run["status"] == "succeeded"
     assert all(step % 5 == 0 for step in steps)
     assert refused.returncode == 1, refused.stderr
-    assert "1 job(s) dead" in refused.stderr and "trains on 2 ranks a node" in refused.stderr
+    assert (
+        "1 job dead; the first, job" in refused.stderr
+        and "trains on 2 ranks a node" in refused.stderr
+    )
 
 
 @pytest.mark.slow

@@ -311,8 +311,8 @@ def exit_if_dead(app: SdqCelery, run_id: int) -> None:
     if dead is None:
         return
     job_id, error, count = dead
-    click.echo(f"run {run_id}: {count} job(s) dead; the first, job {job_id}: {error} "
-               f"(`sdq show {job_id}`)", err=True)  # fmt: skip
+    click.echo(f"run {run_id}: {count} job{'s' * (count != 1)} dead; the first, job {job_id}: "
+               f"{error} (`sdq show {job_id}`)", err=True)  # fmt: skip
     sys.exit(DEAD_JOBS)
 
 

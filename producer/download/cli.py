@@ -17,11 +17,11 @@ from sdq.producer.datasets.cli import carry_out_dataset_run
 from sdq.producer.download.lookups import fetched_of
 from sdq.workers.app import SdqCelery
 
+NOTHING_FETCHED = 1  # the exit status of a download that fetched none of its rows
+
 # The list reading and its planning (producer/download/lists.py) stand on pyarrow, whose
 # import, numpy's with it, is a tenth of a second of every `sdq` command's start: they are
 # imported by the commands that use them.
-NOTHING_FETCHED = 1
-
 if TYPE_CHECKING:
     from sdq.producer.download.submit import DatasetOptions, DownloadSubmission
 
