@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from sdq.models.generate.galleries import describe_settings
 from tests.browser import chromium, open_page, texts
 from tests.conftest import ROOT, sdq_json
 from tests.services import clean_env, said_after, wait_for
@@ -29,6 +30,15 @@ def sdq_run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=300,
+    )
+
+
+def test_a_gallery_says_what_an_auto_dtype_meant() -> None:
+    """A pushed or trained model's default dtype is decided where the work ran."""
+    spec = {"model_name": "pets-v1", "model_revision": "ab" * 32, "steps": 4, "width": 64,
+            "height": 64, "scheduler": "euler", "guidance": 7.5, "dtype": "auto"}  # fmt: skip
+    assert describe_settings([spec]).endswith(
+        ", CFG 7.5, auto (float16 on a GPU, float32 on a CPU)"
     )
 
 
@@ -93,6 +103,7 @@ def test_run_does_the_whole_job_in_one_process(tmp_path: Path) -> None:
     assert [(html.unescape(text), line) for text, line in rows] == expected
     assert page.count("<th>") == 1 + styles
     assert "model tiny" in page and "4 steps, 64x64, sampler Euler" in page
+    assert "CFG 7.5, float32" in page  # tiny's own dtype
     assert sorted(map(int, re.findall(r"<figcaption>seed (\d+)</figcaption>", page))) == sorted(
         job["seed"] for job in status["jobs"]
     )

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.generate.specs import SAMPLER_NAMES, image_key
 from sdq.models.generate.tables import Generation
+from sdq.models.specs import AUTO_DTYPE
 from sdq.models.store import LINK_SECONDS, ObjectStore, S3Store
 from sdq.models.tables import Job
 
@@ -86,9 +87,16 @@ def describe_settings(specs: list[dict[str, Any]]) -> str:
         values(lambda s: f"{s['width']}x{s['height']}"),
         values(lambda s: f"sampler {SAMPLER_NAMES.get(s['scheduler'], s['scheduler'])}"),
         values(lambda s: f"CFG {s['guidance']:g}"),
-        values(lambda s: s["dtype"]),
+        values(_dtype),
     ]
     return ", ".join(parts) if specs else "no images"
+
+
+def _dtype(spec: dict[str, Any]) -> str:
+    # "auto" is decided where the work ran: say what it means.
+    if spec["dtype"] == AUTO_DTYPE:
+        return f"{AUTO_DTYPE} (float16 on a GPU, float32 on a CPU)"
+    return spec["dtype"]
 
 
 def _row_header(line: int | None, subject: str) -> str:
