@@ -233,6 +233,17 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
     base = sdq_json(env, "evaluate", "tiny", "--like", str(run), "--metrics", "heldout_loss",
                     cwd=tmp_path)["scores"]["heldout_loss"]  # fmt: skip
     assert base["samples"] == 4 and base["value"] not in {v for _, v in scores["heldout_loss"]}
+    # Against a dataset's own images: its first 6 kept samples, their captions rendered.
+    referenced = sdq_json(env, "evaluate", f"{run}@20", "--reference", "toy", "--samples", "6",
+                          "--metrics", "fd_clip,kid", cwd=tmp_path)["scores"]  # fmt: skip
+    assert {metric: score["samples"] for metric, score in referenced.items()} == {
+        "fd_clip": 6, "kid": 6
+    }  # fmt: skip
+    assert referenced["fd_clip"]["value"] >= 0
+    assert referenced["fd_clip"]["value"] != dict(scores["fd_clip"])[20]
+    no_latents = _sdq(env, tmp_path, "evaluate", "tiny", "--reference", "toy", "--metrics",
+                      "heldout_loss,fd_clip", "--clip", "tiny")  # fmt: skip
+    assert no_latents.returncode == 2 and "not on --reference's images" in no_latents.stderr
 
     # Choosing by score: the lowest held-out loss, the highest CLIP score.
     losses = dict(scores["heldout_loss"])

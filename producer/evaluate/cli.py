@@ -12,7 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from sdq.models.evaluate.runs import ScoredModel, open_evaluation
-from sdq.models.evaluate.specs import AGAINST_REAL, RENDERED, EvaluateSpec, Evaluation
+from sdq.models.evaluate.specs import AGAINST_REAL, RENDERED, EvaluateSpec, Evaluation, HeldOut
 from sdq.models.evaluate.tables import CheckpointScore
 from sdq.models.generate.specs import FixedRenders
 from sdq.models.registry import ModelNotFound, resolve_model
@@ -29,7 +29,8 @@ from sdq.producer.cli.common import (
     work_here,
 )
 from sdq.producer.display import rows_table, stdout
-from sdq.producer.evaluate.request import EvaluationRequest, evaluation_request
+from sdq.producer.evaluate.reference import reference_samples
+from sdq.producer.evaluate.request import DEFAULT_SAMPLES, EvaluationRequest, evaluation_request
 from sdq.workers.app import SdqCelery
 
 
@@ -50,6 +51,16 @@ from sdq.workers.app import SdqCelery
     help="One prompt a line, rendered at fixed seeds for clip_score. [default: --like's]",
 )  # fmt: skip
 @click.option("--clip", metavar="MODEL", help="The CLIP model renders are scored by.")
+@click.option(
+    "--reference", metavar="DATASET",
+    help="Compare the renders (fd_clip, kid) with this dataset's images, its first --samples "
+    "kept ones, instead of --like's held-out samples; without --prompts, their captions are "
+    "what is rendered.",
+)  # fmt: skip
+@click.option(
+    "--samples", type=click.IntRange(min=2), default=DEFAULT_SAMPLES, show_default=True,
+    help="With --reference: how many of its images.",
+)  # fmt: skip
 @click.option("--wait", is_flag=True, help="Wait for the scores and show them.")
 @json_option
 @pass_app
@@ -60,6 +71,8 @@ def evaluate(
     like: int | None,
     prompts: Path | None,
     clip: str | None,
+    reference: str | None,
+    samples: int,
     wait: bool,
     as_json: bool,
 ) -> None:
@@ -71,7 +84,8 @@ def evaluate(
         base = _run_evaluation(session, like) if like is not None else None
         request = evaluation_request(metrics, prompts=prompts, clip=clip or _clip_ref(base),
                                      holdout=None)  # fmt: skip
-        evaluation = _evaluation(request, base, identity)
+        real = reference_samples(session, app.store, reference, samples) if reference else None
+        evaluation = _evaluation(request, base, identity, real)
         runs = open_evaluation(session, scored, evaluation)
     for run_id in runs:
         if app.settings.embedded:
@@ -118,27 +132,39 @@ def _clip_ref(base: Evaluation | None) -> str | None:
 
 
 def _evaluation(
-    request: EvaluationRequest, base: Evaluation | None, model: ModelIdentity
+    request: EvaluationRequest,
+    base: Evaluation | None,
+    model: ModelIdentity,
+    reference: tuple[HeldOut, list[str]] | None,
 ) -> Evaluation:
     """The request on the run's spec: its held-out samples and its renders' settings (or
-    the model's own, with no run to be like)."""
-    if base is None and ({"heldout_loss"} | AGAINST_REAL) & set(request.metrics):
+    the model's own, with no run to be like); a `reference` dataset's images and captions
+    in place of the held-out samples."""
+    held_out, captions = base.held_out if base else None, []
+    if reference is not None:
+        if "heldout_loss" in request.metrics:
+            raise click.UsageError("heldout_loss is measured on a train run's held-out latents "
+                                   "(--like RUN), not on --reference's images")  # fmt: skip
+        held_out, captions = reference
+    if held_out is None and ({"heldout_loss"} | AGAINST_REAL) & set(request.metrics):
         raise click.UsageError(
             "heldout_loss, fd_clip and kid need held-out samples: name a train run trained "
-            "with --holdout (--like RUN)"
+            "with --holdout (--like RUN), or a dataset for fd_clip and kid (--reference NAME)"
         )
     rendering = base.rendering if base is not None else None
     if RENDERED & set(request.metrics):
-        if request.prompts:
+        # The reference's own captions, each seeded by its place, as a run's held-out ones.
+        prompts = request.prompts or tuple((caption, n) for n, caption in enumerate(captions))
+        if prompts:
             like = rendering or FixedRenders(
                 prompts=(), size=model.default_size, scheduler=model.scheduler,
                 dtype=model.default_dtype, scheduler_config=model.scheduler_config,
             )  # fmt: skip
-            rendering = replace(like, prompts=request.prompts)
+            rendering = replace(like, prompts=prompts)
         elif rendering is None:
             raise click.UsageError("clip_score renders prompts: give --prompts FILE")
-    return Evaluation(metrics=request.metrics, held_out=base.held_out if base else None,
-                      rendering=rendering, clip=request.clip)  # fmt: skip
+    return Evaluation(metrics=request.metrics, held_out=held_out, rendering=rendering,
+                      clip=request.clip)  # fmt: skip
 
 
 def _report_sent(run_id: int, scored: ScoredModel, as_json: bool) -> None:

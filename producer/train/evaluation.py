@@ -2,7 +2,6 @@
 once in the store (each one's latent shard and row, key, caption and image shard), and what
 its checkpoints are scored by."""
 
-import io
 from typing import Any
 
 from sqlalchemy import select
@@ -21,6 +20,7 @@ from sdq.models.generate.specs import FixedRenders
 from sdq.models.specs import ModelIdentity
 from sdq.models.store import PARQUET, ObjectStore
 from sdq.models.train.specs import LatentInput, TrainOptions
+from sdq.producer.evaluate.reference import manifest_parquet
 from sdq.producer.evaluate.request import EvaluationRequest
 
 
@@ -50,7 +50,7 @@ def run_evaluation(
                 f"--holdout {options.holdout:g} held out none of the run's samples: hold out "
                 f"a larger share"
             )
-        store.put_bytes(held_out_key(run_id), _parquet(rows), content_type=PARQUET)
+        store.put_bytes(held_out_key(run_id), manifest_parquet(rows), content_type=PARQUET)
         held_out = HeldOut(key=held_out_key(run_id), fraction=options.holdout,
                            seed=options.seed, samples=len(rows["key"]))  # fmt: skip
         captions = rows["caption"]
@@ -108,12 +108,3 @@ def _image_shard(session: Session, latents: LatentShard) -> tuple[str, str]:
     if images_of != name:
         options = session.scalar(select(Dataset.options).where(Dataset.name == images_of))
     return shard_key(images_of, number), options["format"]
-
-
-def _parquet(rows: dict[str, list[Any]]) -> bytes:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    buffer = io.BytesIO()
-    pq.write_table(pa.table(rows), buffer, compression="zstd")
-    return buffer.getvalue()
