@@ -271,7 +271,7 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
     store = tmp_path / "sdq-data/store"
     copied = store / f"models/best-toy/{revision[:16]}"
     assert pushed["uri"] == copied.as_uri()
-    assert _files(copied) == _files(store / prefix)
+    assert _contents(copied) == _contents(store / prefix)
     scored = sdq_json(env, "evaluate", "best-toy", "--like", str(run), "--metrics",
                       "heldout_loss", cwd=tmp_path)["scores"]["heldout_loss"]  # fmt: skip
     assert scored["value"] == losses[highest]
@@ -322,7 +322,7 @@ def _wandb_history(folder: Path, run: int) -> list[dict]:
     return rows
 
 
-def _files(folder: Path) -> dict[Path, bytes]:
+def _contents(folder: Path) -> dict[Path, bytes]:
     return {path.relative_to(folder): path.read_bytes() for path in folder.rglob("*")
             if path.is_file()}  # fmt: skip
 

@@ -60,7 +60,7 @@ def wait_for_run(sdq, run_id: int) -> dict:
         status = json.loads(result.stdout)
         return status["finished"]
 
-    wait_for(finished, what=f"run {run_id}", timeout=120)
+    wait_for(finished, what=f"run {run_id}", timeout=240)
     return status
 
 

@@ -735,8 +735,9 @@ def test_a_job_runs_under_its_worker_s_limits_not_its_sender_s(
     try:
         env = {**own_deployment, **DOWNLOAD_ENV}
         encoded_dataset(env, "limit-birds", 8, tmp_path)
+        # Jobs of 6 s and their starts: minutes on a machine busy with other tests.
         run = sdq_json(env, "train", "limit-birds", *TRAIN, "--steps", "300",
-                       "--checkpoint-every", "300", "--wait")  # fmt: skip
+                       "--checkpoint-every", "300", "--wait", timeout=540)  # fmt: skip
         refused = subprocess.run(
             [sys.executable, "-m", "sdq.producer.cli", "train", "limit-birds", *TRAIN,
              "--steps", "2", "--world-size", "2", "--wait"],
