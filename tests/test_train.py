@@ -719,6 +719,7 @@ def test_a_run_over_two_nodes_goes_on_in_memory_and_gathers_again_when_a_node_di
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_a_job_runs_under_its_worker_s_limits_not_its_sender_s(
     own_deployment: dict[str, str], tmp_path: Path
 ) -> None:
