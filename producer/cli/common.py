@@ -188,12 +188,7 @@ def work_here(
     kind = kind_named(run.kind)
     task = app.tasks[kind.task_name]
     if kind.pool is Pool.gpu:
-        threads = torch_threads()
-        display.console.print(
-            f"[dim]working here on {threads} torch thread{'s' * (threads != 1)} of {cores()} "
-            "cores (OMP_NUM_THREADS sets it)[/dim]",
-            highlight=False,
-        )
+        _say_threads()
     try:
         total, done = progress or (jobs, finished_jobs(app, run_id))
         with display.following(f"run {run_id}", total, done), ctrl_c_kept() as pressed:
@@ -216,6 +211,16 @@ def work_here(
             soft_wrap=True,
         )
         _stop_here(app, run_id, worker_identity(kind.pool), "stopped: disk full", DISK_FULL)
+
+
+def _say_threads() -> None:
+    """What device work here takes of the cores (workers/cores.py sets it)."""
+    threads = torch_threads()
+    display.console.print(
+        f"[dim]working here on {threads} torch thread{'s' * (threads != 1)} of {cores()} "
+        "cores (OMP_NUM_THREADS sets it)[/dim]",
+        highlight=False,
+    )
 
 
 def take_back_orphans(session: Session, run_id: int) -> None:

@@ -1,6 +1,7 @@
 """The download command: turn URL lists into a dataset (producer/datasets/ looks at them)."""
 
 import sys
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -130,14 +131,8 @@ def download(
             raise click.UsageError("--reason goes with --retry-failed NAME")
         columns = _columns(url_col, caption_col, save_columns)
         submission = _submit(app, name, lists, columns, _options(name, image, rows_per_shard))
-    ended = carry_out_dataset_run(
-        app,
-        submission,
-        wait=wait,
-        as_json=as_json,
-        report_sent=lambda tasks: _report_submission(submission, tasks, as_json),
-    )
-    if ended:
+    report_sent = partial(_report_submission, submission, as_json=as_json)
+    if carry_out_dataset_run(app, submission, wait=wait, as_json=as_json, report_sent=report_sent):
         _exit_if_none_fetched(app, submission)
 
 

@@ -5,12 +5,10 @@ from pathlib import Path
 from typing import Any
 
 import click
-from sqlalchemy.orm import Session
 
 from sdq.models.generate import galleries
 from sdq.models.generate.settings import GenerateSettings
 from sdq.models.generate.specs import SAMPLERS
-from sdq.models.jobs.kinds import GENERATE
 from sdq.models.loras import resolve_lora
 from sdq.models.registry import ModelNotFound, resolve_model
 from sdq.models.specs import DTYPES
@@ -18,7 +16,6 @@ from sdq.models.store import StoreError
 from sdq.models.tables import JobStatus
 from sdq.producer import display, lookups
 from sdq.producer.cli.common import (
-    InputError,
     ensure_store,
     exit_bad_input,
     exit_if_dead,
@@ -36,7 +33,7 @@ from sdq.producer.cli.common import (
 )
 from sdq.producer.generate import lookups as generate_lookups
 from sdq.producer.generate.export import FORMATS, export_run
-from sdq.producer.generate.gallery import copy_gallery
+from sdq.producer.generate.gallery import copy_gallery, generation_run
 from sdq.producer.generate.plan import DEFAULT_TEMPLATE, Defaults, plan_jobs
 from sdq.producer.generate.submit import Batching, Submission, record_run
 from sdq.producer.launch import visible_gpus
@@ -285,19 +282,8 @@ def report_run(app: SdqCelery, run_id: int, as_json: bool) -> None:
 
 def write_gallery(app: SdqCelery, run_id: int) -> dict[str, str]:
     with app.sessions() as session:
-        _generation_run(session, run_id)
+        generation_run(session, run_id)
     return galleries.write_gallery(app.sessions, app.store, run_id)
-
-
-def _generation_run(session: Session, run_id: int) -> None:
-    """Refuses a run that renders no images: its gallery would be an empty page."""
-    with found():
-        run = lookups.get_run(session, run_id)
-    if run.kind != GENERATE.name:
-        raise InputError(
-            f"run {run_id} is a {run.kind} run: a gallery shows a {GENERATE.name} run's "
-            f"images (`sdq status {run_id}` shows this one)"
-        )
 
 
 @click.command()
@@ -317,7 +303,7 @@ def gallery(app: SdqCelery, run_id: int, output: Path | None, as_json: bool) -> 
     try:
         if output:
             with app.sessions() as session:
-                _generation_run(session, run_id)
+                generation_run(session, run_id)
                 jobs = galleries.gallery_jobs(session, run_id)
             page = copy_gallery(app.store, run_id, jobs, output)
             written = {"gallery": str(page), "gallery_link": page.resolve().as_uri()}

@@ -167,8 +167,7 @@ def start(
     """Train on dataset NAME's latents made with the base model at the resolution.
 
     Without a broker (SDQ_BROKER_URL unset) the work runs here, in this process."""
-    # 1. Options that cannot go together, a configuration that cannot fit: refused before
-    #    anything is written.
+    # 1. Refused before anything is written: options that do not go together or fit.
     evaluation_asked = pop_evaluation_options(options)
     train_options = _checked_options(app, base, resume_from, into, options)
     prompts = _validation_prompts(validation_prompts) if validation_prompts else ()
