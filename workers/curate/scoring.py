@@ -134,7 +134,7 @@ class LoadedScorers:
         device = torch.device(device_name())
         # Half precision on a GPU; scores are read as float32 either way.
         dtype = torch.float16 if device.type == "cuda" else torch.float32
-        model, tokenizer, processor = self._clip(ref)
+        model, tokenizer, processor = self._clip(ref, dtype)
         return Scorer(
             model=model.to(device, dtype).eval().requires_grad_(False),
             pixels=Pixels.of(processor, device),
@@ -145,13 +145,16 @@ class LoadedScorers:
             dtype=dtype,
         )
 
-    def _clip(self, ref: ScorerRef) -> tuple[CLIPModel, CLIPTokenizer, CLIPImageProcessorPil]:
+    def _clip(
+        self, ref: ScorerRef, dtype: torch.dtype
+    ) -> tuple[CLIPModel, CLIPTokenizer, CLIPImageProcessorPil]:
         if ref.model_source == tiny.TINY_NAME:
             check_tiny_revision(ref.model_revision, tiny.clip_revision())
             return build_clip()
         where = self.files.locate(ref.model_source, ref.model_revision, marker=CLIP_CONFIG)
         return (
-            CLIPModel.from_pretrained(where.path, revision=where.revision),
+            # Loaded in the dtype it runs in: no float32 copy of a large CLIP on the way.
+            CLIPModel.from_pretrained(where.path, revision=where.revision, dtype=dtype),
             CLIPTokenizer.from_pretrained(where.path, revision=where.revision),
             CLIPImageProcessorPil.from_pretrained(where.path, revision=where.revision),
         )
