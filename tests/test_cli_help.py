@@ -1,6 +1,8 @@
 """Help that stands on its own: every command and option says what it does, the prompt file's
 columns and the settings are in the help, and every command that reports has --json."""
 
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import click
@@ -9,6 +11,7 @@ from click.testing import CliRunner
 
 from sdq.producer.cli.main import main
 from sdq.producer.prompts import COLUMNS
+from tests.conftest import ROOT
 
 # Commands that start a long-running service report nothing to parse.
 SERVICES = {"sdq worker gpu", "sdq worker cpu", "sdq beat", "sdq flower", "sdq metrics"}
@@ -97,3 +100,31 @@ def test_a_folder_without_an_embedded_home_says_so_and_makes_none(tmp_path, monk
         assert f"no sdq database at {tmp_path / 'sdq-data' / 'sdq.db'}" in said, command
         assert "run it from the folder of your runs, or set SDQ_HOME" in said
     assert not (tmp_path / "sdq-data").exists()
+
+
+# What the extras bring (gpu, monitor, trackers): none is imported as the command line
+# starts, so the README's first block (the gpu extra alone) and a producer-only install
+# (none) work; each is imported by the command or the worker that uses it.
+EXTRA_MODULES = ["torch", "diffusers", "transformers", "safetensors", "accelerate", "peft",
+                 "faiss", "prometheus_client", "flower", "tensorboard", "wandb",
+                 "torchmetrics"]  # fmt: skip
+WITHOUT_EXTRAS = """
+import sys
+for name in {modules!r}:
+    sys.modules[name] = None  # an import of it fails, as where it is not installed
+from sdq.producer.cli.start import main
+sys.argv = ["sdq", *sys.argv[1:]]
+main()
+"""
+
+
+def test_the_command_line_starts_without_any_extra() -> None:
+    script = WITHOUT_EXTRAS.format(modules=EXTRA_MODULES)
+    for group in [
+        "",
+        *(name for name, cmd in main.commands.items() if isinstance(cmd, click.Group)),
+    ]:
+        done = subprocess.run([sys.executable, "-c", script, *filter(None, [group]), "--help"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, (group, done.stderr[-2000:])
+        assert "Usage: sdq" in done.stdout

@@ -3,8 +3,8 @@ latest step, speed and loss, while it runs and for a while after."""
 
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-from prometheus_client.core import GaugeMetricFamily, Metric
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
@@ -12,6 +12,11 @@ from sdq.models.jobs.kinds import TRAIN
 from sdq.models.jobs.lifecycle import utcnow
 from sdq.models.tables import Run
 from sdq.models.train.tables import TrainStep
+
+# prometheus_client is the `monitor` extra's: imported where `sdq metrics` scrapes, never
+# by the command line's start (this module is the train kind's hook).
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 # A finished run's figures stay on the scrape this long, for a dashboard to show its end.
 SHOWN_AFTER_ITS_END = timedelta(hours=1)
@@ -22,7 +27,9 @@ GAUGES = {
 }
 
 
-def train_gauges(session: Session) -> Iterator[Metric]:
+def train_gauges(session: Session) -> Iterator["Metric"]:
+    from prometheus_client.core import GaugeMetricFamily
+
     families = {key: GaugeMetricFamily(name, text, labels=["run"])
                 for key, (name, text) in GAUGES.items()}  # fmt: skip
     shown = or_(Run.finished_at.is_(None), Run.finished_at >= utcnow() - SHOWN_AFTER_ITS_END)
