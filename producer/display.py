@@ -4,6 +4,7 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Any
 
 from rich.console import Console
@@ -17,6 +18,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from sdq.models.datasets import SampleStatus
 from sdq.models.jobs.kinds import KINDS
 from sdq.models.periodic import every
 
@@ -166,7 +168,10 @@ def show_job(job: dict[str, Any]) -> None:
 
 
 def show_dataset(summary: dict[str, Any]) -> None:
-    stdout.print(f"[bold]dataset {summary['name']}[/bold]: {summary['samples']} samples")
+    kept = summary["by_status"].get(SampleStatus.success, 0)
+    stdout.print(
+        f"[bold]dataset {summary['name']}[/bold]: {summary['samples']} samples, {kept} kept"
+    )
     stdout.print(rows_table([summary["by_status"]], list(summary["by_status"]), title="status"))
     if summary["reasons"]:
         reasons = [{"reason": reason, "rows": n} for reason, n in summary["reasons"].items()]
@@ -218,7 +223,10 @@ def _cell(column: str, value: Any) -> str:
     if value is None:
         return ""
     if column == "at" or column.endswith("_at"):
-        return value[:19].replace("T", " ")  # ISO timestamps, to the second, in UTC
+        # ISO timestamps, to the second, in UTC: as text from lookups and SQLite, as
+        # datetimes from Postgres through `sdq sql`.
+        text = value.isoformat() if isinstance(value, datetime) else str(value)
+        return text[:19].replace("T", " ")
     if isinstance(value, dict):
         return ", ".join(f"{key} {count}" for key, count in value.items())
     return str(value)

@@ -107,6 +107,8 @@ def test_a_filtered_dataset_is_encoded_trained_on_and_traced_to_the_urls_it_kept
     # No image was copied: the new dataset's shards are the parent's files.
     store = tmp_path / "sdq-data/store"
     assert not (store / "datasets/best").exists()
+    said = sdq(env, tmp_path, "dataset", "show", "best").stdout
+    assert "dataset best: 15 samples, 9 kept" in " ".join(said.split())
     # Its page: each score's histogram with the cut, the samples at either end as images.
     page = sdq_json(env, "dataset", "show", "best", cwd=tmp_path)
     aesthetic = page["scores"]["aesthetic"]

@@ -92,6 +92,11 @@ def check_rows_as_the_database_returns_them(env: dict[str, str]) -> None:
     assert sql(env, twice, "--csv").stdout == "a,a,a_2\n7,8,9\n"
     assert json.loads(sql(env, twice, "--json").stdout) == [{"a": 7, "a_3": 8, "a_2": 9}]
     table = sql(env, twice).stdout
+    assert "cut to fit" not in sql(env, twice).stderr
+    wide = sql({**env, "COLUMNS": "80"}, "SELECT * FROM run_summary")
+    assert wide.returncode == 0 and "name fewer columns, or give --csv or --json" in " ".join(
+        wide.stderr.split()
+    )
     assert re.search(r"\ba\b.*\ba\b.*\ba_2\b", table) and re.search(r"\b7\b.*\b8\b.*\b9\b", table)
     for query in ["SELECT 1; SELECT 2", "SELECT 1 AS x;\n SELECT * FROM jobs;"]:
         refused = sql(env, query)

@@ -82,6 +82,11 @@ def _print(rows: list[tuple], columns: list[str], *, as_csv: bool, as_json: bool
         table = display.rows_table([dict(zip(keys, row, strict=True)) for row in rows], keys,
                                    headers=columns)  # fmt: skip
         display.stdout.print(table)
+        console = display.stdout
+        unbounded = console.options.update_width(10**6)  # what the cells would take
+        if console.measure(table, options=unbounded).maximum > console.width:
+            display.hint("cells were cut to fit the terminal: name fewer columns, or give "
+                         "--csv or --json")  # fmt: skip
 
 
 def _unique(columns: list[str]) -> list[str]:
