@@ -4,7 +4,9 @@ and Ctrl-C stops the watching, even when Python drops its KeyboardInterrupt."""
 
 import os
 import signal
+import sys
 import time
+import weakref
 
 import pytest
 
@@ -75,5 +77,36 @@ def test_ctrl_c_is_remembered_unless_the_command_was_started_deaf_to_it(ignored:
                 interrupted = True
             assert (interrupted, pressed()) == (not ignored, not ignored)
         assert signal.getsignal(signal.SIGINT) is before
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_python_drops_in_a_callback_still_stops_the_work() -> None:
+    """A SIGINT handled while a weakref callback runs is dropped by Python ("Exception
+    ignored in ..."): it is sent again and interrupts the work that goes on after it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    hook = sys.unraisablehook
+
+    class Held:
+        pass
+
+    def collected(reference: weakref.ref) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.5)  # handled here, inside the callback, which cannot raise it
+
+    try:
+        with ctrl_c_kept() as pressed:
+            held = Held()
+            watcher = weakref.ref(held, collected)
+            try:
+                del held  # the callback runs now and drops its KeyboardInterrupt
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:  # the work, which the press must stop
+                    time.sleep(0.01)
+                interrupted = False
+            except KeyboardInterrupt:
+                interrupted = True
+            assert (interrupted, pressed(), watcher()) == (True, True, None)
+        assert sys.unraisablehook is hook
     finally:
         signal.signal(signal.SIGINT, previous)

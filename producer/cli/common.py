@@ -4,6 +4,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn, TypeVar
@@ -252,25 +253,41 @@ def _alive(pid: int) -> bool:
 
 @contextmanager
 def ctrl_c_kept() -> Iterator[Callable[[], bool]]:
-    """Ctrl-C raises KeyboardInterrupt as always, and is remembered: Python drops one that
-    lands while a garbage collector callback runs ("Exception ignored in ..."), and the
-    work would go on to the run's end. A remembered one stops it before the next message.
-    A command started with SIGINT ignored (in the background, by a script) keeps it so."""
+    """Ctrl-C raises KeyboardInterrupt as always, and is remembered. Python drops one that
+    lands while a callback of the garbage collector runs ("Exception ignored in ..."): it
+    is sent again, to land in the work itself, so that the job in hand stops and goes back
+    rather than running to its end. A command started with SIGINT ignored (in the
+    background, by a script) keeps it so."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         yield lambda: False
         return
     pressed = False
+    left = threading.Event()
 
     def interrupted(signum: int, frame: Any) -> None:
         nonlocal pressed
         pressed = True
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGINT, interrupted)
+    def dropped(unraisable: Any) -> None:
+        if not issubclass(unraisable.exc_type, KeyboardInterrupt):
+            return previous_hook(unraisable)
+        # Not from here: a signal sent now would be handled inside this hook, and dropped.
+        threading.Timer(0.05, _press_again, args=(left,)).start()
+
+    previous, previous_hook = signal.signal(signal.SIGINT, interrupted), sys.unraisablehook
+    sys.unraisablehook = dropped
     try:
         yield lambda: pressed
     finally:
+        left.set()
+        sys.unraisablehook = previous_hook
         signal.signal(signal.SIGINT, previous)
+
+
+def _press_again(left: threading.Event) -> None:
+    if not left.is_set():
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 def _stop_here(app: SdqCelery, run_id: int, worker: Worker, reason: str, code: int) -> NoReturn:
