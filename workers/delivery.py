@@ -17,6 +17,7 @@ from sdq.models.db import bound_waits, make_engine, session_factory
 from sdq.models.jobs.delivery import Outcome, Work, deliver
 from sdq.models.jobs.kinds import KINDS, Kind, Pool
 from sdq.models.jobs.lifecycle import Worker, fail, retry_due
+from sdq.models.jobs.notices import notices_url, publish_settled
 from sdq.workers import sickness
 from sdq.workers.app import SdqCelery, worker_identity
 from sdq.workers.cores import share_cores
@@ -179,7 +180,8 @@ def _settle(task: Task, kind: Kind, job_ids: list[int], outcome: Outcome, *, me:
 
 def _after_work(task: Task, kind: Kind, job_ids: list[int], outcome: Outcome, me: str) -> None:
     """On a worker: its warm queues follow what its process holds now (the kind's `follow`:
-    before a retry is routed), and a GPU's failures are counted for its health."""
+    before a retry is routed), a GPU's failures are counted for its health, and whoever
+    waits for the settled jobs hears of them (models/jobs/notices.py)."""
     if (follow := kind.worker_hooks().follow) is not None:
         try:
             follow(task)
@@ -187,6 +189,9 @@ def _after_work(task: Task, kind: Kind, job_ids: list[int], outcome: Outcome, me
             logger.exception("%s: its warm queues were not followed", kind.name)
     if kind.pool is Pool.gpu:
         sickness.after_task(task, job_ids, outcome, me=me)
+    if (url := notices_url(task.app.settings)) is not None:
+        unsettled = {*outcome.retry, *outcome.held, *outcome.foreign}
+        publish_settled(url, [job_id for job_id in job_ids if job_id not in unsettled])
 
 
 def _retried(task: Task, kind: Kind, failed: list[int], again: list[int], countdown: float) -> str:

@@ -1,6 +1,20 @@
-"""What only generation jobs have: the prompt, style, model and seed, one row per job."""
+"""What only generation jobs have: the prompt, style, model and seed, one row per job; and
+the keys `sdq serve` takes requests for images with."""
 
-from sqlalchemy import BigInteger, Boolean, ForeignKey, Index, Integer, String, Text, false
+from datetime import datetime
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    false,
+    func,
+)
 from sqlalchemy.orm import Mapped, mapped_column
 
 from sdq.models.tables import Base, Id
@@ -36,3 +50,19 @@ class Generation(Base):
             postgresql_ops={"prompt": "gin_trgm_ops"},
         ),
     )
+
+
+class ApiKey(Base):
+    """A key `sdq serve` accepts. Only its SHA-256 is kept: a key is 32 random bytes, so
+    there is no dictionary to try against the hash, and a slow hash would only slow every
+    request."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    digest: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.current_timestamp()
+    )
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -52,6 +52,10 @@ class Kind:
     # Its jobs run on rank processes over GPUs of their own: `sdq worker gpu --train-ranks
     # N` gives the kind a worker of N GPUs, which serve nothing else.
     on_ranks: bool = False
+    # A queue of its own for work someone waits for (`sdq serve`'s requests), which its
+    # workers consume beside the kind's: a worker in the middle of a batch run takes a
+    # request as its next message, not after the batch (workers take their queues in turn).
+    lane: str | None = None
 
     @property
     def task_name(self) -> str:
@@ -168,7 +172,12 @@ def _hooks(module: str, kind: type[H]) -> H:
 
 
 GENERATE = Kind(
-    "generate", "generate", Pool.gpu, "images", preload=("sdq.workers.generate.pipelines",)
+    "generate",
+    "generate",
+    Pool.gpu,
+    "images",
+    preload=("sdq.workers.generate.pipelines",),
+    lane="generate.now",
 )
 DOWNLOAD = Kind("download", "download", Pool.cpu, "shards")
 ENCODE = Kind("encode", "encode", Pool.gpu, "shards", preload=("sdq.workers.encode.encoders",))
@@ -184,7 +193,13 @@ KINDS = {kind.name: kind for kind in (GENERATE, DOWNLOAD, CURATE, ENCODE, TRAIN,
 
 # Every queue, with the pool that consumes it.
 POOL_QUEUES = {
-    pool: tuple(kind.queue for kind in KINDS.values() if kind.pool is pool)
+    pool: tuple(
+        queue
+        for kind in KINDS.values()
+        if kind.pool is pool
+        for queue in (kind.queue, kind.lane)
+        if queue is not None
+    )
     + ((MAINTENANCE_QUEUE,) if pool is Pool.cpu else ())
     for pool in Pool
 }

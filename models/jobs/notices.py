@@ -1,0 +1,41 @@
+"""Word of settled jobs over Redis pub/sub: what `sdq serve` waits on instead of polling the
+database. A worker publishes each job it settles (done, served from the store, or dead) on
+the job's channel. Nothing is kept: a listener subscribes first, then reads the job's row,
+and so misses nothing that settles after its read."""
+
+import logging
+from collections.abc import Iterable
+from functools import cache
+
+import redis
+
+from sdq.models.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+def notices_url(settings: Settings) -> str | None:
+    """The Redis the notices travel on: the broker's, where it is Redis."""
+    url = settings.broker_url
+    return url if url and url.startswith(("redis://", "rediss://")) else None
+
+
+def channel(job_id: int) -> str:
+    return f"sdq:job:{job_id}"
+
+
+@cache
+def _client(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+
+
+def publish_settled(url: str, job_ids: Iterable[int]) -> None:
+    """One notice per job, in one round trip. A Redis that fails here costs a waiting
+    request only its answer's speed: it reads the job's row at its deadline."""
+    try:
+        with _client(url).pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.publish(channel(job_id), b"settled")
+            pipe.execute()
+    except redis.RedisError:
+        logger.exception("jobs %s: the notice that they settled was not sent", list(job_ids))

@@ -1,0 +1,378 @@
+"""`sdq serve`: images on request over HTTP, in front of the same queues, database and store
+as every other way in. Each request is a run with its jobs; the answer comes when the
+workers' notices say the images exist (models/jobs/notices.py), or with 202 and the job ids
+at SDQ_SERVE_WAIT_SECONDS; the jobs go on either way, and are cached."""
+
+import asyncio
+import base64
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Annotated, Any
+
+import orjson
+from fastapi import Depends, FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from kombu.exceptions import OperationalError as BrokerError
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+from sqlalchemy.exc import DBAPIError
+from starlette.concurrency import run_in_threadpool
+
+from sdq.models.generate.settings import GenerateSettings
+from sdq.models.generate.specs import image_key
+from sdq.models.jobs.notices import notices_url
+from sdq.models.store import StoreError
+from sdq.models.tables import FINISHED, Job, JobStatus
+from sdq.producer.generate.serve import submitting
+from sdq.producer.generate.serve.keys import key_name
+from sdq.producer.generate.serve.limits import Exceeded, Limits
+from sdq.producer.generate.serve.requests import ImageRequest, Refusal
+from sdq.producer.generate.serve.settling import settling
+from sdq.workers.app import SdqCelery
+
+MAX_BODY_BYTES = 1 << 20
+# A body over the limit but under this is read before the 413, so that its client hears it.
+DRAINED_BYTES = 16 << 20
+# An event stream says it is alive this often while its job has not settled.
+KEEPALIVE_SECONDS = 15.0
+# How long after its deadline an image no request waits for stops counting as in flight.
+FLIGHT_GRACE_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class Service:
+    app: SdqCelery
+    redis: Redis
+    limits: Limits
+    settings: GenerateSettings
+    default_model: str
+    auth: bool
+
+
+def create_api(app: SdqCelery, *, default_model: str, auth: bool = True) -> FastAPI:
+    url = notices_url(app.settings)
+    if url is None:
+        raise ValueError(
+            "sdq serve hears of finished images over Redis: SDQ_BROKER_URL must be a redis:// URL"
+        )
+    settings = app.settings.group(GenerateSettings)
+    redis = Redis.from_url(url)
+    limits = Limits(redis, settings.serve_requests_per_minute, settings.serve_images_in_flight)
+    api = FastAPI(title="sdq", summary="Stable Diffusion images on request, queued and recorded")
+    api.state.service = Service(app, redis, limits, settings, default_model, auth)
+    api.middleware("http")(_limit_body)
+    _add_error_answers(api)
+    _add_routes(api)
+    return api
+
+
+def _service(request: Request) -> Service:
+    return request.app.state.service
+
+
+bearer = HTTPBearer(auto_error=False)
+
+
+async def _caller(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+) -> str | None:
+    """The name of the caller's key (None where the service runs with --no-auth): 401
+    without a valid one, 429 past its requests a minute."""
+    service = _service(request)
+    if not service.auth:
+        return None
+    name = credentials and await run_in_threadpool(_name_of, service.app, credentials.credentials)
+    if name is None:
+        raise _Answer(
+            401,
+            "a valid API key is needed: `Authorization: Bearer KEY` (`sdq serve keys create "
+            "NAME` makes one)",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    await service.limits.take_request(name)
+    return name
+
+
+def _name_of(app: SdqCelery, key: str) -> str | None:
+    with app.sessions() as session:
+        return key_name(session, key)
+
+
+Caller = Annotated[str | None, Depends(_caller)]
+
+
+class _Answer(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+def _error(
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+    **more: Any,
+) -> JSONResponse:
+    """OpenAI's error body, which its clients read."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}, **more}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _add_error_answers(api: FastAPI) -> None:
+    @api.exception_handler(_Answer)
+    async def answered(request: Request, error: _Answer) -> JSONResponse:
+        return _error(error.status, error.message, param=error.param, headers=error.headers)
+
+    @api.exception_handler(Refusal)
+    async def refused(request: Request, error: Refusal) -> JSONResponse:
+        return _error(error.status, f"{error.field}: {error.message}", param=error.field)
+
+    @api.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0]
+        field = ".".join(str(part) for part in first["loc"] if part != "body") or "body"
+        return _error(
+            422,
+            f"{field}: {first['msg']}",
+            param=field,
+            detail=orjson.loads(orjson.dumps(error.errors(), default=str)),
+        )
+
+    @api.exception_handler(Exceeded)
+    async def exceeded(request: Request, error: Exceeded) -> JSONResponse:
+        return _error(429, error.message, headers={"Retry-After": str(error.retry_after)})
+
+    for outage in (DBAPIError, BrokerError, RedisError, StoreError, submitting.NotSent):
+
+        @api.exception_handler(outage)
+        async def unavailable(request: Request, error: Exception) -> JSONResponse:
+            return _error(
+                503, f"not served now, try again soon: {error}", headers={"Retry-After": "5"}
+            )
+
+
+async def _limit_body(request: Request, call_next):
+    """413 for a body over 1 MB by the length it declares, read and dropped first where it
+    is not huge (a client that is still sending reads no answer before it is done); a
+    body that declares no length (chunked) is not read at all: 411."""
+    if request.method == "POST":
+        declared = request.headers.get("content-length")
+        if declared is None:
+            return _error(411, "a request body must say its Content-Length")
+        if not declared.isdigit() or int(declared) > MAX_BODY_BYTES:
+            if declared.isdigit() and int(declared) <= DRAINED_BYTES:
+                async for _ in request.stream():
+                    pass
+            return _error(413, f"the body is over {MAX_BODY_BYTES} bytes")
+    return await call_next(request)
+
+
+def _add_routes(api: FastAPI) -> None:
+    api.get("/healthz", summary="Ready: the database and Redis answer")(healthz)
+    api.post("/v1/images/generations", summary="Images, answered when they exist")(generations)
+    api.post("/v1/jobs", status_code=202, summary="Images, answered at once with the jobs")(jobs)
+    api.get("/v1/jobs/{job_id}", summary="A job's status, timings and image")(job)
+    api.get("/v1/jobs/{job_id}/events", summary="A job's status as server-sent events")(events)
+    api.get(
+        "/v1/images/{spec_hash}.png",
+        name="image",
+        summary="An image by its spec hash",
+        response_class=Response,
+    )(image)
+
+
+async def healthz(request: Request) -> dict[str, bool]:
+    service = _service(request)
+    await service.redis.ping()
+    await run_in_threadpool(submitting.job_rows, service.app, [])
+    return {"ok": True}
+
+
+async def generations(body: ImageRequest, request: Request, caller: Caller) -> Response:
+    """OpenAI's images request, plus sdq's fields: the images once they exist (their URLs,
+    or the PNGs' bytes with `response_format: b64_json`), else 202 with the jobs at
+    SDQ_SERVE_WAIT_SECONDS, which go on."""
+    service = _service(request)
+    submitted = await _sent(service, body, caller)
+    deadline = time.monotonic() + service.settings.serve_wait_seconds
+    left = await _settled(service, caller, submitted.job_ids, deadline)
+    if left:
+        return JSONResponse(_pending(submitted, request), status_code=202)
+    rows = await run_in_threadpool(submitting.job_rows, service.app, submitted.job_ids)
+    failed = [job for job in rows if job.status is not JobStatus.succeeded]
+    if failed:
+        return _error(
+            500,
+            f"job {failed[0].id} {failed[0].status}: {failed[0].error}",
+            **_pending(submitted, request),
+        )
+    data = [await _image(service, job, body.response_format, request) for job in rows]
+    return JSONResponse({"created": int(time.time()), "data": data, **_pending(submitted, request)})
+
+
+async def jobs(body: ImageRequest, request: Request, caller: Caller) -> dict[str, Any]:
+    """The same request, answered as soon as its jobs are queued."""
+    service = _service(request)
+    submitted = await _sent(service, body, caller)
+    deadline = time.monotonic() + service.settings.serve_wait_seconds
+    _background(_settled(service, caller, submitted.job_ids, deadline))
+    return _pending(submitted, request)
+
+
+async def job(job_id: int, request: Request, caller: Caller) -> dict[str, Any]:
+    return _job_view(await _job(request, job_id), request)
+
+
+async def events(job_id: int, request: Request, caller: Caller) -> StreamingResponse:
+    """`queued`, then `done` or `failed` (each a JSON of the job), as they happen."""
+    service = _service(request)
+    await _job(request, job_id)
+    return StreamingResponse(_job_events(service, job_id, request), media_type="text/event-stream")
+
+
+async def image(spec_hash: str, request: Request, caller: Caller) -> Response:
+    service = _service(request)
+    key = await run_in_threadpool(submitting.stored_image, service.app, spec_hash)
+    if key is None:
+        raise _Answer(404, f"no image with spec hash {spec_hash!r}", param="spec_hash")
+    data = await run_in_threadpool(service.app.store.get_bytes, key)
+    return Response(
+        data,
+        media_type="image/png",
+        headers={"Cache-Control": "public, max-age=31536000, immutable"},
+    )
+
+
+async def _sent(service: Service, body: ImageRequest, caller: str | None) -> submitting.Submitted:
+    """The request's run written and sent, its images counted in flight for its key."""
+    if caller is not None:
+        await service.limits.check_room(caller, body.n)
+    submitted = await run_in_threadpool(
+        submitting.submit, service.app, body, key_name=caller, default_model=service.default_model
+    )
+    if caller is not None:
+        until = time.time() + service.settings.serve_wait_seconds + FLIGHT_GRACE_SECONDS
+        await service.limits.fly(caller, submitted.job_ids, until)
+    await run_in_threadpool(submitting.send, service.app, submitted.run_id)
+    return submitted
+
+
+async def _settled(
+    service: Service, caller: str | None, job_ids: list[int], deadline: float
+) -> set[int]:
+    """Waits for the jobs to settle (or the deadline); those that did no longer count in
+    flight. Returns those that did not."""
+
+    async with settling(service.redis, job_ids) as heard:
+        left = await heard.until(partial(_unsettled, service, job_ids), deadline)
+    if caller is not None:
+        await service.limits.land(caller, [job_id for job_id in job_ids if job_id not in left])
+    return left
+
+
+async def _unsettled(service: Service, job_ids: list[int]) -> set[int]:
+    return await run_in_threadpool(submitting.unsettled, service.app, job_ids)
+
+
+# Waits that outlive their request (`POST /v1/jobs`), kept from the garbage collector.
+_waits: set[asyncio.Task] = set()
+
+
+def _background(wait) -> None:
+    task = asyncio.get_running_loop().create_task(wait)
+    _waits.add(task)
+    task.add_done_callback(_waits.discard)
+
+
+async def _job(request: Request, job_id: int) -> Job:
+    found = await run_in_threadpool(submitting.job_of, _service(request).app, job_id)
+    if found is None:
+        raise _Answer(404, f"no generation job {job_id}", param="job_id")
+    return found
+
+
+async def _job_events(service: Service, job_id: int, request: Request) -> AsyncIterator[bytes]:
+    async with settling(service.redis, [job_id]) as heard:
+        job = await _job(request, job_id)
+        yield _event("queued" if job.status not in FINISHED else _settled_event(job), job, request)
+        while job.status not in FINISHED:
+            deadline = time.monotonic() + KEEPALIVE_SECONDS
+            if await heard.until(
+                lambda: run_in_threadpool(submitting.unsettled, service.app, [job_id]), deadline
+            ):
+                yield b": still waiting\n\n"
+                continue
+            job = await _job(request, job_id)
+            yield _event(_settled_event(job), job, request)
+
+
+def _settled_event(job: Job) -> str:
+    return "done" if job.status is JobStatus.succeeded else "failed"
+
+
+def _event(name: str, job: Job, request: Request) -> bytes:
+    return (
+        b"event: " + name.encode() + b"\ndata: " + orjson.dumps(_job_view(job, request)) + b"\n\n"
+    )
+
+
+def _job_view(job: Job, request: Request) -> dict[str, Any]:
+    made = job.status is JobStatus.succeeded and job.output_uri is not None
+    return {
+        "id": job.id,
+        "run_id": job.run_id,
+        "status": str(job.status),
+        "spec_hash": job.spec_hash,
+        "attempts": job.attempts,
+        "cached": job.cached,
+        "enqueued_at": job.enqueued_at and job.enqueued_at.isoformat(),
+        "started_at": job.started_at and job.started_at.isoformat(),
+        "finished_at": job.finished_at and job.finished_at.isoformat(),
+        "setup_seconds": job.setup_seconds,
+        "work_seconds": job.work_seconds,
+        "error": job.error,
+        "url": str(request.url_for("image", spec_hash=job.spec_hash)) if made else None,
+    }
+
+
+def _pending(submitted: submitting.Submitted, request: Request) -> dict[str, Any]:
+    return {
+        "run_id": submitted.run_id,
+        "job_ids": submitted.job_ids,
+        "jobs": [str(request.url_for("job", job_id=job_id)) for job_id in submitted.job_ids],
+    }
+
+
+async def _image(
+    service: Service, job: Job, response_format: str, request: Request
+) -> dict[str, Any]:
+    """One image as OpenAI's answer gives it; one the safety checker flagged, said so."""
+    if job.output_uri is None:
+        return {"flagged": True, "job_id": job.id}
+    if response_format == "b64_json":
+        data = await run_in_threadpool(service.app.store.get_bytes, image_key(job.spec_hash))
+        return {"b64_json": base64.b64encode(data).decode(), "job_id": job.id}
+    return {"url": _image_url(service, job, request), "job_id": job.id}
+
+
+def _image_url(service: Service, job: Job, request: Request) -> str:
+    """A presigned link where the store is S3 (it serves the bytes itself), else this
+    service's own."""
+    if service.app.settings.store_url.startswith("s3://"):
+        return service.app.store.link(image_key(job.spec_hash), expires_seconds=3600)
+    return str(request.url_for("image", spec_hash=job.spec_hash))

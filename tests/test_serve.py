@@ -1,0 +1,198 @@
+"""`sdq serve`: images on request over HTTP, as OpenAI's clients and sdq's own ask for them,
+through the real queue, worker, database and store: each request a run, twins from the
+store, keys, limits, bad input named by field, and the lane that takes a request ahead of a
+batch run."""
+
+import base64
+import io
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import psycopg
+from PIL import Image
+
+from tests.conftest import ROOT, WorkerProcess, sdq_json
+from tests.services import answers, free_port, listening, wait_for
+
+TINY = {"size": "64x64", "steps": 2}
+
+
+@contextmanager
+def serving(env: dict[str, str], log: Path, *args: str) -> Iterator[str]:
+    """`sdq serve` as a user starts it; its base URL once /healthz answers."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sdq.producer.cli", "serve", "--port", str(port), *args],
+        env=env, cwd=ROOT, stdout=log.open("ab"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(
+            lambda: _exited(process, log) or answers(f"{base}/healthz"),
+            what=f"sdq serve (log: {log})",
+            timeout=60,
+        )
+        yield base
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def _exited(process: subprocess.Popen, log: Path) -> bool:
+    if process.poll() is not None:
+        raise RuntimeError(f"sdq serve exited: {log.read_text()[-3000:]}")
+    return False
+
+
+def new_key(env: dict[str, str], name: str) -> dict[str, str]:
+    key = sdq_json(env, "serve", "keys", "create", name)["key"]
+    return {"Authorization": f"Bearer {key}"}
+
+
+def runs_of(database_url: str, key_name: str) -> list[tuple[int, str]]:
+    """The key's runs, each with its jobs' statuses."""
+    with psycopg.connect(database_url) as db:
+        return db.execute(
+            "SELECT runs.id, string_agg(jobs.status, ',' ORDER BY jobs.id) FROM runs "
+            "JOIN jobs ON jobs.run_id = runs.id WHERE runs.options->>'api_key' = %s "
+            "GROUP BY runs.id ORDER BY runs.id", (key_name,),
+        ).fetchall()  # fmt: skip
+
+
+def png(data: bytes) -> Image.Image:
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return image
+
+
+def test_images_on_request_each_a_run_twins_from_the_store_and_jobs_with_events(
+    service_env: dict[str, str], worker: WorkerProcess, tmp_path: Path
+) -> None:
+    env = {**service_env, "SDQ_SERVE_MAX_IMAGES": "4"}
+    alice = new_key(env, "alice")
+    ask = {"prompt": "a red fox in the snow", "n": 2, "seed": 11, **TINY}
+    with (
+        serving(env, tmp_path / "serve.log") as base,
+        httpx.Client(base_url=base, timeout=120) as http,
+    ):
+        assert http.post("/v1/images/generations", json=ask).status_code == 401
+        wrong = {"Authorization": "Bearer sdq_not-a-key"}
+        assert http.post("/v1/images/generations", json=ask, headers=wrong).status_code == 401
+
+        # OpenAI's request as its clients send it (its own optional fields accepted).
+        openai = {"response_format": "b64_json", "quality": "hd", "user": "u1"}
+        asked = http.post("/v1/images/generations", headers=alice, json={**ask, **openai})
+        assert asked.status_code == 200, asked.text
+        answer = asked.json()
+        images = [png(base64.b64decode(entry["b64_json"])) for entry in answer["data"]]
+        assert [image.size for image in images] == [(64, 64)] * 2
+        assert images[0].tobytes() != images[1].tobytes()  # seeds 11 and 12
+        database = env["SDQ_DATABASE_URL"]
+        assert runs_of(database, "alice") == [(answer["run_id"], "succeeded,succeeded")]
+
+        # The same request again: its images come from the store, as URLs this time.
+        again = http.post("/v1/images/generations", headers=alice, json=ask)
+        assert again.status_code == 200, again.text
+        with psycopg.connect(database) as db:
+            cached = db.execute("SELECT bool_and(cached) FROM jobs WHERE run_id = %s",
+                                (again.json()["run_id"],)).fetchone()[0]  # fmt: skip
+        assert cached
+        fetched = [httpx.get(entry["url"]).content for entry in again.json()["data"]]
+        assert [png(data).tobytes() for data in fetched] == [image.tobytes() for image in images]
+
+        # Jobs answered at once, followed by their events and their record.
+        queued = http.post("/v1/jobs", headers=alice, json={**ask, "n": 1, "seed": 99})
+        assert queued.status_code == 202, queued.text
+        [job_id] = queued.json()["job_ids"]
+        with http.stream("GET", f"/v1/jobs/{job_id}/events", headers=alice) as stream:
+            events = [line.removeprefix("event: ") for line in stream.iter_lines()
+                      if line.startswith("event: ")]  # fmt: skip
+        assert events[-1] == "done" and events[0] in ("queued", "done")
+        record = http.get(f"/v1/jobs/{job_id}", headers=alice).json()
+        assert record["status"] == "succeeded" and record["work_seconds"] > 0
+        image = http.get(record["url"], headers=alice)
+        assert image.headers["content-type"] == "image/png" and png(image.content).size == (64, 64)
+        assert http.get("/v1/jobs/999999999", headers=alice).status_code == 404
+
+        assert "/v1/images/generations" in http.get("/openapi.json").json()["paths"]
+
+
+def test_bad_requests_are_named_by_field_and_write_nothing(
+    service_env: dict[str, str], tmp_path: Path
+) -> None:
+    env = {**service_env, "SDQ_SERVE_MAX_IMAGES": "4", "SDQ_SERVE_MAX_STEPS": "50"}
+    bob = new_key(env, "bob")
+    good = {"prompt": "a castle", **TINY}
+    refused = [
+        ({**good, "colour": "red"}, 422, "colour"),  # neither sdq's nor OpenAI's
+        ({**good, "size": "65x64"}, 422, "size"),
+        ({**good, "n": 5}, 422, "n"),
+        ({**good, "steps": 51}, 422, "steps"),
+        ({**good, "response_format": "jpeg"}, 422, "response_format"),
+        ({**good, "prompt": ""}, 422, "prompt"),
+        ({**good, "model": "no-such-model"}, 404, "model"),
+        ({**good, "model": "/etc"}, 422, "model"),  # the server's files are not named
+        ({**good, "lora": ["no-such-lora"]}, 404, "lora"),
+    ]
+    with (
+        serving(env, tmp_path / "serve.log") as base,
+        httpx.Client(base_url=base, timeout=60) as http,
+    ):
+        for body, status, field in refused:
+            answer = http.post("/v1/jobs", headers=bob, json=body)
+            assert (answer.status_code, answer.json()["error"]["param"]) == (status, field), body
+        malformed = http.post("/v1/jobs", headers={**bob, "Content-Type": "application/json"},
+                              content=b'{"prompt": "a castle",')  # fmt: skip
+        assert malformed.status_code == 422
+        huge = http.post("/v1/jobs", headers=bob, json={"prompt": "x" * (1 << 20)})
+        assert huge.status_code == 413
+    assert runs_of(env["SDQ_DATABASE_URL"], "bob") == []
+
+
+def test_limits_per_key_a_revoked_key_and_an_outage(
+    own_deployment: dict[str, str], tmp_path: Path
+) -> None:
+    """No worker here: images stay in flight. Its own Redis (the broker), stopped midway:
+    503 with Retry-After, and nothing written."""
+    port = free_port()
+    redis_server = subprocess.Popen(["redis-server", "--port", str(port), "--save", "",
+                                     "--appendonly", "no"], stdout=subprocess.DEVNULL)  # fmt: skip
+    env = {**own_deployment, "SDQ_BROKER_URL": f"redis://127.0.0.1:{port}/0",
+           "SDQ_SERVE_IMAGES_IN_FLIGHT": "5", "SDQ_SERVE_REQUESTS_PER_MINUTE": "20"}  # fmt: skip
+    carol, dave = new_key(env, "carol"), new_key(env, "dave")
+    try:
+        wait_for(lambda: listening(port), what="this test's Redis")
+        with (
+            serving(env, tmp_path / "serve.log") as base,
+            httpx.Client(base_url=base, timeout=60) as http,
+        ):
+            first = http.post("/v1/jobs", headers=carol, json={"prompt": "a", "n": 4, **TINY})
+            assert first.status_code == 202, first.text
+            full = http.post("/v1/jobs", headers=carol, json={"prompt": "b", "n": 2, **TINY})
+            assert full.status_code == 429 and int(full.headers["Retry-After"]) >= 1
+            assert "in flight" in full.json()["error"]["message"]
+            # Another key has room of its own; past its requests a minute, it waits.
+            said = [http.get("/v1/jobs/1", headers=dave).status_code for _ in range(21)]
+            assert 429 not in said[:20] and said[20] == 429
+            revoked = subprocess.run(
+                [sys.executable, "-m", "sdq.producer.cli", "serve", "keys", "revoke", "carol"],
+                env=env, cwd=ROOT, capture_output=True, text=True,
+            )  # fmt: skip
+            assert revoked.returncode == 0, revoked.stderr
+            assert http.get("/v1/jobs/1", headers=carol).status_code == 401
+            redis_server.kill()
+            redis_server.wait()
+            out = http.post("/v1/jobs", headers=dave, json={"prompt": "c", **TINY})
+            assert out.status_code == 503 and out.headers["Retry-After"], out.text
+    finally:
+        redis_server.kill()
+    assert [statuses for _, statuses in runs_of(env["SDQ_DATABASE_URL"], "carol")] == [
+        "queued,queued,queued,queued"
+    ]
+    assert runs_of(env["SDQ_DATABASE_URL"], "dave") == []
+    listed = {row["name"]: row for row in sdq_json(env, "serve", "keys", "list")}
+    assert listed["carol"]["revoked_at"] and listed["dave"]["revoked_at"] is None
