@@ -200,7 +200,7 @@ def test_the_kubernetes_deployment_hangs_together() -> None:
         by_kind.setdefault(document["kind"], {})[document["metadata"]["name"]] = document
     deployments = by_kind["Deployment"]
     assert set(deployments) == {"sdq-worker-gpu", "sdq-worker-cpu", "sdq-beat", "sdq-flower",
-                                "sdq-metrics"}  # fmt: skip
+                                "sdq-metrics", "sdq-serve"}  # fmt: skip
     assert deployments["sdq-beat"]["spec"]["replicas"] == 1
     gpu = deployments["sdq-worker-gpu"]["spec"]["template"]["spec"]["containers"][0]
     assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -227,7 +227,13 @@ def test_the_kubernetes_deployment_hangs_together() -> None:
             assert sources == {"sdq-settings", "sdq-secrets"}
     # Each pool scales on exactly the queues it consumes; the GPU pool leaves the kinds that
     # run on ranks (training) to machines of their own.
-    pooled = [kind.queue for kind in KINDS.values() if kind.pool is Pool.gpu and not kind.on_ranks]
+    pooled = [
+        queue
+        for kind in KINDS.values()
+        if kind.pool is Pool.gpu and not kind.on_ranks
+        for queue in (kind.queue, kind.lane)
+        if queue
+    ]
     assert gpu["args"][gpu["args"].index("--queues") + 1] == ",".join(pooled)
     scaled = {
         document["spec"]["scaleTargetRef"]["name"]: {

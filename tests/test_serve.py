@@ -178,11 +178,7 @@ def test_limits_per_key_a_revoked_key_and_an_outage(
             # Another key has room of its own; past its requests a minute, it waits.
             said = [http.get("/v1/jobs/1", headers=dave).status_code for _ in range(21)]
             assert 429 not in said[:20] and said[20] == 429
-            revoked = subprocess.run(
-                [sys.executable, "-m", "sdq.producer.cli", "serve", "keys", "revoke", "carol"],
-                env=env, cwd=ROOT, capture_output=True, text=True,
-            )  # fmt: skip
-            assert revoked.returncode == 0, revoked.stderr
+            assert sdq_json(env, "serve", "keys", "revoke", "carol")["revoked"]
             assert http.get("/v1/jobs/1", headers=carol).status_code == 401
             redis_server.kill()
             redis_server.wait()
@@ -196,3 +192,38 @@ def test_limits_per_key_a_revoked_key_and_an_outage(
     assert runs_of(env["SDQ_DATABASE_URL"], "dave") == []
     listed = {row["name"]: row for row in sdq_json(env, "serve", "keys", "list")}
     assert listed["carol"]["revoked_at"] and listed["dave"]["revoked_at"] is None
+
+
+def test_a_request_goes_ahead_of_a_queued_batch_run(
+    own_deployment: dict[str, str], tmp_path: Path
+) -> None:
+    """A batch run of 20 messages is queued before the request; the worker that starts
+    then takes the request at its next message (the lane, `generate.now`), not after
+    the batch."""
+    env = {**own_deployment, "SDQ_BATCH_SIZE": "2", "SDQ_CALLS_PER_TASK": "1"}
+    prompts = tmp_path / "prompts.csv"
+    prompts.write_text("prompt\n" + "".join(f"batch image {i}\n" for i in range(40)))
+    batch = sdq_json(env, "submit", str(prompts), "--size", "64x64", "--steps", "2")
+    eve = new_key(env, "eve")
+    with (
+        serving(env, tmp_path / "serve.log") as base,
+        httpx.Client(base_url=base, timeout=60) as http,
+    ):
+        asked = http.post("/v1/jobs", headers=eve, json={"prompt": "now, please", **TINY})
+        assert asked.status_code == 202, asked.text
+        [job_id] = asked.json()["job_ids"]
+        worker = WorkerProcess(env, tmp_path / "worker.log").start()
+        try:
+            wait_for(
+                lambda: http.get(f"/v1/jobs/{job_id}", headers=eve).json()["status"] == "succeeded",
+                what="the request's image", timeout=240,
+            )  # fmt: skip
+        finally:
+            worker.stop()
+    with psycopg.connect(env["SDQ_DATABASE_URL"]) as db:
+        [before] = db.execute(
+            "SELECT count(*) FROM jobs WHERE run_id = %s AND status = 'succeeded' AND "
+            "finished_at < (SELECT finished_at FROM jobs WHERE id = %s)", (batch["run_id"], job_id),
+        ).fetchone()  # fmt: skip
+    # At most the message the worker took first, and the one it had reserved: 2 jobs each.
+    assert before <= 4, f"{before} of the batch's 40 images went before the request"

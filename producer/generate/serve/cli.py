@@ -18,7 +18,13 @@ from sdq.workers.app import SdqCelery
 
 @click.group(invoke_without_command=True)
 @click.option("--host", default="127.0.0.1", show_default=True, help="The address to listen on.")
-@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option(
+    "--port",
+    default=8000,
+    show_default=True,
+    type=click.IntRange(1, 65535),
+    help="The port to listen on.",
+)
 @click.option(
     "--model",
     default="tiny",
@@ -97,9 +103,13 @@ def list_(app: SdqCelery, as_json: bool) -> None:
 
 @keys.command()
 @click.argument("name")
+@json_option
 @pass_app
-def revoke(app: SdqCelery, name: str) -> None:
+def revoke(app: SdqCelery, name: str, as_json: bool) -> None:
     """Stop taking the key named NAME, at once."""
     with app.sessions.begin() as session, found():
         revoke_key(session, name)
-    click.echo(f"key {name!r} revoked")
+    if as_json:
+        display.print_json({"name": name, "revoked": True})
+    else:
+        click.echo(f"key {name!r} revoked")
