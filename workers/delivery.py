@@ -4,6 +4,7 @@ generic skeleton, then turn its outcome into an acknowledgement or a retry."""
 import socket
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any
 
 from celery import Task
@@ -17,7 +18,7 @@ from sdq.models.db import bound_waits, make_engine, session_factory
 from sdq.models.jobs.delivery import Outcome, Work, deliver
 from sdq.models.jobs.kinds import KINDS, Kind, Pool
 from sdq.models.jobs.lifecycle import Worker, fail, retry_due
-from sdq.models.jobs.notices import notices_url, publish_settled
+from sdq.models.jobs.notices import notices_url, publish
 from sdq.workers import sickness
 from sdq.workers.app import SdqCelery, worker_identity
 from sdq.workers.cores import share_cores
@@ -142,6 +143,7 @@ def deliver_task(
             sessions=app.sessions,
             worker=worker,
             settings=app.settings.jobs,
+            on_claimed=_told(task, "running"),
         )
     except Exception as error:
         # The work could not be set up, or the database failed outside the work's own
@@ -189,9 +191,17 @@ def _after_work(task: Task, kind: Kind, job_ids: list[int], outcome: Outcome, me
             logger.exception("%s: its warm queues were not followed", kind.name)
     if kind.pool is Pool.gpu:
         sickness.after_task(task, job_ids, outcome, me=me)
-    if (url := notices_url(task.app.settings)) is not None:
-        unsettled = {*outcome.retry, *outcome.held, *outcome.foreign}
-        publish_settled(url, [job_id for job_id in job_ids if job_id not in unsettled])
+    unsettled = {*outcome.retry, *outcome.held, *outcome.foreign}
+    _told(task, "settled")([job_id for job_id in job_ids if job_id not in unsettled])
+
+
+def _told(task: Task, what: str) -> Callable[[list[int]], None]:
+    """Tells whoever waits for these jobs (`sdq serve`) that they are `what` now, where the
+    notices have a Redis to travel on and a worker sends them (not in-process)."""
+    url = notices_url(task.app.settings)
+    if url is None or task.request.is_eager:
+        return lambda job_ids: None
+    return partial(publish, url, what=what)
 
 
 def _retried(task: Task, kind: Kind, failed: list[int], again: list[int], countdown: float) -> str:

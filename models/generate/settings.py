@@ -100,10 +100,12 @@ class GenerateSettings:
     compile_backend: str = setting("SDQ_COMPILE_BACKEND", "inductor", read=_compile_backend)
     # `sdq serve`: how long a request waits for its images before it is answered 202 with
     # its jobs (which go on, and are cached); the most images (`n`) and steps one request
-    # may ask for; and each API key's requests a minute and images in flight, past which
-    # it is answered 429 with Retry-After.
+    # may ask for; each API key's requests a minute and images in flight, past which it is
+    # answered 429 with Retry-After; and how long a request waits for others with the same
+    # pipeline call's settings, to be rendered with them in one call (0: never).
     serve_wait_seconds: float = setting("SDQ_SERVE_WAIT_SECONDS", 60.0)
     serve_max_images: int = setting("SDQ_SERVE_MAX_IMAGES", 10)
     serve_max_steps: int = setting("SDQ_SERVE_MAX_STEPS", 150)
     serve_requests_per_minute: int = setting("SDQ_SERVE_REQUESTS_PER_MINUTE", 120)
     serve_images_in_flight: int = setting("SDQ_SERVE_IMAGES_IN_FLIGHT", 32)
+    serve_batch_window_ms: int = setting("SDQ_SERVE_BATCH_WINDOW_MS", 20, minimum=0)

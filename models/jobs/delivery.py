@@ -11,7 +11,7 @@ A kind supplies only its `Work`; the Celery task that calls `deliver` is a few l
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -97,14 +97,17 @@ def deliver(
     sessions: sessionmaker[Session],
     worker: Worker,
     settings: JobSettings,
+    on_claimed: Callable[[list[int]], None] = lambda job_ids: None,
 ) -> Outcome:
-    """A message's jobs, delivered once in effect, whatever fails and wherever."""
+    """A message's jobs, delivered once in effect, whatever fails and wherever; `on_claimed`
+    hears which this delivery holds."""
     outcome = Outcome()
     # 1. Claim the message's jobs of this kind: those another worker holds, or that are
     #    done, are left alone.
     jobs = _claim(job_ids, kind, outcome, sessions=sessions, worker=worker, settings=settings)
     if not jobs:
         return outcome
+    on_claimed([job.id for job in jobs])
     # 2. Jobs whose outputs are stored already (a twin's, an earlier attempt's) are done.
     todo = _reuse(jobs, work, outcome, sessions=sessions, worker=worker)
     # 3. Work on the rest under kept leases, each output recorded as it comes.

@@ -1,7 +1,7 @@
-"""Word of settled jobs over Redis pub/sub: what `sdq serve` waits on instead of polling the
-database. A worker publishes each job it settles (done, served from the store, or dead) on
-the job's channel. Nothing is kept: a listener subscribes first, then reads the job's row,
-and so misses nothing that settles after its read."""
+"""Word of jobs over Redis pub/sub: what `sdq serve` waits on instead of polling the
+database. A worker publishes on a job's channel when it claims the job and when it settles
+it (done, served from the store, or dead). Nothing is kept: a listener subscribes first,
+then reads the job's row, and so misses nothing that happens after its read."""
 
 import logging
 from collections.abc import Iterable
@@ -29,13 +29,15 @@ def _client(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
 
 
-def publish_settled(url: str, job_ids: Iterable[int]) -> None:
-    """One notice per job, in one round trip. A Redis that fails here costs a waiting
-    request only its answer's speed: it reads the job's row at its deadline."""
+def publish(url: str, job_ids: Iterable[int], what: str) -> None:
+    """One notice per job (`running`, `settled`), in one round trip. A Redis that fails here
+    costs a waiting request only its answer's speed: it reads the job's row at its
+    deadline."""
+    job_ids = list(job_ids)
     try:
         with _client(url).pipeline(transaction=False) as pipe:
             for job_id in job_ids:
-                pipe.publish(channel(job_id), b"settled")
+                pipe.publish(channel(job_id), what.encode())
             pipe.execute()
     except redis.RedisError:
-        logger.exception("jobs %s: the notice that they settled was not sent", list(job_ids))
+        logger.exception("jobs %s: the notice that they are %s was not sent", job_ids, what)

@@ -28,6 +28,7 @@ from sdq.models.jobs.notices import notices_url
 from sdq.models.store import StoreError
 from sdq.models.tables import FINISHED, Job, JobStatus
 from sdq.producer.generate.serve import submitting
+from sdq.producer.generate.serve.coalescing import Coalescer
 from sdq.producer.generate.serve.keys import key_name
 from sdq.producer.generate.serve.limits import Exceeded, Limits
 from sdq.producer.generate.serve.requests import ImageRequest, Refusal
@@ -48,6 +49,7 @@ class Service:
     app: SdqCelery
     redis: Redis
     limits: Limits
+    coalescer: Coalescer
     settings: GenerateSettings
     default_model: str
     auth: bool
@@ -62,8 +64,13 @@ def create_api(app: SdqCelery, *, default_model: str, auth: bool = True) -> Fast
     settings = app.settings.group(GenerateSettings)
     redis = Redis.from_url(url)
     limits = Limits(redis, settings.serve_requests_per_minute, settings.serve_images_in_flight)
+    coalescer = Coalescer(
+        partial(run_in_threadpool, submitting.send_together, app),
+        window=settings.serve_batch_window_ms / 1000,
+        call_size=settings.batch_size,
+    )
     api = FastAPI(title="sdq", summary="Stable Diffusion images on request, queued and recorded")
-    api.state.service = Service(app, redis, limits, settings, default_model, auth)
+    api.state.service = Service(app, redis, limits, coalescer, settings, default_model, auth)
     api.middleware("http")(_limit_body)
     _add_error_answers(api)
     _add_routes(api)
@@ -239,7 +246,8 @@ async def job(job_id: int, request: Request, caller: Caller) -> dict[str, Any]:
 
 
 async def events(job_id: int, request: Request, caller: Caller) -> StreamingResponse:
-    """`queued`, then `done` or `failed` (each a JSON of the job), as they happen."""
+    """`queued`, `running`, then `done` or `failed` (each with the job's record), as they
+    happen."""
     service = _service(request)
     await _job(request, job_id)
     return StreamingResponse(_job_events(service, job_id, request), media_type="text/event-stream")
@@ -268,7 +276,10 @@ async def _sent(service: Service, body: ImageRequest, caller: str | None) -> sub
     if caller is not None:
         until = time.time() + service.settings.serve_wait_seconds + FLIGHT_GRACE_SECONDS
         await service.limits.fly(caller, submitted.job_ids, until)
-    await run_in_threadpool(submitting.send, service.app, submitted.run_id)
+    if service.coalescer.takes(len(submitted.job_ids)):
+        await service.coalescer.send(submitted.batch_key, submitted.run_id, submitted.job_ids)
+    else:
+        await run_in_threadpool(submitting.send, service.app, submitted.run_id)
     return submitted
 
 
@@ -307,22 +318,26 @@ async def _job(request: Request, job_id: int) -> Job:
 
 
 async def _job_events(service: Service, job_id: int, request: Request) -> AsyncIterator[bytes]:
+    """Each change of the job's state as an event, read from its row when its notices come
+    (and between them, should one be lost), a comment between to keep the stream open."""
+    said = None
     async with settling(service.redis, [job_id]) as heard:
-        job = await _job(request, job_id)
-        yield _event("queued" if job.status not in FINISHED else _settled_event(job), job, request)
-        while job.status not in FINISHED:
-            deadline = time.monotonic() + KEEPALIVE_SECONDS
-            if await heard.until(
-                lambda: run_in_threadpool(submitting.unsettled, service.app, [job_id]), deadline
-            ):
-                yield b": still waiting\n\n"
-                continue
+        while True:
             job = await _job(request, job_id)
-            yield _event(_settled_event(job), job, request)
+            if (now := _state(job)) != said:
+                yield _event(now, job, request)
+                said = now
+            if job.status in FINISHED:
+                return
+            if await heard.notice(KEEPALIVE_SECONDS) is None:
+                yield b": still waiting\n\n"
 
 
-def _settled_event(job: Job) -> str:
-    return "done" if job.status is JobStatus.succeeded else "failed"
+def _state(job: Job) -> str:
+    """A job's status as its events name it."""
+    if job.status in FINISHED:
+        return "done" if job.status is JobStatus.succeeded else "failed"
+    return "running" if job.status is JobStatus.running else "queued"
 
 
 def _event(name: str, job: Job, request: Request) -> bytes:

@@ -1,4 +1,4 @@
-"""Waiting for jobs to settle: subscribed to their notices (models/jobs/notices.py) before
+"""Waiting for jobs: subscribed to their notices (models/jobs/notices.py) before
 their rows are read, so nothing that settles after the read is missed, and no database is
 polled while a request waits."""
 
@@ -24,16 +24,18 @@ class Settling:
         deadline: float,
     ) -> set[int]:
         """Waits until none of the jobs is unsettled (as their rows say: read once now,
-        then again as notices come) or the deadline (a time.monotonic()); returns those
-        still unsettled."""
+        then again as their notices come) or the deadline (a time.monotonic()); returns
+        those still unsettled."""
         waiting = set(await unsettled())
         while waiting and (left := deadline - time.monotonic()) > 0:
-            notice = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=left)
-            if notice is None:
-                continue
-            if int(notice["channel"].rpartition(b":")[2]) in waiting:
+            if await self.notice(left) in waiting:
                 waiting = set(await unsettled())
         return waiting
+
+    async def notice(self, timeout: float) -> int | None:
+        """The job the next notice is about, or None when none comes in time."""
+        message = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout)
+        return None if message is None else int(message["channel"].rpartition(b":")[2])
 
 
 @asynccontextmanager

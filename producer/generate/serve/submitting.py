@@ -2,6 +2,8 @@
 stored images served from the store as they are written), then sent on the generate kind's
 lane (models/jobs/kinds.py). Plain, blocking code: the API runs it on its thread pool."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from sdq.workers.app import SdqCelery
 class Submitted:
     run_id: int
     job_ids: list[int]
+    batch_key: str  # what its jobs share of a pipeline call's settings
 
 
 class NotSent(Exception):
@@ -36,18 +39,17 @@ class NotSent(Exception):
 def submit(
     app: SdqCelery, request: ImageRequest, *, key_name: str | None, default_model: str
 ) -> Submitted:
-    """Checks the request, writes its run and jobs, and sends them; a problem before the
-    send writes nothing."""
+    """Checks the request and writes its run and jobs (`send` sends them): a problem
+    writes nothing."""
     settings = app.settings.group(GenerateSettings)
     size = check_limits(request, settings)
-    model_name = request.model or default_model
+    # The service's own default may be a folder on the server; a request's may not.
+    model_name = _not_a_path("model", request.model) if request.model else default_model
     with app.sessions() as session:
         model = _named(
             "model",
             model_name,
-            lambda: resolve_model(
-                _not_a_path("model", model_name), store=app.store, session=session
-            ),
+            lambda: resolve_model(model_name, store=app.store, session=session),
         )
         loras = tuple(
             _named(
@@ -70,17 +72,35 @@ def submit(
         job_ids = session.scalars(
             select(Job.id).where(Job.run_id == submission.run_id).order_by(Job.id)
         ).all()
-    return Submitted(submission.run_id, list(job_ids))
+    return Submitted(submission.run_id, list(job_ids), planned[0].spec.batch_key())
 
 
 def send(app: SdqCelery, run_id: int) -> None:
+    """The request's jobs, sent as a submit's are: `batch_size` a message."""
+    with _cancelled_unless_sent(app, [run_id]), app.sender(waited=True) as sender:
+        enqueue(app.sessions, sender, run_id)
+
+
+def send_together(app: SdqCelery, run_ids: list[int], job_ids: list[int]) -> None:
+    """The jobs of requests that arrived together, in one message: their specs share a
+    batch key (models/generate/specs.py), so one pipeline call renders them all. They were
+    written queued: nothing is left to mark."""
+    with _cancelled_unless_sent(app, run_ids), app.sender(waited=True) as sender:
+        sender(GENERATE, [job_ids], {"batch_size": len(job_ids)})
+
+
+@contextmanager
+def _cancelled_unless_sent(app: SdqCelery, run_ids: list[int]) -> Iterator[None]:
+    """A broker that does not take the requests' messages has their jobs cancelled, not
+    left to render for nobody, and the caller told (503)."""
     try:
-        with app.sender(waited=True) as sender:
-            enqueue(app.sessions, sender, run_id)
-    except EnqueueFailed as error:
+        yield
+    except Exception as error:  # kombu raises several kinds for a broker it cannot reach
         with app.sessions.begin() as session:
-            cancel_jobs(session, run_id)
-        raise NotSent(str(error.__cause__)) from error
+            for run_id in run_ids:
+                cancel_jobs(session, run_id)
+        cause = error.__cause__ if isinstance(error, EnqueueFailed) else error
+        raise NotSent(str(cause)) from error
 
 
 def _not_a_path(field: str, value: str) -> str:
