@@ -122,6 +122,10 @@ def test_images_on_request_each_a_run_twins_from_the_store_and_jobs_with_events(
         assert http.get("/v1/jobs/999999999", headers=alice).status_code == 404
 
         assert "/v1/images/generations" in http.get("/openapi.json").json()["paths"]
+        # Each request's latency, by route and status, for Prometheus.
+        scraped = http.get("/metrics/").text
+        counted = 'sdq_serve_request_seconds_count{route="/v1/images/generations",status="%s"}'
+        assert f"{counted % 200} 2.0" in scraped and f"{counted % 401} 2.0" in scraped
 
 
 def test_bad_requests_are_named_by_field_and_write_nothing(

@@ -72,9 +72,39 @@ def create_api(app: SdqCelery, *, default_model: str, auth: bool = True) -> Fast
     api = FastAPI(title="sdq", summary="Stable Diffusion images on request, queued and recorded")
     api.state.service = Service(app, redis, limits, coalescer, settings, default_model, auth)
     api.middleware("http")(_limit_body)
+    _add_metrics(api)
     _add_error_answers(api)
     _add_routes(api)
     return api
+
+
+def _add_metrics(api: FastAPI) -> None:
+    """Each request's latency by route and status at /metrics, for Prometheus to scrape on
+    every replica (with the monitor extra: prometheus_client)."""
+    try:
+        from prometheus_client import CollectorRegistry, Histogram, make_asgi_app
+    except ModuleNotFoundError:
+        return
+    registry = CollectorRegistry()  # this API's own: another in the process counts apart
+    latency = Histogram(
+        "sdq_serve_request_seconds",
+        "Time from a request to its answer, by route and status",
+        ["route", "status"],
+        buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+        registry=registry,
+    )
+
+    async def timed(request: Request, call_next):
+        started = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        latency.labels(route.path if route else "unknown", response.status_code).observe(
+            time.perf_counter() - started
+        )
+        return response
+
+    api.middleware("http")(timed)
+    api.mount("/metrics", make_asgi_app(registry))
 
 
 def _service(request: Request) -> Service:
