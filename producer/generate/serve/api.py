@@ -13,31 +13,30 @@ from typing import Annotated, Any
 
 import orjson
 from fastapi import Depends, FastAPI, Request, Response
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from kombu.exceptions import OperationalError as BrokerError
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
-from sqlalchemy.exc import DBAPIError
 from starlette.concurrency import run_in_threadpool
 
 from sdq.models.generate.settings import GenerateSettings
 from sdq.models.generate.specs import image_key
 from sdq.models.jobs.notices import notices_url
-from sdq.models.store import StoreError
 from sdq.models.tables import FINISHED, Job, JobStatus
 from sdq.producer.generate.serve import submitting
+from sdq.producer.generate.serve.answers import (
+    Answer,
+    add_error_answers,
+    add_metrics,
+    error_answer,
+    limit_body,
+)
 from sdq.producer.generate.serve.coalescing import Coalescer
 from sdq.producer.generate.serve.keys import key_name
-from sdq.producer.generate.serve.limits import Exceeded, Limits
-from sdq.producer.generate.serve.requests import ImageRequest, Refusal
+from sdq.producer.generate.serve.limits import Limits
+from sdq.producer.generate.serve.requests import ImageRequest
 from sdq.producer.generate.serve.settling import settling
 from sdq.workers.app import SdqCelery
 
-MAX_BODY_BYTES = 1 << 20
-# A body over the limit but under this is read before the 413, so that its client hears it.
-DRAINED_BYTES = 16 << 20
 # An event stream says it is alive this often while its job has not settled.
 KEEPALIVE_SECONDS = 15.0
 # How long after its deadline an image no request waits for stops counting as in flight.
@@ -71,40 +70,11 @@ def create_api(app: SdqCelery, *, default_model: str, auth: bool = True) -> Fast
     )
     api = FastAPI(title="sdq", summary="Stable Diffusion images on request, queued and recorded")
     api.state.service = Service(app, redis, limits, coalescer, settings, default_model, auth)
-    api.middleware("http")(_limit_body)
-    _add_metrics(api)
-    _add_error_answers(api)
+    api.middleware("http")(limit_body)
+    add_metrics(api)
+    add_error_answers(api)
     _add_routes(api)
     return api
-
-
-def _add_metrics(api: FastAPI) -> None:
-    """Each request's latency by route and status at /metrics, for Prometheus to scrape on
-    every replica (with the monitor extra: prometheus_client)."""
-    try:
-        from prometheus_client import CollectorRegistry, Histogram, make_asgi_app
-    except ModuleNotFoundError:
-        return
-    registry = CollectorRegistry()  # this API's own: another in the process counts apart
-    latency = Histogram(
-        "sdq_serve_request_seconds",
-        "Time from a request to its answer, by route and status",
-        ["route", "status"],
-        buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
-        registry=registry,
-    )
-
-    async def timed(request: Request, call_next):
-        started = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        latency.labels(route.path if route else "unknown", response.status_code).observe(
-            time.perf_counter() - started
-        )
-        return response
-
-    api.middleware("http")(timed)
-    api.mount("/metrics", make_asgi_app(registry))
 
 
 def _service(request: Request) -> Service:
@@ -125,7 +95,7 @@ async def _caller(
         return None
     name = credentials and await run_in_threadpool(_name_of, service.app, credentials.credentials)
     if name is None:
-        raise _Answer(
+        raise Answer(
             401,
             "a valid API key is needed: `Authorization: Bearer KEY` (`sdq serve keys create "
             "NAME` makes one)",
@@ -141,82 +111,6 @@ def _name_of(app: SdqCelery, key: str) -> str | None:
 
 
 Caller = Annotated[str | None, Depends(_caller)]
-
-
-class _Answer(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.headers = status, message, param, headers
-
-
-def _error(
-    status: int,
-    message: str,
-    *,
-    param: str | None = None,
-    headers: dict[str, str] | None = None,
-    **more: Any,
-) -> JSONResponse:
-    """OpenAI's error body, which its clients read."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}, **more}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def _add_error_answers(api: FastAPI) -> None:
-    @api.exception_handler(_Answer)
-    async def answered(request: Request, error: _Answer) -> JSONResponse:
-        return _error(error.status, error.message, param=error.param, headers=error.headers)
-
-    @api.exception_handler(Refusal)
-    async def refused(request: Request, error: Refusal) -> JSONResponse:
-        return _error(error.status, f"{error.field}: {error.message}", param=error.field)
-
-    @api.exception_handler(RequestValidationError)
-    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0]
-        field = ".".join(str(part) for part in first["loc"] if part != "body") or "body"
-        return _error(
-            422,
-            f"{field}: {first['msg']}",
-            param=field,
-            detail=orjson.loads(orjson.dumps(error.errors(), default=str)),
-        )
-
-    @api.exception_handler(Exceeded)
-    async def exceeded(request: Request, error: Exceeded) -> JSONResponse:
-        return _error(429, error.message, headers={"Retry-After": str(error.retry_after)})
-
-    for outage in (DBAPIError, BrokerError, RedisError, StoreError, submitting.NotSent):
-
-        @api.exception_handler(outage)
-        async def unavailable(request: Request, error: Exception) -> JSONResponse:
-            return _error(
-                503, f"not served now, try again soon: {error}", headers={"Retry-After": "5"}
-            )
-
-
-async def _limit_body(request: Request, call_next):
-    """413 for a body over 1 MB by the length it declares, read and dropped first where it
-    is not huge (a client that is still sending reads no answer before it is done); a
-    body that declares no length (chunked) is not read at all: 411."""
-    if request.method == "POST":
-        declared = request.headers.get("content-length")
-        if declared is None:
-            return _error(411, "a request body must say its Content-Length")
-        if not declared.isdigit() or int(declared) > MAX_BODY_BYTES:
-            if declared.isdigit() and int(declared) <= DRAINED_BYTES:
-                async for _ in request.stream():
-                    pass
-            return _error(413, f"the body is over {MAX_BODY_BYTES} bytes")
-    return await call_next(request)
 
 
 def _add_routes(api: FastAPI) -> None:
@@ -253,7 +147,7 @@ async def generations(body: ImageRequest, request: Request, caller: Caller) -> R
     rows = await run_in_threadpool(submitting.job_rows, service.app, submitted.job_ids)
     failed = [job for job in rows if job.status is not JobStatus.succeeded]
     if failed:
-        return _error(
+        return error_answer(
             500,
             f"job {failed[0].id} {failed[0].status}: {failed[0].error}",
             **_pending(submitted, request),
@@ -287,7 +181,7 @@ async def image(spec_hash: str, request: Request, caller: Caller) -> Response:
     service = _service(request)
     key = await run_in_threadpool(submitting.stored_image, service.app, spec_hash)
     if key is None:
-        raise _Answer(404, f"no image with spec hash {spec_hash!r}", param="spec_hash")
+        raise Answer(404, f"no image with spec hash {spec_hash!r}", param="spec_hash")
     data = await run_in_threadpool(service.app.store.get_bytes, key)
     return Response(
         data,
@@ -303,14 +197,29 @@ async def _sent(service: Service, body: ImageRequest, caller: str | None) -> sub
     submitted = await run_in_threadpool(
         submitting.submit, service.app, body, key_name=caller, default_model=service.default_model
     )
+    rendered = submitted.to_render
     if caller is not None:
         until = time.time() + service.settings.serve_wait_seconds + FLIGHT_GRACE_SECONDS
-        await service.limits.fly(caller, submitted.job_ids, until)
-    if service.coalescer.takes(len(submitted.job_ids)):
-        await service.coalescer.send(submitted.batch_key, submitted.run_id, submitted.job_ids)
+        await service.limits.fly(caller, rendered, until)
+    try:
+        await _send(service, submitted)
+    except submitting.NotSent:
+        if caller is not None:
+            await service.limits.land(caller, rendered)  # cancelled: nothing in flight
+        raise
+    return submitted
+
+
+async def _send(service: Service, submitted: submitting.Submitted) -> None:
+    """The images not served from the store, to the workers: with others of the same
+    pipeline call's settings where they fit in one call, else by themselves."""
+    rendered = submitted.to_render
+    if not rendered:
+        return
+    if service.coalescer.takes(len(rendered)):
+        await service.coalescer.send(submitted.batch_key, submitted.run_id, rendered)
     else:
         await run_in_threadpool(submitting.send, service.app, submitted.run_id)
-    return submitted
 
 
 async def _settled(
@@ -343,7 +252,7 @@ def _background(wait) -> None:
 async def _job(request: Request, job_id: int) -> Job:
     found = await run_in_threadpool(submitting.job_of, _service(request).app, job_id)
     if found is None:
-        raise _Answer(404, f"no generation job {job_id}", param="job_id")
+        raise Answer(404, f"no generation job {job_id}", param="job_id")
     return found
 
 

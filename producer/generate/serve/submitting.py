@@ -17,6 +17,7 @@ from sdq.models.jobs.lifecycle import cancel_jobs
 from sdq.models.jobs.outbox import EnqueueFailed, enqueue
 from sdq.models.loras import resolve_lora
 from sdq.models.registry import ModelNotFound, resolve_model
+from sdq.models.specs import ModelIdentity
 from sdq.models.store import StoreError
 from sdq.models.tables import FINISHED, Job, JobStatus
 from sdq.producer.generate.serve.requests import ImageRequest, Refusal, check_limits, planned_jobs
@@ -28,6 +29,7 @@ from sdq.workers.app import SdqCelery
 class Submitted:
     run_id: int
     job_ids: list[int]
+    to_render: list[int]  # those not served from the store as they were written
     batch_key: str  # what its jobs share of a pipeline call's settings
 
 
@@ -45,18 +47,7 @@ def submit(
     size = check_limits(request, settings)
     # The service's own default may be a folder on the server; a request's may not.
     model_name = _not_a_path("model", request.model) if request.model else default_model
-    with app.sessions() as session:
-        model = _named(
-            "model",
-            model_name,
-            lambda: resolve_model(model_name, store=app.store, session=session),
-        )
-        loras = tuple(
-            _named(
-                "lora", value, lambda v=value: resolve_lora(_not_a_path("lora", v), session=session)
-            )
-            for value in request.lora
-        )
+    model, loras = _resolved(app, model_name, request.lora)
     planned = planned_jobs(request, size=size, model=model, loras=loras)
     options: dict[str, Any] = {"api_key": key_name, "user": request.user, "model": model_name}
     submission = record_run(
@@ -69,10 +60,30 @@ def submit(
         batching=Batching(batch_size=settings.batch_size, calls_per_task=1),
     )
     with app.sessions() as session:
-        job_ids = session.scalars(
-            select(Job.id).where(Job.run_id == submission.run_id).order_by(Job.id)
+        jobs = session.execute(
+            select(Job.id, Job.cached).where(Job.run_id == submission.run_id).order_by(Job.id)
         ).all()
-    return Submitted(submission.run_id, list(job_ids), planned[0].spec.batch_key())
+    return Submitted(
+        submission.run_id,
+        job_ids=[job_id for job_id, _ in jobs],
+        to_render=[job_id for job_id, cached in jobs if not cached],
+        batch_key=planned[0].spec.batch_key(),
+    )
+
+
+def _resolved(
+    app: SdqCelery, model_name: str, lora_values: list[str]
+) -> tuple[ModelIdentity, tuple[dict[str, Any], ...]]:
+    """The model and LoRAs a request names, as the specs record them."""
+    with app.sessions() as session:
+        model = _named(
+            "model", model_name, lambda: resolve_model(model_name, store=app.store, session=session)
+        )
+        loras = tuple(
+            _named("lora", v, lambda v=v: resolve_lora(_not_a_path("lora", v), session=session))
+            for v in lora_values
+        )
+    return model, loras
 
 
 def send(app: SdqCelery, run_id: int) -> None:
