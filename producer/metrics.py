@@ -139,18 +139,32 @@ class SdqCollector:
             made.add_metric([kind], (units or 0) / window)
         yield from (rate, made)
 
+        yield self._held(session, since)
+
+        yield from self._events(session)
+
+    def _held(self, session, since: datetime) -> Metric:
+        """Jobs each worker holds now; 0 for a worker that finished jobs within the rate
+        window and holds none (an idle worker is a sample, not a gap on the dashboard)."""
         held = GaugeMetricFamily(
             "sdq_worker_running_jobs", "Jobs each worker holds now", labels=["worker", "device"]
         )
-        for worker, device, count in session.execute(
-            select(Job.worker_host, Job.device, func.count())
-            .where(Job.status == JobStatus.running)
-            .group_by(Job.worker_host, Job.device)
-        ):
+        running = select(Job.worker_host, Job.device, func.count()).where(
+            Job.status == JobStatus.running
+        )
+        counts = dict.fromkeys(
+            session.execute(
+                select(Job.worker_host, Job.device)
+                .where(Job.finished_at >= since, Job.worker_host.is_not(None))
+                .distinct()
+            ).all(),
+            0,
+        )
+        for worker, device, count in session.execute(running.group_by(Job.worker_host, Job.device)):
+            counts[(worker, device)] = count
+        for (worker, device), count in counts.items():
             held.add_metric([worker or "", device or ""], count)
-        yield held
-
-        yield from self._events(session)
+        return held
 
     def _events(self, session) -> Iterator[Metric]:
         for name, (text, which) in SETBACK_COUNTERS.items():

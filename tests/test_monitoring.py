@@ -14,6 +14,7 @@ import urllib.request
 from collections.abc import Iterator
 
 import psutil
+import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -203,3 +204,30 @@ def test_gpu_workers_metrics_give_their_gpus_nvml_readings(service_env, tmp_path
     assert samples[(other, "sdq_gpu_utilization_percent", second)] == 87
     assert samples[(other, "sdq_gpu_temperature_celsius", second)] == 64
     assert (other, "sdq_gpu_power_watts", second) not in samples
+
+
+def test_an_idle_worker_is_a_zero_not_a_gap(own_deployment: dict[str, str]) -> None:
+    """A worker that finished jobs lately and holds none now scrapes as 0 running jobs."""
+    from sdq.models.settings import Settings
+    from sdq.producer.metrics import SdqCollector
+    from sdq.workers.app import create_app
+
+    with psycopg.connect(own_deployment["SDQ_DATABASE_URL"]) as db:
+        [run_id] = db.execute(
+            "INSERT INTO runs (kind, options, job_count) VALUES ('generate', '{}', 2) RETURNING id"
+        ).fetchone()
+        db.execute(
+            "INSERT INTO jobs (run_id, kind, spec, spec_hash, status, attempts, worker_host, "
+            "device, finished_at, cached) VALUES "
+            "(%s, 'generate', '{}', 'a', 'succeeded', 1, 'idle:1', 'cpu', now(), false), "
+            "(%s, 'generate', '{}', 'b', 'running', 1, 'busy:2', 'cpu', NULL, false)",
+            (run_id, run_id),
+        )
+    app = create_app(Settings.from_env(own_deployment))
+    held = {
+        sample.labels["worker"]: sample.value
+        for family in SdqCollector(app).collect()
+        for sample in family.samples
+        if sample.name == "sdq_worker_running_jobs"
+    }
+    assert held == {"idle:1": 0, "busy:2": 1}
