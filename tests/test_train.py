@@ -827,6 +827,7 @@ def test_on_one_machine_the_bar_counts_steps_and_a_stopped_run_promises_nothing(
     run_id = short_run + 1
     page = (tmp_path / f"sdq-data/store/runs/{short_run}/training.html").read_text()
     assert "<polyline" in page and "Validation images" not in page  # none asked for
+    assert "<h2>Learning rate</h2><svg" in page  # its schedule, step by step
     # Its speed and its checkpoints, as `sdq train status` gives them.
     assert re.search(r"<p>[\d.]+ samples/s", page)
     assert "<td>3</td><td>training state</td>" in page and "<td>6</td><td>model</td>" in page

@@ -37,7 +37,13 @@ def train_status(session: Session, run_id: int) -> dict[str, Any]:
     if run is None or run.kind != TRAIN.name:
         raise NotFound(f"no train run {run_id}")
     losses = session.execute(
-        select(TrainStep.step, TrainStep.loss, TrainStep.samples_per_second, TrainStep.mfu)
+        select(
+            TrainStep.step,
+            TrainStep.loss,
+            TrainStep.samples_per_second,
+            TrainStep.mfu,
+            TrainStep.lr,
+        )
         .where(TrainStep.run_id == run_id)
         .order_by(TrainStep.step)
     ).all()
@@ -65,6 +71,7 @@ def train_status(session: Session, run_id: int) -> dict[str, Any]:
         **_recent_speed(losses[-RECENT_STEPS:], left),
         **time_shares(session, run_id, run.options["batch_size"], checkpoints, steps),
         "losses": [[row[0], row[1]] for row in losses],
+        "learning_rates": [[row[0], row[4]] for row in losses],
         "checkpoints": [_checkpoint_row(checkpoint) for checkpoint in checkpoints],
         "scores": run_scores(session, run_id),
         "resumed_from": _resumed_from(run.options),

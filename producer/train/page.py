@@ -1,6 +1,6 @@
-"""A train run's page: where it stands and how fast, the loss curve and every score's, its
-checkpoints and, per checkpoint, the validation images (the section is left out when the
-run renders none).
+"""A train run's page: where it stands and how fast, the loss and learning rate curves and
+every score's, its checkpoints and, per checkpoint, the validation images (the section is
+left out when the run renders none).
 
 Written into the store beside the galleries (runs/<run>/training.html), linking its images
 as they do: relative in a local store folder, presigned in S3.
@@ -26,6 +26,7 @@ td img {{ width: 128px; image-rendering: pixelated; display: block; }}
 </style></head><body>
 <h1>Train run {run_id}</h1><p>{summary}</p><p>{speed}</p>
 <h2>Loss</h2>{curve}
+<h2>Learning rate</h2>{learning_rate}
 {scores}{checkpoints}{validation}</body></html>
 """
 CHECKPOINTS = """<h2>Checkpoints</h2>
@@ -55,6 +56,7 @@ def training_html(
         ),
         speed=html.escape(speed_text(status)),
         curve=_curve(status["losses"]),
+        learning_rate=_curve(status["learning_rates"]),
         scores="".join(
             f"<h2>{html.escape(metric)}</h2>{_curve(curve)}"
             for metric, curve in status["scores"].items()
