@@ -26,7 +26,7 @@ from sdq.models.jobs.lifecycle import OUTAGE
 from sdq.models.tables import Job, JobEvent, JobStatus, Run
 from sdq.models.train.specs import read_inputs_manifest
 from sdq.models.train.tables import Checkpoint, TrainStep
-from sdq.producer.train.lookups import time_shares
+from sdq.producer.train.lookups import latest_step, time_shares
 from sdq.workers.tiny import build_pipeline
 from tests.browser import chromium, open_page, texts
 from tests.conftest import BUCKET, ROOT, WorkerProcess, sdq_json
@@ -866,6 +866,10 @@ def test_on_one_machine_the_bar_counts_steps_and_a_stopped_run_promises_nothing(
     # The steps taken past its last checkpoint are taken again: it says from where.
     last = stopped["checkpoint_step"]
     assert stopped["step"] > last and last >= 40
+    # A resumed run's bar starts from there, not from the steps that will be taken again.
+    with session_factory(make_engine(f"sqlite:///{database}"))() as session:
+        assert latest_step(session, run_id) == stopped["step"]
+        assert latest_step(session, run_id, since=datetime.now(UTC)) == last
     assert f"(goes on from its checkpoint at step {last})" in " ".join(shown.stdout.split())
     assert stopped["samples_per_second"]  # it has a speed; nothing works at it
     counted = sdq_json(env, "status", str(run_id), cwd=tmp_path)

@@ -3,6 +3,7 @@
 import difflib
 import json
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import click
 
 from sdq.models.generate.specs import FixedRenders
 from sdq.models.jobs.kinds import TRAIN
+from sdq.models.jobs.lifecycle import utcnow
 from sdq.models.registry import ModelNotFound
 from sdq.models.tables import Run
 from sdq.models.train.architectures import (
@@ -217,7 +219,8 @@ def train_here(app: SdqCelery, run_id: int, jobs: int) -> None:
     asked for: validation renders, evaluations (each one's renders before its scoring)."""
     with app.sessions() as session:
         steps = session.get_one(Run, run_id).options["steps"]
-    work_here(app, run_id, jobs=jobs, progress=(steps, steps_done(app, run_id)))
+    done = steps_done(app, run_id, since=utcnow())
+    work_here(app, run_id, jobs=jobs, progress=(steps, done))
     with app.sessions() as session:
         asked_for = train_lookups.runs_asked_for(session, run_id)
     for asked, asked_jobs in asked_for:
@@ -299,12 +302,13 @@ def _submit(
             raise click.UsageError(str(error)) from None
 
 
-def steps_done(app: SdqCelery, run_id: int) -> Callable[[], int]:
-    """The run's last recorded step, asked anew at each call: what its bar counts."""
+def steps_done(app: SdqCelery, run_id: int, since: datetime | None = None) -> Callable[[], int]:
+    """The run's last recorded step (since `since`: train_lookups.latest_step), asked anew
+    at each call: what its bar counts."""
 
     def done() -> int:
         with app.sessions() as session:
-            return train_lookups.latest_step(session, run_id)
+            return train_lookups.latest_step(session, run_id, since)
 
     return done
 

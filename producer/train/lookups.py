@@ -210,9 +210,15 @@ def run_base(session: Session, run_id: int, *, store: ObjectStore) -> ModelIdent
     return identity
 
 
-def latest_step(session: Session, run_id: int) -> int:
-    """The last optimizer step recorded: ahead of the last checkpoint while a job runs."""
-    return session.scalar(select(func.max(TrainStep.step)).where(TrainStep.run_id == run_id)) or 0
+def latest_step(session: Session, run_id: int, since: datetime | None = None) -> int:
+    """The last optimizer step recorded: ahead of the last checkpoint while a job runs.
+    `since`: the last taken since then, else the last checkpoint's: steps a stopped run
+    took past its checkpoint are taken again, and are not where a resumed run stands."""
+    taken = select(func.max(TrainStep.step)).where(TrainStep.run_id == run_id)
+    if since is None:
+        return session.scalar(taken) or 0
+    checkpointed = select(func.max(Checkpoint.step)).where(Checkpoint.run_id == run_id)
+    return session.scalar(taken.where(TrainStep.at >= since)) or session.scalar(checkpointed) or 0
 
 
 def _status(session: Session, run_id: int, *, done: bool) -> str:
