@@ -31,6 +31,9 @@ class TrainSettings:
     # Losses stay on the device and are read this many steps at a time: each read waits
     # for the device to finish its queued work.
     loss_every: int = setting("SDQ_TRAIN_LOSS_EVERY", 25)
+    # Steps reach the database this often while a job trains (`sdq train status`, the bars
+    # and the page move between checkpoints): each write is one statement of its steps.
+    live_steps_seconds: float = setting("SDQ_TRAIN_LIVE_STEPS_SECONDS", 5.0)
     # Each lane's next shards fetched while its current one trains, and the threads that
     # fetch and decode them (each fetch is itself several ranged GETs at once on S3).
     shards_ahead: int = setting("SDQ_TRAIN_SHARDS_AHEAD", 1)

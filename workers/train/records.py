@@ -80,14 +80,14 @@ class LiveSteps:
     that `sdq train status` and the bars move between checkpoints. What the database cannot
     take now waits for the next write; the job's end writes every step again anyway."""
 
-    def __init__(self, sessions: sessionmaker[Session]) -> None:
-        self.sessions = sessions
+    def __init__(self, sessions: sessionmaker[Session], every_seconds: float) -> None:
+        self.sessions, self.every_seconds = sessions, every_seconds
         self._pending: list[dict[str, Any]] = []
         self._written = float("-inf")
 
     def __call__(self, steps: list[dict[str, Any]]) -> None:
         self._pending += steps
-        if monotonic() - self._written >= LIVE_STEPS_SECONDS:
+        if monotonic() - self._written >= self.every_seconds:
             self.write()
 
     def write(self) -> None:
@@ -99,10 +99,6 @@ class LiveSteps:
         else:
             self._pending = []
         self._written = monotonic()
-
-
-# How often steps reach the database while a job trains.
-LIVE_STEPS_SECONDS = 5.0
 
 
 def record_checkpoint(

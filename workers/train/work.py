@@ -145,7 +145,7 @@ class TrainWork(Work):
         training = self.live.take(spec)
         if training is None:
             state = restore_state(spec, self.store, self.files, Ranks())
-            live_steps = LiveSteps(self.sessions)
+            live_steps = LiveSteps(self.sessions, self.settings.live_steps_seconds)
             training = Training(spec, state, self.store, self.settings, on_steps=live_steps)
         out_of_time = until_time(stop_at, training.state)
         try:

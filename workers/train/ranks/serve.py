@@ -119,7 +119,10 @@ def live_steps(ranks: Ranks, settings: Settings) -> Callable[[list[dict]], None]
     """Rank 0 writes the steps to the database as they are taken (records.LiveSteps)."""
     if not ranks.writes:
         return lambda steps: None
-    return LiveSteps(session_factory(make_engine(settings.database_url)))
+    return LiveSteps(
+        session_factory(make_engine(settings.database_url)),
+        settings.group(TrainSettings).live_steps_seconds,
+    )
 
 
 def announcements() -> "queue.Queue[bool]":
