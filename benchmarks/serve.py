@@ -16,6 +16,7 @@ the floor's), `sdq_vs_plain` (images/s at concurrency 16) and
 `p99_with_batch_backlog_over_p50` (sdq's p99 with the backlog over its p50 without).
 
     python benchmarks/serve.py [--requests 48] [--size 64] [--steps 10] [--backlog 1000]
+                               [--calls-per-task 4]
 """
 
 import argparse
@@ -23,6 +24,8 @@ import base64
 import io
 import itertools
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -58,10 +61,13 @@ def closed_loop(ask: Callable[[int], None], *, concurrency: int, requests: int) 
             ask(number)
             latencies.append(time.perf_counter() - started)
 
-    clients = [threading.Thread(target=client) for _ in range(concurrency)]
+    # One client asks from this thread: the floor's torch work in a thread of its own
+    # would meet OpenMP's teams of two threads on the same cores, 2-3x slower on a CPU.
+    clients = [threading.Thread(target=client) for _ in range(concurrency - 1)]
     started = time.perf_counter()
     for thread in clients:
         thread.start()
+    client()
     for thread in clients:
         thread.join()
     wall = time.perf_counter() - started
@@ -90,14 +96,16 @@ class Clients:
 
 @contextmanager
 def process(command: list[str], env: dict[str, str], log: Path, base: str):
+    """A server in a process group of its own, all of it stopped at the end (the plain
+    server's render processes too, which would otherwise go on taking the cores)."""
     started = subprocess.Popen(command, env=env, cwd=ROOT, stdout=log.open("ab"),
-                               stderr=subprocess.STDOUT)  # fmt: skip
+                               stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     try:
         wait_for(lambda: started.poll() is None and answers(f"{base}/healthz"),
                  what=f"{command[3]} (log: {log})", timeout=300)  # fmt: skip
         yield
     finally:
-        started.terminate()
+        os.killpg(started.pid, signal.SIGKILL)
         started.wait(60)
 
 
@@ -134,6 +142,7 @@ def sdq_side(env: dict[str, str], home: Path, args) -> tuple[dict, dict]:
         **env,
         "SDQ_SERVE_REQUESTS_PER_MINUTE": "1000000",
         "SDQ_SERVE_IMAGES_IN_FLIGHT": "100000",
+        "SDQ_CALLS_PER_TASK": str(args.calls_per_task),
     }
     sdq = [sys.executable, "-m", "sdq.producer.cli"]
     made = subprocess.run([*sdq, "serve", "keys", "create", "bench", "--json"], env=env,
@@ -189,6 +198,9 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--backlog", type=int, default=1000)
+    parser.add_argument("--calls-per-task", type=int, default=4,
+                        help="SDQ_CALLS_PER_TASK of the batch run (a request waits behind one "
+                             "message of the backlog: this many pipeline calls)")  # fmt: skip
     args = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="sdq-serve-bench-"))
     folder = home / "tiny"
@@ -200,6 +212,7 @@ def main() -> None:
     fastest = sdq["c16"]["images_per_second"], plain["c16"]["images_per_second"]
     figures = {
         "device": "cpu", "size": args.size, "steps": args.steps, "requests": args.requests,
+        "calls_per_task": args.calls_per_task,
         "floor": floor_figures, "sdq": sdq, "plain": plain, "sdq_with_backlog": behind,
         "overhead_p50_ms": round(sdq["c1"]["p50_ms"] - floor_figures["p50_ms"], 1),
         "sdq_vs_plain": round(fastest[0] / fastest[1], 2),
