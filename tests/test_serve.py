@@ -117,7 +117,11 @@ def test_images_on_request_each_a_run_twins_from_the_store_and_jobs_with_events(
         assert events[-1] == "done" and events == sorted(set(events), key=order.index)
         record = http.get(f"/v1/jobs/{job_id}", headers=alice).json()
         assert record["status"] == "succeeded" and record["work_seconds"] > 0
-        image = http.get(record["url"], headers=alice)
+        # Another key does not see alice's jobs; an image's URL needs no key, as S3's.
+        other = new_key(env, "alice-neighbour")
+        assert http.get(f"/v1/jobs/{job_id}", headers=other).status_code == 404
+        assert http.get(f"/v1/jobs/{job_id}/events", headers=other).status_code == 404
+        image = http.get(record["url"])
         assert image.headers["content-type"] == "image/png" and png(image.content).size == (64, 64)
         assert http.get("/v1/jobs/999999999", headers=alice).status_code == 404
 
@@ -142,8 +146,14 @@ def test_bad_requests_are_named_by_field_and_write_nothing(
         ({**good, "response_format": "jpeg"}, 422, "response_format"),
         ({**good, "prompt": ""}, 422, "prompt"),
         ({**good, "model": "no-such-model"}, 404, "model"),
-        ({**good, "model": "/etc"}, 422, "model"),  # the server's files are not named
         ({**good, "lora": ["no-such-lora"]}, 404, "lora"),
+        # The server's files are not named over HTTP, nor another bucket.
+        ({**good, "model": "/etc"}, 422, "model"),
+        ({**good, "model": "../sdq-data"}, 422, "model"),
+        ({**good, "model": "s3://someone-else/model"}, 422, "model"),
+        ({**good, "model": "tests"}, 404, "model"),  # a folder where the service runs
+        ({**good, "lora": ["tests/../tests/fixture.safetensors:0.5"]}, 422, "lora"),
+        ({**good, "lora": ["lora.safetensors:1"]}, 404, "lora"),  # a name, and no such one
     ]
     with (
         serving(env, tmp_path / "serve.log") as base,
@@ -182,6 +192,15 @@ def test_limits_per_key_a_revoked_key_and_an_outage(
             full = http.post("/v1/jobs", headers=carol, json={"prompt": "b", "n": 2, **TINY})
             assert full.status_code == 429 and int(full.headers["Retry-After"]) >= 1
             assert "in flight" in full.json()["error"]["message"]
+            # Requests that come together cannot all pass the cap: room is taken at once.
+            erin = new_key(env, "erin")
+            with ThreadPoolExecutor(4) as clients:
+                together = list(clients.map(
+                    lambda n: http.post("/v1/jobs", headers=erin,
+                                        json={"prompt": f"e{n}", "n": 2, **TINY}).status_code,
+                    range(4),
+                ))  # fmt: skip
+            assert sorted(together) == [202, 202, 429, 429], together
             # Another key has room of its own; past its requests a minute, it waits.
             said = [http.get("/v1/jobs/1", headers=dave).status_code for _ in range(21)]
             assert 429 not in said[:20] and said[20] == 429

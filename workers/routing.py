@@ -49,8 +49,8 @@ def queues_of(control: Control, node: str) -> list[str]:
 class Routes:
     """The queue of each message one sending sends; live warm queues asked once, unless
     the sender knows them (`live`: a worker's own). Messages someone waits for (`waited`)
-    go to the kind's lane rather than its queue; a live warm queue still comes first, as a
-    cold worker could take minutes to compile the shape."""
+    go to the kind's lane, whatever their warm key: a warm queue is first in, first out
+    behind a batch run's messages, and every worker warms the deployment's warm models."""
 
     def __init__(
         self,
@@ -65,15 +65,17 @@ class Routes:
         self._waited = waited
 
     def __call__(self, kind: Kind, messages: list[list[int]]) -> list[str]:
+        if self._waited and kind.lane is not None:
+            return [kind.lane] * len(messages)
         key = warm_key(kind, self.settings)
-        cold = (kind.lane if self._waited else None) or kind.queue
         if key is None:
-            return [cold] * len(messages)
+            return [kind.queue] * len(messages)
         first_specs = self._specs([job_ids[0] for job_ids in messages])
         wanted = [key(first_specs[job_ids[0]]) for job_ids in messages]
         live = self.warm() if any(wanted) else set()
         return [
-            queue if warm and (queue := kind.warm_queue(warm)) in live else cold for warm in wanted
+            queue if warm and (queue := kind.warm_queue(warm)) in live else kind.queue
+            for warm in wanted
         ]
 
     def warm(self) -> set[str]:

@@ -139,9 +139,9 @@ async def generations(body: ImageRequest, request: Request, caller: Caller) -> R
     or the PNGs' bytes with `response_format: b64_json`), else 202 with the jobs at
     SDQ_SERVE_WAIT_SECONDS, which go on."""
     service = _service(request)
-    submitted = await _sent(service, body, caller)
+    submitted, tokens = await _sent(service, body, caller)
     deadline = time.monotonic() + service.settings.serve_wait_seconds
-    left = await _settled(service, caller, submitted.job_ids, deadline)
+    left = await _settled(service, caller, tokens, submitted.job_ids, deadline)
     if left:
         return JSONResponse(_pending(submitted, request), status_code=202)
     rows = await run_in_threadpool(submitting.job_rows, service.app, submitted.job_ids)
@@ -159,25 +159,29 @@ async def generations(body: ImageRequest, request: Request, caller: Caller) -> R
 async def jobs(body: ImageRequest, request: Request, caller: Caller) -> dict[str, Any]:
     """The same request, answered as soon as its jobs are queued."""
     service = _service(request)
-    submitted = await _sent(service, body, caller)
-    deadline = time.monotonic() + service.settings.serve_wait_seconds
-    _background(_settled(service, caller, submitted.job_ids, deadline))
+    submitted, tokens = await _sent(service, body, caller)
+    if caller is not None:  # its room in flight is given back as its jobs settle
+        deadline = time.monotonic() + service.settings.serve_wait_seconds
+        _background(_settled(service, caller, tokens, submitted.job_ids, deadline))
     return _pending(submitted, request)
 
 
 async def job(job_id: int, request: Request, caller: Caller) -> dict[str, Any]:
-    return _job_view(await _job(request, job_id), request)
+    return _job_view(await _job(request, job_id, caller), request)
 
 
 async def events(job_id: int, request: Request, caller: Caller) -> StreamingResponse:
     """`queued`, `running`, then `done` or `failed` (each with the job's record), as they
     happen."""
     service = _service(request)
-    await _job(request, job_id)
-    return StreamingResponse(_job_events(service, job_id, request), media_type="text/event-stream")
+    await _job(request, job_id, caller)
+    stream = _job_events(service, job_id, caller, request)
+    return StreamingResponse(stream, media_type="text/event-stream")
 
 
-async def image(spec_hash: str, request: Request, caller: Caller) -> Response:
+async def image(spec_hash: str, request: Request) -> Response:
+    """Asks for no key, as S3's presigned links do (the URLs answers give where the store
+    is a local folder): its hash names it, and is known only to who knows its spec."""
     service = _service(request)
     key = await run_in_threadpool(submitting.stored_image, service.app, spec_hash)
     if key is None:
@@ -190,24 +194,29 @@ async def image(spec_hash: str, request: Request, caller: Caller) -> Response:
     )
 
 
-async def _sent(service: Service, body: ImageRequest, caller: str | None) -> submitting.Submitted:
-    """The request's run written and sent, its images counted in flight for its key."""
-    if caller is not None:
-        await service.limits.check_room(caller, body.n)
-    submitted = await run_in_threadpool(
-        submitting.submit, service.app, body, key_name=caller, default_model=service.default_model
-    )
-    rendered = submitted.to_render
+async def _sent(
+    service: Service, body: ImageRequest, caller: str | None
+) -> tuple[submitting.Submitted, list[str]]:
+    """The request's run written and sent, its images' room in flight taken first for its
+    key (and given back where it fails); the tokens of that room."""
+    tokens = []
     if caller is not None:
         until = time.time() + service.settings.serve_wait_seconds + FLIGHT_GRACE_SECONDS
-        await service.limits.fly(caller, rendered, until)
+        tokens = await service.limits.reserve(caller, body.n, until)
     try:
+        submitted = await run_in_threadpool(
+            submitting.submit,
+            service.app,
+            body,
+            key_name=caller,
+            default_model=service.default_model,
+        )
         await _send(service, submitted)
-    except submitting.NotSent:
+    except BaseException:
         if caller is not None:
-            await service.limits.land(caller, rendered)  # cancelled: nothing in flight
+            await service.limits.release(caller, tokens)
         raise
-    return submitted
+    return submitted, tokens
 
 
 async def _send(service: Service, submitted: submitting.Submitted) -> None:
@@ -223,15 +232,14 @@ async def _send(service: Service, submitted: submitting.Submitted) -> None:
 
 
 async def _settled(
-    service: Service, caller: str | None, job_ids: list[int], deadline: float
+    service: Service, caller: str | None, tokens: list[str], job_ids: list[int], deadline: float
 ) -> set[int]:
-    """Waits for the jobs to settle (or the deadline); those that did no longer count in
-    flight. Returns those that did not."""
-
+    """Waits for the jobs to settle (or the deadline); the room of those that did is given
+    back. Returns those that did not."""
     async with settling(service.redis, job_ids) as heard:
         left = await heard.until(partial(_unsettled, service, job_ids), deadline)
     if caller is not None:
-        await service.limits.land(caller, [job_id for job_id in job_ids if job_id not in left])
+        await service.limits.release(caller, tokens[: len(job_ids) - len(left)])
     return left
 
 
@@ -249,20 +257,23 @@ def _background(wait) -> None:
     task.add_done_callback(_waits.discard)
 
 
-async def _job(request: Request, job_id: int) -> Job:
-    found = await run_in_threadpool(submitting.job_of, _service(request).app, job_id)
+async def _job(request: Request, job_id: int, caller: str | None) -> Job:
+    """The job, where the caller's key asked for it: 404 for any other."""
+    found = await run_in_threadpool(submitting.job_of, _service(request).app, job_id, caller)
     if found is None:
         raise Answer(404, f"no generation job {job_id}", param="job_id")
     return found
 
 
-async def _job_events(service: Service, job_id: int, request: Request) -> AsyncIterator[bytes]:
+async def _job_events(
+    service: Service, job_id: int, caller: str | None, request: Request
+) -> AsyncIterator[bytes]:
     """Each change of the job's state as an event, read from its row when its notices come
     (and between them, should one be lost), a comment between to keep the stream open."""
     said = None
     async with settling(service.redis, [job_id]) as heard:
         while True:
-            job = await _job(request, job_id)
+            job = await _job(request, job_id, caller)
             if (now := _state(job)) != said:
                 yield _event(now, job, request)
                 said = now

@@ -1,8 +1,9 @@
 """Each API key's share, counted in Redis so that every `sdq serve` process counts the same:
-requests a minute (a window per clock minute) and images in flight (a sorted set of job
-ids, each scored with when it stops counting should nobody hear it settle)."""
+requests a minute (a window per clock minute) and images in flight (a sorted set of a
+token per image, each scored with when it stops counting should nobody hear it land)."""
 
 import time
+import uuid
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
@@ -35,27 +36,39 @@ class Limits:
                 retry_after=max(1, 60 - int(now % 60)),
             )
 
-    async def check_room(self, key_name: str, images: int) -> None:
-        """Refuses `images` more where the key's images in flight would pass the cap."""
-        flying = _flight(key_name)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            _, count = (
-                await pipe.zremrangebyscore(flying, "-inf", time.time()).zcard(flying).execute()
-            )
-        if count + images > self.in_flight:
+    async def reserve(self, key_name: str, images: int, until: float) -> list[str]:
+        """Room for `images` more in flight, taken at once (one script: requests that
+        come together cannot all pass the cap); the tokens to release as they land."""
+        tokens = [uuid.uuid4().hex for _ in range(images)]
+        held = await self.redis.eval(
+            RESERVE, 1, _flight(key_name), time.time(), self.in_flight, until, *tokens
+        )
+        if held >= 0:
             raise Exceeded(
-                f"key {key_name!r}: {count} images in flight, {images} more would pass "
+                f"key {key_name!r}: {held} images in flight, {images} more would pass "
                 f"{self.in_flight} (SDQ_SERVE_IMAGES_IN_FLIGHT)",
                 retry_after=1,
             )
+        return tokens
 
-    async def fly(self, key_name: str, job_ids: list[int], until: float) -> None:
-        if job_ids:
-            await self.redis.zadd(_flight(key_name), {str(job_id): until for job_id in job_ids})
+    async def release(self, key_name: str, tokens: list[str]) -> None:
+        if tokens:
+            await self.redis.zrem(_flight(key_name), *tokens)
 
-    async def land(self, key_name: str, job_ids: list[int]) -> None:
-        if job_ids:
-            await self.redis.zrem(_flight(key_name), *map(str, job_ids))
+
+# Drops what has expired, then takes room for ARGV[4..] if it fits under ARGV[2], each
+# expiring at ARGV[3]; returns -1 when taken, else how many are in flight.
+RESERVE = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+local held = redis.call('ZCARD', KEYS[1])
+if held + #ARGV - 3 > tonumber(ARGV[2]) then
+    return held
+end
+for i = 4, #ARGV do
+    redis.call('ZADD', KEYS[1], ARGV[3], ARGV[i])
+end
+return -1
+"""
 
 
 def _flight(key_name: str) -> str:

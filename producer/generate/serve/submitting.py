@@ -2,6 +2,7 @@
 stored images served from the store as they are written), then sent on the generate kind's
 lane (models/jobs/kinds.py). Plain, blocking code: the API runs it on its thread pool."""
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,11 +16,11 @@ from sdq.models.generate.specs import image_key
 from sdq.models.jobs.kinds import GENERATE
 from sdq.models.jobs.lifecycle import cancel_jobs
 from sdq.models.jobs.outbox import EnqueueFailed, enqueue
-from sdq.models.loras import resolve_lora
+from sdq.models.loras import parse_lora, resolve_lora
 from sdq.models.registry import ModelNotFound, resolve_model
 from sdq.models.specs import ModelIdentity
 from sdq.models.store import StoreError
-from sdq.models.tables import FINISHED, Job, JobStatus
+from sdq.models.tables import FINISHED, Job, JobStatus, Run
 from sdq.producer.generate.serve.requests import ImageRequest, Refusal, check_limits, planned_jobs
 from sdq.producer.generate.submit import Batching, record_run
 from sdq.workers.app import SdqCelery
@@ -46,7 +47,8 @@ def submit(
     settings = app.settings.group(GenerateSettings)
     size = check_limits(request, settings)
     # The service's own default may be a folder on the server; a request's may not.
-    model_name = _not_a_path("model", request.model) if request.model else default_model
+    store_url = app.settings.store_url
+    model_name = _served("model", request.model, store_url) if request.model else default_model
     model, loras = _resolved(app, model_name, request.lora)
     planned = planned_jobs(request, size=size, model=model, loras=loras)
     options: dict[str, Any] = {"api_key": key_name, "user": request.user, "model": model_name}
@@ -80,7 +82,7 @@ def _resolved(
             "model", model_name, lambda: resolve_model(model_name, store=app.store, session=session)
         )
         loras = tuple(
-            _named("lora", v, lambda v=v: resolve_lora(_not_a_path("lora", v), session=session))
+            _named("lora", v, lambda v=v: resolve_lora(_served_lora(v, app), session=session))
             for v in lora_values
         )
     return model, loras
@@ -114,15 +116,32 @@ def _cancelled_unless_sent(app: SdqCelery, run_ids: list[int]) -> Iterator[None]
         raise NotSent(str(cause)) from error
 
 
-def _not_a_path(field: str, value: str) -> str:
-    """Files of the server are not named over HTTP: a model or LoRA is a name, a hub id or
-    an s3:// URI here."""
-    if value.startswith(("/", ".", "~", "file:")) or Path(value).exists():
-        raise Refusal(
-            field,
-            f"{value!r}: a path on the server is not taken over HTTP; name a model or LoRA "
-            "(`sdq model push`), a hub id or an s3:// URI",
-        )
+# What a request may name over HTTP: a name sdq knows (tiny, a pushed name, RUN@STEP,
+# RUN@best:METRIC), a hub id (models only), or an s3:// URI in the deployment's own bucket;
+# never a file or folder of the server, nor another bucket read with the server's keys.
+NAME = re.compile(r"[\w.@:-]+")
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def _served(field: str, value: str, store_url: str) -> str:
+    if value.startswith("s3://"):
+        bucket = store_url.removeprefix("s3://").partition("/")[0]
+        if not store_url.startswith("s3://") or not value.startswith(f"s3://{bucket}/"):
+            raise Refusal(field, f"{value!r}: only s3:// URIs in this deployment's bucket")
+        return value
+    named = NAME.fullmatch(value) or (field == "model" and HUB_ID.fullmatch(value))
+    if not named or ".." in value:
+        hub = "a hub id, " if field == "model" else ""
+        raise Refusal(field, f"{value!r}: over HTTP a {field} is a name (`sdq model push`), "
+                             f"{hub}or an s3:// URI in this deployment's bucket")  # fmt: skip
+    if Path(value).exists():  # a name that is also a path here would be read from disk
+        raise Refusal(field, f"{value!r}: names no {field} this service serves", status=404)
+    return value
+
+
+def _served_lora(value: str, app: SdqCelery) -> str:
+    """A `--lora` value (REF[:SCALE]) whose REF may be named over HTTP."""
+    _served("lora", parse_lora(value)[0], app.settings.store_url)
     return value
 
 
@@ -152,9 +171,15 @@ def unsettled(app: SdqCelery, job_ids: list[int]) -> set[int]:
         )
 
 
-def job_of(app: SdqCelery, job_id: int) -> Job | None:
-    jobs = job_rows(app, [job_id])
-    return jobs[0] if jobs and jobs[0].kind == GENERATE.name else None
+def job_of(app: SdqCelery, job_id: int, key_name: str | None) -> Job | None:
+    """The generation job, where the caller's key asked for it (any, without keys)."""
+    query = select(Job).where(Job.id == job_id, Job.kind == GENERATE.name)
+    if key_name is not None:
+        query = query.join(Run).where(Run.options["api_key"].as_string() == key_name)
+    with app.sessions() as session:
+        job = session.scalars(query).one_or_none()
+        session.expunge_all()
+    return job
 
 
 def stored_image(app: SdqCelery, spec_hash: str) -> str | None:
