@@ -286,3 +286,45 @@ def test_requests_that_arrive_together_share_one_pipeline_call(
     together, alone = rendered[:3], rendered[3]
     assert len(set(together)) == 1, together  # one claim, one call's time split three ways
     assert alone[0] != together[0][0]
+
+
+def test_a_worker_in_the_middle_of_a_batch_message_gives_way_at_its_next_call(
+    own_deployment: dict[str, str], tmp_path: Path
+) -> None:
+    """Batch messages of 10 calls each: a request queued while the worker renders one is
+    taken after the call in hand; the rest of that message is put back (no attempt spent)
+    and made after the request, and every batch image is still made exactly once."""
+    env = {**own_deployment, "SDQ_BATCH_SIZE": "2", "SDQ_CALLS_PER_TASK": "10"}
+    prompts = tmp_path / "prompts.csv"
+    prompts.write_text("prompt\n" + "".join(f"slow batch image {i}\n" for i in range(40)))
+    database = env["SDQ_DATABASE_URL"]
+
+    def batch_done() -> int:
+        with psycopg.connect(database) as db:
+            return db.execute("SELECT count(*) FROM jobs WHERE run_id = %s AND status = "
+                              "'succeeded'", (batch["run_id"],)).fetchone()[0]  # fmt: skip
+
+    gus = new_key(env, "gus")
+    worker = WorkerProcess(env, tmp_path / "worker.log").start()
+    try:
+        batch = sdq_json(env, "submit", str(prompts), "--size", "64x64", "--steps", "20")
+        # The first message's first call made: 9 of its calls are still to come.
+        wait_for(lambda: batch_done() >= 2, what="the batch's first call", timeout=120)
+        with serving(env, tmp_path / "serve.log") as base, httpx.Client(base_url=base) as http:
+            asked = http.post("/v1/images/generations", headers=gus, timeout=120,
+                              json={"prompt": "now, please", **TINY})  # fmt: skip
+            assert asked.status_code == 200, asked.text
+        wait_for(lambda: batch_done() == 40, what="the whole batch", timeout=240)
+    finally:
+        worker.stop()
+    [request_job] = asked.json()["job_ids"]
+    with psycopg.connect(database) as db:
+        [attempts] = db.execute("SELECT max(attempts) FROM jobs WHERE run_id = %s",
+                                (batch["run_id"],)).fetchone()  # fmt: skip
+        put_back = db.execute(
+            "SELECT j.finished_at > (SELECT finished_at FROM jobs WHERE id = %s) FROM jobs j "
+            "WHERE j.run_id = %s AND EXISTS (SELECT 1 FROM job_events e WHERE e.job_id = j.id "
+            "AND e.detail LIKE 'put back%%')", (request_job, batch["run_id"]),
+        ).fetchall()  # fmt: skip
+    assert put_back and all(after for (after,) in put_back), put_back
+    assert attempts == 1

@@ -167,6 +167,8 @@ def _settle(task: Task, kind: Kind, job_ids: list[int], outcome: Outcome, *, me:
         raise outcome.outage
     if not eager:
         _after_work(task, kind, job_ids, outcome, me)
+    if outcome.put_back:
+        _send_again(task, kind, outcome.put_back)
     countdowns = []
     if outcome.retry:
         countdowns.append(backoff(task))
@@ -191,8 +193,23 @@ def _after_work(task: Task, kind: Kind, job_ids: list[int], outcome: Outcome, me
             logger.exception("%s: its warm queues were not followed", kind.name)
     if kind.pool is Pool.gpu:
         sickness.after_task(task, job_ids, outcome, me=me)
-    unsettled = {*outcome.retry, *outcome.held, *outcome.foreign}
+    unsettled = {*outcome.retry, *outcome.held, *outcome.foreign, *outcome.put_back}
     _told(task, "settled")([job_id for job_id in job_ids if job_id not in unsettled])
+
+
+def _send_again(task: Task, kind: Kind, job_ids: list[int]) -> None:
+    """Jobs the work put back undone, in a message of their own now, where a new message
+    of them would go. A broker that fails here leaves them queued for beat's relay."""
+    try:
+        task.apply_async(
+            args=[job_ids],
+            kwargs=task.request.kwargs,
+            queue=retry_queue(task.app, kind, job_ids),
+            time_limit=None,
+            soft_time_limit=None,
+        )
+    except Exception:  # kombu raises several kinds for a broker it cannot reach
+        logger.exception("jobs %s: put back, not sent again (the relay sends them)", job_ids)
 
 
 def _told(task: Task, what: str) -> Callable[[list[int]], None]:

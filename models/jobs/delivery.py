@@ -24,7 +24,14 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.faults import device_failure, full_disk
 from sdq.models.jobs.claims import claim, extend_leases, held_until
-from sdq.models.jobs.lifecycle import Output, Worker, fail, stored_outputs, succeed
+from sdq.models.jobs.lifecycle import (
+    Output,
+    Worker,
+    fail,
+    put_back_jobs,
+    stored_outputs,
+    succeed,
+)
 from sdq.models.periodic import every
 from sdq.models.settings import JobSettings
 from sdq.models.store import MissingBucket, StoreUnavailable
@@ -41,6 +48,9 @@ class Work(ABC):
 
     # Errors that another attempt cannot fix: the jobs are dead at once.
     permanent_errors: tuple[type[Exception], ...] = ()
+    # Jobs the work left undone on purpose, having given way to work someone waits for
+    # (set by `run` before it ends): put back at once, no attempt spent, and sent again.
+    left: tuple[int, ...] = ()
     # A dependency that is down for now: retried without using up attempts, for a while.
     # A bucket that is gone is one: an object store that came back empty, not the job's
     # fault (once the outage budget is spent, the jobs fail as for any outage).
@@ -87,6 +97,8 @@ class Outcome:
     outage: Exception | None = None
     # Jobs of another kind than the task's, named by a stray or forged message: left alone.
     foreign: list[int] = field(default_factory=list)
+    # Put back undone, the work having given way (Work.left): to be sent again now.
+    put_back: list[int] = field(default_factory=list)
 
 
 def deliver(
@@ -125,9 +137,13 @@ def deliver(
         _fail_the_rest(error, work, todo, record, outcome, sessions=sessions, worker=worker,
                        settings=settings)  # fmt: skip
     else:
-        # 4c. Every job done: the last outputs recorded.
+        # 4c. Every job done, but those the work left for later: the last outputs recorded,
+        #     those put back.
         with sessions.begin() as session:
             record.flush(session)
+            outcome.put_back = put_back_jobs(
+                session, work.left, worker=worker, reason="put back: gave way to a request"
+            )
     outcome.done = sorted(record.done)
     return outcome
 

@@ -304,13 +304,21 @@ def retry_jobs(
 def release_jobs(session: Session, run_id: int, *, worker: Worker, reason: str) -> list[int]:
     """Puts back the run's jobs this worker holds, at once and without using up an attempt:
     it stopped on purpose (Ctrl-C), so no lease needs to run out first."""
+    return _put_back(session, Job.run_id == run_id, worker=worker, reason=reason)
+
+
+def put_back_jobs(
+    session: Session, job_ids: Sequence[int], *, worker: Worker, reason: str
+) -> list[int]:
+    """Puts back these jobs this worker holds, as `release_jobs` does: its work left them
+    for later (it gave way to work someone waits for)."""
+    return _put_back(session, Job.id.in_(job_ids), worker=worker, reason=reason) if job_ids else []
+
+
+def _put_back(session: Session, which, *, worker: Worker, reason: str) -> list[int]:
     released = session.scalars(
         update(Job)
-        .where(
-            Job.run_id == run_id,
-            Job.status == JobStatus.running,
-            Job.worker_host == worker.host,
-        )
+        .where(which, Job.status == JobStatus.running, Job.worker_host == worker.host)
         .values(status=JobStatus.queued, lease_expires_at=None, attempts=Job.attempts - 1)
         .returning(Job.id)
     ).all()

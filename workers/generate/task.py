@@ -1,9 +1,11 @@
 """The generate task: a message of job ids, rendered `batch_size` images per call."""
 
+from collections.abc import Callable
 from functools import cache, partial
 from time import perf_counter
 from typing import Any
 
+import redis
 from celery import Task, shared_task
 from celery.utils.log import get_task_logger
 
@@ -11,6 +13,7 @@ from sdq.models.generate import galleries
 from sdq.models.generate.settings import GenerateSettings
 from sdq.models.generate.specs import GenerationSpec
 from sdq.models.jobs.kinds import GENERATE
+from sdq.models.jobs.notices import notices_url
 from sdq.models.registry import resolve_model
 from sdq.models.settings import Settings
 from sdq.workers.app import SdqCelery
@@ -24,17 +27,42 @@ logger = get_task_logger(__name__)
 
 @shared_task(bind=True, base=JobTask, name=GENERATE.task_name)
 def generate(self, job_ids: list[int], batch_size: int | None = None) -> dict[str, Any]:
-    return deliver_task(self, GENERATE, job_ids, partial(generate_work, self.app, batch_size))
+    return deliver_task(self, GENERATE, job_ids, partial(generate_work, self, batch_size))
 
 
-def generate_work(app: SdqCelery, batch_size: int | None) -> GenerateWork:
+def generate_work(task: Task, batch_size: int | None) -> GenerateWork:
     """The work of a message, made as its delivery starts (deliver_task)."""
+    app = task.app
     return GenerateWork(
         store=app.store,
         sessions=app.sessions,
         pipelines=pipelines(app),
         batch_size=batch_size or app.settings.group(GenerateSettings).batch_size,
+        give_way=lane_waiting(task),
     )
+
+
+def lane_waiting(task: Task) -> Callable[[], bool]:
+    """Whether a request waits on the kind's lane (`sdq serve`): a worker in the middle of
+    a batch message gives way at its next pipeline call. Never for a message that came on
+    the lane itself, in-process, or on a broker other than Redis (one LLEN a call)."""
+    url = notices_url(task.app.settings)
+    came_on = (task.request.delivery_info or {}).get("routing_key")
+    if url is None or task.request.is_eager or came_on == GENERATE.lane:
+        return lambda: False
+    return partial(_queued, url, GENERATE.lane)
+
+
+def _queued(url: str, queue: str) -> bool:
+    try:
+        return _broker(url).llen(queue) > 0
+    except redis.RedisError:
+        return False  # the batch goes on; the request waits its turn
+
+
+@cache
+def _broker(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
 
 
 def follow_warm_queues(task: Task) -> None:

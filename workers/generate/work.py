@@ -1,7 +1,7 @@
 """The generate work: render a message's jobs in pipeline calls of shared settings, store
 each image as a PNG that carries its spec. Plain code, no Celery; torch loads lazily."""
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from time import perf_counter
@@ -38,15 +38,20 @@ class GenerateWork(Work):
         sessions: sessionmaker[Session],
         pipelines: "PipelineCache",
         batch_size: int,
+        give_way: Callable[[], bool] = lambda: False,
     ):
         self.store = store
         self.sessions = sessions
         self.pipelines = pipelines
         self.batch_size = batch_size
+        # Asked between calls: whether work someone waits for is queued (a request on the
+        # lane), for which the rest of this message is put back.
+        self.give_way = give_way
 
     def run(self, jobs: Sequence[Job]) -> Iterator[Output]:
         """Renders call after call; a call's uploads run in threads while the next one
-        renders, so the device never waits on the store."""
+        renders, so the device never waits on the store. Between calls, gives way to a
+        request (`give_way`), leaving the rest of the message (`left`)."""
         from sdq.workers.generate.pipelines import render
 
         specs = {job.id: GenerationSpec.from_dict(job.spec) for job in jobs}
@@ -54,7 +59,10 @@ class GenerateWork(Work):
         calls = batches([(job.id, specs[job.id].batch_key()) for job in jobs], self.batch_size)
         with ThreadPoolExecutor(UPLOAD_THREADS) as uploads:
             previous: list[Future[Output]] = []
-            for call in calls:
+            for index, call in enumerate(calls):
+                if index and self.give_way():
+                    self.left = tuple(job_id for later in calls[index:] for job_id in later)
+                    break
                 loaded, loading = self.pipelines.get(specs[call[0]])
                 started = perf_counter()
                 images = render(loaded, [specs[i] for i in call])
