@@ -16,6 +16,10 @@ import httpx
 import psycopg
 from PIL import Image
 
+from sdq.models.jobs.kinds import GENERATE
+from sdq.models.settings import Settings
+from sdq.workers.app import create_app
+from sdq.workers.delivery import retry_queue
 from tests.conftest import ROOT, WorkerProcess, sdq_json
 from tests.services import answers, free_port, listening, wait_for
 
@@ -253,6 +257,13 @@ def test_a_request_goes_ahead_of_a_queued_batch_run(
         ).fetchone()  # fmt: skip
     # At most the message the worker took first, and the one it had reserved: 2 jobs each.
     assert before <= 4, f"{before} of the batch's 40 images went before the request"
+    # The run says it is waited for: its retries and re-sends take the lane too.
+    with psycopg.connect(env["SDQ_DATABASE_URL"]) as db:
+        [options] = db.execute("SELECT task_options FROM runs WHERE id = %s",
+                               (asked.json()["run_id"],)).fetchone()  # fmt: skip
+    app = create_app(Settings.from_env(env))
+    assert retry_queue(app, GENERATE, [job_id], options) == GENERATE.lane == "generate.now"
+    assert retry_queue(app, GENERATE, [job_id], {"batch_size": 2}) == "generate"
 
 
 def test_requests_that_arrive_together_share_one_pipeline_call(

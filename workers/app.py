@@ -82,17 +82,17 @@ class SdqCelery(Celery):
         return send
 
     @contextmanager
-    def sender(self, live_warm: set[str] | None = None, waited: bool = False) -> Iterator[Send]:
+    def sender(self, live_warm: set[str] | None = None) -> Iterator[Send]:
         """Sends task messages over one broker connection, each to its kind's queue or a
         warm one (workers/routing.py): one of `live_warm` where given, else one that live
         workers say they consume. On Redis a call's messages go in one pipeline (kombu's
         publish batch): a round trip per call instead of one per message, a third of the
         time for a big submit."""
-        routes = Routes(self.settings, self.sessions, self.control, live_warm, waited)
+        routes = Routes(self.settings, self.sessions, self.control, live_warm)
         with self.producer_or_acquire() as producer:
 
             def send(kind: Kind, messages: list[list[int]], options: dict[str, Any]) -> None:
-                queues = routes(kind, messages)
+                queues = routes(kind, messages, options)
                 with producer.batch(max_size=len(messages)):
                     for job_ids, queue in zip(messages, queues, strict=True):
                         self.send_task(

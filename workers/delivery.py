@@ -2,7 +2,7 @@
 generic skeleton, then turn its outcome into an acknowledgement or a retry."""
 
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Any
@@ -152,7 +152,9 @@ def deliver_task(
         if task.request.is_eager:
             raise
         raise task.retry(
-            exc=error, countdown=backoff(task), queue=retry_queue(app, kind, job_ids)
+            exc=error,
+            countdown=backoff(task),
+            queue=retry_queue(app, kind, job_ids, task.request.kwargs),
         ) from error
     return _settle(task, kind, job_ids, outcome, me=worker.host)
 
@@ -204,7 +206,7 @@ def _send_again(task: Task, kind: Kind, job_ids: list[int]) -> None:
         task.apply_async(
             args=[job_ids],
             kwargs=task.request.kwargs,
-            queue=retry_queue(task.app, kind, job_ids),
+            queue=retry_queue(task.app, kind, job_ids, task.request.kwargs),
             time_limit=None,
             soft_time_limit=None,
         )
@@ -231,15 +233,18 @@ def _retried(task: Task, kind: Kind, failed: list[int], again: list[int], countd
                 retry_due(session, failed, datetime.now(UTC) + timedelta(seconds=countdown))
         except Exception:
             logger.exception("jobs %s: their retry's due time is not recorded", failed)
-    return retry_queue(task.app, kind, again)
+    return retry_queue(task.app, kind, again, task.request.kwargs)
 
 
-def retry_queue(app: SdqCelery, kind: Kind, job_ids: list[int]) -> str:
+def retry_queue(
+    app: SdqCelery, kind: Kind, job_ids: list[int], options: Mapping[str, Any] | None = None
+) -> str:
     """Where a retry goes: where a new message of these jobs would (workers/routing.py), not
     the queue the message came on. A warm queue whose worker has let go of what made it
     warm (a run's ranks failed, a pipeline evicted) is consumed by nobody any more, and a
-    retry sent there would wait for ever; the kind's queue is where any worker takes it."""
+    retry sent there would wait for ever; the kind's queue is where any worker takes it.
+    The message's task `options` go with it: a request's retry stays on the lane."""
     try:
-        return Routes(app.settings, app.sessions, app.control)(kind, [job_ids])[0]
+        return Routes(app.settings, app.sessions, app.control)(kind, [job_ids], options)[0]
     except Exception:  # the database or the broker failing: any worker can take it
         return kind.queue

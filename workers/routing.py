@@ -9,7 +9,7 @@ worker sending the next jobs of its own work (a train run's next job) asks nothi
 queues it consumes are the live ones it needs, and asking would cost a second of the task's
 time limit."""
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from celery import Celery
@@ -48,9 +48,10 @@ def queues_of(control: Control, node: str) -> list[str]:
 
 class Routes:
     """The queue of each message one sending sends; live warm queues asked once, unless
-    the sender knows them (`live`: a worker's own). Messages someone waits for (`waited`)
-    go to the kind's lane, whatever their warm key: a warm queue is first in, first out
-    behind a batch run's messages, and every worker warms the deployment's warm models."""
+    the sender knows them (`live`: a worker's own). Messages of a run someone waits for
+    (its task options say `waited`: `sdq serve`'s requests, their retries and re-sends
+    alike) go to the kind's lane, whatever their warm key: a warm queue is first in, first
+    out behind a batch run's messages, and every worker warms the deployment's models."""
 
     def __init__(
         self,
@@ -58,14 +59,14 @@ class Routes:
         sessions: sessionmaker[Session],
         control: Control,
         live: set[str] | None = None,
-        waited: bool = False,
     ) -> None:
         self.settings, self.sessions, self.control = settings, sessions, control
         self._warm = live
-        self._waited = waited
 
-    def __call__(self, kind: Kind, messages: list[list[int]]) -> list[str]:
-        if self._waited and kind.lane is not None:
+    def __call__(
+        self, kind: Kind, messages: list[list[int]], options: Mapping[str, Any] | None = None
+    ) -> list[str]:
+        if kind.lane is not None and (options or {}).get("waited"):
             return [kind.lane] * len(messages)
         key = warm_key(kind, self.settings)
         if key is None:

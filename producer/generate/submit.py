@@ -55,9 +55,11 @@ def record_run(
     options: dict[str, Any],
     batching: Batching,
     on_written: Callable[[int], None] = lambda jobs: None,
+    waited: bool = False,
 ) -> Submission:
     """Writes the run and its jobs, telling `on_written` how many each chunk held; specs
-    rendered before are recorded as cached, not sent."""
+    rendered before are recorded as cached, not sent. A run someone `waited` for (a
+    request) says so in its messages' options: they travel on the kind's lane."""
     now = utcnow()
     with sessions.begin() as session:
         record_model(session, model)
@@ -67,7 +69,10 @@ def record_run(
             source=source,
             options=options,
             jobs_per_message=batching.jobs_per_message,
-            task_options={"batch_size": batching.batch_size},
+            task_options={
+                "batch_size": batching.batch_size,
+                **({"waited": True} if waited else {}),
+            },
         )
         jobs = cached = 0
         settings = SharedSettings()

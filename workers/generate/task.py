@@ -26,11 +26,13 @@ logger = get_task_logger(__name__)
 
 
 @shared_task(bind=True, base=JobTask, name=GENERATE.task_name)
-def generate(self, job_ids: list[int], batch_size: int | None = None) -> dict[str, Any]:
-    return deliver_task(self, GENERATE, job_ids, partial(generate_work, self, batch_size))
+def generate(
+    self, job_ids: list[int], batch_size: int | None = None, waited: bool = False
+) -> dict[str, Any]:
+    return deliver_task(self, GENERATE, job_ids, partial(generate_work, self, batch_size, waited))
 
 
-def generate_work(task: Task, batch_size: int | None) -> GenerateWork:
+def generate_work(task: Task, batch_size: int | None, waited: bool) -> GenerateWork:
     """The work of a message, made as its delivery starts (deliver_task)."""
     app = task.app
     return GenerateWork(
@@ -38,17 +40,16 @@ def generate_work(task: Task, batch_size: int | None) -> GenerateWork:
         sessions=app.sessions,
         pipelines=pipelines(app),
         batch_size=batch_size or app.settings.group(GenerateSettings).batch_size,
-        give_way=lane_waiting(task),
+        give_way=(lambda: False) if waited else lane_waiting(task),
     )
 
 
 def lane_waiting(task: Task) -> Callable[[], bool]:
     """Whether a request waits on the kind's lane (`sdq serve`): a worker in the middle of
-    a batch message gives way at its next pipeline call. Never for a message that came on
-    the lane itself, in-process, or on a broker other than Redis (one LLEN a call)."""
+    a batch message gives way at its next pipeline call. Never in-process, or on a broker
+    other than Redis (one LLEN a call)."""
     url = notices_url(task.app.settings)
-    came_on = (task.request.delivery_info or {}).get("routing_key")
-    if url is None or task.request.is_eager or came_on == GENERATE.lane:
+    if url is None or task.request.is_eager:
         return lambda: False
     return partial(_queued, url, GENERATE.lane)
 

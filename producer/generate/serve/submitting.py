@@ -60,6 +60,7 @@ def submit(
         options=options,
         # One pipeline call a message: a request is taken as soon as a worker is free.
         batching=Batching(batch_size=settings.batch_size, calls_per_task=1),
+        waited=True,
     )
     with app.sessions() as session:
         jobs = session.execute(
@@ -90,7 +91,7 @@ def _resolved(
 
 def send(app: SdqCelery, run_id: int) -> None:
     """The request's jobs, sent as a submit's are: `batch_size` a message."""
-    with _cancelled_unless_sent(app, [run_id]), app.sender(waited=True) as sender:
+    with _cancelled_unless_sent(app, [run_id]), app.sender() as sender:
         enqueue(app.sessions, sender, run_id)
 
 
@@ -98,8 +99,8 @@ def send_together(app: SdqCelery, run_ids: list[int], job_ids: list[int]) -> Non
     """The jobs of requests that arrived together, in one message: their specs share a
     batch key (models/generate/specs.py), so one pipeline call renders them all. They were
     written queued: nothing is left to mark."""
-    with _cancelled_unless_sent(app, run_ids), app.sender(waited=True) as sender:
-        sender(GENERATE, [job_ids], {"batch_size": len(job_ids)})
+    with _cancelled_unless_sent(app, run_ids), app.sender() as sender:
+        sender(GENERATE, [job_ids], {"batch_size": len(job_ids), "waited": True})
 
 
 @contextmanager
