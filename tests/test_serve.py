@@ -304,10 +304,10 @@ def test_a_worker_in_the_middle_of_a_batch_message_gives_way_at_its_next_call(
 ) -> None:
     """Batch messages of 10 calls each: a request queued while the worker renders one is
     taken after the call in hand; the rest of that message is put back (no attempt spent)
-    and made after the request, and every batch image is still made exactly once."""
+    and made after the request, and every batch image is still made exactly once. A worker
+    that does not take requests never gives way."""
     env = {**own_deployment, "SDQ_BATCH_SIZE": "2", "SDQ_CALLS_PER_TASK": "10"}
     prompts = tmp_path / "prompts.csv"
-    prompts.write_text("prompt\n" + "".join(f"slow batch image {i}\n" for i in range(40)))
     database = env["SDQ_DATABASE_URL"]
 
     def batch_done() -> int:
@@ -316,8 +316,31 @@ def test_a_worker_in_the_middle_of_a_batch_message_gives_way_at_its_next_call(
                               "'succeeded'", (batch["run_id"],)).fetchone()[0]  # fmt: skip
 
     gus = new_key(env, "gus")
+    # A worker of the batch queue alone sees the request waiting and never gives way: the
+    # request is for other workers, and putting its batch back would only slow it.
+    batch_only = WorkerProcess(env, tmp_path / "batch-worker.log", args=("--queues", "generate"))
+    with serving(env, tmp_path / "serve-0.log") as base, httpx.Client(base_url=base) as http:
+        first = http.post("/v1/jobs", headers=gus, json={"prompt": "for nobody here", **TINY})
+        assert first.status_code == 202, first.text
+    batch_only.start()
+    try:
+        prompts.write_text("prompt\n" + "".join(f"batch image {i}\n" for i in range(40)))
+        batch = sdq_json(env, "submit", str(prompts), "--size", "64x64", "--steps", "20")
+        wait_for(lambda: batch_done() == 40, what="the batch beside a waiting request", timeout=240)
+    finally:
+        batch_only.stop()
+    with psycopg.connect(database) as db:
+        [put_back] = db.execute(
+            "SELECT count(*) FROM job_events WHERE detail LIKE 'put back%'"
+        ).fetchone()
+        [waiting] = db.execute(
+            "SELECT status FROM jobs WHERE id = %s", first.json()["job_ids"]
+        ).fetchone()
+    assert (put_back, waiting) == (0, "queued")
+
     worker = WorkerProcess(env, tmp_path / "worker.log").start()
     try:
+        prompts.write_text("prompt\n" + "".join(f"slow batch image {i}\n" for i in range(40)))
         batch = sdq_json(env, "submit", str(prompts), "--size", "64x64", "--steps", "20")
         # The first message's first call made: 9 of its calls are still to come.
         wait_for(lambda: batch_done() >= 2, what="the batch's first call", timeout=120)

@@ -17,6 +17,7 @@ from sdq.workers import (
     sickness,
 )
 from sdq.workers.app import NAME_TAKEN, create_app, quiet_libraries
+from sdq.workers.consuming import consumed, held_back
 
 quiet_libraries()
 app = create_app(Settings.from_env())
@@ -77,14 +78,12 @@ def back_in_rotation(sender: str, instance, **_) -> None:
 
 
 def served_kinds(app) -> list[Kind]:
-    consumed = set(app.amqp.queues.consume_from or app.amqp.queues)
-    return [kind for kind in KINDS.values() if kind.queue in consumed]
+    return [kind for kind in KINDS.values() if kind.queue in consumed(app)]
 
 
 # Set in a warming worker's main process before its pool forks (hold_queues_while_warming),
-# read by each pool process once warm: the queues held back, the kinds that warm up, and
-# the worker's name.
-_held_back: list[str] = []
+# read by each pool process once warm: the kinds that warm up, and the worker's name (the
+# queues held back are consuming.held_back).
 _warming: list[Kind] = []
 _hostname: list[str] = []
 
@@ -101,8 +100,8 @@ def hold_queues_while_warming(sender: str, instance, **_) -> None:
     if not warming:
         return
     _warming[:], _hostname[:] = warming, [sender]
-    _held_back[:] = sorted(app.amqp.queues.consume_from)
-    app.amqp.queues.deselect(_held_back)
+    held_back[:] = sorted(app.amqp.queues.consume_from)
+    app.amqp.queues.deselect(held_back)
     limits = app.settings.time_limits
     app.conf.worker_proc_alive_timeout = max(limits[kind.queue].hard for kind in warming)
 
@@ -112,7 +111,7 @@ def warm_up(**_) -> None:
     """In each pool process of a warming worker: the kinds' `warm_up(app, hostname)`, then
     its queues taken back. A warm-up that fails is logged, and the worker takes jobs
     anyway: a job's own load then says what is wrong."""
-    if not _held_back:
+    if not held_back:
         return
     _until_listening()
     for kind in _warming:
@@ -120,7 +119,7 @@ def warm_up(**_) -> None:
             kind.worker_hooks().warm_up(app, _hostname[0])
         except Exception:
             logging.getLogger(__name__).exception("%s: warming up failed", kind.name)
-    for queue in _held_back:
+    for queue in held_back:
         app.control.add_consumer(queue, destination=_hostname)
 
 

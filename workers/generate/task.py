@@ -17,6 +17,7 @@ from sdq.models.jobs.notices import notices_url
 from sdq.models.registry import resolve_model
 from sdq.models.settings import Settings
 from sdq.workers.app import SdqCelery
+from sdq.workers.consuming import consumed
 from sdq.workers.delivery import JobTask, deliver_task
 from sdq.workers.generate.work import GenerateWork
 from sdq.workers.routing import consume_warm_queues
@@ -46,10 +47,11 @@ def generate_work(task: Task, batch_size: int | None, waited: bool) -> GenerateW
 
 def lane_waiting(task: Task) -> Callable[[], bool]:
     """Whether a request waits on the kind's lane (`sdq serve`): a worker in the middle of
-    a batch message gives way at its next pipeline call. Never in-process, or on a broker
-    other than Redis (one LLEN a call)."""
+    a batch message gives way at its next pipeline call. Only a worker that consumes the
+    lane gives way (another would put its batch back for a request it never takes), and
+    never in-process, or on a broker other than Redis (one LLEN a call)."""
     url = notices_url(task.app.settings)
-    if url is None or task.request.is_eager:
+    if url is None or task.request.is_eager or GENERATE.lane not in consumed(task.app):
         return lambda: False
     return partial(_queued, url, GENERATE.lane)
 
