@@ -137,15 +137,21 @@ def deliver(
         _fail_the_rest(error, work, todo, record, outcome, sessions=sessions, worker=worker,
                        settings=settings)  # fmt: skip
     else:
-        # 4c. Every job done, but those the work left for later: the last outputs recorded,
-        #     those put back.
-        with sessions.begin() as session:
-            record.flush(session)
-            outcome.put_back = put_back_jobs(
-                session, work.left, worker=worker, reason="put back: gave way to a request"
-            )
+        # 4c. Every job done but those the work left (put back): the last outputs recorded.
+        outcome.put_back = _finish(work, record, sessions=sessions, worker=worker)
     outcome.done = sorted(record.done)
     return outcome
+
+
+def _finish(
+    work: Work, record: "Recorder", *, sessions: sessionmaker[Session], worker: Worker
+) -> list[int]:
+    """Records the last outputs and puts back what the work left; returns those."""
+    with sessions.begin() as session:
+        record.flush(session)
+        return put_back_jobs(
+            session, work.left, worker=worker, reason="put back: gave way to a request"
+        )
 
 
 def _reuse(

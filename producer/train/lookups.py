@@ -29,6 +29,11 @@ def spec_fields(spec: dict[str, Any]) -> dict[str, Any]:
     return {"steps": f"{spec['first_step'] + 1}-{spec['last_step']}"}
 
 
+# What a step row gives the status: step, loss, samples/s, MFU and learning rate, by index.
+STEP_FIGURES = (TrainStep.step, TrainStep.loss, TrainStep.samples_per_second, TrainStep.mfu,
+                TrainStep.lr)  # fmt: skip
+
+
 def train_status(session: Session, run_id: int) -> dict[str, Any]:
     """Where a train run stands: its step, speed and time left, its loss curve and its
     checkpoints (`sdq train status`)."""
@@ -37,15 +42,7 @@ def train_status(session: Session, run_id: int) -> dict[str, Any]:
     if run is None or run.kind != TRAIN.name:
         raise NotFound(f"no train run {run_id}")
     losses = session.execute(
-        select(
-            TrainStep.step,
-            TrainStep.loss,
-            TrainStep.samples_per_second,
-            TrainStep.mfu,
-            TrainStep.lr,
-        )
-        .where(TrainStep.run_id == run_id)
-        .order_by(TrainStep.step)
+        select(*STEP_FIGURES).where(TrainStep.run_id == run_id).order_by(TrainStep.step)
     ).all()
     checkpoints = session.scalars(
         select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.step)
