@@ -5,6 +5,7 @@ services, training that never waits for its evaluations."""
 
 import io
 import json
+import re
 import sqlite3
 import struct
 import subprocess
@@ -300,7 +301,10 @@ def _wandb_history(folder: Path, run: int) -> list[dict]:
     from wandb.proto.wandb_internal_pb2 import Record
 
     rows = []
-    for path in sorted(folder.glob(f"wandb/offline-run-*-sdq-run-{run}/run-sdq-run-{run}.wandb")):
+    # Two runs begun within one second get the same folder name but for a "-1" suffix.
+    named = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-sdq-run-{run}(-\d+)?")
+    folders = [path for path in folder.glob("wandb/offline-run-*") if named.fullmatch(path.name)]
+    for path in sorted(found / f"run-sdq-run-{run}.wandb" for found in folders):
         data, record = path.read_bytes(), b""
         assert data[:4] == b":W&B"
         position = 7
