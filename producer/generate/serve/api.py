@@ -332,12 +332,13 @@ async def _image(
     if response_format == "b64_json":
         data = await run_in_threadpool(service.app.store.get_bytes, image_key(job.spec_hash))
         return {"b64_json": base64.b64encode(data).decode(), "job_id": job.id}
-    return {"url": _image_url(service, job, request), "job_id": job.id}
+    return {"url": await _image_url(service, job, request), "job_id": job.id}
 
 
-def _image_url(service: Service, job: Job, request: Request) -> str:
-    """A presigned link where the store is S3 (it serves the bytes itself), else this
-    service's own."""
+async def _image_url(service: Service, job: Job, request: Request) -> str:
+    """A presigned link where the store is S3 (it serves the bytes itself; signed on the
+    thread pool, as the first signing makes boto3's client), else this service's own."""
     if service.app.settings.store_url.startswith("s3://"):
-        return service.app.store.link(image_key(job.spec_hash), expires_seconds=3600)
+        key = image_key(job.spec_hash)
+        return await run_in_threadpool(service.app.store.link, key, expires_seconds=3600)
     return str(request.url_for("image", spec_hash=job.spec_hash))
