@@ -25,7 +25,9 @@ def channel(job_id: int) -> str:
 
 
 @cache
-def _client(url: str) -> redis.Redis:
+def broker_redis(url: str) -> redis.Redis:
+    """This process's client of the broker's Redis (notices, and what a worker asks of
+    its queues)."""
     return redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
 
 
@@ -35,7 +37,7 @@ def publish(url: str, job_ids: Iterable[int], what: str) -> None:
     deadline."""
     job_ids = list(job_ids)
     try:
-        with _client(url).pipeline(transaction=False) as pipe:
+        with broker_redis(url).pipeline(transaction=False) as pipe:
             for job_id in job_ids:
                 pipe.publish(channel(job_id), what.encode())
             pipe.execute()

@@ -13,7 +13,7 @@ from sdq.models.generate import galleries
 from sdq.models.generate.settings import GenerateSettings
 from sdq.models.generate.specs import GenerationSpec
 from sdq.models.jobs.kinds import GENERATE
-from sdq.models.jobs.notices import notices_url
+from sdq.models.jobs.notices import broker_redis, notices_url
 from sdq.models.registry import resolve_model
 from sdq.models.settings import Settings
 from sdq.workers.app import SdqCelery
@@ -58,14 +58,9 @@ def lane_waiting(task: Task) -> Callable[[], bool]:
 
 def _queued(url: str, queue: str) -> bool:
     try:
-        return _broker(url).llen(queue) > 0
+        return broker_redis(url).llen(queue) > 0
     except redis.RedisError:
         return False  # the batch goes on; the request waits its turn
-
-
-@cache
-def _broker(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
 
 
 def follow_warm_queues(task: Task) -> None:

@@ -18,6 +18,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from redis.asyncio import Redis
 from starlette.concurrency import run_in_threadpool
 
+from sdq.migrations import ready
 from sdq.models.generate.settings import GenerateSettings
 from sdq.models.generate.specs import image_key
 from sdq.models.jobs.notices import notices_url
@@ -127,11 +128,13 @@ def _add_routes(api: FastAPI) -> None:
     )(image)
 
 
-async def healthz(request: Request) -> dict[str, bool]:
+async def healthz(request: Request) -> Response:
+    """Ready: Redis answers, and the database with its schema current."""
     service = _service(request)
     await service.redis.ping()
-    await run_in_threadpool(submitting.job_rows, service.app, [])
-    return {"ok": True}
+    if not await run_in_threadpool(ready, service.app.engine):
+        return error_answer(503, "the database schema is not current: run `sdq db upgrade`")
+    return JSONResponse({"ok": True})
 
 
 async def generations(body: ImageRequest, request: Request, caller: Caller) -> Response:

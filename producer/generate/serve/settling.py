@@ -28,14 +28,18 @@ class Settling:
         those still unsettled."""
         waiting = set(await unsettled())
         while waiting and (left := deadline - time.monotonic()) > 0:
-            if await self.notice(left) in waiting:
+            heard = await self.notice(left)
+            if heard is not None and heard[0] in waiting and heard[1] == "settled":
                 waiting = set(await unsettled())
         return waiting
 
-    async def notice(self, timeout: float) -> int | None:
-        """The job the next notice is about, or None when none comes in time."""
+    async def notice(self, timeout: float) -> tuple[int, str] | None:
+        """The next notice (the job, and what it says: `running`, `settled`), or None when
+        none comes in time."""
         message = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout)
-        return None if message is None else int(message["channel"].rpartition(b":")[2])
+        if message is None:
+            return None
+        return int(message["channel"].rpartition(b":")[2]), message["data"].decode()
 
 
 @asynccontextmanager
