@@ -3,6 +3,7 @@ machine (deterministic, served from the record when asked again, the best chosen
 score, bad input refused by name, a checkpoint gone before its evaluation); and on the
 services, training that never waits for its evaluations."""
 
+import hashlib
 import io
 import json
 import re
@@ -25,9 +26,10 @@ from torchmetrics.image.kid import KernelInceptionDistance
 from transformers import CLIPModel, CLIPProcessor
 
 from sdq.models.curate.clip import ClipIdentity, ScorerRef, resolve_clip
-from sdq.models.evaluate.specs import METRICS, EvaluateSpec, Evaluation, HeldOut
+from sdq.models.evaluate.specs import METRICS, EvaluateSpec, Evaluation, FidWeights, HeldOut
 from sdq.models.generate.specs import FixedRenders
 from sdq.models.train.specs import TrainOptions, TrainShardSpec
+from sdq.producer.cli.common import DEAD_JOBS
 from sdq.workers.curate.scoring import LoadedScorers
 from sdq.workers.evaluate.metrics import (
     clip_scores,
@@ -40,6 +42,7 @@ from tests.conftest import ROOT, WorkerProcess, sdq_json
 from tests.netns_download import DOWNLOAD_ENV
 from tests.services import clean_env, free_port, listening, wait_for
 from tests.test_curate import tiny_clip
+from tests.test_fid import random_fid_weights
 from tests.test_monitoring import get
 from tests.test_train import encoded_dataset
 
@@ -56,6 +59,7 @@ def test_an_evaluation_travels_in_a_spec_whole_and_its_hash_ignores_where_it_rep
         rendering=FixedRenders(prompts=(("a cat", 1),), size=64, scheduler="ddim",
                                dtype="auto", scheduler_config={"beta_end": 0.012}),
         clip=ClipIdentity(name="clip", source="/clip", revision="c0", embedding_width=16),
+        fid_weights=FidWeights(source="/inception.pth", sha256="ab"),
         report_to=("tensorboard",),
     )  # fmt: skip
     spec = EvaluateSpec(model_name="1@20", model_source="store:x", model_revision="r",
@@ -70,6 +74,8 @@ def test_an_evaluation_travels_in_a_spec_whole_and_its_hash_ignores_where_it_rep
     quiet = replace(spec, evaluation=replace(evaluation, every=1, report_to=()), run=2, step=5)
     assert quiet.hash() == spec.hash()
     assert replace(spec, model_revision="other").hash() != spec.hash()
+    other_weights = replace(evaluation, fid_weights=FidWeights(source="/i.pth", sha256="cd"))
+    assert replace(spec, evaluation=other_weights).hash() != spec.hash()
 
 
 class Features(torch.nn.Module):
@@ -161,6 +167,7 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
     env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline",
            "WANDB_DIR": str(wandb_dir)}  # fmt: skip
     clip = str(tiny_clip(tmp_path / "clip"))
+    inception = str(random_fid_weights(tmp_path / "inception.pth"))
     encoded_dataset(env, "toy", 16, tmp_path)
     database = tmp_path / "sdq-data/sdq.db"
 
@@ -170,8 +177,12 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
     binary.write_bytes(b"a prompt\n\xff\xfe\n")
     refusals = [
         (["--holdout", "0", "--eval-metrics", "heldout_loss"], "give --holdout FRACTION above 0"),
-        (["--eval-metrics", "fid_clip"], "metrics are heldout_loss, clip_score, fd_clip, kid"),
+        (["--eval-metrics", "fid_clip"], "metrics are heldout_loss, clip_score, fd_clip, kid, fid"),
         (["--eval-metrics", "clip_score"], "give --eval-clip MODEL"),
+        (["--eval-metrics", "fid"], "give --fid-weights FILE|s3://"),
+        (["--eval-metrics", "heldout_loss", "--fid-weights", inception], "only with fid among"),
+        (["--eval-metrics", "fid", "--fid-weights", clip + "/config.json"],
+         "is not a PyTorch weights file"),
         (["--eval-metrics", "clip_score", "--eval-clip", str(tmp_path)], "is not a CLIP model"),
         (["--eval-metrics", "clip_score", "--eval-clip", clip, "--eval-prompts", str(empty)],
          "no prompts (one prompt a line)"),
@@ -185,8 +196,9 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
         assert db.execute("SELECT count(*) FROM runs WHERE kind = 'train'").fetchone() == (0,)
 
     trained = sdq_json(env, "train", "toy", *TRAIN, "--eval-metrics", "kid,heldout_loss,"
-                       "clip_score,fd_clip", "--eval-clip", clip, "--report-to", "tensorboard",
-                       "--report-to", "wandb", cwd=tmp_path)  # fmt: skip
+                       "clip_score,fd_clip,fid", "--eval-clip", clip, "--fid-weights", inception,
+                       "--report-to", "tensorboard", "--report-to", "wandb",
+                       cwd=tmp_path)  # fmt: skip
     run = trained["run_id"]
     scores = trained["scores"]
     assert sorted(scores) == sorted(METRICS)
@@ -196,6 +208,11 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
         counted = db.execute("SELECT metric, samples, count(*) FROM checkpoint_scores WHERE "
                              "run_id = ? GROUP BY metric, samples", (run,)).fetchall()  # fmt: skip
     assert sorted(counted) == sorted((metric, 4, 2) for metric in METRICS)
+    with sqlite3.connect(database) as db:
+        [scorers] = db.execute("SELECT DISTINCT scorers FROM checkpoint_scores WHERE run_id = ?",
+                               (run,)).fetchone()  # fmt: skip
+    weights_sha256 = hashlib.sha256(Path(inception).read_bytes()).hexdigest()
+    assert json.loads(scorers) == {"clip": resolve_clip(clip).revision, "inception": weights_sha256}
     no_gallery = _sdq(env, tmp_path, "gallery", str(run))
     assert no_gallery.returncode == 2 and f"run {run} is a train run" in no_gallery.stderr
     # The run's page plots every score against the step.
@@ -276,8 +293,16 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
     scored = sdq_json(env, "evaluate", "best-toy", "--like", str(run), "--metrics",
                       "heldout_loss", cwd=tmp_path)["scores"]["heldout_loss"]  # fmt: skip
     assert scored["value"] == losses[highest]
-    unknown = _sdq(env, tmp_path, "model", "push", f"{run}@best:fid", "nothing")
-    assert unknown.returncode == 2 and "fid" in unknown.stderr, unknown.stderr
+    unknown = _sdq(env, tmp_path, "model", "push", f"{run}@best:fid_clip", "nothing")
+    assert unknown.returncode == 2 and "fid_clip" in unknown.stderr, unknown.stderr
+
+    # Weights torch.save wrote, but not Inception's: the evaluation ends dead, saying so.
+    other = tmp_path / "other.pth"
+    torch.save({"fc.weight": torch.zeros(2, 2)}, other)
+    wrong = _sdq(env, tmp_path, "evaluate", f"{run}@20", "--metrics", "fid", "--fid-weights",
+                 str(other))  # fmt: skip
+    assert wrong.returncode == DEAD_JOBS, wrong.stderr
+    assert "are not Inception-v3's FID weights" in wrong.stderr, wrong.stderr
 
     # A checkpoint deleted by --keep-checkpoints before its evaluation ran: that job ends
     # saying so, the others score.
@@ -376,8 +401,10 @@ def test_evaluation_never_holds_training_and_a_later_worker_scores_every_checkpo
     ]
     try:
         encoded_dataset(env, "evaluated", 16, tmp_path)
+        inception = str(random_fid_weights(tmp_path / "inception.pth"))
         trained = sdq_json(env, "train", "evaluated", *TRAIN, "--eval-metrics", ALL,
-                           "--eval-clip", clip, "--wait", cwd=tmp_path)  # fmt: skip
+                           "--eval-clip", clip, "--fid-weights", inception, "--wait",
+                           cwd=tmp_path)  # fmt: skip
         # No worker consumes `evaluate`: the run went on and ended all the same.
         assert (trained["status"], trained["step"]) == ("succeeded", 20)
         assert trained["scores"] == {}

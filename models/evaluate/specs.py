@@ -11,6 +11,9 @@ Metrics, as the field computes them:
   embeddings (Gaussians fitted to each, as FID does with Inception features).
 - kid: the kernel distance (unbiased MMD², cubic polynomial kernel, as KID) of the same
   embeddings: unbiased, so it can be trusted at the few hundred images where FD cannot.
+- fid: the Fréchet distance of the same renders and real images on Inception-v3's 2048
+  pool features (the FID graph, with the weights file torchmetrics and torch-fidelity use,
+  `--fid-weights`): the figure papers quote, comparable with theirs at 50,000 images only.
 """
 
 from dataclasses import asdict, dataclass, replace
@@ -20,12 +23,13 @@ from sdq.models.curate.clip import ClipIdentity
 from sdq.models.generate.specs import FixedRenders
 from sdq.models.specs import canonical_sha256
 
-METRICS = ("heldout_loss", "clip_score", "fd_clip", "kid")
+METRICS = ("heldout_loss", "clip_score", "fd_clip", "kid", "fid")
 # The rest are best lowest (a loss, distances).
 HIGHER_IS_BETTER = frozenset({"clip_score"})
-# What needs images rendered by the model, a CLIP model, and real held-out images.
-RENDERED = frozenset({"clip_score", "fd_clip", "kid"})
-AGAINST_REAL = frozenset({"fd_clip", "kid"})
+# What needs images rendered by the model, a CLIP model, real held-out images, Inception.
+RENDERED = frozenset({"clip_score", "fd_clip", "kid", "fid"})
+CLIP_SCORED = frozenset({"clip_score", "fd_clip", "kid"})
+AGAINST_REAL = frozenset({"fd_clip", "kid", "fid"})
 SPEC_VERSION = 1
 
 
@@ -49,6 +53,16 @@ class HeldOut:
     timesteps: int = 8
 
 
+@dataclass(frozen=True)
+class FidWeights:
+    """The Inception-v3 weights fid is computed with: a file (pt_inception-2015-12-05, as
+    torchmetrics and torch-fidelity load it) where the workers can read it, named by its
+    content."""
+
+    source: str  # an absolute path, or s3://bucket/key
+    sha256: str
+
+
 @dataclass(frozen=True, kw_only=True)
 class Evaluation:
     """What a train run asks of its checkpoints (`--eval-metrics`): every `every`-th of its
@@ -60,12 +74,14 @@ class Evaluation:
     held_out: HeldOut | None = None
     rendering: FixedRenders | None = None
     clip: ClipIdentity | None = None  # what scores renders
+    fid_weights: FidWeights | None = None
     # The trackers the scores go to besides SQL (the run's `--report-to`).
     report_to: tuple[str, ...] = ()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Evaluation":
         rendering, held_out, clip = data.get("rendering"), data.get("held_out"), data.get("clip")
+        fid_weights = data.get("fid_weights")
         return cls(**{
             **data,
             "metrics": tuple(data["metrics"]),
@@ -73,6 +89,7 @@ class Evaluation:
             "held_out": HeldOut(**held_out) if held_out else None,
             "rendering": FixedRenders.from_dict(rendering) if rendering else None,
             "clip": ClipIdentity(**clip) if clip else None,
+            "fid_weights": FidWeights(**fid_weights) if fid_weights else None,
         })  # fmt: skip
 
 
@@ -107,6 +124,8 @@ class EvaluateSpec:
         often a run asks, nor where the scores are reported (the same checkpoint and spec
         are scored once)."""
         identity = asdict(replace(self.evaluation, every=1, report_to=()))
+        if identity["fid_weights"] is None:
+            del identity["fid_weights"]  # as specs were hashed before fid: scored once still
         return canonical_sha256(
             {
                 "model_revision": self.model_revision,
@@ -135,8 +154,9 @@ def scores_key(spec_hash: str) -> str:
     return f"evaluate/{spec_hash}.json"
 
 
-def reference_key(held_out: HeldOut, clip: ClipIdentity) -> str:
-    """The real held-out images' CLIP embeddings, computed once per (held-out samples,
-    CLIP model) and kept in the store for every checkpoint compared with them."""
-    digest = canonical_sha256({**asdict(held_out), "clip": clip.revision, "timesteps": None})
+def reference_key(held_out: HeldOut, extractor: str, revision: str) -> str:
+    """The real held-out images' features (`extractor` "clip": CLIP image embeddings,
+    "inception": FID's pool features), computed once per (held-out samples, feature
+    extractor) and kept in the store for every model compared with them."""
+    digest = canonical_sha256({**asdict(held_out), extractor: revision, "timesteps": None})
     return f"evaluate/reference/{digest}.npy"

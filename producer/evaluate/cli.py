@@ -38,8 +38,8 @@ from sdq.workers.app import SdqCelery
 @click.argument("model")
 @click.option(
     "--metrics", required=True, metavar="METRIC[,METRIC...]",
-    help="What to score: heldout_loss, clip_score, fd_clip, kid (held-out samples come from "
-    "--like's run).",
+    help="What to score: heldout_loss, clip_score, fd_clip, kid, fid (held-out samples come "
+    "from --like's run).",
 )  # fmt: skip
 @click.option(
     "--like", metavar="RUN", type=int,
@@ -51,6 +51,11 @@ from sdq.workers.app import SdqCelery
     help="One prompt a line, rendered at fixed seeds for clip_score. [default: --like's]",
 )  # fmt: skip
 @click.option("--clip", metavar="MODEL", help="The CLIP model renders are scored by.")
+@click.option(
+    "--fid-weights", metavar="FILE|s3://",
+    help="Inception-v3's weights for fid, as torchmetrics and torch-fidelity load them. "
+    "[default: --like's]",
+)  # fmt: skip
 @click.option(
     "--reference", metavar="DATASET",
     help="Compare the renders (fd_clip, kid) with this dataset's images, its first --samples "
@@ -71,6 +76,7 @@ def evaluate(
     like: int | None,
     prompts: Path | None,
     clip: str | None,
+    fid_weights: str | None,
     reference: str | None,
     samples: int,
     wait: bool,
@@ -82,8 +88,10 @@ def evaluate(
     with found(), app.sessions.begin() as session:
         identity, scored, like = _scored(app, session, model, like)
         base = _run_evaluation(session, like) if like is not None else None
-        request = evaluation_request(metrics, prompts=prompts, clip=clip or _clip_ref(base),
-                                     holdout=None)  # fmt: skip
+        request = evaluation_request(
+            metrics, prompts=prompts, clip=clip or _clip_ref(base), holdout=None,
+            fid_weights=fid_weights or _fid_weights_ref(base, metrics),
+        )  # fmt: skip
         real = reference_samples(session, app.store, reference, samples) if reference else None
         evaluation = _evaluation(request, base, identity, real)
         runs = open_evaluation(session, scored, evaluation)
@@ -131,6 +139,14 @@ def _clip_ref(base: Evaluation | None) -> str | None:
     return base.clip.source if base is not None and base.clip is not None else None
 
 
+def _fid_weights_ref(base: Evaluation | None, metrics: str) -> str | None:
+    """The run's Inception weights, where fid is asked."""
+    asked = {metric.strip() for metric in metrics.split(",")}
+    if base is None or base.fid_weights is None or "fid" not in asked:
+        return None
+    return base.fid_weights.source
+
+
 def _evaluation(
     request: EvaluationRequest,
     base: Evaluation | None,
@@ -148,8 +164,9 @@ def _evaluation(
         held_out, captions = reference
     if held_out is None and ({"heldout_loss"} | AGAINST_REAL) & set(request.metrics):
         raise click.UsageError(
-            "heldout_loss, fd_clip and kid need held-out samples: name a train run trained "
-            "with --holdout (--like RUN), or a dataset for fd_clip and kid (--reference NAME)"
+            "heldout_loss, fd_clip, kid and fid need held-out samples: name a train run "
+            "trained with --holdout (--like RUN), or a dataset for fd_clip, kid and fid "
+            "(--reference NAME)"
         )
     rendering = base.rendering if base is not None else None
     if RENDERED & set(request.metrics):
@@ -162,9 +179,9 @@ def _evaluation(
             )  # fmt: skip
             rendering = replace(like, prompts=prompts)
         elif rendering is None:
-            raise click.UsageError("clip_score renders prompts: give --prompts FILE")
+            raise click.UsageError("renders need prompts: give --prompts FILE")
     return Evaluation(metrics=request.metrics, held_out=held_out, rendering=rendering,
-                      clip=request.clip)  # fmt: skip
+                      clip=request.clip, fid_weights=request.fid_weights)  # fmt: skip
 
 
 def _report_sent(run_id: int, scored: ScoredModel, as_json: bool) -> None:

@@ -1,7 +1,8 @@
 """What an evaluation is asked for on the command line (`sdq train --eval-metrics ...`,
 `sdq evaluate`), checked before anything is written: the metrics against what they need,
-the prompt file, the CLIP model."""
+the prompt file, the CLIP model, FID's Inception weights."""
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -9,8 +10,9 @@ from typing import Any
 import click
 
 from sdq.models.curate.clip import ClipIdentity, resolve_clip
-from sdq.models.evaluate.specs import AGAINST_REAL, METRICS, RENDERED
-from sdq.models.registry import ModelNotFound
+from sdq.models.evaluate.specs import AGAINST_REAL, CLIP_SCORED, METRICS, FidWeights
+from sdq.models.registry import ModelNotFound, file_sha256
+from sdq.models.store import MissingObject, S3Store
 
 # Held-out samples scored per checkpoint (and real images the renders are compared with).
 DEFAULT_SAMPLES = 64
@@ -23,6 +25,7 @@ class EvaluationRequest:
     clip: ClipIdentity | None
     samples: int = DEFAULT_SAMPLES
     every: int = 1
+    fid_weights: FidWeights | None = None
 
 
 def read_prompt_lines(path: Path) -> tuple[tuple[str, int], ...]:
@@ -53,6 +56,7 @@ def evaluation_request(
     prompts: Path | None,
     clip: str | None,
     holdout: float | None,
+    fid_weights: str | None = None,
     samples: int = DEFAULT_SAMPLES,
     every: int = 1,
 ) -> EvaluationRequest:
@@ -70,17 +74,25 @@ def evaluation_request(
             f"them, the renders are compared with their images): give --holdout FRACTION "
             f"above 0, e.g. --holdout 0.02"
         )
-    if RENDERED & set(asked) and clip is None:
+    if CLIP_SCORED & set(asked) and clip is None:
         raise click.UsageError(
-            f"{', '.join(sorted(RENDERED & set(asked)))} score renders with a CLIP model: give "
-            f"--eval-clip MODEL (a hub id like openai/clip-vit-large-patch14, a folder or s3://)"
+            f"{', '.join(sorted(CLIP_SCORED & set(asked)))} score renders with a CLIP model: "
+            f"give --eval-clip MODEL (a hub id like openai/clip-vit-large-patch14, a folder or "
+            f"s3://)"
+        )
+    if ("fid" in asked) != (fid_weights is not None):
+        raise click.UsageError(
+            "fid is computed on Inception-v3 with the weights torchmetrics and torch-fidelity "
+            "use: give --fid-weights FILE|s3:// (weights-inception-2015-12-05-6726825d.pth), "
+            "and only with fid among the metrics"
         )
     return EvaluationRequest(
         metrics=asked,
         prompts=read_prompt_lines(prompts) if prompts else (),
-        clip=_clip(clip) if clip and RENDERED & set(asked) else None,
+        clip=_clip(clip) if clip and CLIP_SCORED & set(asked) else None,
         samples=samples,
         every=every,
+        fid_weights=resolve_fid_weights(fid_weights) if fid_weights else None,
     )
 
 
@@ -89,6 +101,33 @@ def _clip(ref: str) -> ClipIdentity:
         return resolve_clip(ref)
     except ModelNotFound as error:
         raise click.UsageError(f"--eval-clip: {error}") from None
+
+
+# What torch.save writes: a zip archive, or (before torch 1.6) a pickle.
+TORCH_FILE_MAGIC = (b"PK\x03\x04", b"\x80")
+
+
+def resolve_fid_weights(ref: str) -> FidWeights:
+    """The Inception weights file as a spec names it: where it is and its content."""
+    if ref.startswith("s3://"):
+        bucket, _, key = ref.removeprefix("s3://").partition("/")
+        try:
+            data = S3Store(bucket).get_bytes(key)
+        except MissingObject:
+            raise click.UsageError(f"--fid-weights: no object {ref}") from None
+        head, sha256, source = data[:4], hashlib.sha256(data).hexdigest(), ref
+    else:
+        path = Path(ref)
+        if not path.is_file():
+            raise click.UsageError(f"--fid-weights: no file {path.absolute()}")
+        with path.open("rb") as handle:
+            head = handle.read(4)
+        sha256, source = file_sha256(path), str(path.resolve())
+    if not head.startswith(TORCH_FILE_MAGIC):
+        raise click.UsageError(
+            f"--fid-weights: {ref} is not a PyTorch weights file (what torch.save writes)"
+        )
+    return FidWeights(source=source, sha256=sha256)
 
 
 def pop_evaluation_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -101,12 +140,13 @@ def train_evaluation_request(asked: dict[str, Any], holdout: float) -> Evaluatio
     if asked["metrics"] is None:
         return None
     return evaluation_request(asked["metrics"], prompts=asked["prompts"], clip=asked["clip"],
-                              holdout=holdout, samples=asked["samples"],
+                              holdout=holdout, fid_weights=asked["fid_weights"],
+                              samples=asked["samples"],
                               every=asked["every_checkpoints"])  # fmt: skip
 
 
 # The options below, by their names after `eval_`.
-EVALUATION_OPTIONS = ("metrics", "prompts", "clip", "every_checkpoints", "samples")
+EVALUATION_OPTIONS = ("metrics", "prompts", "clip", "fid_weights", "every_checkpoints", "samples")
 
 
 def train_evaluation_options(command):
@@ -115,17 +155,23 @@ def train_evaluation_options(command):
         click.option(
             "--eval-metrics", metavar="METRIC[,METRIC...]",
             help=f"Score each checkpoint, on the evaluate queue, by these: {', '.join(METRICS)} "
-            "(training never waits for it). heldout_loss, fd_clip and kid need --holdout.",
+            "(training never waits for it). heldout_loss, fd_clip, kid and fid need "
+            "--holdout.",
         ),
         click.option(
             "--eval-prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-            help="One prompt a line: what clip_score, fd_clip and kid render, with the same "
+            help="One prompt a line: what clip_score, fd_clip, kid and fid render, with the same "
             "seeds at every checkpoint. [default: the held-out samples' captions]",
         ),
         click.option(
             "--eval-clip", metavar="MODEL",
             help="The CLIP model renders are scored by: a hub id like "
             "openai/clip-vit-large-patch14, a folder or s3://.",
+        ),
+        click.option(
+            "--eval-fid-weights", "--fid-weights", "eval_fid_weights", metavar="FILE|s3://",
+            help="Inception-v3's weights for fid, as torchmetrics and torch-fidelity load them "
+            "(weights-inception-2015-12-05-6726825d.pth).",
         ),
         click.option(
             "--eval-every-checkpoints", default=1, show_default=True, type=click.IntRange(min=1),

@@ -62,7 +62,8 @@ def run_evaluation(
                                  dtype=base.default_dtype,
                                  scheduler_config=base.scheduler_config)  # fmt: skip
     return Evaluation(metrics=request.metrics, every=request.every, held_out=held_out,
-                      rendering=rendering, clip=request.clip, report_to=report_to)  # fmt: skip
+                      rendering=rendering, clip=request.clip, fid_weights=request.fid_weights,
+                      report_to=report_to)  # fmt: skip
 
 
 def _held_out_rows(

@@ -8,6 +8,7 @@ embeddings, as torchmetrics computes FID and KID from its features.
 
 import hashlib
 import io
+import pickle
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,20 +20,29 @@ from PIL import Image
 
 from sdq.models import tiny
 from sdq.models.curate.clip import ClipIdentity, ScorerRef
+from sdq.models.evaluate.specs import FidWeights
 from sdq.models.specs import AUTO_DTYPE
 from sdq.models.store import ObjectStore
 from sdq.workers.curate.scoring import Batch, LoadedScorers, Scorer, score_batch
 from sdq.workers.evaluate.held_out import HeldOutSamples
+from sdq.workers.evaluate.inception import (
+    SIZE,
+    FidInceptionV3,
+    load_fid_inception,
+    resize_like_tensorflow,
+)
 from sdq.workers.gpu import device_name, release_device_memory, torch_dtype
 from sdq.workers.shards.pixels import to_rgb
 from sdq.workers.tiny import build_pipeline
-from sdq.workers.weights import ModelFiles, check_tiny_revision
+from sdq.workers.weights import ModelFiles, ModelUnavailable, check_tiny_revision
 
 # Images through CLIP at once; samples x timesteps through the U-Net at once; threads that
 # decode images.
 CLIP_BATCH = 32
 UNET_BATCH = 16
 DECODERS = 4
+# What torch.load and a strict load_state_dict raise on a file that holds other weights.
+UNREADABLE_WEIGHTS = (RuntimeError, TypeError, AttributeError, EOFError, pickle.UnpicklingError)
 
 
 def fixed_timesteps(scheduler: DDPMScheduler, count: int) -> torch.Tensor:
@@ -129,6 +139,30 @@ def clip_scores(
     )
 
 
+def _fid_inputs(images: Sequence[bytes]) -> Iterator[torch.Tensor]:
+    """The images decoded and resized to Inception's 299 px one at a time (they need not
+    share a size), on the CPU in float32 as the FID graph's resize is exact there, a batch
+    at a time, on threads."""
+
+    def resized(data: bytes) -> torch.Tensor:
+        with Image.open(io.BytesIO(data)) as image:
+            pixels = torch.from_numpy(np.array(to_rgb(image))).permute(2, 0, 1)
+        return resize_like_tensorflow(pixels[None].float(), SIZE)[0]
+
+    with ThreadPoolExecutor(DECODERS) as decoders:
+        for start in range(0, len(images), CLIP_BATCH):
+            yield torch.stack(list(decoders.map(resized, images[start : start + CLIP_BATCH])))
+
+
+@torch.inference_mode()
+def inception_features(model: FidInceptionV3, images: Sequence[bytes]) -> np.ndarray:
+    """Each image's 2048 pool features on the FID graph, as float32."""
+    device = model.fc.weight.device
+    return np.concatenate([
+        model.pool_features(batch.to(device)).cpu().numpy() for batch in _fid_inputs(images)
+    ])  # fmt: skip
+
+
 def frechet_distance(first: np.ndarray, second: np.ndarray) -> float:
     """The Fréchet distance between Gaussians fitted to two sets of features (rows), as
     torchmetrics computes FID: |mu1 - mu2|² + tr(S1) + tr(S2) - 2 tr(sqrt(S1 S2)), the
@@ -166,11 +200,27 @@ class LoadedModels:
         self.scorers = LoadedScorers(files, store)
         self._unet_of: tuple[str, str] | None = None
         self._unet: tuple[UNet2DConditionModel, DDPMScheduler] | None = None
+        self._inception: tuple[str, FidInceptionV3] | None = None
 
     def clear(self) -> None:
         self.scorers.clear()
-        self._unet_of, self._unet = None, None
+        self._unet_of, self._unet, self._inception = None, None, None
         release_device_memory()
+
+    def inception(self, weights: FidWeights) -> FidInceptionV3:
+        """The FID graph with these weights, in float32 (FID is defined in it)."""
+        if self._inception is None or self._inception[0] != weights.sha256:
+            path = self.files.content_file(weights.source, weights.sha256,
+                                           what="Inception weights", suffix=".pth")  # fmt: skip
+            try:
+                model = load_fid_inception(torch.load(path, map_location="cpu", weights_only=True))
+            except UNREADABLE_WEIGHTS as error:
+                raise ModelUnavailable(
+                    f"--fid-weights {weights.source} are not Inception-v3's FID weights "
+                    f"(pt_inception-2015-12-05): {str(error).splitlines()[0]}"
+                ) from None
+            self._inception = (weights.sha256, model.to(device_name()))
+        return self._inception[1]
 
     def scorer(self, clip: ClipIdentity) -> Scorer:
         return self.scorers.get(ScorerRef(clip.source, clip.revision))

@@ -15,7 +15,13 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.db import upsert
-from sdq.models.evaluate.specs import AGAINST_REAL, RENDERED, EvaluateSpec, reference_key
+from sdq.models.evaluate.specs import (
+    AGAINST_REAL,
+    CLIP_SCORED,
+    RENDERED,
+    EvaluateSpec,
+    reference_key,
+)
 from sdq.models.evaluate.tables import CheckpointScore
 from sdq.models.generate.specs import image_key
 from sdq.models.jobs.delivery import Work
@@ -105,19 +111,31 @@ class EvaluateWork(Work):
         return scores
 
     def _image_scores(self, spec: EvaluateSpec, metrics) -> Scores:
-        """The CLIP score of the renders against their prompts, and their distances from
-        the real held-out images' CLIP embeddings (computed once, kept in the store)."""
+        """The renders' CLIP score against their prompts, and their distances from the real
+        held-out images' features (computed once, kept in the store)."""
+        asked, renders = set(spec.evaluation.metrics), self._renders(spec)
+        scores: Scores = {}
+        if CLIP_SCORED & asked:
+            scores.update(self._clip_scores(spec, metrics, renders))
+        if "fid" in asked:
+            inception = self.models.inception(spec.evaluation.fid_weights)
+            features = partial(metrics.inception_features, inception)
+            real = self._reference(spec, "inception", spec.evaluation.fid_weights.sha256, features)
+            scores["fid"] = (metrics.frechet_distance(features(renders), real), len(renders))
+        return {metric: scores[metric] for metric in spec.evaluation.metrics if metric in scores}
+
+    def _clip_scores(self, spec: EvaluateSpec, metrics, renders: list[bytes]) -> Scores:
         evaluation = spec.evaluation
         scorer = self.models.scorer(evaluation.clip)
         prompts = [prompt for prompt, _ in evaluation.rendering.prompts]
-        renders = self._renders(spec)
         embeddings, clip_scores = metrics.clip_scores(scorer, renders, prompts)
         scores = {"clip_score": (float(clip_scores.mean()), len(renders))}
         if AGAINST_REAL & set(evaluation.metrics):
-            real = self._reference(spec, partial(metrics.image_embeddings, scorer))
+            embedded = partial(metrics.image_embeddings, scorer)
+            real = self._reference(spec, "clip", evaluation.clip.revision, embedded)
             scores["fd_clip"] = (metrics.frechet_distance(embeddings, real), len(renders))
             scores["kid"] = (metrics.kernel_distance(embeddings, real), len(renders))
-        return {metric: scores[metric] for metric in evaluation.metrics if metric in scores}
+        return scores
 
     def _renders(self, spec: EvaluateSpec) -> list[bytes]:
         """The renders' PNGs; a wait while any is still to be made."""
@@ -135,17 +153,21 @@ class EvaluateWork(Work):
         raise RendersPending(f"{len(spec.renders)} renders of {spec.model_name} not all made yet")
 
     def _reference(
-        self, spec: EvaluateSpec, embeddings: Callable[[list[bytes]], np.ndarray]
+        self,
+        spec: EvaluateSpec,
+        extractor: str,
+        revision: str,
+        features: Callable[[list[bytes]], np.ndarray],
     ) -> np.ndarray:
-        """The real held-out images' CLIP embeddings, computed once per held-out samples and
-        CLIP model and kept in the store."""
+        """The real held-out images' features, computed once per held-out samples and
+        feature extractor and kept in the store."""
         held_out = spec.evaluation.held_out
-        key = reference_key(held_out, spec.evaluation.clip)
+        key = reference_key(held_out, extractor, revision)
         try:
             return np.load(io.BytesIO(self.store.get_bytes(key)))
         except MissingObject:
             pass
-        real = embeddings(real_images(self.store, held_out))
+        real = features(real_images(self.store, held_out))
         buffer = io.BytesIO()
         np.save(buffer, real)
         self.store.put_bytes(key, buffer.getvalue(), content_type=NUMPY)
@@ -166,8 +188,11 @@ def _document(spec: EvaluateSpec, scores: Scores) -> dict[str, Any]:
 
 def scorers_of(spec: EvaluateSpec) -> dict[str, str]:
     """The revisions of what scored the model, by role."""
-    clip = spec.evaluation.clip
-    return {"clip": clip.revision} if clip is not None else {}
+    clip, inception = spec.evaluation.clip, spec.evaluation.fid_weights
+    return {
+        **({"clip": clip.revision} if clip is not None else {}),
+        **({"inception": inception.sha256} if inception is not None else {}),
+    }
 
 
 def record_scores(session: Session, job_id: int, spec: EvaluateSpec, scores: Scores) -> None:
