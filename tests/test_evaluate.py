@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import psycopg
+import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
@@ -317,6 +318,50 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
         ).fetchall()  # fmt: skip
     assert (status, attempts) == ("dead", 1)
     assert "no model at step 10" in error and "keep more checkpoints" in error
+
+
+def test_a_run_scored_on_a_dataset_of_its_own(tmp_path: Path) -> None:
+    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT)}
+    encoded_dataset(env, "toy", 8, tmp_path)
+    encoded_dataset(env, "judge", 6, tmp_path)
+    database = tmp_path / "sdq-data/sdq.db"
+    plain = [option for option in TRAIN if option not in ("--holdout", "0.25")]
+    metrics = ["--eval-metrics", "heldout_loss"]
+    for options, message in [
+        (["--eval-dataset", "toy", *metrics], "--eval-dataset toy is the dataset the run trains"),
+        (["--eval-dataset", "nothing", *metrics], "--eval-dataset: no dataset named 'nothing'"),
+        (["--eval-dataset", "judge", "--holdout", "0.25", *metrics], "that nothing scores"),
+        (["--eval-dataset", "judge"], "give the metrics too"),
+    ]:  # fmt: skip
+        refused = _sdq(env, tmp_path, "train", "toy", *plain, *options)
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr
+    with sqlite3.connect(database) as db:
+        assert db.execute("SELECT count(*) FROM runs WHERE kind = 'train'").fetchone() == (0,)
+
+    trained = sdq_json(env, "train", "toy", *plain, "--eval-dataset", "judge", *metrics,
+                       "--eval-samples", "5", cwd=tmp_path)  # fmt: skip
+    run = trained["run_id"]
+    assert [step for step, _ in trained["scores"]["heldout_loss"]] == [10, 20]
+    with sqlite3.connect(database) as db:
+        [(options,)] = db.execute("SELECT options FROM runs WHERE id = ?", (run,)).fetchall()
+        trained_on = db.execute(
+            "SELECT DISTINCT d.name FROM train_inputs t JOIN latent_shards l "
+            "ON l.id = t.latent_shard_id JOIN datasets d ON d.id = l.dataset_id "
+            "WHERE t.run_id = ?", (run,),
+        ).fetchall()  # fmt: skip
+        samples = db.execute("SELECT DISTINCT samples FROM checkpoint_scores WHERE run_id = ?",
+                             (run,)).fetchall()  # fmt: skip
+    assert trained_on == [("toy",)] and samples == [(5,)]
+    # Scored on judge's first 5 samples, listed once in the store by their content.
+    held_out = json.loads(options)["evaluation"]["held_out"]
+    assert held_out["key"].startswith("evaluate/references/judge-") and held_out["samples"] == 5
+    listed = pq.read_table(tmp_path / "sdq-data/store" / held_out["key"]).to_pydict()
+    assert all("/judge/" in key for key in listed["latent_key"])
+    assert listed["row"] == [0, 1, 2, 3, 4]
+    # Another model on the same spec: judge's samples, the same draws.
+    base = sdq_json(env, "evaluate", "tiny", "--like", str(run), "--metrics", "heldout_loss",
+                    cwd=tmp_path)["scores"]["heldout_loss"]  # fmt: skip
+    assert base["samples"] == 5 and base["value"] > 0
 
 
 def _wandb_history(folder: Path, run: int) -> list[dict]:

@@ -45,10 +45,17 @@ def reference_samples(
         "image_key": [shard_key(images_of, number) for _, _, number in kept],
         "image_format": [options["format"]] * len(kept),
     }
+    return stored_manifest(store, name, rows), rows["caption"]
+
+
+def stored_manifest(store: ObjectStore, name: str, rows: dict[str, list[Any]]) -> HeldOut:
+    """Samples of dataset `name` that evaluations compare with (a reference, or a run's
+    --eval-dataset), listed once in the store by their content: the same samples are the
+    same spec, their real images' features computed once."""
     key = f"evaluate/references/{name}-{canonical_sha256(rows)[:16]}.parquet"
     if not store.exists(key):
         store.put_bytes(key, manifest_parquet(rows), content_type=PARQUET)
-    return HeldOut(key=key, fraction=0.0, seed=0, samples=len(kept)), rows["caption"]
+    return HeldOut(key=key, fraction=0.0, seed=0, samples=len(rows["key"]))
 
 
 def manifest_parquet(rows: dict[str, list[Any]]) -> bytes:

@@ -3,7 +3,7 @@
 the prompt file, the CLIP model, FID's Inception weights."""
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ class EvaluationRequest:
     samples: int = DEFAULT_SAMPLES
     every: int = 1
     fid_weights: FidWeights | None = None
+    dataset: str | None = None  # a dataset of its own to evaluate on (--eval-dataset)
 
 
 def read_prompt_lines(path: Path) -> tuple[tuple[str, int], ...]:
@@ -72,7 +73,7 @@ def evaluation_request(
         raise click.UsageError(
             f"{', '.join(wanting)} need held-out samples (the held-out loss is measured on "
             f"them, the renders are compared with their images): give --holdout FRACTION "
-            f"above 0, e.g. --holdout 0.02"
+            f"above 0, e.g. --holdout 0.02, or a dataset to score on (--eval-dataset NAME)"
         )
     if CLIP_SCORED & set(asked) and clip is None:
         raise click.UsageError(
@@ -138,15 +139,24 @@ def pop_evaluation_options(options: dict[str, Any]) -> dict[str, Any]:
 def train_evaluation_request(asked: dict[str, Any], holdout: float) -> EvaluationRequest | None:
     """What `sdq train`'s evaluation options ask for, or None (no --eval-metrics)."""
     if asked["metrics"] is None:
+        if asked["dataset"] is not None:
+            raise click.UsageError("--eval-dataset: give the metrics too (--eval-metrics)")
         return None
-    return evaluation_request(asked["metrics"], prompts=asked["prompts"], clip=asked["clip"],
-                              holdout=holdout, fid_weights=asked["fid_weights"],
-                              samples=asked["samples"],
-                              every=asked["every_checkpoints"])  # fmt: skip
+    if asked["dataset"] is not None and holdout:
+        raise click.UsageError(
+            f"--eval-dataset {asked['dataset']} is what the checkpoints are scored on: "
+            f"--holdout {holdout:g} would hold out samples that nothing scores; give one"
+        )
+    request = evaluation_request(asked["metrics"], prompts=asked["prompts"], clip=asked["clip"],
+                                 holdout=None if asked["dataset"] else holdout,
+                                 fid_weights=asked["fid_weights"], samples=asked["samples"],
+                                 every=asked["every_checkpoints"])  # fmt: skip
+    return replace(request, dataset=asked["dataset"])
 
 
 # The options below, by their names after `eval_`.
-EVALUATION_OPTIONS = ("metrics", "prompts", "clip", "fid_weights", "every_checkpoints", "samples")
+EVALUATION_OPTIONS = ("metrics", "prompts", "clip", "fid_weights", "every_checkpoints", "samples",
+                      "dataset")  # fmt: skip
 
 
 def train_evaluation_options(command):
@@ -156,7 +166,7 @@ def train_evaluation_options(command):
             "--eval-metrics", metavar="METRIC[,METRIC...]",
             help=f"Score each checkpoint, on the evaluate queue, by these: {', '.join(METRICS)} "
             "(training never waits for it). heldout_loss, fd_clip, kid and fid need "
-            "--holdout.",
+            "--holdout or --eval-dataset.",
         ),
         click.option(
             "--eval-prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -172,6 +182,11 @@ def train_evaluation_options(command):
             "--eval-fid-weights", "--fid-weights", "eval_fid_weights", metavar="FILE|s3://",
             help="Inception-v3's weights for fid, as torchmetrics and torch-fidelity load them "
             "(weights-inception-2015-12-05-6726825d.pth).",
+        ),
+        click.option(
+            "--eval-dataset", metavar="NAME",
+            help="Score on this dataset's samples instead of held-out ones (its latents "
+            "encoded with the run's model at its resolution; its first --eval-samples).",
         ),
         click.option(
             "--eval-every-checkpoints", default=1, show_default=True, type=click.IntRange(min=1),

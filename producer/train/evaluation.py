@@ -1,7 +1,9 @@
-"""A train run's evaluation, made at submit (`--eval-metrics`): its held-out samples listed
-once in the store (each one's latent shard and row, key, caption and image shard), and what
-its checkpoints are scored by."""
+"""A train run's evaluation, made at submit (`--eval-metrics`): its held-out samples (or
+its --eval-dataset's first ones) listed once in the store (each one's latent shard and row,
+key, caption and image shard), and what its checkpoints are scored by."""
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import select
@@ -20,7 +22,7 @@ from sdq.models.generate.specs import FixedRenders
 from sdq.models.specs import ModelIdentity
 from sdq.models.store import PARQUET, ObjectStore
 from sdq.models.train.specs import LatentInput, TrainOptions
-from sdq.producer.evaluate.reference import manifest_parquet
+from sdq.producer.evaluate.reference import manifest_parquet, stored_manifest
 from sdq.producer.evaluate.request import EvaluationRequest
 
 
@@ -28,23 +30,39 @@ class NothingHeldOut(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class LatentSamples:
+    """A dataset's latent shards as a run reads them: the rows and their manifest entries."""
+
+    name: str
+    shards: list[LatentShard]
+    inputs: list[LatentInput]
+
+
 def run_evaluation(
     session: Session,
     store: ObjectStore,
     run_id: int,
     request: EvaluationRequest,
-    shards: list[LatentShard],
-    inputs: list[LatentInput],
+    trained: LatentSamples,
+    evaluated: LatentSamples | None,
     *,
     options: TrainOptions,
     base: ModelIdentity,
     resolution: int,
     report_to: tuple[str, ...],
 ) -> Evaluation:
-    """The run's Evaluation; its held-out samples' manifest written to the store first."""
+    """The run's Evaluation: on its --eval-dataset's first samples, or else on the held-out
+    ones of what it trains on (their manifest written to the store first)."""
     held_out, captions = None, []
-    if options.holdout:
-        rows = _held_out_rows(session, store, shards, inputs, options, request.samples)
+    if evaluated is not None:
+        rows = _rows(session, store, evaluated, _first_rows(evaluated.inputs, request.samples))
+        held_out, captions = stored_manifest(store, evaluated.name, rows), rows["caption"]
+    elif options.holdout:
+        from sdq.models.train.holdout import first_held_out
+
+        picks = first_held_out(trained.inputs, options.holdout, options.seed, request.samples)
+        rows = _rows(session, store, trained, picks)
         if not rows["key"]:
             raise NothingHeldOut(
                 f"--holdout {options.holdout:g} held out none of the run's samples: hold out "
@@ -66,28 +84,36 @@ def run_evaluation(
                       report_to=report_to)  # fmt: skip
 
 
-def _held_out_rows(
+def _first_rows(inputs: Sequence[LatentInput], samples: int) -> list[tuple[int, list[int]]]:
+    """The first `samples` rows in the order of the shards, as (a shard's place, its rows)."""
+    picked: list[tuple[int, list[int]]] = []
+    left = samples
+    for index, item in enumerate(inputs):
+        if left <= 0:
+            break
+        picked.append((index, list(range(min(item.samples, left)))))
+        left -= len(picked[-1][1])
+    return picked
+
+
+def _rows(
     session: Session,
     store: ObjectStore,
-    shards: list[LatentShard],
-    inputs: list[LatentInput],
-    options: TrainOptions,
-    samples: int,
+    samples: LatentSamples,
+    picks: Sequence[tuple[int, Sequence[int]]],
 ) -> dict[str, list[Any]]:
-    """The first `samples` held-out samples (models/train/holdout.py), as manifest columns:
-    their captions and keys read from their latent shards, their images' shards found
-    through the image shard each latent shard was encoded from."""
+    """The picked rows of each latent shard (by its place in the inputs), as manifest
+    columns: their captions and keys read from their latent shards, their images' shards
+    found through the image shard each latent shard was encoded from."""
     import pyarrow as pa  # here: every `sdq` command imports this module, few evaluate
     import pyarrow.parquet as pq
 
-    from sdq.models.train.holdout import first_held_out
-
     rows: dict[str, list[Any]] = {name: [] for name in HELD_OUT_COLUMNS}
-    for index, picked in first_held_out(inputs, options.holdout, options.seed, samples):
-        item = inputs[index]
+    for index, picked in picks:
+        item = samples.inputs[index]
         table = pq.read_table(pa.BufferReader(store.get_large(item.key)),
                               columns=["key", "caption"]).take(picked)  # fmt: skip
-        image_key, image_format = _image_shard(session, shards[index])
+        image_key, image_format = _image_shard(session, samples.shards[index])
         rows["latent_key"] += [item.key] * len(picked)
         rows["row"] += [int(row) for row in picked]
         rows["key"] += table["key"].to_pylist()

@@ -30,8 +30,9 @@ from sdq.models.train.specs import (
 )
 from sdq.models.train.tables import Checkpoint, TrainInput
 from sdq.producer.datasets.lookups import dataset_named, no_usable_samples
+from sdq.producer.errors import NotFound
 from sdq.producer.evaluate.request import EvaluationRequest
-from sdq.producer.train.evaluation import NothingHeldOut, run_evaluation
+from sdq.producer.train.evaluation import LatentSamples, NothingHeldOut, run_evaluation
 from sdq.producer.train.lookups import run_base
 
 
@@ -112,14 +113,38 @@ def _scored_by(
     """The first job with what the run's checkpoints are scored by (their held-out samples
     listed in the store), recorded with the run too: `sdq evaluate --like RUN` scores other
     models by it."""
+    trained = LatentSamples(run.options["dataset"], [shard for shard, _ in shards], inputs)
+    evaluated = _evaluated(session, request, trained.name, made["base"], made["resolution"])
     try:
-        evaluation = run_evaluation(session, store, run.id, request,
-                                    [shard for shard, _ in shards], inputs, options=first.options,
-                                    report_to=first.report_to, **made)  # fmt: skip
+        evaluation = run_evaluation(session, store, run.id, request, trained, evaluated,
+                                    options=first.options, report_to=first.report_to,
+                                    **made)  # fmt: skip
     except NothingHeldOut as error:
         raise CannotTrain(str(error)) from None
     run.options = {**run.options, "evaluation": asdict(evaluation)}
     return replace(first, evaluation=evaluation)
+
+
+def _evaluated(
+    session: Session,
+    request: EvaluationRequest,
+    trained: str,
+    base: ModelIdentity,
+    resolution: int,
+) -> LatentSamples | None:
+    """The --eval-dataset's latents, made with the run's encoders at its resolution."""
+    name = request.dataset
+    if name is None:
+        return None
+    if name == trained:
+        raise CannotTrain(f"--eval-dataset {name} is the dataset the run trains on, none of it "
+                          f"held out: give another, or --holdout FRACTION")  # fmt: skip
+    try:
+        shards = _latent_shards(session, name, base, resolution)
+    except (CannotTrain, NotFound) as error:
+        raise CannotTrain(f"--eval-dataset: {error}") from None
+    inputs = [_input(name, shard, number) for shard, number in shards]
+    return LatentSamples(name, [shard for shard, _ in shards], inputs)
 
 
 def _usable_shards(
