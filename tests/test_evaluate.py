@@ -28,7 +28,7 @@ from transformers import CLIPModel, CLIPProcessor
 
 from sdq.models.curate.clip import ClipIdentity, ScorerRef, resolve_clip
 from sdq.models.evaluate.specs import METRICS, EvaluateSpec, Evaluation, FidWeights, HeldOut
-from sdq.models.generate.specs import FixedRenders
+from sdq.models.generate.specs import FixedRenders, image_key
 from sdq.models.train.specs import TrainOptions, TrainShardSpec
 from sdq.producer.cli.common import DEAD_JOBS
 from sdq.workers.curate.scoring import LoadedScorers
@@ -230,6 +230,15 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
         assert [event.step for event in shown] == [step for step, _ in curve]
         assert [event.value for event in shown] == pytest.approx([v for _, v in curve], rel=1e-6)
     assert len(events.Scalars("train/learning_rate")) == 20
+    # Each checkpoint's renders are its validation images there, one tag a prompt.
+    renders = _evaluation_renders(database, run)
+    assert sorted(events.Tags()["images"]) == [f"renders/{n}" for n in range(4)]
+    for number in range(4):
+        shown = events.Images(f"renders/{number}")
+        assert [event.step for event in shown] == [10, 20]
+        for event, step in zip(shown, (10, 20), strict=True):
+            stored = tmp_path / "sdq-data/store" / image_key(renders[step][number])
+            assert _pixels(event.encoded_image_string) == _pixels(stored.read_bytes())
     # W&B (offline) gets the same figures in its run sdq-run-RUN, each against its own step.
     logged = _wandb_history(wandb_dir, run)
     assert [(row["train/step"], row["train/loss"]) for row in logged if "train/loss" in row] == [
@@ -239,6 +248,10 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
         points = sorted((row["evaluate/step"], row[f"evaluate/{metric}"]) for row in logged
                         if f"evaluate/{metric}" in row)  # fmt: skip
         assert points == [tuple(point) for point in curve]
+    # (An image's fields travel flattened: renders/0/_type, renders/0/sha256...)
+    pictured = sorted((row["renders/step"], row[f"renders/{n}/_type"]) for row in logged
+                      for n in range(4) if "renders/step" in row)  # fmt: skip
+    assert pictured == [(10, "image-file")] * 4 + [(20, "image-file")] * 4
 
     # The same checkpoint and spec, asked again: served from the record, the same values.
     again = sdq_json(env, "evaluate", f"{run}@20", "--metrics", ALL, cwd=tmp_path)
@@ -394,6 +407,21 @@ def _wandb_history(folder: Path, run: int) -> list[dict]:
                     rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                                  for item in parsed.history.item})  # fmt: skip
     return rows
+
+
+def _evaluation_renders(database: Path, run: int) -> dict[int, list[str]]:
+    """The spec hashes of each scored step's renders, in the prompts' order."""
+    with sqlite3.connect(database) as db:
+        specs = [json.loads(spec) for (spec,) in db.execute(
+            "SELECT j.spec FROM jobs j JOIN runs r ON r.id = j.run_id WHERE r.kind = 'evaluate' "
+            "AND json_extract(r.options, '$.evaluation_of') = ?", (run,),
+        )]  # fmt: skip
+    return {spec["step"]: spec["renders"] for spec in specs}
+
+
+def _pixels(png: bytes) -> list[int]:
+    with Image.open(io.BytesIO(png)) as image:
+        return list(image.convert("RGB").getdata())
 
 
 def _contents(folder: Path) -> dict[Path, bytes]:

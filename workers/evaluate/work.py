@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
 JSON = "application/json"
 NUMPY = "application/x-npy"
+# Renders of a checkpoint the trackers show (each prompt a tag), as diffusers' scripts log
+# a few validation images: a run scored on hundreds of prompts would fill TensorBoard.
+TRACKED_RENDERS = 8
 # Scores by metric: (value, how many samples or images it is over).
 Scores = dict[str, tuple[float, int]]
 
@@ -70,16 +73,14 @@ class EvaluateWork(Work):
             started = perf_counter()
             spec = EvaluateSpec.from_dict(job.spec)
             self._check_checkpoint(spec)
-            scores = self._scores(spec)
+            renders = self._renders(spec) if RENDERED & set(spec.evaluation.metrics) else []
+            scores = self._scores(spec, renders)
             data = json.dumps(_document(spec, scores), sort_keys=True).encode()
             uri = self.store.put_bytes(spec.output_key, data, content_type=JSON)
             with self.sessions.begin() as session:
                 record_scores(session, job.id, spec, scores)
             if spec.run is not None:
-                figures = [(f"evaluate/{metric}", spec.step, value)
-                           for metric, (value, _) in scores.items()]  # fmt: skip
-                report(self.store, spec.run, f"scores-{spec.step:08d}", figures,
-                       spec.evaluation.report_to)  # fmt: skip
+                _report(self.store, spec, scores, renders)
             digest = hashlib.sha256(data).hexdigest()
             yield Output(job.id, uri, digest, work_seconds=perf_counter() - started)
 
@@ -97,7 +98,7 @@ class EvaluateWork(Work):
                 f"(--eval-every-checkpoints)"
             ) from None
 
-    def _scores(self, spec: EvaluateSpec) -> Scores:
+    def _scores(self, spec: EvaluateSpec, renders: list[bytes]) -> Scores:
         from sdq.workers.evaluate import metrics
 
         evaluation, scores = spec.evaluation, {}
@@ -106,15 +107,14 @@ class EvaluateWork(Work):
             samples = read_held_out(self.store, evaluation.held_out)
             loss = metrics.heldout_loss(unet, scheduler, samples, evaluation.held_out.timesteps)
             scores["heldout_loss"] = (loss, len(samples.keys))
-        if RENDERED & set(evaluation.metrics):
-            scores.update(self._image_scores(spec, metrics))
+        if renders:
+            scores.update(self._image_scores(spec, metrics, renders))
         return scores
 
-    def _image_scores(self, spec: EvaluateSpec, metrics) -> Scores:
+    def _image_scores(self, spec: EvaluateSpec, metrics, renders: list[bytes]) -> Scores:
         """The renders' CLIP score against their prompts, and their distances from the real
         held-out images' features (computed once, kept in the store)."""
-        asked, renders = set(spec.evaluation.metrics), self._renders(spec)
-        scores: Scores = {}
+        asked, scores = set(spec.evaluation.metrics), {}
         if CLIP_SCORED & asked:
             scores.update(self._clip_scores(spec, metrics, renders))
         if "fid" in asked:
@@ -172,6 +172,16 @@ class EvaluateWork(Work):
         np.save(buffer, real)
         self.store.put_bytes(key, buffer.getvalue(), content_type=NUMPY)
         return real
+
+
+def _report(store: ObjectStore, spec: EvaluateSpec, scores: Scores, renders: list[bytes]) -> None:
+    """A checkpoint's scores and its first renders (the run's validation images, one tag a
+    prompt), to the run's trackers."""
+    figures = [(f"evaluate/{metric}", spec.step, value) for metric, (value, _) in scores.items()]
+    pictures = [(f"renders/{number}", spec.step, png)
+                for number, png in enumerate(renders[:TRACKED_RENDERS])]  # fmt: skip
+    report(store, spec.run, f"scores-{spec.step:08d}", figures, spec.evaluation.report_to,
+           pictures)  # fmt: skip
 
 
 def _document(spec: EvaluateSpec, scores: Scores) -> dict[str, Any]:
