@@ -6,7 +6,9 @@ services, training that never waits for its evaluations."""
 import hashlib
 import io
 import json
+import os
 import re
+import signal
 import sqlite3
 import struct
 import subprocess
@@ -29,6 +31,7 @@ from transformers import CLIPModel, CLIPProcessor
 from sdq.models.curate.clip import ClipIdentity, ScorerRef, resolve_clip
 from sdq.models.evaluate.specs import METRICS, EvaluateSpec, Evaluation, FidWeights, HeldOut
 from sdq.models.generate.specs import FixedRenders, image_key
+from sdq.models.jobs.lifecycle import OUTAGE
 from sdq.models.train.specs import TrainOptions, TrainShardSpec
 from sdq.producer.cli.common import DEAD_JOBS
 from sdq.workers.curate.scoring import LoadedScorers
@@ -39,10 +42,12 @@ from sdq.workers.evaluate.metrics import (
     kernel_distance,
 )
 from sdq.workers.weights import ModelFiles
-from tests.conftest import ROOT, WorkerProcess, sdq_json
+from tests.conftest import BUCKET, ROOT, BeatProcess, WorkerProcess, sdq_json, wait_for_run
+from tests.hostile_server import HostileServer
 from tests.netns_download import DOWNLOAD_ENV
-from tests.services import clean_env, free_port, listening, wait_for
+from tests.services import OutageProxy, clean_env, free_port, listening, wait_for
 from tests.test_curate import tiny_clip
+from tests.test_encode import write_list
 from tests.test_fid import random_fid_weights
 from tests.test_monitoring import get
 from tests.test_train import encoded_dataset
@@ -503,3 +508,74 @@ def test_evaluation_never_holds_training_and_a_later_worker_scores_every_checkpo
     finally:
         for worker in workers:
             worker.stop()
+
+
+@pytest.mark.slow
+def test_an_evaluation_outlasts_a_store_outage_and_its_killed_worker(
+    own_deployment: dict[str, str], s3: dict[str, str], s3_client, tmp_path: Path
+) -> None:
+    """The store goes away while an evaluation scores (waited out, no attempt spent), then
+    its worker is killed with its pool mid-retry: a new worker scores it, once, and the
+    real images' features are stored once."""
+    upstream = int(s3["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    prefix = f"evaluate-faults-{tmp_path.name}"
+    with OutageProxy(upstream) as proxy:
+        env = {**own_deployment, **DOWNLOAD_ENV, "SDQ_STORE_URL": f"s3://{BUCKET}/{prefix}",
+               "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}", "SDQ_LEASE_SECONDS": "6",
+               "SDQ_MAINTENANCE_INTERVAL_SECONDS": "1", "SDQ_RETRY_BACKOFF_SECONDS": "1",
+               "SDQ_RETRY_BACKOFF_MAX_SECONDS": "3"}  # fmt: skip
+        database_url = env["SDQ_DATABASE_URL"]
+        renderer = WorkerProcess(env, tmp_path / "generate.log", args=("--queues", "generate"))
+        workers = [renderer.start(), WorkerProcess(env, tmp_path / "cpu.log", pool="cpu").start(),
+                   BeatProcess(env, tmp_path / "beat.log").start()]  # fmt: skip
+        try:
+            with HostileServer() as server:
+                listing = write_list(tmp_path / "list.csv", server.base, 8)
+                sdq_json(env, "download", str(listing), "--dataset", "judged", "--resolution",
+                         "64", "--wait", cwd=tmp_path)  # fmt: skip
+            prompts = tmp_path / "prompts.txt"
+            prompts.write_text("".join(f"a picture, number {n}\n" for n in range(6)))
+            weights = random_fid_weights(tmp_path / "inception.pth")
+            run = sdq_json(env, "evaluate", "tiny", "--reference", "judged", "--samples", "6",
+                           "--metrics", "fid", "--fid-weights", str(weights), "--prompts",
+                           str(prompts), cwd=tmp_path)["run_id"]  # fmt: skip
+            # The renders are made, and nothing scores them yet.
+            assert wait_for_run(database_url, run - 1) == {"succeeded": 6}
+            proxy.outage()
+            evaluator = WorkerProcess(env, tmp_path / "evaluate.log", args=("--queues", "evaluate"),
+                                      host="evaluator").start()  # fmt: skip
+            wait_for(lambda: any(OUTAGE in (detail or "") for _, _, detail, _ in
+                                 _events(database_url, run)),
+                     what="the evaluation to meet the outage", timeout=120)  # fmt: skip
+            wait_for(lambda: _events(database_url, run)[-1][1] == "running",
+                     what="the evaluation to run again", timeout=60)  # fmt: skip
+            os.killpg(evaluator.process.pid, signal.SIGKILL)  # the parent and every child
+            evaluator.process.wait()
+            proxy.restore()
+            workers.append(WorkerProcess(env, tmp_path / "evaluate-2.log", host="evaluator-2",
+                                         args=("--queues", "evaluate")).start())  # fmt: skip
+            assert wait_for_run(database_url, run) == {"succeeded": 1}
+        finally:
+            for worker in workers:
+                worker.stop()
+    history = _events(database_url, run)
+    setbacks = [detail for _, status, detail, _ in history if status in ("failed", "dead")]
+    assert setbacks and all(OUTAGE in detail for detail in setbacks), history
+    assert history[-1][3] <= 2  # the killed attempt at most; the outage spent none
+    with psycopg.connect(database_url) as connection:
+        rows = connection.execute(
+            "SELECT s.metric, s.samples FROM checkpoint_scores s JOIN jobs j ON j.id = s.job_id "
+            "WHERE j.run_id = %s", (run,),
+        ).fetchall()  # fmt: skip
+    assert rows == [("fid", 6)]
+    stored = s3_client.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/evaluate/reference/")
+    assert len(stored["Contents"]) == 1  # the real images' features, computed once
+
+
+def _events(database_url: str, run_id: int) -> list[tuple[int, str, str | None, int]]:
+    with psycopg.connect(database_url) as connection:
+        return connection.execute(
+            "SELECT e.job_id, e.status, e.detail, j.attempts FROM job_events e "
+            "JOIN jobs j ON j.id = e.job_id WHERE j.run_id = %s ORDER BY e.id",
+            (run_id,),
+        ).fetchall()
