@@ -205,11 +205,15 @@ def test_a_worker_that_keeps_dying_is_started_again_for_ever_and_said_why(capsys
     assert delays == ["0.01", "0.02", "0.04", "0.08", "0.08", "0.08", "0.08", "0.08"]
 
 
+@pytest.mark.parametrize(
+    "launch", [("--train-ranks", "1"), ("taskset", "--cpu-list", "0")], ids=["ranks", "one-core"]
+)
 def test_a_train_worker_refuses_a_job_of_more_ranks_than_it_was_started_with(
-    own_deployment: dict[str, str], tmp_path
+    own_deployment: dict[str, str], tmp_path, launch: tuple[str, ...]
 ) -> None:
-    """`--train-ranks 1` without GPUs: a job of two ranks a node is dead at once, saying
-    which worker can take it; no rank is started."""
+    """`--train-ranks 1` without GPUs, or a plain worker without GPUs that may use one core:
+    a job of two ranks a node is dead at once, saying which worker can take it; no rank is
+    started."""
     from sdq.models.db import make_engine, session_factory
     from sdq.models.jobs.kinds import TRAIN
     from sdq.models.tables import Job, JobStatus
@@ -221,9 +225,13 @@ def test_a_train_worker_refuses_a_job_of_more_ranks_than_it_was_started_with(
     two_ranks = replace(spec, options=replace(spec.options, world_size=2))
     [job_id] = new_run(sessions, two_ranks.to_dict(), status=JobStatus.queued, kind=TRAIN)
     log = tmp_path / "launcher.log"
+    command = [sys.executable, "-m", "sdq.producer.cli", "worker", "gpu", "--queues", "train"]
+    if launch[0] == "taskset":
+        command = [*launch, *command]
+    else:
+        command += launch
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "sdq.producer.cli", "worker", "gpu", "--train-ranks", "1",
-         "--queues", "train"],
+        command,
         env=own_deployment, stdout=log.open("ab"), stderr=subprocess.STDOUT,
         start_new_session=True,
     )  # fmt: skip
@@ -245,9 +253,7 @@ def test_a_train_worker_refuses_a_job_of_more_ranks_than_it_was_started_with(
     with sessions() as session:
         job = session.get_one(Job, job_id)
     assert job.attempts == 1
-    assert "train run 1 trains on 2 ranks a node; this worker was started with --train-ranks 1" in (
-        job.error
-    )
+    assert "train run 1 trains on 2 ranks a node; this worker takes 1 at most" in job.error
     assert "`sdq worker gpu --train-ranks 2` starts one that can take it" in job.error
     assert "rank_start" not in log.read_text()
 

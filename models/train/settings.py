@@ -39,7 +39,8 @@ class TrainSettings:
     shards_ahead: int = setting("SDQ_TRAIN_SHARDS_AHEAD", 1)
     fetch_threads: int = setting("SDQ_TRAIN_FETCH_THREADS", 4)
     # The most ranks a job may start on this machine (`sdq worker gpu --train-ranks N`
-    # sets it for its train worker); None: as many as a job asks for.
+    # sets it for its train worker; a plain one without GPUs, to the cores it may use);
+    # None: as many as a job asks for.
     ranks: int | None = setting("SDQ_TRAIN_RANKS", None, read=_count_or_none)
 
     def __post_init__(self) -> None:
@@ -56,7 +57,8 @@ class TrainSettings:
         if self.ranks is None or ranks_per_node <= self.ranks:
             return None
         return (
-            f"train run {run} trains on {ranks_per_node} ranks a node; this worker was started "
-            f"with --train-ranks {self.ranks}: `sdq worker gpu --train-ranks "
-            f"{ranks_per_node}` starts one that can take it"
+            f"train run {run} trains on {ranks_per_node} ranks a node; this worker takes "
+            f"{self.ranks} at most (its --train-ranks; without GPUs and without it, one a core "
+            f"it may use): `sdq worker gpu --train-ranks {ranks_per_node}` starts one that can "
+            f"take it"
         )
