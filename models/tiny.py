@@ -5,6 +5,7 @@ and its identity is a hash of this definition: computable without torch, on the 
 side. It draws noise, not pictures; it exists for tests, benchmarks and offline demos.
 """
 
+import itertools
 from functools import cache
 from typing import Any
 
@@ -140,3 +141,19 @@ def encoders_hash() -> str:
     """What makes the tiny model's latents: its definition but the U-Net and scheduler."""
     encoders = {k: v for k, v in definition().items() if k not in ("unet", "scheduler")}
     return canonical_sha256(encoders)
+
+
+def head_file(widths: list[int], stream: int) -> bytes:
+    """A scoring head of linear layers of these widths (`layers.<i>.weight` and `.bias`, as
+    curate reads a head), random from the tiny seed and `stream`, as safetensors: what
+    `--aesthetic-head tiny` and `--nsfw-head tiny` score with. The same bytes everywhere."""
+    import numpy as np
+    from safetensors.numpy import save
+
+    draw = np.random.default_rng([TINY_WEIGHT_SEED, TINY_GENERATOR_VERSION, stream])
+    tensors = {}
+    for index, (inputs, outputs) in enumerate(itertools.pairwise(widths)):
+        bound = inputs**-0.5  # torch's Linear's own initial range
+        tensors[f"layers.{index}.weight"] = draw.uniform(-bound, bound, (outputs, inputs))
+        tensors[f"layers.{index}.bias"] = draw.uniform(-bound, bound, outputs)
+    return save({name: value.astype(np.float32) for name, value in tensors.items()})

@@ -4,6 +4,7 @@ transformers folder, an aesthetic head in the LAION predictor's own key layout (
 the store equal a plain transformers loop's; bad inputs are refused by name with nothing
 written."""
 
+import hashlib
 import io
 import itertools
 import sqlite3
@@ -17,9 +18,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import CLIPImageProcessorPil, CLIPModel, CLIPTokenizer
 
+from sdq.models import tiny
+from sdq.models.curate.specs import head_key
 from sdq.workers.curate.scoring import Pixels
 from sdq.workers.shards.embeddings import read_embeddings
 from sdq.workers.tiny import build_clip
@@ -195,6 +198,21 @@ def test_curate_embedded_scores_as_a_plain_clip_loop_and_refuses_bad_inputs(
     for row, before in zip(again_rows, rows, strict=True):
         # Batches of 64 here, of 3 before: the same figures to float32's rounding.
         assert row[2:5] == (pytest.approx(before[2:5], rel=1e-5) if before[5] else (None,) * 3)
+    # Heads built here as well (`tiny`): curate runs offline, scoring with the heads' weights
+    # as stored (random, in their layouts, for this CLIP's width).
+    offline = curate("pets", "--model", "tiny", "--aesthetic-head", "tiny", "--nsfw-head", "tiny")
+    assert offline.returncode == 0, offline.stderr
+    tiny_heads = [
+        load_file(store / head_key(hashlib.sha256(tiny.head_file(widths, stream)).hexdigest(),
+                                   ".safetensors"))
+        for widths, stream in (([WIDTH, 1024, 128, 64, 16, 1], 1), ([WIDTH, 64, 1], 2))
+    ]  # fmt: skip
+    for key, caption, clip_score, aesthetic_score, nsfw_score, kept in quality(tmp_path):
+        if kept:
+            want = plain_scores(clip, images[key]["jpg"], caption, *tiny_heads)
+            assert (clip_score, aesthetic_score, nsfw_score) == pytest.approx(
+                want[:3], rel=1e-4, abs=1e-4
+            )
 
 
 def quality(home: Path) -> list[tuple]:

@@ -3,10 +3,12 @@ image against its caption), an aesthetic head and an NSFW head, on the GPU worke
 `sdq dataset filter`, a new dataset of the samples that pass rules on those scores, without
 near-duplicates."""
 
+import tempfile
 from pathlib import Path
 
 import click
 
+from sdq.models import tiny
 from sdq.models.curate.clip import resolve_clip
 from sdq.models.datasets import check_name
 from sdq.models.registry import ModelNotFound
@@ -26,12 +28,24 @@ from sdq.producer.curate.submit import (
     curatable,
     record_curate,
     store_head,
+    tiny_head,
 )
 from sdq.producer.datasets.cli import carry_out_dataset_run, report_dataset
 from sdq.producer.datasets.lookups import NotReadable
 from sdq.workers.app import SdqCelery
 
-HEAD_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
+
+class HeadFile(click.Path):
+    """A head's file, or `tiny` (built here)."""
+
+    def __init__(self) -> None:
+        super().__init__(exists=True, dir_okay=False, path_type=Path)
+
+    def convert(self, value, param, ctx):
+        return Path(value) if value == tiny.TINY_NAME else super().convert(value, param, ctx)
+
+
+HEAD_FILE = HeadFile()
 
 
 @click.command()
@@ -47,13 +61,14 @@ HEAD_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
     "--aesthetic-head",
     type=HEAD_FILE,
     help="LAION's improved aesthetic predictor for this CLIP (a .pth or .safetensors state "
-    "dict, as published): an aesthetic score, about 1 to 10, per image.",
+    "dict, as published): an aesthetic score, about 1 to 10, per image. `tiny`: random "
+    "weights of its layout built here (scores that mean nothing, no download).",
 )
 @click.option(
     "--nsfw-head",
     type=HEAD_FILE,
     help="An NSFW detector on this CLIP's embedding (linear layers, ReLU between, a "
-    "sigmoid at the end, as a state dict): a probability per image.",
+    "sigmoid at the end, as a state dict): a probability per image. `tiny`: one built here.",
 )
 @click.option(
     "--batch-size", default=64, show_default=True, type=click.IntRange(min=1),
@@ -95,9 +110,12 @@ def _submit(
 ) -> CurateSubmission:
     """Everything checked before anything is written: the model, the heads against it, the
     dataset; then the heads stored and the run recorded."""
-    with found():
+    with found(), tempfile.TemporaryDirectory(prefix="sdq-heads-") as folder:
         try:
             clip = resolve_clip(model)
+            heads = {option: tiny_head(option, clip, Path(folder))
+                     if path is not None and path.name == tiny.TINY_NAME else path
+                     for option, path in heads.items()}  # fmt: skip
             for option, path in heads.items():
                 if path is not None:
                     checked_head(path, option, clip)

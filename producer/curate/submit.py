@@ -11,6 +11,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from sdq.models import tiny
 from sdq.models.curate.clip import ClipIdentity
 from sdq.models.curate.specs import CurateSpec, head_key
 from sdq.models.datasets import derived_from
@@ -27,6 +28,9 @@ HEAD_READER = "sdq.workers.curate.heads"
 # by mistake) would score on another scale, and its scores replace the dataset's.
 AESTHETIC_LAYOUT = [1024, 128, 64, 16, 1]
 SAFETENSORS = ".safetensors"
+# `--aesthetic-head tiny`, `--nsfw-head tiny`: heads built here for whatever CLIP model is
+# given (its embedding's width, then these), each from a stream of the tiny seed of its own.
+TINY_HEADS = {"--aesthetic-head": (AESTHETIC_LAYOUT, 1), "--nsfw-head": ([64, 1], 2)}
 
 
 class CannotCurate(Exception):
@@ -50,6 +54,15 @@ class Heads:
 
     aesthetic: str | None = None
     nsfw: str | None = None
+
+
+def tiny_head(option: str, clip: ClipIdentity, folder: Path) -> Path:
+    """The tiny head `option` takes, for `clip`, written in `folder`: random weights built
+    here, so that curate runs the chain without a download (its scores mean nothing)."""
+    layout, stream = TINY_HEADS[option]
+    path = folder / f"tiny{option.removesuffix('-head')}{SAFETENSORS}"
+    path.write_bytes(tiny.head_file([clip.embedding_width, *layout], stream))
+    return path
 
 
 def checked_head(path: Path, option: str, clip: ClipIdentity) -> list[int]:
