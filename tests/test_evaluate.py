@@ -235,6 +235,14 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
         assert [event.step for event in shown] == [step for step, _ in curve]
         assert [event.value for event in shown] == pytest.approx([v for _, v in curve], rel=1e-6)
     assert len(events.Scalars("train/learning_rate")) == 20
+    # Each job's wall time by what it went to, as shares at its last step.
+    shares = {name: events.Scalars(f"time/{name}")
+              for name in ("training", "data_wait", "checkpoint", "other")}  # fmt: skip
+    assert all([event.step for event in shown] == [10, 20] for shown in shares.values())
+    for job in range(2):
+        parts = [shown[job].value for shown in shares.values()]
+        assert all(0 <= part <= 1 for part in parts) and shares["training"][job].value > 0
+        assert sum(parts) == pytest.approx(1, abs=1e-6)
     # Each checkpoint's renders are its validation images there, one tag a prompt.
     renders = _evaluation_renders(database, run)
     assert sorted(events.Tags()["images"]) == [f"renders/{n}" for n in range(4)]

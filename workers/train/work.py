@@ -188,8 +188,8 @@ class TrainWork(Work):
         checkpoints past --keep-checkpoints leave the store."""
         with self.sessions.begin() as session:
             new_work = record_checkpoint(session, spec, steps, written)
-        report(self.store, spec.run, f"steps-{spec.first_step:08d}", _figures(steps),
-               spec.report_to)  # fmt: skip
+        figures = _figures(steps) + _time_shares(spec, steps, written, perf_counter() - started)
+        report(self.store, spec.run, f"steps-{spec.first_step:08d}", figures, spec.report_to)
         if spec.options.keep_checkpoints is not None:
             self._prune(spec)
         output = Output(
@@ -220,3 +220,22 @@ TRACKED = {"loss": "train/loss", "lr": "train/learning_rate",
 def _figures(steps: list[dict[str, Any]]) -> list[Scalar]:
     return [(tag, step["step"], step[name]) for step in steps
             for name, tag in TRACKED.items() if step.get(name) is not None]  # fmt: skip
+
+
+def _time_shares(
+    spec: TrainShardSpec, steps: list[dict[str, Any]], written: Written, wall: float
+) -> list[Scalar]:
+    """What the job's time (from its start, or its first step taken ahead, to its checkpoint
+    written) went to, as shares at its last step: stepping, waiting for data, waiting for
+    its checkpoint, and the rest (restoring, starting or gathering ranks, recording). `sdq
+    train status` gives the run's own, job gaps included."""
+    if not steps or wall <= 0:
+        return []
+    stepping = sum(spec.options.batch_size / step["samples_per_second"] for step in steps)
+    waiting = sum(step.get("data_wait_seconds") or 0.0 for step in steps)
+    seconds = {"training": stepping - waiting, "data_wait": waiting,
+               "checkpoint": written.seconds or 0.0}  # fmt: skip
+    # Steps taken ahead, while the job before wrote its checkpoint, began before this job.
+    total = max(wall, sum(seconds.values()))
+    seconds["other"] = total - sum(seconds.values())
+    return [(f"time/{name}", steps[-1]["step"], part / total) for name, part in seconds.items()]
