@@ -68,16 +68,30 @@ def evaluation_request(
         raise click.UsageError(f"metrics {metrics!r}: the metrics are {', '.join(METRICS)}")
     # In one order, whatever order they were asked in: the same spec, scored once.
     asked = tuple(metric for metric in METRICS if metric in names)
-    needs_held_out = {"heldout_loss"} | AGAINST_REAL
-    if holdout == 0 and (wanting := sorted(needs_held_out & set(asked))):
+    _check_needs(set(asked), holdout=holdout, clip=clip, fid_weights=fid_weights)
+    return EvaluationRequest(
+        metrics=asked,
+        prompts=read_prompt_lines(prompts) if prompts else (),
+        clip=_clip(clip) if clip and CLIP_SCORED & set(asked) else None,
+        samples=samples,
+        every=every,
+        fid_weights=resolve_fid_weights(fid_weights) if fid_weights else None,
+    )
+
+
+def _check_needs(
+    asked: set[str], *, holdout: float | None, clip: str | None, fid_weights: str | None
+) -> None:
+    """Refuses metrics without what they are computed from."""
+    if holdout == 0 and (wanting := sorted(({"heldout_loss"} | AGAINST_REAL) & asked)):
         raise click.UsageError(
             f"{', '.join(wanting)} need held-out samples (the held-out loss is measured on "
             f"them, the renders are compared with their images): give --holdout FRACTION "
             f"above 0, e.g. --holdout 0.02, or a dataset to score on (--eval-dataset NAME)"
         )
-    if CLIP_SCORED & set(asked) and clip is None:
+    if CLIP_SCORED & asked and clip is None:
         raise click.UsageError(
-            f"{', '.join(sorted(CLIP_SCORED & set(asked)))} score renders with a CLIP model: "
+            f"{', '.join(sorted(CLIP_SCORED & asked))} score renders with a CLIP model: "
             f"give --eval-clip MODEL (a hub id like openai/clip-vit-large-patch14, a folder or "
             f"s3://)"
         )
@@ -87,14 +101,6 @@ def evaluation_request(
             "use: give --fid-weights FILE|s3:// (weights-inception-2015-12-05-6726825d.pth), "
             "and only with fid among the metrics"
         )
-    return EvaluationRequest(
-        metrics=asked,
-        prompts=read_prompt_lines(prompts) if prompts else (),
-        clip=_clip(clip) if clip and CLIP_SCORED & set(asked) else None,
-        samples=samples,
-        every=every,
-        fid_weights=resolve_fid_weights(fid_weights) if fid_weights else None,
-    )
 
 
 def _clip(ref: str) -> ClipIdentity:
@@ -159,46 +165,49 @@ EVALUATION_OPTIONS = ("metrics", "prompts", "clip", "fid_weights", "every_checkp
                       "dataset")  # fmt: skip
 
 
+# `sdq train`'s options that have its checkpoints scored.
+TRAIN_EVALUATION_OPTIONS = (
+    click.option(
+        "--eval-metrics", metavar="METRIC[,METRIC...]",
+        help=f"Score each checkpoint, on the evaluate queue, by these: {', '.join(METRICS)} "
+        "(training never waits for it). heldout_loss, fd_clip, kid and fid need "
+        "--holdout or --eval-dataset.",
+    ),
+    click.option(
+        "--eval-prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        help="One prompt a line: what clip_score, fd_clip, kid and fid render, with the same "
+        "seeds at every checkpoint. [default: the held-out samples' captions]",
+    ),
+    click.option(
+        "--eval-clip", metavar="MODEL",
+        help="The CLIP model renders are scored by: a hub id like "
+        "openai/clip-vit-large-patch14, a folder or s3://.",
+    ),
+    click.option(
+        "--eval-fid-weights", "--fid-weights", "eval_fid_weights", metavar="FILE|s3://",
+        help="Inception-v3's weights for fid, as torchmetrics and torch-fidelity load them "
+        "(weights-inception-2015-12-05-6726825d.pth).",
+    ),
+    click.option(
+        "--eval-dataset", metavar="NAME",
+        help="Score on this dataset's samples instead of held-out ones (its latents "
+        "encoded with the run's model at its resolution; its first --eval-samples).",
+    ),
+    click.option(
+        "--eval-every-checkpoints", default=1, show_default=True, type=click.IntRange(min=1),
+        help="Score every K-th checkpoint, and the last.",
+    ),
+    click.option(
+        "--eval-samples", default=DEFAULT_SAMPLES, show_default=True,
+        type=click.IntRange(min=2),
+        help="Held-out samples each evaluation reads: the held-out loss's, and the real "
+        "images the renders are compared with.",
+    ),
+)  # fmt: skip
+
+
 def train_evaluation_options(command):
     """`sdq train`'s options that have its checkpoints scored."""
-    options = [
-        click.option(
-            "--eval-metrics", metavar="METRIC[,METRIC...]",
-            help=f"Score each checkpoint, on the evaluate queue, by these: {', '.join(METRICS)} "
-            "(training never waits for it). heldout_loss, fd_clip, kid and fid need "
-            "--holdout or --eval-dataset.",
-        ),
-        click.option(
-            "--eval-prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-            help="One prompt a line: what clip_score, fd_clip, kid and fid render, with the same "
-            "seeds at every checkpoint. [default: the held-out samples' captions]",
-        ),
-        click.option(
-            "--eval-clip", metavar="MODEL",
-            help="The CLIP model renders are scored by: a hub id like "
-            "openai/clip-vit-large-patch14, a folder or s3://.",
-        ),
-        click.option(
-            "--eval-fid-weights", "--fid-weights", "eval_fid_weights", metavar="FILE|s3://",
-            help="Inception-v3's weights for fid, as torchmetrics and torch-fidelity load them "
-            "(weights-inception-2015-12-05-6726825d.pth).",
-        ),
-        click.option(
-            "--eval-dataset", metavar="NAME",
-            help="Score on this dataset's samples instead of held-out ones (its latents "
-            "encoded with the run's model at its resolution; its first --eval-samples).",
-        ),
-        click.option(
-            "--eval-every-checkpoints", default=1, show_default=True, type=click.IntRange(min=1),
-            help="Score every K-th checkpoint, and the last.",
-        ),
-        click.option(
-            "--eval-samples", default=DEFAULT_SAMPLES, show_default=True,
-            type=click.IntRange(min=2),
-            help="Held-out samples each evaluation reads: the held-out loss's, and the real "
-            "images the renders are compared with.",
-        ),
-    ]  # fmt: skip
-    for option in reversed(options):
+    for option in reversed(TRAIN_EVALUATION_OPTIONS):
         command = option(command)
     return command

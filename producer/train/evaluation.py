@@ -59,19 +59,7 @@ def run_evaluation(
         rows = _rows(session, store, evaluated, _first_rows(evaluated.inputs, request.samples))
         held_out, captions = stored_manifest(store, evaluated.name, rows), rows["caption"]
     elif options.holdout:
-        from sdq.models.train.holdout import first_held_out
-
-        picks = first_held_out(trained.inputs, options.holdout, options.seed, request.samples)
-        rows = _rows(session, store, trained, picks)
-        if not rows["key"]:
-            raise NothingHeldOut(
-                f"--holdout {options.holdout:g} held out none of the run's samples: hold out "
-                f"a larger share"
-            )
-        store.put_bytes(held_out_key(run_id), manifest_parquet(rows), content_type=PARQUET)
-        held_out = HeldOut(key=held_out_key(run_id), fraction=options.holdout,
-                           seed=options.seed, samples=len(rows["key"]))  # fmt: skip
-        captions = rows["caption"]
+        held_out, captions = _held_out(session, store, run_id, trained, options, request.samples)
     rendering = None
     if RENDERED & set(request.metrics):
         # Without a prompt file: the held-out samples' captions, each seeded by its place.
@@ -82,6 +70,28 @@ def run_evaluation(
     return Evaluation(metrics=request.metrics, every=request.every, held_out=held_out,
                       rendering=rendering, clip=request.clip, fid_weights=request.fid_weights,
                       report_to=report_to)  # fmt: skip
+
+
+def _held_out(
+    session: Session,
+    store: ObjectStore,
+    run_id: int,
+    trained: LatentSamples,
+    options: TrainOptions,
+    samples: int,
+) -> tuple[HeldOut, list[str]]:
+    """The run's first `samples` held-out samples, listed in the store, and their captions."""
+    from sdq.models.train.holdout import first_held_out
+
+    picks = first_held_out(trained.inputs, options.holdout, options.seed, samples)
+    rows = _rows(session, store, trained, picks)
+    if not rows["key"]:
+        raise NothingHeldOut(f"--holdout {options.holdout:g} held out none of the run's "
+                             f"samples: hold out a larger share")  # fmt: skip
+    store.put_bytes(held_out_key(run_id), manifest_parquet(rows), content_type=PARQUET)
+    held_out = HeldOut(key=held_out_key(run_id), fraction=options.holdout, seed=options.seed,
+                       samples=len(rows["key"]))  # fmt: skip
+    return held_out, rows["caption"]
 
 
 def _first_rows(inputs: Sequence[LatentInput], samples: int) -> list[tuple[int, list[int]]]:
