@@ -79,7 +79,7 @@ class SdqCollector:
             yield self._sick(session)
             for kind in KINDS.values():
                 if (kind_metrics := kind.producer_hooks().metrics) is not None:
-                    yield from kind_metrics(session)
+                    yield from kind_metrics(session, self.app)
 
     def _memory(self) -> Iterator[Metric]:
         """Each live worker's memory, as it answers the device_memory control command: the

@@ -22,7 +22,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
-from prometheus_client.parser import text_string_to_metric_families
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torchmetrics.image.fid import FrechetInceptionDistance
 from torchmetrics.image.kid import KernelInceptionDistance
@@ -45,11 +44,11 @@ from sdq.workers.weights import ModelFiles
 from tests.conftest import BUCKET, ROOT, BeatProcess, WorkerProcess, sdq_json, wait_for_run
 from tests.hostile_server import HostileServer
 from tests.netns_download import DOWNLOAD_ENV
-from tests.services import OutageProxy, clean_env, free_port, listening, wait_for
+from tests.services import OutageProxy, clean_env, wait_for
 from tests.test_curate import tiny_clip
 from tests.test_encode import write_list
 from tests.test_fid import random_fid_weights
-from tests.test_monitoring import get
+from tests.test_monitoring import scraped
 from tests.test_train import encoded_dataset
 
 pytestmark = pytest.mark.timeout(600)
@@ -449,28 +448,6 @@ def _evaluations(database_url: str, run_id: int) -> list[tuple[str, int]]:
             "WHERE r.kind = 'evaluate' AND (r.options->>'evaluation_of')::int = %s ORDER BY j.id",
             (run_id,),
         ).fetchall()
-
-
-def scraped(env: dict[str, str], names: set[str]) -> dict[tuple, float]:
-    """The samples of the named families on one scrape of `sdq metrics`."""
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "sdq.producer.cli", "metrics", "--port", str(port)],
-        env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        wait_for(lambda: listening(port), what="sdq metrics")
-        status, body = get(f"http://127.0.0.1:{port}/metrics", credentials=None)
-    finally:
-        server.terminate()
-        server.wait(10)
-    assert status == 200
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(body.decode())
-        if family.name in names
-        for sample in family.samples
-    }
 
 
 @pytest.mark.slow

@@ -231,3 +231,25 @@ def test_an_idle_worker_is_a_zero_not_a_gap(own_deployment: dict[str, str]) -> N
         if sample.name == "sdq_worker_running_jobs"
     }
     assert held == {"idle:1": 0, "busy:2": 1}
+
+
+def scraped(env: dict[str, str], names: set[str]) -> dict[tuple, float]:
+    """The samples of the named families on one scrape of `sdq metrics`."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "sdq.producer.cli", "metrics", "--port", str(port)],
+        env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: listening(port), what="sdq metrics")
+        status, body = get(f"http://127.0.0.1:{port}/metrics", credentials=None)
+    finally:
+        server.terminate()
+        server.wait(10)
+    assert status == 200
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(body.decode())
+        if family.name in names
+        for sample in family.samples
+    }

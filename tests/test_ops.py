@@ -27,6 +27,42 @@ KUBERNETES_VERSION = "1.30"
 # Where settings are declared: the generic ones, and each kind's group beside the kind.
 SETTINGS_SOURCE = "".join(path.read_text() for path in (ROOT / "models").rglob("settings.py"))
 
+# KEDA's triggers sdq scales on: a queue's length, a Prometheus query. KEDA reads trigger
+# metadata as strings.
+REDIS_TRIGGER = {
+    "type": "object",
+    "required": ["type", "metadata"],
+    "properties": {
+        "type": {"const": "redis"},
+        "metadata": {
+            "type": "object",
+            "required": ["listName", "listLength"],
+            "additionalProperties": False,
+            "properties": {
+                "address": {"type": "string"},
+                "listName": {"type": "string"},
+                "listLength": {"type": "string", "pattern": "^[0-9]+$"},
+            },
+        },
+    },
+}
+PROMETHEUS_TRIGGER = {
+    "type": "object",
+    "required": ["type", "metadata"],
+    "properties": {
+        "type": {"const": "prometheus"},
+        "metadata": {
+            "type": "object",
+            "required": ["serverAddress", "query", "threshold"],
+            "additionalProperties": False,
+            "properties": {
+                "serverAddress": {"type": "string", "pattern": "^https?://"},
+                "query": {"type": "string"},
+                "threshold": {"type": "string", "pattern": "^[0-9]+$"},
+            },
+        },
+    },
+}
 # The part of KEDA's ScaledObject CRD that sdq relies on (keda.sh/v1alpha1).
 SCALED_OBJECT = {
     "type": "object",
@@ -52,23 +88,7 @@ SCALED_OBJECT = {
                 "triggers": {
                     "type": "array",
                     "minItems": 1,
-                    "items": {
-                        "type": "object",
-                        "required": ["type", "metadata"],
-                        "properties": {
-                            "type": {"const": "redis"},
-                            "metadata": {
-                                "type": "object",
-                                "required": ["listName", "listLength"],
-                                "properties": {
-                                    "address": {"type": "string"},
-                                    "listName": {"type": "string"},
-                                    # KEDA reads trigger metadata as strings.
-                                    "listLength": {"type": "string", "pattern": "^[0-9]+$"},
-                                },
-                            },
-                        },
-                    },
+                    "items": {"oneOf": [REDIS_TRIGGER, PROMETHEUS_TRIGGER]},
                 },
             },
         },
@@ -237,13 +257,15 @@ def test_the_kubernetes_deployment_hangs_together() -> None:
     assert gpu["args"][gpu["args"].index("--queues") + 1] == ",".join(pooled)
     scaled = {
         document["spec"]["scaleTargetRef"]["name"]: {
-            trigger["metadata"]["listName"] for trigger in document["spec"]["triggers"]
+            trigger["metadata"].get("listName") or trigger["metadata"]["query"]
+            for trigger in document["spec"]["triggers"]
         }
         for document in by_kind["ScaledObject"].values()
     }
     assert scaled == {
         "sdq-worker-gpu": set(pooled),
         "sdq-worker-cpu": set(POOL_QUEUES[Pool.cpu]) - {MAINTENANCE_QUEUE},
+        "sdq-serve": {"max(sdq_serve_requests_in_flight)"},  # tests/test_serve.py scrapes it
     }
     # The CPU pool also serves beat's maintenance queue: never scaled to nothing.
     cpu = next(d for d in by_kind["ScaledObject"].values()

@@ -22,6 +22,7 @@ from sdq.workers.app import create_app
 from sdq.workers.delivery import retry_queue
 from tests.conftest import ROOT, WorkerProcess, sdq_json
 from tests.services import answers, free_port, listening, wait_for
+from tests.test_monitoring import scraped
 
 TINY = {"size": "64x64", "steps": 2}
 
@@ -80,6 +81,7 @@ def test_images_on_request_each_a_run_twins_from_the_store_and_jobs_with_events(
     env = {**service_env, "SDQ_SERVE_MAX_IMAGES": "4"}
     alice = new_key(env, "alice")
     ask = {"prompt": "a red fox in the snow", "n": 2, "seed": 11, **TINY}
+    counted_before = scraped(env, {"sdq_serve_request_seconds"})
     with (
         serving(env, tmp_path / "serve.log") as base,
         httpx.Client(base_url=base, timeout=120) as http,
@@ -130,10 +132,16 @@ def test_images_on_request_each_a_run_twins_from_the_store_and_jobs_with_events(
         assert http.get("/v1/jobs/999999999", headers=alice).status_code == 404
 
         assert "/v1/images/generations" in http.get("/openapi.json").json()["paths"]
-        # Each request's latency, by route and status, for Prometheus.
-        scraped = http.get("/metrics/").text
-        counted = 'sdq_serve_request_seconds_count{route="/v1/images/generations",status="%s"}'
-        assert f"{counted % 200} 2.0" in scraped and f"{counted % 401} 2.0" in scraped
+    # Each request's latency by route and status, every replica's, at `sdq metrics`; and
+    # the requests in flight (none now).
+    counted = scraped(env, {"sdq_serve_request_seconds", "sdq_serve_requests_in_flight"})
+    for status, requests in (("200", 2), ("401", 2)):
+        labels = (("route", "/v1/images/generations"), ("status", status))
+        made = ("sdq_serve_request_seconds_count", labels)
+        assert counted[made] - counted_before.get(made, 0) == requests
+        within = ("sdq_serve_request_seconds_bucket", (("le", "120"), *labels))
+        assert counted[within] == counted[made]  # every one answered within 2 minutes
+    assert counted[("sdq_serve_requests_in_flight", ())] == 0
 
 
 def test_bad_requests_are_named_by_field_and_write_nothing(

@@ -105,8 +105,8 @@ class ProducerHooks:
     dataset_summary: Callable[..., dict[str, Any]] | None = None
     show_dataset: Callable[[dict[str, Any]], None] | None = None
     dataset_page: Callable[..., str] | None = None
-    # What `sdq metrics` adds of the kind's at each scrape: (session) -> Prometheus metric
-    # families (a train run's step, speed and loss).
+    # What `sdq metrics` adds of the kind's at each scrape: (session, app) -> Prometheus
+    # metric families (a train run's step, speed and loss; `sdq serve`'s requests).
     metrics: Callable[..., Iterable[Any]] | None = None
 
 

@@ -5,5 +5,7 @@ from sdq.models.jobs.kinds import ProducerHooks
 from sdq.producer.generate.cli import COMMANDS, report_run
 from sdq.producer.generate.lookups import job_fields
 from sdq.producer.generate.serve.cli import serve
+from sdq.producer.generate.serve.figures import serve_metrics
 
-HOOKS = ProducerHooks(commands=(*COMMANDS, serve), report_run=report_run, job_fields=job_fields)
+HOOKS = ProducerHooks(commands=(*COMMANDS, serve), report_run=report_run, job_fields=job_fields,
+                      metrics=serve_metrics)  # fmt: skip

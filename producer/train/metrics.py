@@ -3,7 +3,7 @@ latest step, speed and loss, while it runs and for a while after."""
 
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
@@ -27,7 +27,7 @@ GAUGES = {
 }
 
 
-def train_gauges(session: Session) -> Iterator["Metric"]:
+def train_gauges(session: Session, _app: Any = None) -> Iterator["Metric"]:
     from prometheus_client.core import GaugeMetricFamily
 
     families = {key: GaugeMetricFamily(name, text, labels=["run"])

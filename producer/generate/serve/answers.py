@@ -2,7 +2,6 @@
 outage (which its clients read), the body's size limit, and each route's latency for
 Prometheus."""
 
-import time
 from typing import Any
 
 import orjson
@@ -97,32 +96,3 @@ async def limit_body(request: Request, call_next):
                     pass
             return error_answer(413, f"the body is over {MAX_BODY_BYTES} bytes")
     return await call_next(request)
-
-
-def add_metrics(api: FastAPI) -> None:
-    """Each request's latency by route and status at /metrics, for Prometheus to scrape on
-    every replica (with the monitor extra: prometheus_client)."""
-    try:
-        from prometheus_client import CollectorRegistry, Histogram, make_asgi_app
-    except ModuleNotFoundError:
-        return
-    registry = CollectorRegistry()  # this API's own: another in the process counts apart
-    latency = Histogram(
-        "sdq_serve_request_seconds",
-        "Time from a request to its answer, by route and status",
-        ["route", "status"],
-        buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
-        registry=registry,
-    )
-
-    async def timed(request: Request, call_next):
-        started = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        latency.labels(route.path if route else "unknown", response.status_code).observe(
-            time.perf_counter() - started
-        )
-        return response
-
-    api.middleware("http")(timed)
-    api.mount("/metrics", make_asgi_app(registry))

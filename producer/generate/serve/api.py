@@ -27,11 +27,11 @@ from sdq.producer.generate.serve import submitting
 from sdq.producer.generate.serve.answers import (
     Answer,
     add_error_answers,
-    add_metrics,
     error_answer,
     limit_body,
 )
 from sdq.producer.generate.serve.coalescing import Coalescer
+from sdq.producer.generate.serve.figures import add_figures
 from sdq.producer.generate.serve.keys import key_name
 from sdq.producer.generate.serve.limits import Limits
 from sdq.producer.generate.serve.requests import ImageRequest
@@ -40,7 +40,8 @@ from sdq.workers.app import SdqCelery
 
 # An event stream says it is alive this often while its job has not settled.
 KEEPALIVE_SECONDS = 15.0
-# How long after its deadline an image no request waits for stops counting as in flight.
+# How long after its deadline an image no request waits for (or a request its dead replica
+# never answered) stops counting as in flight.
 FLIGHT_GRACE_SECONDS = 60.0
 
 
@@ -72,7 +73,7 @@ def create_api(app: SdqCelery, *, default_model: str, auth: bool = True) -> Fast
     api = FastAPI(title="sdq", summary="Stable Diffusion images on request, queued and recorded")
     api.state.service = Service(app, redis, limits, coalescer, settings, default_model, auth)
     api.middleware("http")(limit_body)
-    add_metrics(api)
+    add_figures(api, redis, settings.serve_wait_seconds + FLIGHT_GRACE_SECONDS)
     add_error_answers(api)
     _add_routes(api)
     return api
