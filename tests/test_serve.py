@@ -232,6 +232,29 @@ def test_limits_per_key_a_revoked_key_and_an_outage(
     assert listed["carol"]["revoked_at"] and listed["dave"]["revoked_at"] is None
 
 
+def test_a_request_whose_jobs_are_cancelled_is_answered_when_they_are(
+    own_deployment: dict[str, str], tmp_path: Path
+) -> None:
+    """No worker: the request waits. `sdq cancel` settles its jobs outside any worker's
+    delivery; the notice of it reaches the waiting request, which answers the cancellation
+    then, not 202 at its deadline."""
+    env = {**own_deployment, "SDQ_SERVE_WAIT_SECONDS": "600"}
+    frank = new_key(env, "frank")
+    with (
+        serving(env, tmp_path / "serve.log") as base,
+        httpx.Client(base_url=base, timeout=660) as http,
+        ThreadPoolExecutor(1) as client,
+    ):
+        asked = client.submit(http.post, "/v1/images/generations", headers=frank,
+                              json={"prompt": "never drawn", "n": 2, **TINY})  # fmt: skip
+        wait_for(lambda: runs_of(env["SDQ_DATABASE_URL"], "frank"), what="the request's run")
+        [(run_id, _)] = runs_of(env["SDQ_DATABASE_URL"], "frank")
+        assert sdq_json(env, "cancel", str(run_id))["cancelled"] == 2
+        answer = asked.result()
+    assert answer.status_code == 500, answer.text
+    assert "cancelled" in answer.json()["error"]["message"]
+
+
 def test_a_request_goes_ahead_of_a_queued_batch_run(
     own_deployment: dict[str, str], tmp_path: Path
 ) -> None:

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sdq.models.db import make_engine, session_factory
 from sdq.models.jobs.kinds import KINDS, MAINTENANCE_QUEUE, QUEUES, Kind, Pool
 from sdq.models.jobs.lifecycle import Worker
+from sdq.models.jobs.notices import notices_url, tell_settled
 from sdq.models.jobs.outbox import Send, enqueue
 from sdq.models.settings import Settings
 from sdq.models.store import ObjectStore, open_store
@@ -49,7 +50,8 @@ class SdqCelery(Celery):
 
     @cached_property
     def sessions(self) -> sessionmaker[Session]:
-        return session_factory(self.engine)
+        # Whoever waits on a job (`sdq serve`) hears when a transaction settles it.
+        return tell_settled(session_factory(self.engine), notices_url(self.settings))
 
     @cached_property
     def store(self) -> ObjectStore:

@@ -186,8 +186,7 @@ def _settle(task: Task, kind: Kind, job_ids: list[int], outcome: Outcome, *, me:
 
 def _after_work(task: Task, kind: Kind, job_ids: list[int], outcome: Outcome, me: str) -> None:
     """On a worker: its warm queues follow what its process holds now (the kind's `follow`:
-    before a retry is routed), a GPU's failures are counted for its health, and whoever
-    waits for the settled jobs hears of them (models/jobs/notices.py)."""
+    before a retry is routed), and a GPU's failures are counted for its health."""
     if (follow := kind.worker_hooks().follow) is not None:
         try:
             follow(task)
@@ -195,8 +194,6 @@ def _after_work(task: Task, kind: Kind, job_ids: list[int], outcome: Outcome, me
             logger.exception("%s: its warm queues were not followed", kind.name)
     if kind.pool is Pool.gpu:
         sickness.after_task(task, job_ids, outcome, me=me)
-    unsettled = {*outcome.retry, *outcome.held, *outcome.foreign, *outcome.put_back}
-    _told(task, "settled")([job_id for job_id in job_ids if job_id not in unsettled])
 
 
 def _send_again(task: Task, kind: Kind, job_ids: list[int]) -> None:

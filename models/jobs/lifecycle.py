@@ -12,6 +12,7 @@ from sqlalchemy import ColumnElement, Select, and_, func, insert, literal, selec
 from sqlalchemy.orm import Session
 
 from sdq.models.db import among_digests, chunked, insert_rows
+from sdq.models.jobs.notices import note_settled
 from sdq.models.settings import JobSettings
 from sdq.models.store import existing
 from sdq.models.tables import CLAIMABLE, FINISHED, Job, JobEvent, JobStatus, Run
@@ -54,11 +55,14 @@ def record_events(
 ) -> None:
     at = at or utcnow()
     host = worker.host if worker else None
+    job_ids = list(job_ids)
     rows = [
         {"job_id": job_id, "status": status, "worker_host": host, "detail": detail, "at": at}
         for job_id in job_ids
     ]
     insert_rows(session, JobEvent.__table__, rows)
+    if status in FINISHED:
+        note_settled(session, job_ids)
 
 
 def record_events_of(

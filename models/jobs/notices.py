@@ -1,13 +1,17 @@
 """Word of jobs over Redis pub/sub: what `sdq serve` waits on instead of polling the
-database. A worker publishes on a job's channel when it claims the job and when it settles
-it (done, served from the store, or dead). Nothing is kept: a listener subscribes first,
-then reads the job's row, and so misses nothing that happens after its read."""
+database. A worker publishes on a job's channel when it claims the job; a job's settling
+(done, dead or cancelled, whoever settled it: a worker's delivery, a lost job out of
+attempts, `sdq cancel`) is published once the transaction that settled it commits.
+Nothing is kept: a listener subscribes first, then reads the job's row, and so misses
+nothing that happens after its read."""
 
 import logging
 from collections.abc import Iterable
 from functools import cache
 
 import redis
+from sqlalchemy import event
+from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.settings import Settings
 
@@ -43,3 +47,26 @@ def publish(url: str, job_ids: Iterable[int], what: str) -> None:
             pipe.execute()
     except redis.RedisError:
         logger.exception("jobs %s: the notice that they are %s was not sent", job_ids, what)
+
+
+# Where a session keeps the jobs it settled until its transaction ends.
+NOTED = "sdq.settled"
+
+
+def note_settled(session: Session, job_ids: Iterable[int]) -> None:
+    """Jobs this session's transaction settles: told of once it commits (tell_settled)."""
+    session.info.setdefault(NOTED, []).extend(job_ids)
+
+
+def tell_settled(sessions: sessionmaker[Session], url: str | None) -> sessionmaker[Session]:
+    """Sessions that publish the jobs they settled after each commit (a listener reading
+    the row on the notice finds it settled), and forget them on a rollback."""
+    if url is not None:
+
+        def told(session: Session) -> None:
+            if settled := session.info.pop(NOTED, None):
+                publish(url, settled, "settled")
+
+        event.listen(sessions, "after_commit", told)
+        event.listen(sessions, "after_rollback", lambda session: session.info.pop(NOTED, None))
+    return sessions
