@@ -5,6 +5,8 @@ batch run."""
 
 import base64
 import io
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,13 +16,14 @@ from pathlib import Path
 
 import httpx
 import psycopg
+import pytest
 from PIL import Image
 
 from sdq.models.jobs.kinds import GENERATE
 from sdq.models.settings import Settings
 from sdq.workers.app import create_app
 from sdq.workers.delivery import retry_queue
-from tests.conftest import ROOT, WorkerProcess, sdq_json
+from tests.conftest import ROOT, BeatProcess, WorkerProcess, sdq_json
 from tests.services import answers, free_port, listening, wait_for
 from tests.test_monitoring import scraped
 
@@ -253,6 +256,54 @@ def test_a_request_whose_jobs_are_cancelled_is_answered_when_they_are(
         answer = asked.result()
     assert answer.status_code == 500, answer.text
     assert "cancelled" in answer.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_a_request_outlives_the_worker_killed_while_it_renders(
+    own_deployment: dict[str, str], tmp_path: Path
+) -> None:
+    """The worker rendering a request is killed with its pool: the job's lease runs out,
+    beat sends it again, another worker renders it, and the waiting request gets its
+    image, made once."""
+    env = {**own_deployment, "SDQ_SERVE_WAIT_SECONDS": "300", "SDQ_LEASE_SECONDS": "6",
+           "SDQ_MAINTENANCE_INTERVAL_SECONDS": "1"}  # fmt: skip
+    grace = new_key(env, "grace")
+    database = env["SDQ_DATABASE_URL"]
+    first = WorkerProcess(env, tmp_path / "first.log", host="first").start()
+    helpers = [BeatProcess(env, tmp_path / "beat.log").start(),
+               WorkerProcess(env, tmp_path / "cpu.log", pool="cpu").start()]  # fmt: skip
+    try:
+        with (
+            serving(env, tmp_path / "serve.log") as base,
+            httpx.Client(base_url=base, timeout=360) as http,
+            ThreadPoolExecutor(1) as client,
+        ):
+            slow = {"prompt": "a slow render", **TINY, "steps": 150}
+            asked = client.submit(http.post, "/v1/images/generations", headers=grace, json=slow)
+            wait_for(lambda: [jobs for _, jobs in runs_of(database, "grace")] == ["running"],
+                     what="the request's job to run", timeout=120)  # fmt: skip
+            os.killpg(first.process.pid, signal.SIGKILL)  # the worker and its pool at once
+            first.process.wait()
+            helpers.append(WorkerProcess(env, tmp_path / "second.log", host="second").start())
+            answer = asked.result()
+    finally:
+        for process in helpers:
+            process.stop()
+    assert answer.status_code == 200, answer.text
+    [(run_id, statuses)] = runs_of(database, "grace")
+    assert statuses == "succeeded"
+    with psycopg.connect(database) as db:
+        attempts, made = db.execute(
+            "SELECT j.attempts, (SELECT count(*) FROM generations g WHERE g.job_id = j.id) "
+            "FROM jobs j WHERE j.run_id = %s", (run_id,),
+        ).fetchone()  # fmt: skip
+        workers = [row[0] for row in db.execute(
+            "SELECT DISTINCT e.worker_host FROM job_events e JOIN jobs j ON j.id = e.job_id "
+            "WHERE j.run_id = %s AND e.status = 'running'", (run_id,),
+        )]  # fmt: skip
+    assert made == 1 and attempts <= 2
+    # Begun on the first machine, made on the second.
+    assert sorted(host.split(":")[0] for host in workers) == ["first", "second"]
 
 
 def test_a_request_goes_ahead_of_a_queued_batch_run(
