@@ -30,6 +30,7 @@ GPU_MODULES = {
     "workers/evaluate/metrics.py",
     "workers/train/loop/build.py",
     "workers/train/loop/checkpoints.py",
+    "workers/train/loop/compiled.py",
     "workers/train/loop/files.py",
     "workers/train/loop/sharding.py",
     "workers/train/loop/state.py",

@@ -7,7 +7,8 @@ VAE and text encoder are never loaded: the latent shards hold their outputs.
 
 On a GPU: bf16 autocast unless the run asks for fp16 (with a gradient scaler) or none, TF32
 for what runs in fp32, cuDNN's autotuner, SDPA attention (diffusers' default processor),
-fused AdamW, optional gradient checkpointing and torch.compile, channels_last. On a CPU the
+fused AdamW, optional gradient checkpointing and torch.compile by region (compiled.py),
+channels_last. On a CPU the
 same code runs in fp32.
 """
 
@@ -35,6 +36,7 @@ from sdq.models.store import ObjectStore
 from sdq.models.train.specs import TrainOptions, TrainShardSpec, checkpoint_prefix
 from sdq.workers.tiny import build_unet
 from sdq.workers.train.loop.checkpoints import fetch_base_ahead
+from sdq.workers.train.loop.compiled import SharedCompile, compile_regions
 from sdq.workers.train.loop.files import UNET_FOLDER, load_state
 from sdq.workers.train.loop.sharding import (
     SHARDED_FOLDER,
@@ -100,13 +102,16 @@ def new_state(spec: TrainShardSpec, unet: UNet2DConditionModel, ranks: Ranks = A
     # and on the CPU, where its default loops over the parameters), the EMA.
     optimizer = torch.optim.AdamW(unet.parameters(), lr=options.lr, fused=True)
     ema = _ema(unet, options.ema) if options.ema is not None and (ranks.writes or sharded) else None
-    # 3. What the steps call: DDP's wrapper over several unsharded ranks, compiled if asked.
+    # 3. What the steps call: the U-Net, its blocks compiled if asked, in DDP's wrapper over
+    # several unsharded ranks.
+    if options.compile:
+        compile_regions(unet)
     model = unet if sharded or not ranks.distributed else _data_parallel(unet, options, device)
     return TrainState(
         run=spec.run,
         step=0,
         unet=unet,
-        model=torch.compile(model) if options.compile else model,
+        model=model,
         optimizer=optimizer,
         lr_scheduler=get_scheduler(
             LR_SCHEDULERS[options.lr_schedule],
@@ -226,6 +231,8 @@ def restore_state(
             state = load_checkpoint(spec, folder, ranks)
     if spec.options.caption_dropout:
         state.empty_prompt = empty_prompt(store, spec.empty_prompt_key).to(state.device)
+    if spec.options.compile:
+        state.compiled = SharedCompile(store)
     if ranks.writes:
         fetch_base_ahead(spec, files)  # after the restore: it may have fetched them already
     return state

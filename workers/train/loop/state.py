@@ -49,7 +49,8 @@ class TrainState:
     run: int
     step: int
     unet: UNet2DConditionModel
-    # The unet, wrapped in DDP across ranks and compiled when asked: what the steps call.
+    # The unet (its blocks compiled when asked), wrapped in DDP across ranks: what the steps
+    # call.
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -66,6 +67,8 @@ class TrainState:
     # A sharded state's process group for its checkpoints (sharding.state_group); None:
     # rank 0 writes the whole state.
     checkpoint_group: Any = None
+    # A compiled state's artifacts, shared through the store (compiled.SharedCompile).
+    compiled: Any = None
 
     @property
     def sharded(self) -> bool:

@@ -12,6 +12,7 @@ again, the same steps (every sample and draw is a function of the seed and the s
 """
 
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import replace
 from time import perf_counter, time
 from typing import Any
@@ -117,13 +118,22 @@ class Training:
         while state.step < spec.last_step:
             inputs = window.next_from(self._inputs)
             window.flops_from(inputs)
-            window.add(train_step(state, spec, inputs))
+            with self._first_compiled(spec, inputs):
+                window.add(train_step(state, spec, inputs))
             if len(window) == self.loss_every:
                 self.on_steps(window.read())
                 if stop():
                     break
         self.on_steps(window.read())
         return window.steps
+
+    def _first_compiled(self, spec: TrainShardSpec, inputs):
+        """Around a compiled state's first step: the store's artifacts loaded before it,
+        this rank 0's saved after it where there were none."""
+        state = self.state
+        if state.compiled is None:
+            return nullcontext()
+        return state.compiled.first_step(spec, state.unet, inputs, saves=state.ranks.writes)
 
     def checkpoint(self, spec: TrainShardSpec) -> Snapshot | ShardedSnapshot | None:
         """The state to write as the checkpoint at its step, on the rank that writes it (on

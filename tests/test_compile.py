@@ -1,0 +1,52 @@
+"""`sdq train --compile` on the CPU (inductor's C++ backend): the U-Net compiled by region,
+once for all of a run's jobs in a process, its artifacts saved to the store; a process with
+an empty local cache (another machine's) loads them and compiles no kernel itself."""
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.netns_download import DOWNLOAD_ENV
+from tests.services import clean_env
+from tests.test_train import TRAIN, encoded_dataset
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+MARK = "compiled regions "
+
+
+def _compiled(env: dict[str, str], cwd: Path, cache: Path) -> tuple[list[dict], str]:
+    """A compiled run of two jobs in a process of its own whose inductor cache is `cache`:
+    what it logged of each compile, and its output."""
+    done = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", "--verbose", "train", "toy", *TRAIN,
+         "--steps", "4", "--checkpoint-every", "2", "--compile", "--json"],
+        env={**env, "TORCHINDUCTOR_CACHE_DIR": str(cache)}, cwd=cwd, capture_output=True,
+        text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    logged = [ast.literal_eval(line.split(MARK, 1)[1])
+              for line in done.stderr.splitlines() if MARK in line]  # fmt: skip
+    return logged, done.stdout
+
+
+def test_a_compiled_run_compiles_once_and_another_machine_loads_what_it_made(
+    tmp_path: Path,
+) -> None:
+    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT)}
+    encoded_dataset(env, "toy", 8, tmp_path)
+    [cold], first = _compiled(env, tmp_path, tmp_path / "machine-1")
+    # Both jobs on the state compiled once: no second compile, no new graph.
+    assert not cold["loaded"] and cold["kernels_compiled"] > 0 and cold["graphs"] >= 1
+    stored = tmp_path / "sdq-data/store" / cold["key"]
+    assert stored.is_file() and stored.stat().st_size > 0
+    [warm], second = _compiled(env, tmp_path, tmp_path / "machine-2")
+    assert warm["key"] == cold["key"] and warm["loaded"]
+    assert warm["kernels_compiled"] == 0 and warm["kernels_found"] == cold["kernels_compiled"]
+    assert warm["graphs"] == cold["graphs"]
+    # The same kernels: the same losses, step for step.
+    assert json.loads(first)["losses"] == json.loads(second)["losses"]
