@@ -4,6 +4,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
@@ -13,7 +14,15 @@ from click.testing import CliRunner, Result
 from sdq.models.db import make_engine
 from sdq.producer.cli.main import main
 from tests.netns_download import DOWNLOAD_ENV
-from tests.services import MotoServer, aws_env, clean_env, scratch_database, session_redis, wait_for
+from tests.services import (
+    MotoServer,
+    OutageProxy,
+    aws_env,
+    clean_env,
+    scratch_database,
+    session_redis,
+    wait_for,
+)
 from tests.services import s3_client as s3_client_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -252,3 +261,28 @@ def wait_for_run(database_url: str, run_id: int, timeout: float = 240) -> dict[s
 def write(path: Path, text: str, encoding: str = "utf-8") -> Path:
     path.write_bytes(text.encode(encoding))
     return path
+
+
+def job_history(database_url: str, run_id: int) -> list[tuple[int, str, str | None, int]]:
+    """The run's job events in order: each one's job, status, detail and the job's attempts."""
+    with psycopg.connect(database_url) as connection:
+        return connection.execute(
+            "SELECT e.job_id, e.status, e.detail, j.attempts FROM job_events e "
+            "JOIN jobs j ON j.id = e.job_id WHERE j.run_id = %s ORDER BY e.id",
+            (run_id,),
+        ).fetchall()
+
+
+@contextmanager
+def store_behind_a_proxy(
+    deployment: dict[str, str], s3: dict[str, str], prefix: str
+) -> Iterator[tuple[dict[str, str], OutageProxy]]:
+    """A deployment whose S3 server is reached through a proxy the test takes down and
+    brings back, with short leases, maintenance every second and quick retries: what the
+    fault tests wait through in seconds."""
+    upstream = int(s3["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    with OutageProxy(upstream) as proxy:
+        yield {**deployment, **DOWNLOAD_ENV, "SDQ_STORE_URL": f"s3://{BUCKET}/{prefix}",
+               "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}", "SDQ_LEASE_SECONDS": "6",
+               "SDQ_MAINTENANCE_INTERVAL_SECONDS": "1", "SDQ_RETRY_BACKOFF_SECONDS": "1",
+               "SDQ_RETRY_BACKOFF_MAX_SECONDS": "3"}, proxy  # fmt: skip

@@ -29,10 +29,18 @@ from sdq.models.store import PARQUET, LocalStore
 from sdq.workers.curate.dedup import near_duplicates
 from sdq.workers.shards.embeddings import embedding_shard_bytes
 from tests.browser import chromium, open_page, texts
-from tests.conftest import BUCKET, ROOT, BeatProcess, WorkerProcess, sdq_json, wait_for_run
+from tests.conftest import (
+    ROOT,
+    BeatProcess,
+    WorkerProcess,
+    job_history,
+    sdq_json,
+    store_behind_a_proxy,
+    wait_for_run,
+)
 from tests.hostile_server import HostileServer
 from tests.netns_download import DOWNLOAD_ENV
-from tests.services import OutageProxy, clean_env, wait_for
+from tests.services import clean_env, wait_for
 from tests.test_curate import AESTHETIC, head_state, tiny_clip
 from tests.test_encode import write_list
 
@@ -282,15 +290,6 @@ def test_near_duplicates_are_the_exact_pairs_over_the_threshold() -> None:
     assert len(expected) > 20 and found == expected
 
 
-def _events(database_url: str, run_id: int) -> list[tuple[int, str, str | None, int]]:
-    with psycopg.connect(database_url) as connection:
-        return connection.execute(
-            "SELECT e.job_id, e.status, e.detail, j.attempts FROM job_events e "
-            "JOIN jobs j ON j.id = e.job_id WHERE j.run_id = %s ORDER BY e.id",
-            (run_id,),
-        ).fetchall()
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_curate_and_dedup_on_services_survive_a_store_outage_and_a_killed_worker(
@@ -302,12 +301,7 @@ def test_curate_and_dedup_on_services_survive_a_store_outage_and_a_killed_worker
     sample ends scored once. Then a clustered dedup on the services: the clustering job's
     cluster jobs travel through the broker to the worker, and the run ends."""
     clip = tiny_clip(tmp_path / "tiny-clip")
-    upstream = int(s3["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
-    with OutageProxy(upstream) as proxy:
-        env = {**own_deployment, **DOWNLOAD_ENV, "SDQ_STORE_URL": f"s3://{BUCKET}/curate-faults",
-               "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}", "SDQ_LEASE_SECONDS": "6",
-               "SDQ_MAINTENANCE_INTERVAL_SECONDS": "1", "SDQ_RETRY_BACKOFF_SECONDS": "1",
-               "SDQ_RETRY_BACKOFF_MAX_SECONDS": "3"}  # fmt: skip
+    with store_behind_a_proxy(own_deployment, s3, "curate-faults") as (env, proxy):
         database_url = env["SDQ_DATABASE_URL"]
         gpu = WorkerProcess(env, tmp_path / "gpu.log").start()
         helpers = [WorkerProcess(env, tmp_path / "cpu.log", pool="cpu").start(),
@@ -323,10 +317,10 @@ def test_curate_and_dedup_on_services_survive_a_store_outage_and_a_killed_worker
             run_id = sdq_json(submitting, "curate", "hens", "--model", str(clip),
                               "--batch-size", "1", cwd=tmp_path)["run_id"]  # fmt: skip
             wait_for(lambda: any(OUTAGE in (detail or "") for _, _, detail, _ in
-                                 _events(database_url, run_id)),
+                                 job_history(database_url, run_id)),
                      what="a curate job to meet the outage", timeout=120)  # fmt: skip
             wait_for(lambda: any(status == "running" for _, status, *_ in
-                                 _events(database_url, run_id)[-1:]),
+                                 job_history(database_url, run_id)[-1:]),
                      what="a curate job to run again", timeout=60)  # fmt: skip
             os.killpg(gpu.process.pid, signal.SIGKILL)  # the parent and every child at once
             gpu.process.wait()
@@ -341,7 +335,7 @@ def test_curate_and_dedup_on_services_survive_a_store_outage_and_a_killed_worker
                     "SELECT count(*) FROM samples WHERE status = 'success'"
                 ).fetchone()[0]
             assert scored == (kept, kept) and kept == 11  # the list's broken row: no image
-            history = _events(database_url, run_id)
+            history = job_history(database_url, run_id)
             assert all(attempts <= 2 for *_, attempts in history)
             # Setbacks: only the outage's, which spend no attempt.
             setbacks = [detail for _, status, detail, _ in history if status in ("failed", "dead")]

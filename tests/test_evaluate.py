@@ -41,10 +41,19 @@ from sdq.workers.evaluate.metrics import (
     kernel_distance,
 )
 from sdq.workers.weights import ModelFiles
-from tests.conftest import BUCKET, ROOT, BeatProcess, WorkerProcess, sdq_json, wait_for_run
+from tests.conftest import (
+    BUCKET,
+    ROOT,
+    BeatProcess,
+    WorkerProcess,
+    job_history,
+    sdq_json,
+    store_behind_a_proxy,
+    wait_for_run,
+)
 from tests.hostile_server import HostileServer
 from tests.netns_download import DOWNLOAD_ENV
-from tests.services import OutageProxy, clean_env, wait_for
+from tests.services import clean_env, wait_for
 from tests.test_curate import tiny_clip
 from tests.test_encode import write_list
 from tests.test_fid import random_fid_weights
@@ -502,13 +511,8 @@ def test_an_evaluation_outlasts_a_store_outage_and_its_killed_worker(
     """The store goes away while an evaluation scores (waited out, no attempt spent), then
     its worker is killed with its pool mid-retry: a new worker scores it, once, and the
     real images' features are stored once."""
-    upstream = int(s3["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
     prefix = f"evaluate-faults-{tmp_path.name}"
-    with OutageProxy(upstream) as proxy:
-        env = {**own_deployment, **DOWNLOAD_ENV, "SDQ_STORE_URL": f"s3://{BUCKET}/{prefix}",
-               "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}", "SDQ_LEASE_SECONDS": "6",
-               "SDQ_MAINTENANCE_INTERVAL_SECONDS": "1", "SDQ_RETRY_BACKOFF_SECONDS": "1",
-               "SDQ_RETRY_BACKOFF_MAX_SECONDS": "3"}  # fmt: skip
+    with store_behind_a_proxy(own_deployment, s3, prefix) as (env, proxy):
         database_url = env["SDQ_DATABASE_URL"]
         renderer = WorkerProcess(env, tmp_path / "generate.log", args=("--queues", "generate"))
         workers = [renderer.start(), WorkerProcess(env, tmp_path / "cpu.log", pool="cpu").start(),
@@ -530,9 +534,9 @@ def test_an_evaluation_outlasts_a_store_outage_and_its_killed_worker(
             evaluator = WorkerProcess(env, tmp_path / "evaluate.log", args=("--queues", "evaluate"),
                                       host="evaluator").start()  # fmt: skip
             wait_for(lambda: any(OUTAGE in (detail or "") for _, _, detail, _ in
-                                 _events(database_url, run)),
+                                 job_history(database_url, run)),
                      what="the evaluation to meet the outage", timeout=120)  # fmt: skip
-            wait_for(lambda: _events(database_url, run)[-1][1] == "running",
+            wait_for(lambda: job_history(database_url, run)[-1][1] == "running",
                      what="the evaluation to run again", timeout=60)  # fmt: skip
             os.killpg(evaluator.process.pid, signal.SIGKILL)  # the parent and every child
             evaluator.process.wait()
@@ -543,7 +547,7 @@ def test_an_evaluation_outlasts_a_store_outage_and_its_killed_worker(
         finally:
             for worker in workers:
                 worker.stop()
-    history = _events(database_url, run)
+    history = job_history(database_url, run)
     setbacks = [detail for _, status, detail, _ in history if status in ("failed", "dead")]
     assert setbacks and all(OUTAGE in detail for detail in setbacks), history
     assert history[-1][3] <= 2  # the killed attempt at most; the outage spent none
@@ -555,12 +559,3 @@ def test_an_evaluation_outlasts_a_store_outage_and_its_killed_worker(
     assert rows == [("fid", 6)]
     stored = s3_client.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/evaluate/reference/")
     assert len(stored["Contents"]) == 1  # the real images' features, computed once
-
-
-def _events(database_url: str, run_id: int) -> list[tuple[int, str, str | None, int]]:
-    with psycopg.connect(database_url) as connection:
-        return connection.execute(
-            "SELECT e.job_id, e.status, e.detail, j.attempts FROM job_events e "
-            "JOIN jobs j ON j.id = e.job_id WHERE j.run_id = %s ORDER BY e.id",
-            (run_id,),
-        ).fetchall()

@@ -12,6 +12,7 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psutil
 import psycopg
@@ -97,21 +98,12 @@ def test_sdq_metrics_serves_what_flower_does_not(
     prompts = tmp_path / "p.csv"
     prompts.write_text("prompt,seed\nmeasured,1\n")
     sdq_json(service_env, "submit", str(prompts), "--steps", "2", "--wait")
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "sdq.producer.cli", "metrics", "--port", str(port)],
-        env=service_env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        wait_for(lambda: listening(port), what="sdq metrics")
+    with metrics_server(service_env) as (port, server):
         # Unless told otherwise, it listens on loopback alone.
         bound = {c.laddr for c in psutil.Process(server.pid).net_connections(kind="tcp")
                  if c.status == psutil.CONN_LISTEN}  # fmt: skip
         assert bound == {("127.0.0.1", port)}
         status, body = get(f"http://127.0.0.1:{port}/metrics", credentials=None)
-    finally:
-        server.terminate()
-        server.wait(10)
     assert status == 200
     families = list(text_string_to_metric_families(body.decode()))
     assert {"sdq_lease_expiries", "sdq_retries", "sdq_dead_jobs", "sdq_worker_running_jobs"} <= {
@@ -233,8 +225,9 @@ def test_an_idle_worker_is_a_zero_not_a_gap(own_deployment: dict[str, str]) -> N
     assert held == {"idle:1": 0, "busy:2": 1}
 
 
-def scraped(env: dict[str, str], names: set[str]) -> dict[tuple, float]:
-    """The samples of the named families on one scrape of `sdq metrics`."""
+@contextmanager
+def metrics_server(env: dict[str, str]) -> Iterator[tuple[int, subprocess.Popen]]:
+    """`sdq metrics` as a user starts it: its port and process, once it listens."""
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "sdq.producer.cli", "metrics", "--port", str(port)],
@@ -242,10 +235,16 @@ def scraped(env: dict[str, str], names: set[str]) -> dict[tuple, float]:
     )  # fmt: skip
     try:
         wait_for(lambda: listening(port), what="sdq metrics")
-        status, body = get(f"http://127.0.0.1:{port}/metrics", credentials=None)
+        yield port, server
     finally:
         server.terminate()
         server.wait(10)
+
+
+def scraped(env: dict[str, str], names: set[str]) -> dict[tuple, float]:
+    """The samples of the named families on one scrape of `sdq metrics`."""
+    with metrics_server(env) as (port, _):
+        status, body = get(f"http://127.0.0.1:{port}/metrics", credentials=None)
     assert status == 200
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
