@@ -122,10 +122,7 @@ def gpu_workers(
         argv = celery_worker(
             queues, name="cpu-render", concurrency=1, prefetch=1, loglevel=loglevel
         )
-        # Its CPU ranks, one a core at most (more would spend the job starting them), unless
-        # the environment says otherwise: as --train-ranks bounds a ranked worker.
-        cores = {f"SDQ_{RANKED_WORKER.upper()}_RANKS": str(len(os.sched_getaffinity(0)))}
-        environment = {**REUSED_HOST_BUFFERS, **cores, **os.environ, "CUDA_VISIBLE_DEVICES": ""}
+        environment = {**REUSED_HOST_BUFFERS, **os.environ, "CUDA_VISIBLE_DEVICES": ""}
         return [*commands, WorkerCommand(argv, environment)]
     return commands + [
         WorkerCommand(

@@ -1,5 +1,6 @@
 """The device a GPU worker process works on. Imports torch: GPU work only."""
 
+import os
 import re
 
 import torch
@@ -15,6 +16,12 @@ transformers_logging.disable_progress_bar()
 
 def device_name() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cpu_cores() -> int | None:
+    """The cores this process may use, where it has no GPU (None where it has): what CPU
+    ranks are bounded by."""
+    return None if torch.cuda.is_available() else len(os.sched_getaffinity(0))
 
 
 def release_device_memory() -> None:

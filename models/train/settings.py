@@ -39,8 +39,7 @@ class TrainSettings:
     shards_ahead: int = setting("SDQ_TRAIN_SHARDS_AHEAD", 1)
     fetch_threads: int = setting("SDQ_TRAIN_FETCH_THREADS", 4)
     # The most ranks a job may start on this machine (`sdq worker gpu --train-ranks N`
-    # sets it for its train worker; a plain one without GPUs, to the cores it may use);
-    # None: as many as a job asks for.
+    # sets it for its train worker); None: one a GPU, or without GPUs one a core it may use.
     ranks: int | None = setting("SDQ_TRAIN_RANKS", None, read=_count_or_none)
 
     def __post_init__(self) -> None:
@@ -52,13 +51,18 @@ class TrainSettings:
                 "by its ranks before the leader's own deadline"
             )
 
-    def too_many_ranks(self, run: int, ranks_per_node: int) -> str | None:
-        """Why this machine cannot take a node of a job of that many ranks a node."""
-        if self.ranks is None or ranks_per_node <= self.ranks:
+    def too_many_ranks(
+        self, run: int, ranks_per_node: int, *, cpu_cores: int | None = None
+    ) -> str | None:
+        """Why this machine cannot take a node of a job of that many ranks a node: more than
+        its --train-ranks, or, on a worker of CPU ranks without it, than the `cpu_cores` it
+        may use (more ranks would spend the job starting them)."""
+        limit = self.ranks if self.ranks is not None else cpu_cores
+        if limit is None or ranks_per_node <= limit:
             return None
         return (
             f"train run {run} trains on {ranks_per_node} ranks a node; this worker takes "
-            f"{self.ranks} at most (its --train-ranks; without GPUs and without it, one a core "
-            f"it may use): `sdq worker gpu --train-ranks {ranks_per_node}` starts one that can "
+            f"{limit} at most (its --train-ranks; without GPUs and without it, one a core it "
+            f"may use): `sdq worker gpu --train-ranks {ranks_per_node}` starts one that can "
             f"take it"
         )

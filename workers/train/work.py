@@ -29,6 +29,7 @@ from sdq.workers.tracking import Scalar, report
 from sdq.workers.train.gang.gathering import GangIncomplete
 from sdq.workers.train.gang.leader import GangCalls, run_as_leader
 from sdq.workers.train.ranks.live import LiveStates
+from sdq.workers.train.ranks.processes import too_many_here
 from sdq.workers.train.records import (
     LiveSteps,
     Written,
@@ -111,7 +112,7 @@ class TrainWork(Work):
 
     def _train(self, job: Job, spec: TrainShardSpec) -> "Done":
         started = perf_counter()
-        if refusal := self.settings.too_many_ranks(spec.run, spec.options.ranks_per_node):
+        if refusal := too_many_here(self.settings, spec):
             raise TooManyRanks(refusal)
         if spec.first_step:
             with self.sessions() as session:

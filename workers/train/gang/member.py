@@ -10,7 +10,7 @@ from sdq.models.train.settings import TrainSettings
 from sdq.models.train.specs import TrainShardSpec
 from sdq.workers.train.gang.gathering import AttemptOver, NodeLost, Sightings, join
 from sdq.workers.train.ranks.live import LiveStates
-from sdq.workers.train.ranks.processes import RankFailed
+from sdq.workers.train.ranks.processes import RankFailed, too_many_here
 
 
 def member_watch(
@@ -48,7 +48,7 @@ def take_part(
         spec = TrainShardSpec.from_dict(job.spec) if job is not None else None
     if spec is None:
         return f"no job {job_id}"
-    if refusal := settings.too_many_ranks(spec.run, spec.options.ranks_per_node):
+    if refusal := too_many_here(settings, spec):
         return f"not joined: {refusal}"  # the leader calls again, for another worker
     place = ranks.kept_gang_node(spec) if goes_on else None
     if goes_on and place is None:

@@ -28,6 +28,7 @@ from pathlib import Path
 from sdq.models.cores import torch_threads
 from sdq.models.store import StoreUnavailable
 from sdq.models.train.routing import node_key, run_key
+from sdq.models.train.settings import TrainSettings
 from sdq.models.train.specs import TrainOptions, TrainShardSpec
 from sdq.workers.weights import ModelUnavailable
 
@@ -260,3 +261,11 @@ def rank_error(folder: Path, rank: int, code: int) -> Exception:
     log = (folder / f"rank{rank}.log").read_text(errors="replace").splitlines()
     tail = "\n".join(log[-LOG_LINES:])
     return RankFailed(f"rank {rank} exited with code {code}:\n{tail}")
+
+
+def too_many_here(settings: TrainSettings, spec: TrainShardSpec) -> str | None:
+    """Why this machine will not start the ranks a node of the job needs: more than its
+    --train-ranks, or, without GPUs and without it, than the cores it may use."""
+    from sdq.workers.gpu import cpu_cores  # here: torch loads with the work, not the module
+
+    return settings.too_many_ranks(spec.run, spec.options.ranks_per_node, cpu_cores=cpu_cores())
