@@ -62,7 +62,7 @@ def side(name: str, architecture: str, steps: int, store_folder: str) -> dict:
                           base_name=architecture, base_source="bench", base_revision="0",
                           prediction_type="epsilon", scheduler_config={},
                           options=TrainOptions(steps=steps, compile=True))  # fmt: skip
-    shared = SharedCompile(LocalStore(store_folder))
+    shared = SharedCompile(LocalStore(Path(store_folder)))
     inputs = SimpleNamespace(latents=latents, embeddings=embeddings)
     seconds, graphs_after_first = [], 0
     for step in range(steps):
