@@ -28,9 +28,13 @@ from torchmetrics.image.kid import KernelInceptionDistance
 from transformers import CLIPModel, CLIPProcessor
 
 from sdq.models.curate.clip import ClipIdentity, ScorerRef, resolve_clip
+from sdq.models.db import make_engine, session_factory
 from sdq.models.evaluate.specs import METRICS, EvaluateSpec, Evaluation, FidWeights, HeldOut
 from sdq.models.generate.specs import FixedRenders, image_key
 from sdq.models.jobs.lifecycle import OUTAGE
+from sdq.models.specs import canonical_sha256
+from sdq.models.store import LocalStore
+from sdq.models.tables import Job, JobStatus
 from sdq.models.train.specs import TrainOptions, TrainShardSpec
 from sdq.producer.cli.common import DEAD_JOBS
 from sdq.workers.curate.scoring import LoadedScorers
@@ -40,6 +44,7 @@ from sdq.workers.evaluate.metrics import (
     image_embeddings,
     kernel_distance,
 )
+from sdq.workers.evaluate.work import EvaluateWork, RendersFailed, RendersPending
 from sdq.workers.weights import ModelFiles
 from tests.conftest import (
     BUCKET,
@@ -57,6 +62,7 @@ from tests.services import clean_env, wait_for
 from tests.test_curate import tiny_clip
 from tests.test_encode import write_list
 from tests.test_fid import random_fid_weights
+from tests.test_jobs import new_run
 from tests.test_monitoring import scraped
 from tests.test_train import encoded_dataset
 
@@ -99,6 +105,31 @@ class Features(torch.nn.Module):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return features
+
+
+def test_an_evaluation_waits_for_renders_to_come_and_ends_when_one_never_will(
+    migrated_postgres: str, tmp_path: Path
+) -> None:
+    """One render made, another queued: a wait (no attempt spent). The other dead: the
+    evaluation ends, saying so, though a render of it exists."""
+    sessions = session_factory(make_engine(migrated_postgres))
+    store = LocalStore(tmp_path / "store")
+    made, coming = {"prompt": f"made {tmp_path}"}, {"prompt": f"coming {tmp_path}"}
+    new_run(sessions, made, status=JobStatus.succeeded)
+    png = _png(np.zeros((8, 8, 3), np.uint8))
+    store.put_bytes(image_key(canonical_sha256(made)), png, content_type="image/png")
+    [coming_job] = new_run(sessions, coming, status=JobStatus.queued)
+    evaluation = Evaluation(metrics=("clip_score",))
+    spec = EvaluateSpec(model_name="m", model_source="s", model_revision="r",
+                        evaluation=evaluation,
+                        renders=(canonical_sha256(made), canonical_sha256(coming)))  # fmt: skip
+    work = EvaluateWork(store=store, sessions=sessions, models=None)
+    with pytest.raises(RendersPending):
+        work._renders(spec)
+    with sessions.begin() as session:
+        session.get_one(Job, coming_job).status = JobStatus.dead
+    with pytest.raises(RendersFailed, match="1 of the evaluation's 2 renders will not be made"):
+        work._renders(spec)
 
 
 def test_the_distances_and_the_clip_score_are_torchmetrics_own(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from sdq.models.db import bound_waits, make_engine, session_factory
 from sdq.models.jobs.delivery import Outcome, Work, deliver
 from sdq.models.jobs.kinds import KINDS, Kind, Pool
 from sdq.models.jobs.lifecycle import Worker, fail, retry_due
-from sdq.models.jobs.notices import notices_url, publish
+from sdq.models.jobs.notices import notices_url, publish, tell_settled
 from sdq.workers import sickness
 from sdq.workers.app import SdqCelery, worker_identity
 from sdq.workers.cores import share_cores
@@ -98,7 +98,8 @@ def _fail_killed(
     engine = make_engine(app.settings.database_url, poolclass=NullPool,
                          connect_timeout=KILLED_RECORD_SECONDS)  # fmt: skip
     try:
-        with session_factory(engine).begin() as session:
+        sessions = tell_settled(session_factory(engine), notices_url(app.settings))
+        with sessions.begin() as session:
             bound_waits(session, KILLED_RECORD_SECONDS)
             retryable = fail(session, job_ids, error=error, permanent=False,
                              settings=app.settings.jobs, worker=killed)  # fmt: skip

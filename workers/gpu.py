@@ -1,12 +1,12 @@
 """The device a GPU worker process works on. Imports torch: GPU work only."""
 
-import os
 import re
 
 import torch
 from diffusers.utils import logging as diffusers_logging
 from transformers.utils import logging as transformers_logging
 
+from sdq.models.cores import cores
 from sdq.models.specs import AUTO_DTYPE
 
 # Loading bars are for notebooks; in a worker's log they are noise.
@@ -21,7 +21,7 @@ def device_name() -> str:
 def cpu_cores() -> int | None:
     """The cores this process may use, where it has no GPU (None where it has): what CPU
     ranks are bounded by."""
-    return None if torch.cuda.is_available() else len(os.sched_getaffinity(0))
+    return None if torch.cuda.is_available() else cores()
 
 
 def release_device_memory() -> None:

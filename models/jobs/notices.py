@@ -59,14 +59,24 @@ def note_settled(session: Session, job_ids: Iterable[int]) -> None:
 
 
 def tell_settled(sessions: sessionmaker[Session], url: str | None) -> sessionmaker[Session]:
-    """Sessions that publish the jobs they settled after each commit (a listener reading
-    the row on the notice finds it settled), and forget them on a rollback."""
+    """Sessions that publish the jobs they settled once their outermost transaction commits
+    (a listener reading the row on the notice finds it settled; a savepoint's release is not
+    a commit), and forget them when it ends otherwise."""
     if url is not None:
 
         def told(session: Session) -> None:
+            if session.in_transaction():  # a savepoint released: the transaction goes on
+                return
             if settled := session.info.pop(NOTED, None):
-                publish(url, settled, "settled")
+                try:
+                    publish(url, settled, "settled")
+                except Exception:  # committed all the same: never fail the caller here
+                    logger.exception("jobs %s: the notice that they settled was not sent", settled)
+
+        def ended(session: Session, transaction) -> None:
+            if transaction.parent is None:  # rolled back, or closed without a commit
+                session.info.pop(NOTED, None)
 
         event.listen(sessions, "after_commit", told)
-        event.listen(sessions, "after_rollback", lambda session: session.info.pop(NOTED, None))
+        event.listen(sessions, "after_transaction_end", ended)
     return sessions

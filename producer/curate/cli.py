@@ -36,13 +36,13 @@ from sdq.workers.app import SdqCelery
 
 
 class HeadFile(click.Path):
-    """A head's file, or `tiny` (built here)."""
+    """A head's file (a Path), or `tiny` (the string: built here)."""
 
     def __init__(self) -> None:
         super().__init__(exists=True, dir_okay=False, path_type=Path)
 
     def convert(self, value, param, ctx):
-        return Path(value) if value == tiny.TINY_NAME else super().convert(value, param, ctx)
+        return value if value == tiny.TINY_NAME else super().convert(value, param, ctx)
 
 
 HEAD_FILE = HeadFile()
@@ -81,8 +81,8 @@ def curate(
     app: SdqCelery,
     name: str,
     model: str,
-    aesthetic_head: Path | None,
-    nsfw_head: Path | None,
+    aesthetic_head: Path | str | None,
+    nsfw_head: Path | str | None,
     batch_size: int,
     wait: bool,
     as_json: bool,
@@ -106,16 +106,15 @@ def curate(
 
 
 def _submit(
-    app: SdqCelery, name: str, model: str, heads: dict[str, Path | None], batch_size: int
+    app: SdqCelery, name: str, model: str, heads: dict[str, Path | str | None], batch_size: int
 ) -> CurateSubmission:
     """Everything checked before anything is written: the model, the heads against it, the
     dataset; then the heads stored and the run recorded."""
     with found(), tempfile.TemporaryDirectory(prefix="sdq-heads-") as folder:
         try:
             clip = resolve_clip(model)
-            heads = {option: tiny_head(option, clip, Path(folder))
-                     if path is not None and path.name == tiny.TINY_NAME else path
-                     for option, path in heads.items()}  # fmt: skip
+            heads = {option: tiny_head(option, clip, Path(folder)) if path == tiny.TINY_NAME
+                     else path for option, path in heads.items()}  # fmt: skip
             for option, path in heads.items():
                 if path is not None:
                     checked_head(path, option, clip)

@@ -12,7 +12,14 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from sdq.models.evaluate.runs import ScoredModel, open_evaluation
-from sdq.models.evaluate.specs import AGAINST_REAL, RENDERED, EvaluateSpec, Evaluation, HeldOut
+from sdq.models.evaluate.specs import (
+    AGAINST_REAL,
+    RENDERED,
+    EvaluateSpec,
+    Evaluation,
+    FidWeights,
+    HeldOut,
+)
 from sdq.models.evaluate.tables import CheckpointScore
 from sdq.models.generate.specs import FixedRenders
 from sdq.models.registry import ModelNotFound, resolve_model
@@ -139,12 +146,10 @@ def _clip_ref(base: Evaluation | None) -> str | None:
     return base.clip.source if base is not None and base.clip is not None else None
 
 
-def _fid_weights_ref(base: Evaluation | None, metrics: str) -> str | None:
-    """The run's Inception weights, where fid is asked."""
+def _fid_weights_ref(base: Evaluation | None, metrics: str) -> FidWeights | None:
+    """The run's Inception weights (the very file it was scored with), where fid is asked."""
     asked = {metric.strip() for metric in metrics.split(",")}
-    if base is None or base.fid_weights is None or "fid" not in asked:
-        return None
-    return base.fid_weights.source
+    return base.fid_weights if base is not None and "fid" in asked else None
 
 
 def _evaluation(

@@ -57,12 +57,12 @@ def evaluation_request(
     prompts: Path | None,
     clip: str | None,
     holdout: float | None,
-    fid_weights: str | None = None,
+    fid_weights: str | FidWeights | None = None,
     samples: int = DEFAULT_SAMPLES,
     every: int = 1,
 ) -> EvaluationRequest:
     """The request, or a usage error naming what is missing (`holdout` None: the held-out
-    samples come from elsewhere)."""
+    samples come from elsewhere; `fid_weights` as given, or as a run recorded them)."""
     names = {name.strip() for name in metrics.split(",") if name.strip()}
     if not names or names - set(METRICS):
         raise click.UsageError(f"metrics {metrics!r}: the metrics are {', '.join(METRICS)}")
@@ -75,12 +75,14 @@ def evaluation_request(
         clip=_clip(clip) if clip and CLIP_SCORED & set(asked) else None,
         samples=samples,
         every=every,
-        fid_weights=resolve_fid_weights(fid_weights) if fid_weights else None,
+        fid_weights=resolve_fid_weights(fid_weights)
+        if isinstance(fid_weights, str)
+        else fid_weights,
     )
 
 
 def _check_needs(
-    asked: set[str], *, holdout: float | None, clip: str | None, fid_weights: str | None
+    asked: set[str], *, holdout: float | None, clip: str | None, fid_weights: object
 ) -> None:
     """Refuses metrics without what they are computed from."""
     if holdout == 0 and (wanting := sorted(({"heldout_loss"} | AGAINST_REAL) & asked)):

@@ -208,7 +208,7 @@ class LoadedModels:
         release_device_memory()
 
     def inception(self, weights: FidWeights) -> FidInceptionV3:
-        """The FID graph with these weights, in float32 (FID is defined in it)."""
+        """The FID graph with these weights, in float32 as torch-fidelity runs it."""
         if self._inception is None or self._inception[0] != weights.sha256:
             path = self.files.content_file(weights.source, weights.sha256,
                                            what="Inception weights", suffix=".pth")  # fmt: skip

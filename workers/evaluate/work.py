@@ -138,19 +138,22 @@ class EvaluateWork(Work):
         return scores
 
     def _renders(self, spec: EvaluateSpec) -> list[bytes]:
-        """The renders' PNGs; a wait while any is still to be made."""
-        try:
+        """The renders' PNGs; a wait while any is still to be made, the end when one never
+        will be (every job of its spec dead or cancelled, or none written)."""
+        missing = [h for h in spec.renders if not self.store.exists(image_key(h))]
+        if not missing:
             return [self.store.get_bytes(image_key(spec_hash)) for spec_hash in spec.renders]
-        except MissingObject:
-            pass
         with self.sessions() as session:
-            statuses = set(
-                session.scalars(select(Job.status).where(Job.spec_hash.in_(spec.renders)))
+            jobs = session.execute(
+                select(Job.spec_hash, Job.status).where(Job.spec_hash.in_(missing))
+            ).all()
+        coming = {h for h, status in jobs if status not in (JobStatus.dead, JobStatus.cancelled)}
+        if never := [h for h in missing if h not in coming]:
+            raise RendersFailed(
+                f"{len(never)} of the evaluation's {len(spec.renders)} renders will not be "
+                f"made: their jobs are dead or cancelled, or none was written"
             )
-        if statuses <= {JobStatus.dead, JobStatus.cancelled}:
-            made = ", ".join(sorted(statuses)) or "no jobs were written for them"
-            raise RendersFailed(f"the evaluation's renders will not be made: {made}")
-        raise RendersPending(f"{len(spec.renders)} renders of {spec.model_name} not all made yet")
+        raise RendersPending(f"{len(missing)} renders of {spec.model_name} not made yet")
 
     def _reference(
         self,

@@ -3,7 +3,9 @@ together: each request's latency by route and status (a histogram, its buckets c
 a hash), and the requests in flight (a sorted set of a token per request, scored with when
 it stops counting should its replica die before it answers).
 
-A Redis that fails here costs the figures, never the request."""
+A request is answered when its response starts: an event stream's latency is the time to
+its first event, and it stops counting in flight then, however long it stays open. A Redis
+that fails here costs the figures, never the request."""
 
 import logging
 import time

@@ -5,7 +5,7 @@ Compiled by region: each repeated block (diffusers' `compile_repeated_blocks`, t
 transformer blocks) is one graph, compiled once and reused by every block of its shapes,
 where a whole-model graph compiles everything at once, anew for each process.
 
-Shared: after a process's first step, rank 0 saves the compiled artifacts (inductor's
+Shared: after a process's first step that compiled anything, rank 0 saves the artifacts (inductor's
 kernels and AOTAutograd's graphs: `torch.compiler.save_cache_artifacts`) to the store
 under a key of everything that decides them (torch's version, the device, the U-Net's
 architecture, the step's shapes and dtypes, the precision, checkpointing, sharding), and
@@ -83,17 +83,25 @@ class SharedCompile:
             "kernels_compiled": counters["inductor"]["fxgraph_cache_miss"],
         }
         logger.info("run %s: compiled regions %s", spec.run, self.figures)
-        if saves and not loaded:
+        if saves and self.figures["kernels_compiled"]:
             self._save(key)
 
     def _load(self, key: str) -> bool:
+        """The artifacts loaded, where the store has them: a store that fails, or artifacts
+        another torch cannot read, cost only a compile."""
         try:
-            data = self.store.get_bytes(key)
+            return torch.compiler.load_cache_artifacts(self.store.get_bytes(key)) is not None
         except MissingObject:
             return False
-        return torch.compiler.load_cache_artifacts(data) is not None
+        except Exception:
+            logger.exception("compiled artifacts %s not loaded: compiling instead", key)
+            return False
 
     def _save(self, key: str) -> None:
-        saved = torch.compiler.save_cache_artifacts()
-        if saved is not None and not self.store.exists(key):
-            self.store.put_bytes(key, saved[0], content_type="application/octet-stream")
+        """What this process compiled, for the next: a store that fails costs them that."""
+        try:
+            saved = torch.compiler.save_cache_artifacts()
+            if saved is not None:
+                self.store.put_bytes(key, saved[0], content_type="application/octet-stream")
+        except Exception:
+            logger.exception("compiled artifacts %s not saved", key)
