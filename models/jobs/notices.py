@@ -65,7 +65,7 @@ def tell_settled(sessions: sessionmaker[Session], url: str | None) -> sessionmak
     if url is not None:
 
         def told(session: Session) -> None:
-            if session.in_transaction():  # a savepoint released: the transaction goes on
+            if session.in_nested_transaction():  # a savepoint released: not a commit
                 return
             if settled := session.info.pop(NOTED, None):
                 try:
