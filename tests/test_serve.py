@@ -78,6 +78,41 @@ def png(data: bytes) -> Image.Image:
     return image
 
 
+def test_a_settled_job_is_told_of_at_the_outermost_commit_only(redis_url: str) -> None:
+    """Notes of settled jobs travel once the transaction commits: not at a savepoint's
+    release, not at all when it rolls back."""
+    import redis
+    from sqlalchemy import create_engine, text
+
+    from sdq.models.db import session_factory
+    from sdq.models.jobs.notices import channel, note_settled, tell_settled
+
+    sessions = tell_settled(session_factory(create_engine("sqlite://")), redis_url)
+    listener = redis.Redis.from_url(redis_url).pubsub()
+    listener.subscribe(channel(7), channel(8))
+    listener.get_message(timeout=5)
+    listener.get_message(timeout=5)  # the two subscriptions' own confirmations
+
+    def heard() -> list[bytes]:
+        messages = []
+        while (message := listener.get_message(timeout=0.5)) is not None:
+            messages.append(message["channel"])
+        return messages
+
+    with sessions.begin() as session:
+        with session.begin_nested():
+            session.execute(text("SELECT 1"))
+            note_settled(session, [7])
+        assert heard() == []  # the savepoint released; the transaction goes on
+    assert heard() == [channel(7).encode()]
+    with pytest.raises(RuntimeError), sessions.begin() as session:
+        note_settled(session, [8])
+        raise RuntimeError("rolled back")
+    with sessions.begin() as session:
+        session.execute(text("SELECT 1"))
+    assert heard() == []
+
+
 def test_images_on_request_each_a_run_twins_from_the_store_and_jobs_with_events(
     service_env: dict[str, str], worker: WorkerProcess, tmp_path: Path
 ) -> None:
