@@ -9,7 +9,7 @@ embeddings, as torchmetrics computes FID and KID from its features.
 import hashlib
 import io
 import pickle
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -90,18 +90,24 @@ def heldout_loss(
     return total / len(pairs)
 
 
-def _pixels(scorer: Scorer, images: Sequence[bytes]) -> Iterator[torch.Tensor]:
-    """The images decoded, resized and cropped as CLIP's processor does, a batch at a time,
-    on threads (Pillow decodes and resizes without the GIL)."""
+def _decoded(
+    images: Sequence[bytes], prepare: Callable[[Image.Image], torch.Tensor]
+) -> Iterator[torch.Tensor]:
+    """The images decoded to RGB and prepared, a batch at a time, on threads (Pillow decodes
+    and resizes without the GIL)."""
 
-    def pixels(data: bytes) -> np.ndarray:
+    def decoded(data: bytes) -> torch.Tensor:
         with Image.open(io.BytesIO(data)) as image:
-            return scorer.pixels.cropped(to_rgb(image))
+            return prepare(to_rgb(image))
 
     with ThreadPoolExecutor(DECODERS) as decoders:
         for start in range(0, len(images), CLIP_BATCH):
-            batch = images[start : start + CLIP_BATCH]
-            yield torch.from_numpy(np.stack(list(decoders.map(pixels, batch))))
+            yield torch.stack(list(decoders.map(decoded, images[start : start + CLIP_BATCH])))
+
+
+def _pixels(scorer: Scorer, images: Sequence[bytes]) -> Iterator[torch.Tensor]:
+    """The images resized and cropped as CLIP's processor does."""
+    return _decoded(images, lambda image: torch.tensor(scorer.pixels.cropped(image)))
 
 
 @torch.inference_mode()
@@ -140,18 +146,14 @@ def clip_scores(
 
 
 def _fid_inputs(images: Sequence[bytes]) -> Iterator[torch.Tensor]:
-    """The images decoded and resized to Inception's 299 px one at a time (they need not
-    share a size), on the CPU in float32 as the FID graph's resize is exact there, a batch
-    at a time, on threads."""
+    """The images resized to Inception's 299 px one at a time (they need not share a size),
+    on the CPU in float32, where the FID graph's resize is exact."""
 
-    def resized(data: bytes) -> torch.Tensor:
-        with Image.open(io.BytesIO(data)) as image:
-            pixels = torch.from_numpy(np.array(to_rgb(image))).permute(2, 0, 1)
+    def resized(image: Image.Image) -> torch.Tensor:
+        pixels = torch.from_numpy(np.array(image)).permute(2, 0, 1)
         return resize_like_tensorflow(pixels[None].float(), SIZE)[0]
 
-    with ThreadPoolExecutor(DECODERS) as decoders:
-        for start in range(0, len(images), CLIP_BATCH):
-            yield torch.stack(list(decoders.map(resized, images[start : start + CLIP_BATCH])))
+    return _decoded(images, resized)
 
 
 @torch.inference_mode()

@@ -140,9 +140,14 @@ class EvaluateWork(Work):
     def _renders(self, spec: EvaluateSpec) -> list[bytes]:
         """The renders' PNGs; a wait while any is still to be made, the end when one never
         will be (every job of its spec dead or cancelled, or none written)."""
-        missing = [h for h in spec.renders if not self.store.exists(image_key(h))]
+        renders, missing = [], []
+        for spec_hash in spec.renders:
+            try:
+                renders.append(self.store.get_bytes(image_key(spec_hash)))
+            except MissingObject:
+                missing.append(spec_hash)
         if not missing:
-            return [self.store.get_bytes(image_key(spec_hash)) for spec_hash in spec.renders]
+            return renders
         with self.sessions() as session:
             jobs = session.execute(
                 select(Job.spec_hash, Job.status).where(Job.spec_hash.in_(missing))
