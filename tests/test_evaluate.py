@@ -403,10 +403,21 @@ def test_a_run_scored_on_a_dataset_of_its_own(tmp_path: Path) -> None:
     with sqlite3.connect(database) as db:
         assert db.execute("SELECT count(*) FROM runs WHERE kind = 'train'").fetchone() == (0,)
 
-    trained = sdq_json(env, "train", "toy", *plain, "--eval-dataset", "judge", *metrics,
-                       "--eval-samples", "5", cwd=tmp_path)  # fmt: skip
+    # Three checkpoints, every second one scored, and the last.
+    trained = sdq_json(env, "train", "toy", *plain, "--steps", "30", "--eval-dataset", "judge",
+                       *metrics, "--eval-samples", "5", "--eval-every-checkpoints", "2",
+                       cwd=tmp_path)  # fmt: skip
     run = trained["run_id"]
-    assert [step for step, _ in trained["scores"]["heldout_loss"]] == [10, 20]
+    assert [checkpoint["step"] for checkpoint in trained["checkpoints"]] == [10, 20, 30]
+    losses = dict(trained["scores"]["heldout_loss"])
+    assert sorted(losses) == [20, 30]
+    # The status says each metric's latest value and its best, with their steps.
+    shown = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", "train", "status", str(run)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    best = min(losses, key=losses.get)
+    assert f"{losses[best]:.4f} at step {best}" in shown.stdout, shown.stdout
     with sqlite3.connect(database) as db:
         [(options,)] = db.execute("SELECT options FROM runs WHERE id = ?", (run,)).fetchall()
         trained_on = db.execute(
