@@ -133,11 +133,16 @@ def _lock_specs(session: Session, job_ids: Sequence[int]) -> None:
 
 
 def held_until(session: Session, job_ids: Sequence[int]) -> datetime | None:
-    """When to look at these unclaimed jobs again: soon, if a twin of one is being made
-    (its output will then serve it); else when the last lease another worker holds on them
-    runs out; None if nothing holds them."""
+    """When to look at these unclaimed jobs again: soon, if one is still to be made; else
+    when the last lease another worker holds on them runs out; None if nothing holds them
+    (each is done, dead or cancelled).
+
+    A job still to be made that the claim passed by had a twin being made then. The twin's
+    output will serve it, or the twin has ended since the claim's statement (each statement
+    sees what was committed before it began), and the job is claimable again: asking here
+    whether a twin is running would find none, and leave the job queued with no message."""
     now = database_now(session)
-    if session.scalar(select(Job.id).where(Job.id.in_(job_ids), _twin_running(now).exists())):
+    if session.scalar(select(Job.id).where(Job.id.in_(job_ids), Job.status.in_(CLAIMABLE))):
         return now + timedelta(seconds=TWIN_RECHECK_SECONDS)
     until = session.scalar(
         select(Job.lease_expires_at)
