@@ -535,6 +535,14 @@ def test_evaluation_never_holds_training_and_a_later_worker_scores_every_checkpo
         status = sdq_json(env, "train", "status", str(trained["run_id"]), cwd=tmp_path)
         assert sorted(status["scores"]) == sorted(METRICS)
         assert all([step for step, _ in curve] == [10, 20] for curve in status["scores"].values())
+        # `sdq evaluate --wait` against the workers: one checkpoint on a spec of its own (the
+        # held-out loss alone), waited for; the same draws give the run's own value.
+        waited = sdq_json(env, "evaluate", f"{trained['run_id']}@20", "--metrics",
+                          "heldout_loss", "--wait", cwd=tmp_path)  # fmt: skip
+        assert waited["status"] == "succeeded" and waited["run_id"] > trained["run_id"]
+        assert waited["scores"]["heldout_loss"]["value"] == pytest.approx(
+            dict(status["scores"]["heldout_loss"])[20], rel=1e-5
+        )
         # `sdq metrics` shows the run's training as gauges, for a while after its end too.
         gauges = scraped(env, {"sdq_train_step", "sdq_train_loss", "sdq_train_samples_per_second"})
         run = (("run", str(trained["run_id"])),)

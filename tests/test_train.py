@@ -25,8 +25,9 @@ from sdq.models.jobs.kinds import TRAIN as TRAIN_KIND
 from sdq.models.jobs.lifecycle import OUTAGE
 from sdq.models.tables import Job, JobEvent, JobStatus, Run
 from sdq.models.train.specs import read_inputs_manifest
+from sdq.models.train.status import time_shares
 from sdq.models.train.tables import Checkpoint, TrainStep
-from sdq.producer.train.lookups import latest_step, time_shares
+from sdq.producer.train.lookups import latest_step
 from sdq.workers.tiny import build_pipeline
 from tests.browser import chromium, open_page, texts
 from tests.conftest import BUCKET, ROOT, WorkerProcess, sdq_json
@@ -311,7 +312,11 @@ def _train(env: dict[str, str], *args: str) -> dict:
 
 @pytest.mark.slow
 def test_a_killed_train_worker_resumes_to_the_same_weights(
-    download_env: dict[str, str], cpu_worker: WorkerProcess, worker: WorkerProcess, tmp_path
+    download_env: dict[str, str],
+    cpu_worker: WorkerProcess,
+    worker: WorkerProcess,
+    s3_client,
+    tmp_path: Path,
 ) -> None:
     database_url = download_env["SDQ_DATABASE_URL"]
     encoded_dataset(download_env, DATASET, 16, tmp_path)
@@ -341,6 +346,22 @@ def test_a_killed_train_worker_resumes_to_the_same_weights(
     wait_for(finished, what=f"train run {run_id} to finish", timeout=300)
     jobs = _jobs(database_url, run_id)
     assert [attempts for _, _, attempts, _ in jobs] == [1, 2, 1]  # killed mid-job, redone
+    # Its page was drawn by the workers as each checkpoint landed: no command has asked.
+    page = s3_client.get_object(Bucket=BUCKET, Key=f"deployment/runs/{run_id}/training.html")
+    drawn = page["Body"].read().decode()
+    assert re.findall(r"<tr><td>(\d+)</td><td>(model|training state)</td>", drawn) == [
+        ("40", "training state"),
+        ("80", "training state"),
+        ("120", "model"),
+    ]
+    assert "succeeded: step 120 of 120" in drawn
+    # `sdq resume --wait` of a train run on the workers follows its steps, not its jobs.
+    watched = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", "resume", str(run_id), "--wait"],
+        env=download_env, cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert watched.returncode == 0, watched.stderr
+    assert re.search(rf"train run {run_id} \S+ 120/120", watched.stderr), watched.stderr
     resumed = sdq_json(download_env, "train", "status", str(run_id))
     assert resumed["losses"] == steady["losses"]
     # Every checkpoint's files are bit-for-bit the uninterrupted run's, and so is the model

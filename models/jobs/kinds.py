@@ -94,6 +94,9 @@ class ProducerHooks:
     # run's status.
     resume_here: Callable[..., None] | None = None
     report_run: Callable[..., None] | None = None
+    # How `sdq resume --wait` follows a run of the kind on the workers, (app, run_id, *,
+    # jobs, show) -> None (a train run's bar counts its steps); None: its jobs.
+    watch: Callable[..., None] | None = None
     # The kind's own fields of its jobs (a prompt and seed, a URL...) for the generic
     # listings: (session, job_ids) -> {job_id: fields} where they live in its tables, or
     # (spec) -> fields from one job's spec.

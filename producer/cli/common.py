@@ -313,15 +313,15 @@ def _stop_here(app: SdqCelery, run_id: int, worker: Worker, reason: str, code: i
 def carry_out(app: SdqCelery, run_id: int, *, jobs: int, wait: bool, as_json: bool) -> Sent | None:
     """Embedded (no broker): does the run here. Otherwise sends it to the workers and, with
     `wait`, watches it finish. Returns what was sent when the run was left to them."""
+    with app.sessions() as session:
+        hooks = kind_named(session.get_one(Run, run_id).kind).producer_hooks()
     if app.settings.embedded:
-        with app.sessions() as session:
-            kind = kind_named(session.get_one(Run, run_id).kind)
-        (kind.producer_hooks().resume_here or work_here)(app, run_id, jobs=jobs)
+        (hooks.resume_here or work_here)(app, run_id, jobs=jobs)
         return None
     sent = send_run(app, run_id)
     if not wait:
         return sent
-    watch_run(app, run_id, jobs=jobs, show=not as_json)
+    (hooks.watch or watch_run)(app, run_id, jobs=jobs, show=not as_json)
     return None
 
 

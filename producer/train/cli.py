@@ -313,10 +313,12 @@ def steps_done(app: SdqCelery, run_id: int, since: datetime | None = None) -> Ca
     return done
 
 
-def _watch(app: SdqCelery, run_id: int, steps: int, *, show: bool) -> None:
+def _watch(
+    app: SdqCelery, run_id: int, steps: int, *, show: bool, since: datetime | None = None
+) -> None:
     """Step by step until the run closes: every job done, or the chain stopped by a dead
     job."""
-    done = steps_done(app, run_id)
+    done = steps_done(app, run_id, since)
 
     def finished() -> int:
         with app.sessions() as session:
@@ -327,6 +329,13 @@ def _watch(app: SdqCelery, run_id: int, steps: int, *, show: bool) -> None:
         return min(done(), steps - 1)
 
     watch_progress(run_id, f"train run {run_id}", steps, finished, show=show)
+
+
+def watch_resumed(app: SdqCelery, run_id: int, *, jobs: int, show: bool) -> None:
+    """`sdq resume RUN --wait` on the workers: the bar counts steps, from its checkpoint."""
+    with app.sessions() as session:
+        steps = session.get_one(Run, run_id).options["steps"]
+    _watch(app, run_id, steps, show=show, since=utcnow())
 
 
 def _report_submission(submission: TrainSubmission, tasks: int, as_json: bool) -> None:

@@ -8,12 +8,11 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from sdq.models.evaluate.specs import best_of
-from sdq.models.generate.galleries import store_image_link
 from sdq.models.store import LINK_SECONDS
+from sdq.models.train.page import checkpoint_holds, draw_page, page_key, speed_text
 from sdq.producer.cli.common import lookup
 from sdq.producer.display import rows_table, stdout
-from sdq.producer.train import lookups as train_lookups
-from sdq.producer.train.page import checkpoint_holds, page_key, speed_text, training_html
+from sdq.producer.train.lookups import train_run
 from sdq.workers.app import SdqCelery
 
 
@@ -104,12 +103,8 @@ def report_status(app: SdqCelery, run_id: int, as_json: bool) -> None:
     """The run's status, with its page (loss curve, validation images) written anew."""
 
     def status_and_page(session: Session) -> dict[str, Any]:
-        status = train_lookups.train_status(session, run_id)
-        images = train_lookups.validation_images(session, run_id)
-        page = training_html(status, images, store_image_link(app.store))
-        key = page_key(run_id)
-        app.store.put_bytes(key, page.encode(), content_type="text/html; charset=utf-8")
-        status["page"] = app.store.link(key, expires_seconds=LINK_SECONDS)
+        status = draw_page(session, app.store, train_run(session, run_id))
+        status["page"] = app.store.link(page_key(run_id), expires_seconds=LINK_SECONDS)
         return status
 
     render_command = "sdq run" if app.settings.embedded else "sdq submit"

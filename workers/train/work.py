@@ -17,12 +17,14 @@ from collections.abc import Callable, Iterator, Sequence
 from time import perf_counter, time
 from typing import Any
 
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.jobs.delivery import Work, check_lease, lease_held
 from sdq.models.jobs.lifecycle import Output, utcnow
-from sdq.models.store import ObjectStore
-from sdq.models.tables import Job
+from sdq.models.store import ObjectStore, StoreError
+from sdq.models.tables import Job, Run
+from sdq.models.train.page import draw_page
 from sdq.models.train.settings import TrainSettings
 from sdq.models.train.specs import TrainShardSpec, training_seconds
 from sdq.workers.tracking import Scalar, report
@@ -193,6 +195,7 @@ class TrainWork(Work):
         report(self.store, spec.run, f"steps-{spec.first_step:08d}", figures, spec.report_to)
         if spec.options.keep_checkpoints is not None:
             self._prune(spec)
+        self._draw_page(spec.run)
         output = Output(
             job_id,
             written.uri,
@@ -201,6 +204,15 @@ class TrainWork(Work):
             units=len(steps) * spec.options.batch_size,  # samples trained on
         )
         return output, new_work
+
+    def _draw_page(self, run_id: int) -> None:
+        """The run's page with this checkpoint on it, as it lands. Best effort: the job's
+        work is done and recorded, and `sdq train status` draws the page again."""
+        try:
+            with self.sessions() as session:
+                draw_page(session, self.store, session.get_one(Run, run_id))
+        except (DBAPIError, StoreError) as error:
+            logger.warning("the page of train run %s was not drawn: %r", run_id, error)
 
     def _prune(self, spec: TrainShardSpec) -> None:
         """Marks the old checkpoints deleted, then deletes their objects: a row never says a
