@@ -44,6 +44,11 @@ def test_a_compiled_run_compiles_once_and_another_machine_loads_what_it_made(
     assert not cold["loaded"] and cold["kernels_compiled"] > 0 and cold["graphs"] >= 1
     stored = tmp_path / "sdq-data/store" / cold["key"]
     assert stored.is_file() and stored.stat().st_size > 0
+    # The compile is the run's start, not its training: its seconds are in the start share.
+    status = json.loads(first)
+    wall = 4 * 4 / status["wall_samples_per_second"]  # 4 steps of 4 samples
+    assert status["time_shares"]["start"] * wall >= 0.9 * cold["seconds"]
+    assert status["time_shares"]["training"] * wall < 0.5 * cold["seconds"]
     [warm], second = _compiled(env, tmp_path, tmp_path / "machine-2")
     assert warm["key"] == cold["key"] and warm["loaded"]
     assert warm["kernels_compiled"] == 0 and warm["kernels_found"] == cold["kernels_compiled"]

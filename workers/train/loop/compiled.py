@@ -14,8 +14,10 @@ before its first step, so that its compile finds them made. Within a process a r
 reuse the graphs: nothing compiles again."""
 
 import logging
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -63,7 +65,16 @@ class SharedCompile:
     figures: dict[str, Any] = field(default_factory=dict)
 
     @contextmanager
-    def first_step(self, spec: TrainShardSpec, unet: UNet2DConditionModel, inputs, saves: bool):
+    def first_step(
+        self,
+        spec: TrainShardSpec,
+        unet: UNet2DConditionModel,
+        inputs,
+        *,
+        saves: bool,
+        took: Callable[[float], None],
+    ):
+        """Around the state's first step, which compiles: `took` is told its seconds."""
         if self.stepped:
             yield
             return
@@ -72,11 +83,15 @@ class SharedCompile:
             "embeddings": list(inputs.embeddings.shape),
         }
         key = artifacts_key(spec, unet, shapes)
+        started = perf_counter()
         loaded = self._load(key)
         yield
+        seconds = perf_counter() - started
+        took(seconds)
         self.stepped = True
         self.figures = {
             "key": key,
+            "seconds": round(seconds, 3),
             "loaded": loaded,
             "graphs": counters["stats"]["unique_graphs"],
             "kernels_found": counters["inductor"]["fxgraph_cache_hit"],

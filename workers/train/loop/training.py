@@ -118,7 +118,7 @@ class Training:
         while state.step < spec.last_step:
             inputs = window.next_from(self._inputs)
             window.flops_from(inputs)
-            with self._first_compiled(spec, inputs):
+            with self._first_compiled(spec, inputs, window):
                 window.add(train_step(state, spec, inputs))
             if len(window) == self.loss_every:
                 self.on_steps(window.read())
@@ -127,13 +127,15 @@ class Training:
         self.on_steps(window.read())
         return window.steps
 
-    def _first_compiled(self, spec: TrainShardSpec, inputs):
+    def _first_compiled(self, spec: TrainShardSpec, inputs, window: "StepWindow"):
         """Around a compiled state's first step: the store's artifacts loaded before it,
-        this rank 0's saved after it where there were none."""
+        this rank 0's saved after it where there were none, and its compile set aside from
+        the window's speed (it is the run's start, not its training)."""
         state = self.state
         if state.compiled is None:
             return nullcontext()
-        return state.compiled.first_step(spec, state.unet, inputs, saves=state.ranks.writes)
+        return state.compiled.first_step(spec, state.unet, inputs, saves=state.ranks.writes,
+                                         took=window.compiled_in)  # fmt: skip
 
     def checkpoint(self, spec: TrainShardSpec) -> Snapshot | ShardedSnapshot | None:
         """The state to write as the checkpoint at its step, on the rank that writes it (on
@@ -183,6 +185,7 @@ class StepWindow:
         self._losses: list[tuple[int, float, torch.Tensor]] = []
         self._opened, self._opened_at = perf_counter(), time()
         self._waited = 0.0
+        self._compiled_in: float | None = None
         self._peak = peak_flops(state.device)
 
     def __len__(self) -> int:
@@ -202,6 +205,18 @@ class StepWindow:
                 self.state, inputs.latents.float(), inputs.embeddings.float()
             )
 
+    def compiled_in(self, seconds: float) -> None:
+        """The window's first step compiled the model, taking `seconds` with its own work."""
+        self._compiled_in = seconds
+
+    def _compiling(self, elapsed: float, steps: int) -> float:
+        """Of the window's `elapsed` seconds, those its first step spent compiling: that
+        step's time less one step's (the others' mean; all of it in a window of one)."""
+        first = self._compiled_in
+        if first is None:
+            return 0.0
+        return first - (elapsed - first) / (steps - 1) if steps > 1 else first
+
     def add(self, loss: torch.Tensor) -> None:
         lr = self.state.lr_scheduler.get_last_lr()[0]
         self._losses.append((self.state.step, lr, loss))
@@ -214,10 +229,14 @@ class StepWindow:
         losses = torch.stack([loss for _, _, loss in self._losses]).tolist()
         closed, closed_at = perf_counter(), time()
         options = self.spec.options
-        speed = len(losses) * options.batch_size / (closed - self._opened)
+        # A compile is set aside: the steps' time and speed are the training's alone, and
+        # the first step begins once the compile is done (in the run's start share).
+        compiling = self._compiling(closed - self._opened, len(losses))
+        speed = len(losses) * options.batch_size / (closed - self._opened - compiling)
         peak, flops = self._peak, self.state.flops_per_sample
         waited = self._waited / len(losses)
-        each = (closed_at - self._opened_at) / len(losses)
+        began = self._opened_at + compiling
+        each = (closed_at - began) / len(losses)
         for n, ((step, lr, _), loss) in enumerate(zip(self._losses, losses, strict=True), 1):
             self.steps.append(
                 {
@@ -230,9 +249,9 @@ class StepWindow:
                     "mfu": flops * speed / (peak * options.world_size) if flops else None,
                     "data_wait_seconds": waited,
                     # When it ended (a time.time()): the window's time shared evenly.
-                    "at": self._opened_at + n * each,
+                    "at": began + n * each,
                 }
             )
-        self._losses, self._waited = [], 0.0
+        self._losses, self._waited, self._compiled_in = [], 0.0, None
         self._opened, self._opened_at = closed, closed_at
         return self.steps[read_before:]
