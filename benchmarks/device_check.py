@@ -429,7 +429,8 @@ def image_shard(check: Check, count: int, side: int):
     images = images[:count]
     return ImageShard(keys=[f"{n:06d}" for n in range(count)], urls=[""] * count,
                       captions=[f"subject {n % 16}, a style" for n in range(count)],
-                      sha256s=[""] * count, images=images)  # fmt: skip
+                      sha256s=[""] * count, images=images,
+                      found_sides=[side] * count)  # fmt: skip
 
 
 def weight_bytes(*modules) -> int:
@@ -533,11 +534,11 @@ def encode(check: Check, compiled: bool = False) -> None:
         """The worker's encode of a shard (workers/encode/work.py), short of the store."""
         with ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="sdq-decode") as decoders:
             batches = prepare_batches(
-                shard, spec, encoders.tokenizer, batch_size=batch, decoders=decoders,
+                shard, [spec], encoders.tokenizer, batch_size=batch, decoders=decoders,
                 pin=encoders.device.type == "cuda",
             )  # fmt: skip
             batches = ahead_of_device(batches, BATCHES_AHEAD, encoders.device)
-            parts = [encode_batch(encoders, each) for each in batches]
+            parts = [encode_batch(encoders, each)[spec.resolution] for each in batches]
             encoded = join(encoders, parts, spec.resolution)
             latent_shard_bytes(shard.lineage(), encoded, {"dataset": spec.dataset})
 

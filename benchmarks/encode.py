@@ -17,6 +17,12 @@ from the cache. Prints one JSON object with samples/s of each (medians over roun
 
     python benchmarks/encode.py [--images 2048] [--rounds 3] [--resolution 256]
         [--batch-size 32]
+
+With `--resolutions 256,512` it measures one pass against one pass per resolution
+instead, both through sdq over the same shards (downloaded at the largest): `sdq encode
+--resolutions 256,512` decodes each image and encodes each caption once, where two runs
+of `--resolutions 256` and `--resolutions 512` do both twice. `one_pass_over_two` is the
+two passes' seconds over the one pass's (the median of the per-round ratios).
 """
 
 import argparse
@@ -66,19 +72,42 @@ def forget_encodings(database_url: str) -> None:
 
 def through_sdq(env: dict[str, str], args) -> tuple[float, float]:
     """Samples/s end to end, and the share of the time the worker spent in its jobs."""
-    forget_encodings(env["SDQ_DATABASE_URL"])
-    started = time.perf_counter()
-    summary = sdq_json(
-        env, "encode", DATASET, "--model", "tiny", "--resolution", str(args.resolution),
-        "--batch-size", str(args.batch_size), "--wait", timeout=COMMAND_TIMEOUT,
-    )  # fmt: skip
-    seconds = time.perf_counter() - started
+    summary, seconds = encoded(env, args, "--resolution", str(args.resolution))
     with psycopg.connect(env["SDQ_DATABASE_URL"]) as connection:
         [working] = connection.execute(
             "SELECT sum(extract(epoch FROM finished_at - started_at)) FROM jobs "
             "WHERE kind = 'encode'"
         ).fetchone()
     return summary["latents"][0]["samples"] / seconds, float(working) / seconds
+
+
+def encoded(env: dict[str, str], args, *targets: str) -> tuple[dict, float]:
+    """`sdq encode --wait` afresh at the targets: its summary, and its seconds."""
+    forget_encodings(env["SDQ_DATABASE_URL"])
+    started = time.perf_counter()
+    summary = sdq_json(
+        env, "encode", DATASET, "--model", "tiny", *targets, "--batch-size",
+        str(args.batch_size), "--wait", timeout=COMMAND_TIMEOUT,
+    )  # fmt: skip
+    return summary, time.perf_counter() - started
+
+
+def one_pass_over_two(env: dict[str, str], args) -> dict:
+    """Per round: one pass at every resolution against a pass at each, in turn."""
+    resolutions = args.resolutions.split(",")
+    encoded(env, args, "--resolutions", args.resolutions)  # warm-up
+    ratios, one, each = [], [], []
+    for _ in range(args.rounds):
+        one.append(encoded(env, args, "--resolutions", args.resolutions)[1])
+        each.append(sum(encoded(env, args, "--resolutions", r)[1] for r in resolutions))
+        ratios.append(each[-1] / one[-1])
+    seconds = {"one_pass": one, "a_pass_each": each}
+    return {
+        "images": args.images,
+        "resolutions": args.resolutions,
+        "seconds": {side: [round(s, 2) for s in values] for side, values in seconds.items()},
+        "one_pass_over_two": round(statistics.median(ratios), 3),
+    }
 
 
 class PlainLoop:
@@ -175,10 +204,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--resolution", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--resolutions", metavar="R,R", help="one pass against one each")
     parser.add_argument(
         "--image-dir", type=Path, default=Path(tempfile.gettempdir()) / "sdq-bench-images"
     )
     args = parser.parse_args()
+    if args.resolutions:
+        args.resolution = max(int(r) for r in args.resolutions.split(","))
+        with deployment(broker_db=14) as env:
+            make_dataset(env, args)
+            worker = WorkerProcess(env, Path(env["SDQ_HOME"]) / "gpu.log").start()
+            try:
+                print(json.dumps(one_pass_over_two(env, args), indent=2))
+            finally:
+                worker.stop()
+        return
     rates: dict[str, list[float]] = {"sdq": [], "plain": []}
     in_jobs: list[float] = []
     if start_ray():

@@ -191,8 +191,10 @@ def show_dataset(summary: dict[str, Any]) -> None:
     if summary.get("page"):
         stdout.print(f"page: {summary['page']}", soft_wrap=True)
     if summary["latents"]:
-        columns = ["model", "resolution", "shards", "samples", "samples_per_second", "prefix"]
-        stdout.print(rows_table(summary["latents"], columns, title="latents"))
+        columns = ["model", "resolution", "shards", "samples", "left out", "samples_per_second",
+                   "prefix"]  # fmt: skip
+        rows = [{**row, "left out": _left_out(row["left_out"])} for row in summary["latents"]]
+        stdout.print(rows_table(rows, columns, title="latents"))
     for kind in KINDS.values():
         if (show := kind.producer_hooks().show_dataset) is not None:
             show(summary)
@@ -230,3 +232,7 @@ def _cell(column: str, value: Any) -> str:
     if isinstance(value, dict):
         return ", ".join(f"{key} {count}" for key, count in value.items())
     return str(value)
+
+
+def _left_out(reasons: dict[str, int]) -> str:
+    return ", ".join(f"{count} {reason}" for reason, count in reasons.items()) or "-"

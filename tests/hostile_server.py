@@ -117,6 +117,10 @@ class Handler(BaseHTTPRequestHandler):
         elif path.startswith("/img/"):  # /img/<n>.jpg: a distinct picture for each n
             n = int(path.removeprefix("/img/").removesuffix(".jpg"))
             self._send(200, "image/jpeg", jpeg(320 + 8 * n, 240, seed=100 + n))
+        elif path.startswith("/sized/"):  # /sized/<w>x<h>/<n>.jpg: a picture of that size
+            size, name = path.removeprefix("/sized/").split("/")
+            width, height = map(int, size.split("x"))
+            self._send(200, "image/jpeg", jpeg(width, height, seed=200 + int(name[:-4])))
         elif path.startswith("/many-pixels/"):  # /many-pixels/<n>.png: one each, alike
             self._send(200, "image/png", many_pixels())
         elif path == "/huge-unsized.jpg":

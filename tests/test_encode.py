@@ -51,10 +51,21 @@ def download_and_encode(env: dict[str, str], listing: Path, dataset: str, cwd: P
 
 
 @torch.inference_mode()
-def check_latent_shard(latents: pa.Table, images: pa.Table, dataset: str) -> None:
-    """Every kept image of the image shard, and only those, in order, encoded as a plain
-    diffusers/transformers loop encodes it, one sample at a time."""
-    kept = images.filter(pa.compute.equal(images["status"], "success")).to_pylist()
+def check_latent_shard(
+    latents: pa.Table,
+    images: pa.Table,
+    dataset: str,
+    resolution: int = RESOLUTION,
+    smallest: int = 0,
+) -> None:
+    """Every kept image of the image shard at least `smallest` px on its shorter side as
+    it was found, and only those, in order, encoded as a plain diffusers/transformers loop
+    encodes it at `resolution`, one sample at a time."""
+    kept = [
+        row
+        for row in images.filter(pa.compute.equal(images["status"], "success")).to_pylist()
+        if min(row["original_width"], row["original_height"]) >= smallest
+    ]
     assert latents["key"].to_pylist() == [row["key"] for row in kept]
     assert latents["url"].to_pylist() == [row["url"] for row in kept]
     assert latents["sha256"].to_pylist() == [row["sha256"] for row in kept]
@@ -64,9 +75,12 @@ def check_latent_shard(latents: pa.Table, images: pa.Table, dataset: str) -> Non
     got_latents = read_tensor(latents, "latents")
     got_embeddings = read_tensor(latents, "text_embeddings")
     got_tokens = read_tensor(latents, "token_ids")
-    assert got_latents.shape == (len(kept), 4, RESOLUTION // 8, RESOLUTION // 8)
+    assert got_latents.shape == (len(kept), 4, resolution // 8, resolution // 8)
     for index, (row, seed) in enumerate(zip(kept, seeds, strict=True)):
-        pixels = np.array(Image.open(io.BytesIO(row["jpg"])).convert("RGB"))
+        stored = Image.open(io.BytesIO(row["jpg"])).convert("RGB")  # a square already
+        if stored.width != resolution:
+            stored = stored.resize((resolution, resolution), Image.Resampling.BOX)
+        pixels = np.array(stored)
         image = torch.from_numpy(pixels).permute(2, 0, 1)[None].float() / 127.5 - 1
         generator = torch.Generator().manual_seed(seed)
         expected = vae.encode(image).latent_dist.sample(generator=generator) * 0.18215
@@ -120,6 +134,47 @@ def test_encode_embedded_matches_a_direct_computation_and_is_served_again(
             read_tensor(pq.read_table(store / latents["prefix"] / name), "latents"),
             atol=1e-4,
         )
+
+
+def test_one_pass_encodes_several_resolutions_and_leaves_out_what_is_too_small(
+    tmp_path: Path,
+) -> None:
+    """`--resolutions 32,64` over images stored at 64 px, three of them found at 40 px:
+    each target's latents are a plain loop's at its size, the small ones are left out of
+    64 (never upscaled) and counted; a target above the stored size is refused."""
+    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT)}
+    sizes = ["96x80", "48x40", "120x72", "40x56", "80x80", "44x40"]
+    with HostileServer() as server:
+        listing = tmp_path / "sized.csv"
+        listing.write_text("url,caption\n" + "".join(
+            f"{server.base}/sized/{size}/{n}.jpg,picture {n}\n" for n, size in enumerate(sizes)
+        ))  # fmt: skip
+        sdq_json(env, "download", str(listing), "--dataset", "sized", "--resolution", "64",
+                 "--min-size", "32", "--rows-per-shard", "4", "--wait", cwd=tmp_path)  # fmt: skip
+    refused = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", "encode", "sized", "--model", "tiny",
+         "--resolutions", "32,128"],
+        env=env, cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "too small for 128" in refused.stderr, refused.stderr
+    shown = sdq_json(env, "encode", "sized", "--model", "tiny", "--resolutions", "64,32",
+                     "--batch-size", "3", "--wait", cwd=tmp_path)  # fmt: skip
+    latents = {entry["resolution"]: entry for entry in shown["latents"]}
+    assert (latents[32]["samples"], latents[32]["left_out"]) == (6, {})
+    assert (latents[64]["samples"], latents[64]["left_out"]) == (3, {"too small for 64": 3})
+    store = tmp_path / "sdq-data" / "store"
+    for resolution, smallest in ((32, 0), (64, 64)):
+        for number in range(2):
+            name = f"{number:05d}.parquet"
+            check_latent_shard(
+                pq.read_table(store / latents[resolution]["prefix"] / name),
+                pq.read_table(store / "datasets/sized/images" / name),
+                "sized", resolution, smallest,
+            )  # fmt: skip
+    # Trained at the resolution whose latents left images out: on the rest.
+    trained = sdq_json(env, "train", "sized", "--base", "tiny", "--resolution", "64",
+                       "--batch-size", "2", "--steps", "2", "--wait", cwd=tmp_path)  # fmt: skip
+    assert (trained["status"], trained["step"]) == ("succeeded", 2)
 
 
 def test_encode_on_services_writes_latents_to_s3_with_lineage_to_the_urls(

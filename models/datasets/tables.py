@@ -124,6 +124,8 @@ class LatentShard(Base):
     uri: Mapped[str] = mapped_column(Text)
     sha256: Mapped[str] = mapped_column(String(64))
     samples: Mapped[int] = mapped_column(Integer)
+    # The shard's images left out of this resolution, too small for it (never upscaled).
+    too_small: Mapped[int] = mapped_column(Integer, server_default="0")
     # Shapes and dtypes of the stored tensors, as the file's schema metadata has them.
     tensors: Mapped[dict[str, Any]] = mapped_column(JsonDocument)
     seconds: Mapped[float] = mapped_column(Float)

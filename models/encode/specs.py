@@ -1,6 +1,7 @@
-"""An encode job's specification: one image shard, one model, one resolution."""
+"""An encode job's specification: one image shard, one model, one resolution (a shard's
+jobs at several resolutions go in one message, and its images are decoded once for all)."""
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from sdq.models.datasets import SPEC_VERSION, empty_prompt_key, latent_key
@@ -25,6 +26,14 @@ class EncodeSpec:
     # they were downloaded, the dataset `images_of`, and encodes only its members `keys`.
     images_of: str | None = None
     keys: list[str] | None = None
+    # Encoded at several resolutions at once (`--resolutions`): an image smaller than this
+    # one is left out of it ("too small for 512"), never upscaled.
+    leave_out_smaller: bool | None = None
+
+    @property
+    def source(self) -> "EncodeSpec":
+        """What decides the images it reads and how: the same for a shard's every target."""
+        return replace(self, resolution=0)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

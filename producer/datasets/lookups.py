@@ -216,7 +216,8 @@ def removed_by_rule(session: Session, dataset_id: int) -> dict[str, int]:
 
 
 def latent_summary(session: Session, dataset_id: int, name: str) -> list[dict[str, Any]]:
-    """The dataset's latent shards, one entry per model revision and resolution."""
+    """The dataset's latent shards, one entry per model revision and resolution, with the
+    images each left out and why."""
     rows = session.execute(
         select(
             LatentShard.model_name,
@@ -224,6 +225,7 @@ def latent_summary(session: Session, dataset_id: int, name: str) -> list[dict[st
             LatentShard.resolution,
             func.count(),
             func.sum(LatentShard.samples),
+            func.sum(LatentShard.too_small),
             func.sum(LatentShard.seconds),
         )
         .where(LatentShard.dataset_id == dataset_id)
@@ -237,8 +239,10 @@ def latent_summary(session: Session, dataset_id: int, name: str) -> list[dict[st
             "resolution": resolution,
             "shards": shards,
             "samples": samples,
+            # Images left out of this resolution, smaller than it (`--resolutions`).
+            "left_out": {f"too small for {resolution}": too_small} if too_small else {},
             "samples_per_second": round(samples / seconds, 2) if seconds else None,
             "prefix": latent_prefix(name, revision, resolution),
         }
-        for model, revision, resolution, shards, samples, seconds in rows
+        for model, revision, resolution, shards, samples, too_small, seconds in rows
     ]

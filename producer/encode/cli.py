@@ -16,9 +16,12 @@ from sdq.producer.encode.submit import (
     VAE_SCALE,
     EncodeSubmission,
     NothingToEncode,
+    TooSmall,
     record_encode,
 )
 from sdq.workers.app import SdqCelery
+
+DEFAULT_RESOLUTION = 256
 
 
 @click.command()
@@ -31,10 +34,15 @@ from sdq.workers.app import SdqCelery
 )
 @click.option(
     "--resolution",
-    default=256,
-    show_default=True,
     type=click.IntRange(min=VAE_SCALE),
-    help="Images are center-cropped to this square; a multiple of 8.",
+    help="Images are center-cropped to this square; a multiple of 8 (smaller images are "
+    "upscaled).  [default: 256]",
+)
+@click.option(
+    "--resolutions",
+    metavar="R[,R...]",
+    help="Several squares from one pass, e.g. 256,512: each image decoded once for all; an "
+    "image smaller than one is left out of it ('too small for 512'), never upscaled.",
 )
 @click.option(
     "--batch-size",
@@ -50,24 +58,25 @@ def encode(
     app: SdqCelery,
     name: str,
     model: str,
-    resolution: int,
+    resolution: int | None,
+    resolutions: str | None,
     batch_size: int,
     wait: bool,
     as_json: bool,
 ) -> None:
     """Encode dataset NAME's image shards with a model's VAE and text encoder, one job per
-    shard on the GPU workers: latents and caption embeddings for training.
+    shard and resolution on the GPU workers: latents and caption embeddings for training.
 
     Without a broker (SDQ_BROKER_URL unset) the work runs here, in this process."""
-    if resolution % VAE_SCALE:
-        raise click.UsageError(f"--resolution {resolution} is not a multiple of {VAE_SCALE}")
+    targets = _targets(resolution, resolutions)
     ready_to_submit(app)
-    submission = _submit(app, name, model, resolution, batch_size)
+    submission = _submit(app, name, model, targets, batch_size, resolutions is not None)
     if submission.images_at is not None:
         display.console.print(
             f"[yellow]dataset {name!r} holds {submission.images_at} px images: encoding them at "
-            f"{resolution} px upscales them, with no more detail than they have. A dataset "
-            f"downloaded with --resolution {resolution} has it.[/yellow]"
+            f"{targets[0]} px upscales them, with no more detail than they have. A dataset "
+            f"downloaded with --resolution {targets[0]} has it (or --resolutions leaves "
+            f"out what is too small).[/yellow]"
         )
     carry_out_dataset_run(
         app,
@@ -78,17 +87,43 @@ def encode(
     )
 
 
+def _targets(resolution: int | None, resolutions: str | None) -> list[int]:
+    """The resolutions asked for, each a multiple of 8, smallest first."""
+    if resolution is not None and resolutions is not None:
+        raise click.UsageError("give --resolution or --resolutions, not both")
+    if resolutions is None:
+        return _multiples_of_8([resolution or DEFAULT_RESOLUTION], "--resolution")
+    try:
+        chosen = sorted({int(part) for part in resolutions.split(",")})
+    except ValueError:
+        raise click.UsageError(f"--resolutions {resolutions}: not a list such as 256,512") from None
+    return _multiples_of_8(chosen, "--resolutions")
+
+
+def _multiples_of_8(targets: list[int], option: str) -> list[int]:
+    for target in targets:
+        if target < VAE_SCALE or target % VAE_SCALE:
+            raise click.UsageError(f"{option} {target} is not a multiple of {VAE_SCALE}")
+    return targets
+
+
 def _submit(
-    app: SdqCelery, name: str, model: str, resolution: int, batch_size: int
+    app: SdqCelery,
+    name: str,
+    model: str,
+    targets: list[int],
+    batch_size: int,
+    leave_out_smaller: bool,
 ) -> EncodeSubmission:
     with found():
         try:
             with app.sessions() as session:
                 identity = resolve_model(model, store=app.store, session=session)
             return record_encode(
-                app.sessions, name, identity, resolution=resolution, batch_size=batch_size
-            )
-        except (ModelNotFound, NothingToEncode) as error:
+                app.sessions, name, identity, resolutions=targets,
+                leave_out_smaller=leave_out_smaller, batch_size=batch_size,
+            )  # fmt: skip
+        except (ModelNotFound, NothingToEncode, TooSmall) as error:
             raise click.UsageError(str(error)) from None
 
 
@@ -100,7 +135,8 @@ def _report_submission(submission: EncodeSubmission, tasks: int, as_json: bool) 
             "dataset": submission.dataset,
             "model": submission.model,
             "revision": submission.revision,
-            "resolution": submission.resolution,
+            "resolution": submission.resolutions[0] if len(submission.resolutions) == 1 else None,
+            "resolutions": submission.resolutions,
             "jobs": submission.jobs,
             "cached": submission.cached,
             "waiting": submission.waiting,

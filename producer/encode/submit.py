@@ -1,5 +1,6 @@
-"""Writing an encode run: one job per downloaded image shard of the dataset, for one
-model at one resolution. A shard already encoded so (the same file, the same model
+"""Writing an encode run: one job per downloaded image shard of the dataset and target
+resolution, for one model; a shard's targets go in one message, whose worker decodes each
+image once for all of them. A shard already encoded so (the same file, the same model
 revision) is served from the store, as images are."""
 
 from collections.abc import Callable
@@ -24,13 +25,17 @@ class NothingToEncode(Exception):
     pass
 
 
+class TooSmall(Exception):
+    """A target resolution above what every image of the dataset was stored at."""
+
+
 @dataclass(frozen=True)
 class EncodeSubmission:
     run_id: int
     dataset: str
     model: str
     revision: str
-    resolution: int
+    resolutions: list[int]
     jobs: int
     cached: int
     # Shards planned but not downloaded yet: a later `sdq encode` picks them up.
@@ -44,14 +49,20 @@ def record_encode(
     name: str,
     model: ModelIdentity,
     *,
-    resolution: int,
+    resolutions: list[int],
+    leave_out_smaller: bool,
     batch_size: int,
 ) -> EncodeSubmission:
-    """The encode run of the dataset's downloaded shards, one job each, in one transaction
-    (nothing is written when the dataset has nothing to encode)."""
+    """The encode run of the dataset's downloaded shards, a job per shard and resolution,
+    in one transaction (nothing is written when the dataset has nothing to encode). With
+    `leave_out_smaller` (`--resolutions`), an image smaller than a resolution is left out
+    of it, never upscaled."""
     with sessions.begin() as session:
         # 1. The dataset's downloaded shards, or why there is nothing to encode.
         dataset, downloaded, waiting = _readable(session, name)
+        stored_at = _stored_at(dataset)
+        if leave_out_smaller:
+            _check_targets(name, stored_at, resolutions)
         kept = _kept(session, dataset)
         # 2. The run and its jobs; a shard encoded already by this model is done as written.
         record_model(session, model)
@@ -59,24 +70,49 @@ def record_encode(
             session,
             ENCODE,
             source=name,
-            options={**_described(name, model), "resolution": resolution},
-            jobs_per_message=1,  # a shard is a minute of GPU work: one per message
+            options={**_described(name, model), "resolutions": resolutions},
+            # A shard is a minute of GPU work: one per message, with all its targets.
+            jobs_per_message=len(resolutions),
             task_options={"batch_size": batch_size},
         )
-        specs = [_spec(dataset, shard, model, resolution, kept(shard.id)) for shard in downloaded]
+        specs = [
+            _spec(dataset, shard, model, resolution, kept(shard.id), leave_out_smaller)
+            for shard in downloaded
+            for resolution in resolutions
+        ]
         cached = add_jobs(session, run, ENCODE, specs)
     # 3. What was submitted, and whether the images are smaller than the resolution.
+    upscaled = stored_at is not None and stored_at < max(resolutions) and not leave_out_smaller
     return EncodeSubmission(
         run_id=run.id,
         dataset=name,
         model=model.name,
         revision=model.revision,
-        resolution=resolution,
+        resolutions=resolutions,
         jobs=len(specs),
         cached=cached,
         waiting=waiting,
-        images_at=images_at if (images_at := dataset.options["resolution"]) < resolution else None,
+        images_at=stored_at if upscaled else None,
     )
+
+
+def _stored_at(dataset: Dataset) -> int | None:
+    """The shorter side every image of the dataset was stored at (None: as it came)."""
+    if dataset.options.get("resize_mode", "center_crop") == "no":
+        return None
+    return dataset.options["resolution"]
+
+
+def _check_targets(name: str, stored_at: int | None, resolutions: list[int]) -> None:
+    """Leaving out images smaller than a target leaves every one out of a target above
+    the resolution the dataset was downloaded at: refused, with what to do."""
+    above = [resolution for resolution in resolutions if stored_at and resolution > stored_at]
+    if above:
+        raise TooSmall(
+            f"dataset {name!r} holds {stored_at} px images (downloaded with --resolution "
+            f"{stored_at}): every one is too small for {above[0]}; download it again with "
+            f"--resolution {max(resolutions)}, or leave {', '.join(map(str, above))} out"
+        )
 
 
 def _readable(session: Session, name: str) -> tuple[Dataset, list[Shard], int]:
@@ -102,7 +138,12 @@ def _described(name: str, model: ModelIdentity) -> dict[str, str]:
 
 
 def _spec(
-    dataset: Dataset, shard: Shard, model: ModelIdentity, resolution: int, keys: list[str] | None
+    dataset: Dataset,
+    shard: Shard,
+    model: ModelIdentity,
+    resolution: int,
+    keys: list[str] | None,
+    leave_out_smaller: bool,
 ) -> EncodeSpec:
     return EncodeSpec(
         dataset=dataset.name,
@@ -116,4 +157,5 @@ def _spec(
         dtype=model.default_dtype,
         images_of=derived_from(dataset.options),
         keys=keys,
+        leave_out_smaller=leave_out_smaller or None,
     )

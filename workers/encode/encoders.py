@@ -2,7 +2,7 @@
 with them: images to scaled samples of their latent distributions, captions to CLIP
 hidden states. GPU-side: imports torch. The U-Net is never loaded for this."""
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -15,7 +15,7 @@ from sdq.models import tiny
 from sdq.models.datasets import latent_seed
 from sdq.models.encode.specs import EncodeSpec
 from sdq.workers.gpu import device_name, release_device_memory, torch_dtype
-from sdq.workers.shards.images import ImageShard, pixels
+from sdq.workers.shards.images import ImageShard, pixels_at
 from sdq.workers.shards.latents import Encoded
 from sdq.workers.tiny import build_text_encoder, build_tokenizer, build_vae
 from sdq.workers.weights import ModelFiles, check_tiny_revision
@@ -81,30 +81,50 @@ class LoadedEncoders:
 
 
 @dataclass(frozen=True)
-class Batch:
-    """One batch as the CPU prepared it: pixels as uint8 (a quarter of the bytes of floats
-    to copy to the device), token ids, and each sample's latent seed."""
+class Target:
+    """A batch's pixels at one resolution as uint8 (a quarter of the bytes of floats to
+    copy to the device): those of its rows the resolution keeps."""
 
-    pixels: torch.Tensor  # batch x height x width x 3, uint8
+    pixels: torch.Tensor  # kept x height x width x 3
+    kept: list[int]  # the batch's rows they are
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One batch as the CPU prepared it, each image decoded once for every target: its
+    pixels at each resolution, token ids, and each sample's latent seed."""
+
+    start: int  # the shard's row of its first sample
+    targets: dict[int, Target]
     token_ids: torch.Tensor  # batch x tokens
     seeds: list[int]
+
+    def kept_rows(self, resolution: int) -> list[int]:
+        """The shard's rows the resolution keeps of this batch."""
+        return [self.start + row for row in self.targets[resolution].kept]
 
 
 def prepare_batches(
     shard: ImageShard,
-    spec: EncodeSpec,
+    specs: Sequence[EncodeSpec],
     tokenizer: CLIPTokenizer,
     *,
     batch_size: int,
     decoders: ThreadPoolExecutor,
     pin: bool,
 ) -> Iterator[Batch]:
-    """The CPU work of encoding, batch by batch: decoding and cropping (on `decoders`,
-    since Pillow decodes without the GIL), tokenizing and pinning for a fast copy."""
+    """The CPU work of encoding one image shard for the specs' resolutions, batch by batch:
+    decoding and cropping (on `decoders`, since Pillow decodes without the GIL),
+    tokenizing and pinning for a fast copy."""
+    resolutions = [spec.resolution for spec in specs]
+    upscale = not specs[0].leave_out_smaller
+    pinned = (lambda tensor: tensor.pin_memory()) if pin else (lambda tensor: tensor)
     for start in range(0, len(shard), batch_size):
         stop = start + batch_size
-        images = decoders.map(lambda data: pixels(data, spec.resolution), shard.images[start:stop])
-        batch = torch.from_numpy(np.stack(list(images)))
+        decoded = list(decoders.map(
+            lambda data, side: pixels_at(data, resolutions, found_side=side, upscale=upscale),
+            shard.images[start:stop], shard.found_sides[start:stop],
+        ))  # fmt: skip
         tokens = tokenizer(
             shard.captions[start:stop],
             padding="max_length",
@@ -113,32 +133,54 @@ def prepare_batches(
             return_tensors="pt",
         ).input_ids
         yield Batch(
-            pixels=batch.pin_memory() if pin else batch,
-            token_ids=tokens.pin_memory() if pin else tokens,
-            seeds=[latent_seed(spec.dataset, key) for key in shard.keys[start:stop]],
+            start=start,
+            targets={r: _target(decoded, r, pinned) for r in resolutions},
+            token_ids=pinned(tokens),
+            seeds=[latent_seed(specs[0].dataset, key) for key in shard.keys[start:stop]],
         )
 
 
-def encode_batch(encoders: Encoders, batch: Batch) -> Encoded:
-    device, dtype = encoders.device, encoders.dtype
+def _target(decoded: list[dict[int, np.ndarray | None]], resolution: int, pinned) -> Target:
+    kept = [row for row, image in enumerate(decoded) if image[resolution] is not None]
+    if not kept:
+        return Target(torch.empty(0, resolution, resolution, 3, dtype=torch.uint8), [])
+    images = np.stack([decoded[row][resolution] for row in kept])
+    return Target(pinned(torch.from_numpy(images)), kept)
+
+
+def encode_batch(encoders: Encoders, batch: Batch) -> dict[int, Encoded]:
+    """The batch at each of its resolutions: its captions encoded once, its images by the
+    VAE at each."""
+    device = encoders.device
     with torch.inference_mode():
-        images = batch.pixels.to(device, non_blocking=True).permute(0, 3, 1, 2)
-        images = (images.float() / 127.5 - 1).to(dtype)
-        if device.type == "cuda":
-            images = images.contiguous(memory_format=torch.channels_last)
-        distribution = encoders.vae.encode(images).latent_dist
-        # One CPU generator per sample: the same draw whatever the batch and the device.
-        generators = [torch.Generator("cpu").manual_seed(seed) for seed in batch.seeds]
-        latents = distribution.sample(generator=generators) * encoders.vae.config.scaling_factor
         token_ids = batch.token_ids.to(device, non_blocking=True)
-        embeddings = encoders.text_encoder(token_ids)[0]
-        storage = encoders.storage_dtype
-        return Encoded(
-            seeds=batch.seeds,
-            latents=latents.to(storage).cpu().numpy(),
-            text_embeddings=embeddings.to(storage).cpu().numpy(),
-            token_ids=batch.token_ids.numpy().astype(np.int32),
-        )
+        embeddings = encoders.text_encoder(token_ids)[0].to(encoders.storage_dtype).cpu().numpy()
+        token_ids = batch.token_ids.numpy().astype(np.int32)
+        return {
+            resolution: Encoded(
+                seeds=[batch.seeds[row] for row in target.kept],
+                latents=_latents(encoders, target, [batch.seeds[row] for row in target.kept]),
+                text_embeddings=embeddings[target.kept],
+                token_ids=token_ids[target.kept],
+            )
+            for resolution, target in batch.targets.items()
+        }
+
+
+def _latents(encoders: Encoders, target: Target, seeds: list[int]) -> np.ndarray:
+    """The VAE's scaled samples of the target's pixels, each drawn from its seed."""
+    device, dtype = encoders.device, encoders.dtype
+    if not seeds:
+        return _no_latents(encoders, target.pixels.shape[1])
+    images = target.pixels.to(device, non_blocking=True).permute(0, 3, 1, 2)
+    images = (images.float() / 127.5 - 1).to(dtype)
+    if device.type == "cuda":
+        images = images.contiguous(memory_format=torch.channels_last)
+    distribution = encoders.vae.encode(images).latent_dist
+    # One CPU generator per sample: the same draw whatever the batch and the device.
+    generators = [torch.Generator("cpu").manual_seed(seed) for seed in seeds]
+    latents = distribution.sample(generator=generators) * encoders.vae.config.scaling_factor
+    return latents.to(encoders.storage_dtype).cpu().numpy()
 
 
 def empty_prompt(encoders: Encoders) -> np.ndarray:
@@ -164,12 +206,19 @@ def join(encoders: Encoders, parts: list[Encoded], resolution: int) -> Encoded:
             text_embeddings=np.concatenate([part.text_embeddings for part in parts]),
             token_ids=np.concatenate([part.token_ids for part in parts]),
         )
-    dtype = torch.empty(0, dtype=encoders.storage_dtype).numpy().dtype
     tokens = encoders.tokenizer.model_max_length
-    side = resolution // 2 ** (len(encoders.vae.config.block_out_channels) - 1)
+    latents = _no_latents(encoders, resolution)
+    width = encoders.text_encoder.config.hidden_size
     return Encoded(
         seeds=[],
-        latents=np.empty((0, encoders.vae.config.latent_channels, side, side), dtype),
-        text_embeddings=np.empty((0, tokens, encoders.text_encoder.config.hidden_size), dtype),
+        latents=latents,
+        text_embeddings=np.empty((0, tokens, width), latents.dtype),
         token_ids=np.empty((0, tokens), np.int32),
     )
+
+
+def _no_latents(encoders: Encoders, resolution: int) -> np.ndarray:
+    """No sample's latents, in the shape and dtype a sample's would have."""
+    dtype = torch.empty(0, dtype=encoders.storage_dtype).numpy().dtype
+    side = resolution // 2 ** (len(encoders.vae.config.block_out_channels) - 1)
+    return np.empty((0, encoders.vae.config.latent_channels, side, side), dtype)

@@ -29,7 +29,7 @@ from sdq.models.store import PARQUET, ObjectStore
 from sdq.models.tables import Job
 from sdq.workers.ahead import ahead_of_device
 from sdq.workers.shards.images import ImageShard, ShardUnreadable, fetch_image_shard
-from sdq.workers.shards.latents import describe, latent_shard_bytes
+from sdq.workers.shards.latents import Encoded, describe, latent_shard_bytes
 from sdq.workers.weights import ModelUnavailable
 
 if TYPE_CHECKING:
@@ -61,10 +61,11 @@ class EncodeWork(Work):
 
     def run(self, jobs: Sequence[Job]) -> Iterator[Output]:
         specs = [EncodeSpec.from_dict(job.spec) for job in jobs]
-        shards = run_ahead((self._read(spec) for spec in specs), depth=1)
+        shards = _by_shard(jobs, specs)
+        images = run_ahead((self._read(targets[0][1]) for targets in shards), depth=1)
         with ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="sdq-decode") as decoders:
-            for job, spec, shard in zip(jobs, specs, shards, strict=True):
-                yield self._encode(job.id, spec, shard, decoders)
+            for targets, shard in zip(shards, images, strict=True):
+                yield from self._encode(targets, shard, decoders)
 
     def _read(self, spec: EncodeSpec) -> ImageShard:
         shard = fetch_image_shard(
@@ -74,42 +75,61 @@ class EncodeWork(Work):
         return shard if spec.keys is None else shard.only(spec.keys)
 
     def _encode(
-        self, job_id: int, spec: EncodeSpec, shard: ImageShard, decoders: ThreadPoolExecutor
-    ) -> Output:
-        """One image shard's latents and text embeddings, stored and recorded."""
+        self,
+        targets: list[tuple[int, EncodeSpec]],
+        shard: ImageShard,
+        decoders: ThreadPoolExecutor,
+    ) -> Iterator[Output]:
+        """One image shard's latents at each target's resolution, and its text embeddings,
+        stored and recorded: each image decoded and each caption encoded once for all."""
         from sdq.workers.encode.encoders import encode_batch, join, prepare_batches
 
         started = perf_counter()
         # 1. The shard's batches, decoded and tokenized ahead of the device, then encoded.
-        encoders = self.encoders.get(spec)
+        specs = [spec for _, spec in targets]
+        encoders = self.encoders.get(specs[0])
         batches = prepare_batches(
             shard,
-            spec,
+            specs,
             encoders.tokenizer,
             batch_size=self.batch_size,
             decoders=decoders,
             pin=encoders.device.type == "cuda",
         )
-        parts = [
-            encode_batch(encoders, batch)
-            for batch in ahead_of_device(batches, BATCHES_AHEAD, encoders.device)
-        ]
-        encoded = join(encoders, parts, spec.resolution)
-        # 2. The latent shard, with what it was made from; the empty prompt's embedding too.
-        about = _made_from(spec, encoders.vae.config.scaling_factor)
-        data = latent_shard_bytes(shard.lineage(), encoded, about)
-        self._store_empty_prompt(spec, encoders)
+        parts: list[dict[int, Encoded]] = []
+        rows: dict[int, list[int]] = {spec.resolution: [] for spec in specs}
+        for batch in ahead_of_device(batches, BATCHES_AHEAD, encoders.device):
+            parts.append(encode_batch(encoders, batch))
+            for resolution, kept in rows.items():
+                kept += batch.kept_rows(resolution)
+        self._store_empty_prompt(specs[0], encoders)
+        # 2. Each target's latent shard, sharing the time it took alike.
+        seconds = (perf_counter() - started) / len(targets)
+        for job_id, spec in targets:
+            encoded = join(encoders, [part[spec.resolution] for part in parts], spec.resolution)
+            yield self._store(job_id, spec, shard, (encoded, rows[spec.resolution]), seconds)
+
+    def _store(
+        self,
+        job_id: int,
+        spec: EncodeSpec,
+        shard: ImageShard,
+        target: tuple[Encoded, list[int]],
+        seconds: float,
+    ) -> Output:
+        """A target's latent shard (its encoded samples, and the shard's rows they are),
+        with what it was made from, and its lineage row."""
+        encoded, rows = target
+        about = _made_from(spec, self.encoders.get(spec).vae.config.scaling_factor)
+        lineage = {name: [column[n] for n in rows] for name, column in shard.lineage().items()}
+        data = latent_shard_bytes(lineage, encoded, about)
         uri = self.store.put_bytes(spec.latent_key, data, content_type=PARQUET)
-        # 3. Done: its output, and its row for the dataset's latents.
         output = Output(
-            job_id,
-            uri,
-            hashlib.sha256(data).hexdigest(),
-            work_seconds=perf_counter() - started,
-            units=len(shard),
+            job_id, uri, hashlib.sha256(data).hexdigest(), work_seconds=seconds, units=len(shard)
         )
         with self.sessions.begin() as session:
-            _record(session, spec, output, samples=len(shard), tensors=describe(encoded))
+            _record(session, spec, output, samples=len(rows), too_small=len(shard) - len(rows),
+                    tensors=describe(encoded))  # fmt: skip
         return output
 
     def _store_empty_prompt(self, spec: EncodeSpec, encoders) -> None:
@@ -130,8 +150,26 @@ def npy_bytes(array) -> bytes:
     return buffer.getvalue()
 
 
+def _by_shard(jobs: Sequence[Job], specs: list[EncodeSpec]) -> list[list[tuple[int, EncodeSpec]]]:
+    """The message's jobs as (job id, spec), those in a row that read the same images
+    (one shard's resolutions) together."""
+    shards: list[list[tuple[int, EncodeSpec]]] = []
+    for job, spec in zip(jobs, specs, strict=True):
+        if shards and shards[-1][0][1].source == spec.source:
+            shards[-1].append((job.id, spec))
+        else:
+            shards.append([(job.id, spec)])
+    return shards
+
+
 def _record(
-    session: Session, spec: EncodeSpec, output: Output, *, samples: int, tensors: dict[str, Any]
+    session: Session,
+    spec: EncodeSpec,
+    output: Output,
+    *,
+    samples: int,
+    too_small: int,
+    tensors: dict[str, Any],
 ) -> None:
     """The lineage row: this latent file came from that image shard through that model.
     Encoding a shard again (a redelivered job) rewrites the row, never adds a second."""
@@ -150,6 +188,7 @@ def _record(
         "uri": output.uri,
         "sha256": output.sha256,
         "samples": samples,
+        "too_small": too_small,
         "tensors": tensors,
         "seconds": output.work_seconds,
         "finished_at": utcnow(),

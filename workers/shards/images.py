@@ -1,8 +1,9 @@
 """Image shards as the kinds that read images see them (encode, curate), on the CPU: the
-kept samples of a shard and their pixels at a resolution. No torch here."""
+kept samples of a shard and their pixels at one resolution or several. No torch here."""
 
 import hashlib
 import io
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,9 @@ class ImageShard:
     captions: list[str]
     sha256s: list[str]
     images: list[bytes]
+    # Each image's shorter side as it was found on the web, before the download resized it
+    # (None where the shard does not say).
+    found_sides: list[int | None]
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -45,6 +49,7 @@ class ImageShard:
             captions=[self.captions[index] for index in rows],
             sha256s=[self.sha256s[index] for index in rows],
             images=[self.images[index] for index in rows],
+            found_sides=[self.found_sides[index] for index in rows],
         )
 
     def lineage(self) -> dict[str, list[str]]:
@@ -74,24 +79,44 @@ def fetch_image_shard(
 
 
 def read_image_shard(data: bytes, image_column: str) -> ImageShard:
-    table = pq.read_table(
-        io.BytesIO(data), columns=["key", "url", "caption", "sha256", "status", image_column]
-    )
+    file = pq.ParquetFile(io.BytesIO(data))
+    found = [name for name in FOUND_SIZE if name in file.schema_arrow.names]
+    table = file.read(columns=["key", "url", "caption", "sha256", "status", image_column, *found])
     kept = table.filter(pc.equal(table["status"], SampleStatus.success))
+    sides = pc.min_element_wise(*(kept[name] for name in found)) if found else None
     return ImageShard(
         keys=kept["key"].to_pylist(),
         urls=kept["url"].to_pylist(),
         captions=kept["caption"].to_pylist(),
         sha256s=kept["sha256"].to_pylist(),
         images=kept[image_column].to_pylist(),
+        found_sides=sides.to_pylist() if sides is not None else [None] * kept.num_rows,
     )
 
 
-def pixels(data: bytes, resolution: int) -> np.ndarray:
-    """An image as uint8 RGB, height x width x 3, center-cropped to the resolution (a
-    no-op for a dataset already made at it)."""
+# The columns of an image's size as it was found (shards written before them lack them).
+FOUND_SIZE = ("original_width", "original_height")
+
+
+def pixels_at(
+    data: bytes, resolutions: Sequence[int], *, found_side: int | None, upscale: bool
+) -> dict[int, np.ndarray | None]:
+    """An image decoded once, center-cropped to each resolution: uint8 RGB, height x width
+    x 3 (a no-op for a dataset already made at it). Unless `upscale`, None for each
+    resolution the image is too small for: its shorter side, as found (`found_side`) or as
+    stored, under it.
+
+    A JPEG at least twice the largest resolution is decoded at half its size (DCT scaling),
+    when upscaling is allowed: one target's pixels never depend on another target's."""
     with Image.open(io.BytesIO(data)) as image:
-        if image.format == "JPEG" and min(image.size) >= 2 * resolution:
+        stored = min(image.size)
+        if upscale and image.format == "JPEG" and stored >= 2 * max(resolutions):
             image.draft("RGB", (image.width // 2, image.height // 2))
-        square = resize(to_rgb(image), ImageOptions(resolution=resolution))
-        return np.asarray(square)
+        rgb = to_rgb(image)
+        side = stored if found_side is None else min(stored, found_side)
+        return {
+            resolution: np.asarray(resize(rgb, ImageOptions(resolution=resolution)))
+            if upscale or side >= resolution
+            else None
+            for resolution in resolutions
+        }
