@@ -45,7 +45,7 @@ def make_engine(
     `poolclass` (NullPool: a connection per use, closed after) and a `connect_timeout` in
     seconds (Postgres) are for a process that must not hold or wait on connections."""
     url = make_url(database_url)
-    if url.get_backend_name() == "postgresql" and url.drivername == "postgresql":
+    if url.drivername in ("postgresql", "postgres"):  # postgres://, as many hosts write it
         url = url.set(drivername="postgresql+psycopg")
     pooling = {"poolclass": poolclass} if poolclass else {}
     if url.get_backend_name() != "sqlite":

@@ -1,6 +1,10 @@
-"""Flower for the deployment, with every page behind its credentials."""
+"""Flower for the deployment, with every page behind its credentials. Needs the monitor
+extra (imported by `sdq flower` alone)."""
 
 import os
+
+from flower.views import monitor
+from tornado import web
 
 from sdq.workers.app import SdqCelery
 
@@ -9,9 +13,6 @@ def serve_flower(app: SdqCelery, *, port: int, credentials: str | None) -> None:
     """Runs Flower in this process until it is stopped. `credentials` (user:password, comma
     separated for more) are handed over in Flower's own variable, not on the command line
     where `ps` would show them; None serves it open."""
-    from flower.views import monitor
-    from tornado import web
-
     # Flower leaves its Prometheus page and its health check open to anyone who can reach
     # the port; here they ask for the same credentials as every other page.
     for handler in (monitor.Metrics, monitor.Healthcheck):

@@ -1,9 +1,11 @@
 """Help that stands on its own: every command and option says what it does, the prompt file's
 columns and the settings are in the help, and every command that reports has --json."""
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import click
 import pytest
@@ -89,6 +91,17 @@ def test_typos_are_named_not_taken_for_something_else(tmp_path, monkeypatch) -> 
     assert "FLOWER_BASIC_AUTH: 'nocolon' is not USER:PASSWORD" in from_env.output
 
 
+def test_a_required_option_left_out_is_named_before_anything_runs(tmp_path, monkeypatch) -> None:
+    """`--steps` is declared without a default: leaving it out is a usage error (it was a
+    traceback from deep in the submit), whichever way the command is named."""
+    monkeypatch.chdir(tmp_path)
+    for words in (["train"], ["train", "start"]):
+        left_out = CliRunner().invoke(main, [*words, "pets", "--base", "tiny", "--resolution",
+                                             "64"], env={"SDQ_HOME": str(tmp_path)})  # fmt: skip
+        assert left_out.exit_code == 2, left_out.output
+        assert "Missing option '--steps'" in left_out.output
+
+
 def test_a_folder_without_an_embedded_home_says_so_and_makes_none(tmp_path, monkeypatch) -> None:
     """`sdq runs` (or any look) run from another folder than the runs': the home it looked
     in, and no fresh empty database made there."""
@@ -128,3 +141,26 @@ def test_the_command_line_starts_without_any_extra() -> None:
                               cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
         assert done.returncode == 0, (group, done.stderr[-2000:])
         assert "Usage: sdq" in done.stdout
+
+
+def test_a_command_missing_its_extra_says_which_to_install(tmp_path: Path) -> None:
+    """Each was a traceback: the monitor extra's commands, and an embedded train run that
+    would send its figures to a tracker this process cannot load (it failed each job's
+    report, and the run went on without them)."""
+    script = WITHOUT_EXTRAS.format(modules=EXTRA_MODULES)
+    env = {**os.environ, "SDQ_HOME": str(tmp_path / "sdq-data")}
+    env.pop("SDQ_BROKER_URL", None)
+    asked = {
+        ("metrics",): "sdq metrics needs the monitor extra (prometheus_client is missing): "
+        "pip install 'sdq[monitor]'",
+        ("flower", "--no-auth"): "sdq flower needs the monitor extra (flower is missing)",
+        ("train", "pets", "--base", "tiny", "--resolution", "64", "--steps", "2",
+         "--report-to", "tensorboard"): "--report-to tensorboard: tensorboard is not installed "
+        "here, where the run trains: pip install 'sdq[trackers]'",
+    }  # fmt: skip
+    for command, said in asked.items():
+        done = subprocess.run([sys.executable, "-c", script, *command], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode in (1, 2) and "Traceback" not in done.stderr, done.stderr
+        assert said in " ".join(done.stderr.split()), done.stderr
+    assert not (tmp_path / "sdq-data").exists() or not list((tmp_path / "sdq-data").glob("*.db"))

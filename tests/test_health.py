@@ -70,6 +70,28 @@ def test_a_database_before_its_schema_says_what_to_do_once(service_env: dict[str
                                 "detail": "not asked: the database is not ready"}  # fmt: skip
 
 
+def test_a_database_that_cannot_be_reached_is_one_line_saying_why(
+    service_env: dict[str, str], postgres_url: str
+) -> None:
+    """No such database, nothing listening, and a postgres:// URL: one line with what to
+    do (each was a page of traceback), and the common scheme taken as Postgres."""
+    server = postgres_url.rsplit("/", 1)[0]
+
+    def said(url: str, *command: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "sdq.producer.cli", *command],
+                              env={**service_env, "SDQ_DATABASE_URL": url}, cwd=ROOT,
+                              capture_output=True, text=True)  # fmt: skip
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+        [line] = done.stderr.strip().splitlines()
+        return line
+
+    missing = said(f"{server}/sdq_never_made", "db", "upgrade")
+    assert 'database "sdq_never_made" does not exist' in missing and "createdb" in missing
+    closed = f"postgresql://postgres@127.0.0.1:{free_port()}/sdq"
+    assert "Connection refused" in said(closed, "runs")
+    assert "Connection refused" in said(closed.replace("postgresql:", "postgres:"), "runs")
+
+
 def test_a_worker_whose_device_keeps_failing_is_taken_out_of_rotation(
     own_deployment: dict[str, str], tmp_path
 ) -> None:

@@ -18,6 +18,7 @@ from sdq.models.tables import SickWorker
 from sdq.producer import display, lookups
 from sdq.producer.cli.common import (
     InputError,
+    extra_needed,
     json_option,
     lookup,
     pass_app,
@@ -281,7 +282,8 @@ def flower(app: SdqCelery, port: int, credentials: str | None, no_auth: bool) ->
     """Flower for this deployment: workers, queues and tasks live, Prometheus metrics at
     /metrics. Every page asks for credentials. Tasks carry job ids only, never prompts or
     URLs."""
-    from sdq.producer.monitor import serve_flower
+    with extra_needed("sdq flower", "monitor"):
+        from sdq.producer.monitor import serve_flower
 
     require_broker(app, "Flower")
     if not credentials and not no_auth:
@@ -312,9 +314,10 @@ def metrics(app: SdqCelery, port: int, host: str) -> None:
     """Serve Prometheus metrics Flower does not have at http://HOST:PORT/metrics: queue
     depths, jobs by kind and status, outputs per second, jobs each worker holds, lease
     expiries, retries and dead jobs; read from the broker and the database at each scrape."""
-    from prometheus_client import REGISTRY, start_http_server
+    with extra_needed("sdq metrics", "monitor"):
+        from prometheus_client import REGISTRY, start_http_server
 
-    from sdq.producer.metrics import SdqCollector
+        from sdq.producer.metrics import SdqCollector
 
     require_broker(app, "sdq metrics")
     REGISTRY.register(SdqCollector(app))

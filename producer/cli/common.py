@@ -338,6 +338,20 @@ def exit_if_dead(app: SdqCelery, run_id: int) -> None:
     sys.exit(DEAD_JOBS)
 
 
+@contextmanager
+def extra_needed(command: str, extra: str) -> Iterator[None]:
+    """Around the imports of an extra a command needs: where one is missing, a line saying
+    which extra to install instead of a traceback."""
+    try:
+        yield
+    except ModuleNotFoundError as error:
+        package = (error.name or "a module").partition(".")[0]
+        raise click.ClickException(
+            f"{command} needs the {extra} extra ({package} is missing): "
+            f"pip install 'sdq[{extra}]'"
+        ) from None
+
+
 def exit_bad_input(problems: InvalidInput) -> NoReturn:
     for error in problems.errors:
         click.echo(str(error), err=True)

@@ -48,6 +48,8 @@ class SdqGroup(click.Group):
                 raise click.ClickException(
                     "the database has no sdq tables yet: run `sdq db upgrade`"
                 ) from None
+            if isinstance(error, DBAPIError) and (refusal := _not_connected(error)):
+                raise click.ClickException(refusal) from None
             if not (full := full_disk(error)):
                 raise
             raise click.ClickException(
@@ -76,6 +78,21 @@ def _no_home(database: Path) -> str:
         "runs in SDQ_HOME, ./sdq-data under the folder it is run from; run it from the "
         "folder of your runs, or set SDQ_HOME to their sdq-data"
     )
+
+
+def _not_connected(error: DBAPIError) -> str | None:
+    """What stops a connection to Postgres (down, a wrong address, no such database), in
+    its own words and what to do; None for an error once connected."""
+    said = str(error.orig).strip()
+    if not said.startswith("connection failed") and "connection to server" not in said:
+        return None
+    reason = " ".join(said.split())
+    advice = (
+        "make it first (`createdb NAME` on the server), then `sdq db upgrade`"
+        if "does not exist" in reason
+        else "is Postgres running there? `sdq health` names each part that is down"
+    )
+    return f"cannot connect to the database (SDQ_DATABASE_URL): {reason}; {advice}"
 
 
 def _no_schema(error: DBAPIError) -> bool:

@@ -55,12 +55,15 @@ def _click_option(declared: Field) -> Callable[[F], F]:
     if how.zero_is_none:
         default = default or kind(0)
     help_text = how.help + (f" [default: {how.shown}]" if how.shown else "")
+    if default is MISSING:
+        # No default at all: Click (8.3 on) takes an explicit default=None as a value given,
+        # and would let a required option be left out.
+        return click.option(flag, type=_click_type(kind, how), required=True, help=help_text)
     return click.option(
         flag,
         type=_click_type(kind, how),
-        default=None if default is MISSING else default,
-        required=default is MISSING,
-        show_default=default not in (MISSING, None),
+        default=default,
+        show_default=default is not None,
         help=help_text,
     )
 

@@ -19,9 +19,8 @@ from sdq.models.train.architectures import (
     InvalidArchitecture,
     unet_architecture,
 )
-from sdq.models.train.specs import TRACKERS, TRAINING_SHARE_OF_TIME_LIMIT, TrainOptions
+from sdq.models.train.specs import TRACKERS, TrainOptions
 from sdq.producer.cli.common import (
-    exit_bad_input,
     exit_if_dead,
     found,
     json_option,
@@ -33,14 +32,12 @@ from sdq.producer.cli.common import (
     work_here,
 )
 from sdq.producer.cli.options import declared_options, from_command_line
-from sdq.producer.errors import InvalidInput
 from sdq.producer.evaluate.request import (
     EvaluationRequest,
     pop_evaluation_options,
     train_evaluation_options,
     train_evaluation_request,
 )
-from sdq.producer.prompts import read_prompts
 from sdq.producer.train import lookups as train_lookups
 from sdq.producer.train import screens
 from sdq.producer.train.plan import (
@@ -52,6 +49,12 @@ from sdq.producer.train.plan import (
     refusal,
 )
 from sdq.producer.train.plan import plan as plan_memory
+from sdq.producer.train.refusals import (
+    check_job_length,
+    check_trackers,
+    checked_options,
+    read_validation_prompts,
+)
 from sdq.producer.train.screens import report_status
 from sdq.producer.train.submit import CannotTrain, TrainSubmission, base_and_start, record_train
 from sdq.workers.app import SdqCelery
@@ -171,12 +174,13 @@ def start(
     Without a broker (SDQ_BROKER_URL unset) the work runs here, in this process."""
     # 1. Refused before anything is written: options that do not go together or fit.
     evaluation_asked = pop_evaluation_options(options)
-    train_options = _checked_options(app, base, resume_from, into, options)
-    prompts = _validation_prompts(validation_prompts) if validation_prompts else ()
+    train_options = checked_options(app, base, resume_from, into, options)
+    prompts = read_validation_prompts(validation_prompts) if validation_prompts else ()
     evaluation = train_evaluation_request(evaluation_asked, holdout=train_options.holdout)
     if train_options.unet_config is not None and can_plan():
         check_fits(train_options, resolution, gpu_memory)
-    _check_job_length(train_options, app.settings.time_limits[TRAIN.queue].soft)
+    check_job_length(train_options, app.settings.time_limits[TRAIN.queue].soft)
+    check_trackers(app, report_to)
     # 2. The run and its first job.
     ready_to_submit(app)
     submission = _submit(app, name, base, resume_from, resolution, train_options, into, prompts,
@@ -194,26 +198,6 @@ def start(
     exit_if_dead(app, submission.run_id)
 
 
-def _checked_options(
-    app: SdqCelery,
-    base: str | None,
-    resume_from: tuple[int, int | str | None] | None,
-    into: str | None,
-    options: dict[str, Any],
-) -> TrainOptions:
-    if into is not None and ("@" in into or "/" in into):
-        raise click.UsageError(f"--into {into!r}: a model name has no '@' or '/'")
-    if (base is None) == (resume_from is None):
-        raise click.UsageError("give --base, or --resume-from (which trains on its run's base)")
-    train_options = _train_options(**options)
-    if app.settings.embedded and train_options.nodes > 1:
-        raise click.UsageError("--nodes spreads a run over several machines' train workers: "
-                               "it needs a broker (SDQ_BROKER_URL) and workers")  # fmt: skip
-    if resume_from and train_options.from_scratch:
-        raise click.UsageError("--resume-from starts from trained weights; --from-scratch does not")
-    return train_options
-
-
 def train_here(app: SdqCelery, run_id: int, jobs: int) -> None:
     """The run's jobs in this process, the bar counting steps, then what its checkpoints
     asked for: validation renders, evaluations (each one's renders before its scoring)."""
@@ -225,43 +209,6 @@ def train_here(app: SdqCelery, run_id: int, jobs: int) -> None:
         asked_for = train_lookups.runs_asked_for(session, run_id)
     for asked, asked_jobs in asked_for:
         work_here(app, asked, jobs=asked_jobs)
-
-
-def _train_options(unet_config: str | None, **options: Any) -> TrainOptions:
-    """The options as the run records them: 0 for "none" becomes None (as declared), a named
-    or filed architecture its config."""
-    try:
-        return TrainOptions(
-            unet_config=unet_architecture(unet_config) if unet_config else None,
-            **from_command_line(TrainOptions, options),
-        )
-    except (ValueError, InvalidArchitecture) as error:
-        raise click.UsageError(str(error)) from None
-
-
-def _check_job_length(options: TrainOptions, soft_limit: float) -> None:
-    """A job of --checkpoint-minutes must end within the train queue's time limit, with
-    room to start, restore and write its checkpoint."""
-    minutes = options.checkpoint_minutes
-    most = TRAINING_SHARE_OF_TIME_LIMIT * soft_limit / 60
-    if minutes is not None and minutes > most:
-        raise click.UsageError(
-            f"--checkpoint-minutes {minutes:g} does not fit the train queue's time limit of "
-            f"{soft_limit / 60:g} minutes: a job takes steps for {most:g} minutes at most "
-            f"(the rest is for its start and its checkpoint); give at most {most:g}, or "
-            f"raise SDQ_TRAIN_TASK_SOFT_TIME_LIMIT (and SDQ_TRAIN_TASK_TIME_LIMIT) on the "
-            f"workers and here"
-        )
-
-
-def _validation_prompts(path: Path) -> tuple[tuple[str, int], ...]:
-    try:
-        return tuple(
-            (row.prompt, row.seed if row.seed is not None else row.line)
-            for row in read_prompts(path)
-        )
-    except InvalidInput as problems:
-        exit_bad_input(problems)
 
 
 def _submit(

@@ -6,6 +6,7 @@ from sdq.producer import display
 from sdq.producer.cli.common import (
     ensure_schema,
     ensure_store,
+    extra_needed,
     found,
     json_option,
     pass_app,
@@ -46,14 +47,10 @@ def serve(ctx: click.Context, host: str, port: int, model: str, no_auth: bool) -
     require_broker(app, "sdq serve (its requests go to the GPU workers)")
     ensure_schema(app)
     ensure_store(app)
-    try:
+    with extra_needed("sdq serve", "serve"):
         import uvicorn
 
         from sdq.producer.generate.serve.api import create_api
-    except ModuleNotFoundError as error:
-        raise click.ClickException(
-            f"sdq serve needs the serve extra ({error.name} is missing): pip install 'sdq[serve]'"
-        ) from None
     try:
         api = create_api(app, default_model=model, auth=not no_auth)
     except ValueError as error:
