@@ -81,7 +81,7 @@ class TrainOptions:
     nodes: int = option(
         1, low=1,
         help="Machines the --world-size ranks are spread over, evenly: each job's gang of "
-        "train workers gathers through the database (see the README's multi-node section).",
+        "train workers gathers through the database (docs/training.md, 'Several machines').",
     )  # fmt: skip
     # The run's samples come in this many lanes of shards, each read by one rank (see
     # workers/train/loop/data.py): the world size divides it, and it divides the batch

@@ -347,8 +347,7 @@ def extra_needed(command: str, extra: str) -> Iterator[None]:
     except ModuleNotFoundError as error:
         package = (error.name or "a module").partition(".")[0]
         raise click.ClickException(
-            f"{command} needs the {extra} extra ({package} is missing): "
-            f"pip install 'sdq[{extra}]'"
+            f"{command} needs the {extra} extra ({package} is missing): pip install 'sdq[{extra}]'"
         ) from None
 
 

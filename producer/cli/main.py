@@ -22,7 +22,7 @@ from sdq.workers.app import create_app, quiet_libraries
 
 # \b keeps Click from re-wrapping the list.
 SETTINGS_HELP = """\b
-Settings, from the environment (README.md lists them all):
+Settings, from the environment (ops/sdq.env.example lists them all):
   SDQ_DATABASE_URL   postgresql://host/db        [default: SQLite in SDQ_HOME]
   SDQ_BROKER_URL     redis://host:6379/0         [default: none; work is done here]
   SDQ_STORE_URL      s3://bucket/prefix, a folder [default: SDQ_HOME/store]
