@@ -318,8 +318,15 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
                     cwd=tmp_path)["scores"]["heldout_loss"]  # fmt: skip
     assert base["samples"] == 4 and base["value"] not in {v for _, v in scores["heldout_loss"]}
     # Against a dataset's own images: its first 6 kept samples, their captions rendered.
-    referenced = sdq_json(env, "evaluate", f"{run}@20", "--reference", "toy", "--samples", "6",
-                          "--metrics", "fd_clip,kid", cwd=tmp_path)["scores"]  # fmt: skip
+    done = _sdq(env, tmp_path, "evaluate", f"{run}@20", "--reference", "toy", "--samples", "6",
+                "--metrics", "fd_clip,kid")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    referenced = json.loads(done.stdout)["scores"]
+    # The renders' bar counts their 6 jobs (it said 6/1), then the scoring's 1.
+    assert re.findall(r"run \d+ \S+ (\d+/\d+)", done.stderr) == ["6/6", "1/1"], done.stderr
+    evaluated = json.loads(done.stdout)["run_id"]
+    asked = _sdq(env, tmp_path, "train", "status", str(evaluated))
+    assert f"run {evaluated} is not a train run (its kind: evaluate)" in asked.stderr
     assert {metric: score["samples"] for metric, score in referenced.items()} == {
         "fd_clip": 6, "kid": 6
     }  # fmt: skip

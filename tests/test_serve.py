@@ -416,21 +416,21 @@ def test_requests_that_arrive_together_share_one_pipeline_call(
     assert alone[0] != together[0][0]
 
 
-def test_a_worker_in_the_middle_of_a_batch_message_gives_way_at_its_next_call(
+def test_a_worker_in_the_middle_of_a_batch_call_gives_way_at_its_next_step(
     own_deployment: dict[str, str], tmp_path: Path
 ) -> None:
-    """Batch messages of 10 calls each: a request queued while the worker renders one is
-    taken after the call in hand; the rest of that message is put back (no attempt spent)
-    and made after the request, and every batch image is still made exactly once. A worker
-    that does not take requests never gives way."""
-    env = {**own_deployment, "SDQ_BATCH_SIZE": "2", "SDQ_CALLS_PER_TASK": "10"}
+    """A batch message of one call of 8 images, 300 steps each: a request queued while the
+    call renders stops it at its next step, not at its end; the call's jobs are put back (no
+    attempt spent) and made after the request, each exactly once. A worker that does not
+    take requests never gives way."""
+    env = {**own_deployment, "SDQ_BATCH_SIZE": "8", "SDQ_CALLS_PER_TASK": "1"}
     prompts = tmp_path / "prompts.csv"
     database = env["SDQ_DATABASE_URL"]
 
-    def batch_done() -> int:
+    def batch_jobs(status: str) -> int:
         with psycopg.connect(database) as db:
-            return db.execute("SELECT count(*) FROM jobs WHERE run_id = %s AND status = "
-                              "'succeeded'", (batch["run_id"],)).fetchone()[0]  # fmt: skip
+            return db.execute("SELECT count(*) FROM jobs WHERE run_id = %s AND status = %s",
+                              (batch["run_id"], status)).fetchone()[0]  # fmt: skip
 
     gus = new_key(env, "gus")
     # A worker of the batch queue alone sees the request waiting and never gives way: the
@@ -441,9 +441,10 @@ def test_a_worker_in_the_middle_of_a_batch_message_gives_way_at_its_next_call(
         assert first.status_code == 202, first.text
     batch_only.start()
     try:
-        prompts.write_text("prompt\n" + "".join(f"batch image {i}\n" for i in range(40)))
+        prompts.write_text("prompt\n" + "".join(f"batch image {i}\n" for i in range(16)))
         batch = sdq_json(env, "submit", str(prompts), "--size", "64x64", "--steps", "20")
-        wait_for(lambda: batch_done() == 40, what="the batch beside a waiting request", timeout=240)
+        wait_for(lambda: batch_jobs("succeeded") == 16, what="the batch beside a waiting request",
+                 timeout=240)  # fmt: skip
     finally:
         batch_only.stop()
     with psycopg.connect(database) as db:
@@ -457,25 +458,32 @@ def test_a_worker_in_the_middle_of_a_batch_message_gives_way_at_its_next_call(
 
     worker = WorkerProcess(env, tmp_path / "worker.log").start()
     try:
-        prompts.write_text("prompt\n" + "".join(f"slow batch image {i}\n" for i in range(40)))
-        batch = sdq_json(env, "submit", str(prompts), "--size", "64x64", "--steps", "20")
-        # The first message's first call made: 9 of its calls are still to come.
-        wait_for(lambda: batch_done() >= 2, what="the batch's first call", timeout=120)
         with serving(env, tmp_path / "serve.log") as base, httpx.Client(base_url=base) as http:
-            asked = http.post("/v1/images/generations", headers=gus, timeout=120,
+            wait_for(lambda: http.get("/v1/jobs/" + str(first.json()["job_ids"][0]),
+                                      headers=gus).json()["status"] == "succeeded",
+                     what="the request left waiting", timeout=120)  # fmt: skip
+            prompts.write_text("prompt\n" + "".join(f"slow image {i}\n" for i in range(8)))
+            batch = sdq_json(env, "submit", str(prompts), "--size", "64x64", "--steps", "300")
+            # The one call of its 8 images in hand: 300 steps to go.
+            wait_for(lambda: batch_jobs("running") == 8, what="the batch call", timeout=120)
+            asked = http.post("/v1/images/generations", headers=gus, timeout=300,
                               json={"prompt": "now, please", **TINY})  # fmt: skip
             assert asked.status_code == 200, asked.text
-        wait_for(lambda: batch_done() == 40, what="the whole batch", timeout=240)
+        wait_for(lambda: batch_jobs("succeeded") == 8, what="the whole batch", timeout=300)
     finally:
         worker.stop()
     [request_job] = asked.json()["job_ids"]
     with psycopg.connect(database) as db:
-        [attempts] = db.execute("SELECT max(attempts) FROM jobs WHERE run_id = %s",
-                                (batch["run_id"],)).fetchone()  # fmt: skip
+        [attempts, generations] = db.execute(
+            "SELECT max(j.attempts), count(g.job_id) FROM jobs j JOIN generations g "
+            "ON g.job_id = j.id WHERE j.run_id = %s", (batch["run_id"],),
+        ).fetchone()  # fmt: skip
         put_back = db.execute(
             "SELECT j.finished_at > (SELECT finished_at FROM jobs WHERE id = %s) FROM jobs j "
             "WHERE j.run_id = %s AND EXISTS (SELECT 1 FROM job_events e WHERE e.job_id = j.id "
             "AND e.detail LIKE 'put back%%')", (request_job, batch["run_id"]),
         ).fetchall()  # fmt: skip
-    assert put_back and all(after for (after,) in put_back), put_back
-    assert attempts == 1
+    # Every image of the call in hand was put back and made after the request: it did not
+    # wait for the call's 300 steps.
+    assert put_back == [(True,)] * 8
+    assert (attempts, generations) == (1, 8)

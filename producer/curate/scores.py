@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+from sdq.models.datasets import derived_from
 from sdq.models.store import ObjectStore
 from sdq.producer import display
 from sdq.producer.datasets.page import sample_html, shard_samples
@@ -140,4 +141,6 @@ def show_scores(summary: dict[str, Any]) -> None:
         scores = summary["scores"]
         rows = [{"score": name, **figures} for name, figures in scores.items() if name != "samples"]
         title = f"scores of {scores['samples']} samples (sdq curate)"
+        if source := derived_from(summary["options"]):  # the filter's cut shows against them
+            title = f"scores of the {scores['samples']} samples of {source}, before the filter"
         display.stdout.print(display.rows_table(rows, ["score", "min", "mean", "max"], title=title))

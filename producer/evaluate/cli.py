@@ -104,7 +104,8 @@ def evaluate(
         runs = open_evaluation(session, scored, evaluation)
     for run_id in runs:
         if app.settings.embedded:
-            work_here(app, run_id, jobs=1)
+            with app.sessions() as session:  # the renders' run has a job per render
+                work_here(app, run_id, jobs=session.get_one(Run, run_id).job_count)
         else:
             send_run(app, run_id)
     if app.settings.embedded or wait:

@@ -19,8 +19,11 @@ from sdq.producer.errors import NotFound
 
 def train_run(session: Session, run_id: int) -> Run:
     run = session.get(Run, run_id)
-    if run is None or run.kind != TRAIN.name:
+    if run is None:
         raise NotFound(f"no train run {run_id}")
+    if run.kind != TRAIN.name:
+        raise NotFound(f"run {run_id} is not a train run (its kind: {run.kind}): `sdq status "
+                       f"{run_id}` shows it")  # fmt: skip
     return run
 
 

@@ -10,6 +10,7 @@ one more loaded pipeline, as fast as the base.
 """
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from time import perf_counter
@@ -241,9 +242,16 @@ def warm(
     return tuple(keys)
 
 
-def render(loaded: Loaded, specs: list[GenerationSpec]) -> list[Image]:
+class GaveWay(Exception):
+    """A pipeline call stopped between two of its steps for work someone waits for."""
+
+
+def render(
+    loaded: Loaded, specs: list[GenerationSpec], *, give_way: Callable[[], bool] | None = None
+) -> list[Image]:
     """One pipeline call for specs that share a batch key; each image has its own generator,
-    so an image is the same whatever it was batched with."""
+    so an image is the same whatever it was batched with. `give_way` is asked after each
+    step: when it says so, the call stops there (GaveWay), its images not made."""
     first = specs[0]
     key = first.batch_key()
     if any(spec.batch_key() != key for spec in specs[1:]):
@@ -264,8 +272,20 @@ def render(loaded: Loaded, specs: list[GenerationSpec]) -> list[Image]:
             height=first.height,
             generator=generators,
             output_type="pil",
+            **({"callback_on_step_end": _stopping_when(give_way)} if give_way else {}),
         )
     return result.images[:called]
+
+
+def _stopping_when(give_way: Callable[[], bool]):
+    """A step-end callback that stops the call where `give_way` says so."""
+
+    def at_step_end(_pipeline, _step: int, _timestep, tensors: dict) -> dict:
+        if give_way():
+            raise GaveWay
+        return tensors
+
+    return at_step_end
 
 
 def padded(specs: list[GenerationSpec], batches: tuple[int, ...]) -> list[GenerationSpec]:

@@ -24,6 +24,21 @@ if TYPE_CHECKING:
     from sdq.workers.generate.pipelines import PipelineCache
 
 UPLOAD_THREADS = 8
+# How often a call in hand asks whether a request waits (one LLEN on the broker's Redis).
+GIVE_WAY_SECONDS = 0.05
+
+
+def at_most_every(seconds: float, check: Callable[[], bool]) -> Callable[[], bool]:
+    """`check`, asked again only once `seconds` have passed since it was last asked."""
+    last = [perf_counter()]
+
+    def throttled() -> bool:
+        if perf_counter() - last[0] < seconds:
+            return False
+        last[0] = perf_counter()
+        return check()
+
+    return throttled
 
 
 class GenerateWork(Work):
@@ -44,28 +59,34 @@ class GenerateWork(Work):
         self.sessions = sessions
         self.pipelines = pipelines
         self.batch_size = batch_size
-        # Asked between calls: whether work someone waits for is queued (a request on the
-        # lane), for which the rest of this message is put back.
+        # Asked before each call and, at most every GIVE_WAY_SECONDS, between a call's steps:
+        # whether work someone waits for is queued (a request on the lane), for which the
+        # call in hand stops and the rest of this message is put back.
         self.give_way = give_way
 
     def run(self, jobs: Sequence[Job]) -> Iterator[Output]:
         """Renders call after call; a call's uploads run in threads while the next one
-        renders, so the device never waits on the store. Between calls, gives way to a
-        request (`give_way`), leaving the rest of the message (`left`)."""
-        from sdq.workers.generate.pipelines import render
+        renders, so the device never waits on the store. Before a call or between its steps,
+        gives way to a request (`give_way`), leaving the rest of the message (`left`): a
+        request waits for a step, not for a batch call."""
+        from sdq.workers.generate.pipelines import GaveWay, render
 
         specs = {job.id: GenerationSpec.from_dict(job.spec) for job in jobs}
         by_id = {job.id: job for job in jobs}
         calls = batches([(job.id, specs[job.id].batch_key()) for job in jobs], self.batch_size)
+        asked = at_most_every(GIVE_WAY_SECONDS, self.give_way)
         with ThreadPoolExecutor(UPLOAD_THREADS) as uploads:
             previous: list[Future[Output]] = []
             for index, call in enumerate(calls):
-                if index and self.give_way():
+                try:
+                    if self.give_way():
+                        raise GaveWay
+                    loaded, loading = self.pipelines.get(specs[call[0]])
+                    started = perf_counter()
+                    images = render(loaded, [specs[i] for i in call], give_way=asked)
+                except GaveWay:
                     self.left = tuple(job_id for later in calls[index:] for job_id in later)
                     break
-                loaded, loading = self.pipelines.get(specs[call[0]])
-                started = perf_counter()
-                images = render(loaded, [specs[i] for i in call])
                 # Each image's share of the call, and of the model load it waited for.
                 timing = Timing(
                     setup=loading / len(call) if loading is not None else None,
