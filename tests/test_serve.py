@@ -181,6 +181,27 @@ def test_images_on_request_each_a_run_twins_from_the_store_and_jobs_with_events(
         assert counted[within] == counted[made]  # every one answered within 2 minutes
     assert counted[("sdq_serve_requests_in_flight", ())] == 0
 
+    # A client that hangs up leaves its job to finish: the image is made and stored, and
+    # the same request later is answered from the store.
+    left = {"prompt": "asked for and left behind", "seed": 5, "size": "64x64", "steps": 80}
+    with serving(env, tmp_path / "serve-2.log") as base, httpx.Client(base_url=base) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/images/generations", headers=alice, json=left, timeout=0.5)
+
+        def made() -> bool:
+            with psycopg.connect(database) as db:
+                return db.execute(
+                    "SELECT j.status = 'succeeded' FROM jobs j JOIN generations g ON "
+                    "g.job_id = j.id WHERE g.prompt = %s", (left["prompt"],),
+                ).fetchone() == (True,)  # fmt: skip
+
+        wait_for(made, what="the left request's image", timeout=120)
+        later = http.post("/v1/images/generations", headers=alice, json=left, timeout=120)
+        assert later.status_code == 200, later.text
+    with psycopg.connect(database) as db:
+        assert db.execute("SELECT bool_and(cached) FROM jobs WHERE run_id = %s",
+                          (later.json()["run_id"],)).fetchone() == (True,)  # fmt: skip
+
 
 def test_bad_requests_are_named_by_field_and_write_nothing(
     service_env: dict[str, str], tmp_path: Path
