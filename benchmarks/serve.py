@@ -1,7 +1,9 @@
 """Images on request: latency from request to PNG bytes, side by side in one run.
 
-The tiny model (the same weights on every side), SIZE x SIZE, STEPS steps, a new prompt and
-seed for every request (nothing comes from a cache):
+One model, the same weights on every side (`--model`: the tiny one, the default on a CPU;
+SD 1.5's shape with random weights, benchmarks/sd15.py, the default on a GPU, in fp16 there),
+SIZE x SIZE, STEPS steps, a new prompt and seed for every request (nothing comes from a
+cache):
   (a) `sdq serve` with one `sdq worker gpu` process, on Redis, Postgres and an S3 server
       (moto), the PNG in the answer (`response_format: b64_json`);
   (b) the pipeline called in this process, one image per call, the PNG encoded: the floor;
@@ -15,8 +17,8 @@ Prints one JSON object: the figures, `overhead_p50_ms` (sdq's p50 at concurrency
 the floor's), `sdq_vs_plain` (images/s at concurrency 16) and
 `p99_with_batch_backlog_over_p50` (sdq's p99 with the backlog over its p50 without).
 
-    python benchmarks/serve.py [--requests 48] [--size 64] [--steps 10] [--backlog 1000]
-                               [--calls-per-task 4]
+    python benchmarks/serve.py [--model tiny|sd15-shape] [--requests 48] [--size 64|512]
+                               [--steps 10|50] [--backlog 1000] [--calls-per-task 4]
 """
 
 import argparse
@@ -44,11 +46,14 @@ from diffusers import StableDiffusionPipeline
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from sd15 import sd15_pipeline  # noqa: E402  (beside this script)
+
 from sdq.workers.tiny import build_pipeline  # noqa: E402
 from tests.conftest import WorkerProcess  # noqa: E402
 from tests.services import answers, deployment, free_port, wait_for  # noqa: E402
 
 CONCURRENCY = (1, 4, 16)
+MODELS = {"tiny": build_pipeline, "sd15-shape": sd15_pipeline}
 
 
 def closed_loop(ask: Callable[[int], None], *, concurrency: int, requests: int) -> dict:
@@ -114,7 +119,10 @@ def prompt(side: str, concurrency: int, number: int) -> str:
 
 
 def floor(folder: Path, args) -> dict:
-    pipeline = StableDiffusionPipeline.from_pretrained(folder).to("cpu")
+    gpu = torch.cuda.is_available()
+    dtype = torch.float16 if gpu else torch.float32
+    pipeline = StableDiffusionPipeline.from_pretrained(folder, torch_dtype=dtype)
+    pipeline = pipeline.to("cuda" if gpu else "cpu")
     pipeline.set_progress_bar_config(disable=True)
 
     def ask(number: int) -> None:
@@ -137,7 +145,7 @@ def measure(post: Callable[[int, int], None], args) -> dict:
     }
 
 
-def sdq_side(env: dict[str, str], home: Path, args) -> tuple[dict, dict]:
+def sdq_side(env: dict[str, str], home: Path, args, folder: Path) -> tuple[dict, dict]:
     env = {
         **env,
         "SDQ_SERVE_REQUESTS_PER_MINUTE": "1000000",
@@ -152,7 +160,8 @@ def sdq_side(env: dict[str, str], home: Path, args) -> tuple[dict, dict]:
     base = f"http://127.0.0.1:{port}"
     worker = WorkerProcess(env, home / "worker.log").start()
     try:
-        with process([*sdq, "serve", "--port", str(port)], env, home / "serve.log", base):
+        serve = [*sdq, "serve", "--port", str(port), "--model", str(folder)]
+        with process(serve, env, home / "serve.log", base):
             clients = Clients(base, headers)
 
             def post(concurrency: int, number: int, side: str = "sdq") -> None:
@@ -194,24 +203,30 @@ def plain_side(folder: Path, home: Path, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    gpu = torch.cuda.is_available()
+    parser.add_argument("--model", choices=MODELS, default="sd15-shape" if gpu else "tiny")
     parser.add_argument("--requests", type=int, default=48, help="Per side and concurrency.")
-    parser.add_argument("--size", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--size", type=int, help="[default: 64 tiny, 512 sd15-shape]")
+    parser.add_argument("--steps", type=int, help="[default: 10 tiny, 50 sd15-shape]")
     parser.add_argument("--backlog", type=int, default=1000)
     parser.add_argument("--calls-per-task", type=int, default=4,
                         help="SDQ_CALLS_PER_TASK of the batch run (a request waits behind one "
                              "message of the backlog: this many pipeline calls)")  # fmt: skip
     args = parser.parse_args()
+    tiny = args.model == "tiny"
+    args.size = args.size or (64 if tiny else 512)
+    args.steps = args.steps or (10 if tiny else 50)
     home = Path(tempfile.mkdtemp(prefix="sdq-serve-bench-"))
-    folder = home / "tiny"
-    build_pipeline().save_pretrained(folder)
+    folder = home / args.model
+    MODELS[args.model]().save_pretrained(folder)
     floor_figures = floor(folder, args)
     plain = plain_side(folder, home, args)
     with deployment(broker_db=13) as env:
-        sdq, behind = sdq_side(env, home, args)
+        sdq, behind = sdq_side(env, home, args, folder)
     fastest = sdq["c16"]["images_per_second"], plain["c16"]["images_per_second"]
     figures = {
-        "device": "cpu", "size": args.size, "steps": args.steps, "requests": args.requests,
+        "device": torch.cuda.get_device_name() if gpu else "cpu", "model": args.model,
+        "size": args.size, "steps": args.steps, "requests": args.requests,
         "calls_per_task": args.calls_per_task,
         "floor": floor_figures, "sdq": sdq, "plain": plain, "sdq_with_backlog": behind,
         "overhead_p50_ms": round(sdq["c1"]["p50_ms"] - floor_figures["p50_ms"], 1),

@@ -161,6 +161,14 @@ def test_one_pass_encodes_several_resolutions_and_leaves_out_what_is_too_small(
                      "--batch-size", "3", "--wait", cwd=tmp_path)  # fmt: skip
     latents = {entry["resolution"]: entry for entry in shown["latents"]}
     assert (latents[32]["samples"], latents[32]["left_out"]) == (6, {})
+    # The other way at a resolution encoded (upscaling) would replace those latents.
+    other_way = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", "encode", "sized", "--model", "tiny",
+         "--resolution", "64"],
+        env=env, cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    assert other_way.returncode == 2, other_way.stderr
+    assert "made with --resolutions (smaller images left out)" in " ".join(other_way.stderr.split())
     assert (latents[64]["samples"], latents[64]["left_out"]) == (3, {"too small for 64": 3})
     store = tmp_path / "sdq-data" / "store"
     for resolution, smallest in ((32, 0), (64, 64)):
@@ -236,7 +244,7 @@ def test_encode_refuses_what_it_cannot_do_by_name(download_env: dict[str, str]) 
     assert "no dataset named 'no-such-dataset'" in unknown.stderr
     odd = encode("birds", "--model", "tiny", "--resolution", "100")
     assert odd.returncode == 2
-    assert "--resolution 100 is not a multiple of 8" in odd.stderr
+    assert "--resolution 100: not a positive multiple of 8" in odd.stderr
     model = encode("birds", "--model", "no-such-model")
     assert model.returncode == 2
     assert "unknown model 'no-such-model':" in model.stderr

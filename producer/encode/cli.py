@@ -103,7 +103,7 @@ def _targets(resolution: int | None, resolutions: str | None) -> list[int]:
 def _multiples_of_8(targets: list[int], option: str) -> list[int]:
     for target in targets:
         if target < VAE_SCALE or target % VAE_SCALE:
-            raise click.UsageError(f"{option} {target} is not a multiple of {VAE_SCALE}")
+            raise click.UsageError(f"{option} {target}: not a positive multiple of {VAE_SCALE}")
     return targets
 
 

@@ -6,6 +6,7 @@ revision) is served from the store, as images are."""
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.datasets import derived_from
@@ -15,6 +16,7 @@ from sdq.models.jobs.kinds import ENCODE
 from sdq.models.jobs.outbox import add_jobs, open_run
 from sdq.models.registry import record_model
 from sdq.models.specs import ModelIdentity
+from sdq.models.tables import Run
 from sdq.producer.datasets.lookups import NotReadable, downloaded_shards, members_by_shard
 
 # The VAE halves the image three times: sides must divide by 8.
@@ -63,6 +65,7 @@ def record_encode(
         stored_at = _stored_at(dataset)
         if leave_out_smaller:
             _check_targets(name, stored_at, resolutions)
+        _check_same_way(session, name, model, resolutions, leave_out_smaller)
         kept = _kept(session, dataset)
         # 2. The run and its jobs; a shard encoded already by this model is done as written.
         record_model(session, model)
@@ -70,7 +73,11 @@ def record_encode(
             session,
             ENCODE,
             source=name,
-            options={**_described(name, model), "resolutions": resolutions},
+            options={
+                **_described(name, model),
+                "resolutions": resolutions,
+                "leave_out_smaller": leave_out_smaller,
+            },
             # A shard is a minute of GPU work: one per message, with all its targets.
             jobs_per_message=len(resolutions),
             task_options={"batch_size": batch_size},
@@ -121,6 +128,40 @@ def _readable(session: Session, name: str) -> tuple[Dataset, list[Shard], int]:
         return downloaded_shards(session, name)
     except NotReadable as error:
         raise NothingToEncode(str(error)) from None
+
+
+def _check_same_way(
+    session: Session,
+    name: str,
+    model: ModelIdentity,
+    resolutions: list[int],
+    leave_out_smaller: bool,
+) -> None:
+    """A dataset's latents at a resolution are one set (one file a shard, the one training
+    reads): encoding them the other way (`--resolution` upscales smaller images,
+    `--resolutions` leaves them out) would replace them under a run reading them. Refused,
+    saying how the latents there were made."""
+    encoded = session.scalars(
+        select(Run.options).where(Run.kind == ENCODE.name, Run.source == name)
+    ).all()
+    for options in encoded:
+        targets = set(options.get("resolutions") or [options["resolution"]])
+        same_model = options["revision"] == model.revision
+        other_way = bool(options.get("leave_out_smaller")) != leave_out_smaller
+        if same_model and other_way and (overlap := sorted(targets & set(resolutions))):
+            made = WAYS[not leave_out_smaller]
+            raise NothingToEncode(
+                f"dataset {name!r} has latents at {overlap[0]} px by {model.name} made with "
+                f"{made}; {WAYS[leave_out_smaller]} would replace them: encode with {made} "
+                f"again, or into a copy of the dataset (`sdq dataset filter`)"
+            )
+
+
+# How a dataset's latents treat images smaller than their resolution, by leave_out_smaller.
+WAYS = {
+    False: "--resolution (smaller images upscaled)",
+    True: "--resolutions (smaller images left out)",
+}
 
 
 def _kept(session: Session, dataset: Dataset) -> Callable[[int], list[str] | None]:

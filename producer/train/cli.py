@@ -3,7 +3,7 @@
 import difflib
 import json
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -279,10 +279,13 @@ def _watch(
 
 
 def watch_resumed(app: SdqCelery, run_id: int, *, jobs: int, show: bool) -> None:
-    """`sdq resume RUN --wait` on the workers: the bar counts steps, from its checkpoint."""
+    """`sdq resume RUN --wait` on the workers: the bar counts steps, from its checkpoint
+    (steps taken after the last one recorded, each stamped by a worker's clock, as it was:
+    this machine's clock is not theirs)."""
     with app.sessions() as session:
         steps = session.get_one(Run, run_id).options["steps"]
-    _watch(app, run_id, steps, show=show, since=utcnow())
+        last = train_lookups.last_step_at(session, run_id)
+    _watch(app, run_id, steps, show=show, since=last + timedelta(microseconds=1) if last else None)
 
 
 def _report_submission(submission: TrainSubmission, tasks: int, as_json: bool) -> None:

@@ -56,6 +56,11 @@ def latest_step(session: Session, run_id: int, since: datetime | None = None) ->
     return session.scalar(taken.where(TrainStep.at >= since)) or session.scalar(checkpointed) or 0
 
 
+def last_step_at(session: Session, run_id: int) -> datetime | None:
+    """When the run's last recorded step ended, by the clock of the worker that took it."""
+    return session.scalar(select(func.max(TrainStep.at)).where(TrainStep.run_id == run_id))
+
+
 def runs_asked_for(session: Session, run_id: int) -> list[tuple[int, int]]:
     """(run id, jobs) of what the train run's checkpoints asked for and is not finished
     yet, in the order it was asked: validation renders, evaluations' renders and their

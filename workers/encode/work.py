@@ -125,7 +125,7 @@ class EncodeWork(Work):
         data = latent_shard_bytes(lineage, encoded, about)
         uri = self.store.put_bytes(spec.latent_key, data, content_type=PARQUET)
         output = Output(
-            job_id, uri, hashlib.sha256(data).hexdigest(), work_seconds=seconds, units=len(shard)
+            job_id, uri, hashlib.sha256(data).hexdigest(), work_seconds=seconds, units=len(rows)
         )
         with self.sessions.begin() as session:
             _record(session, spec, output, samples=len(rows), too_small=len(shard) - len(rows),

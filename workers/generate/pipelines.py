@@ -278,10 +278,11 @@ def render(
 
 
 def _stopping_when(give_way: Callable[[], bool]):
-    """A step-end callback that stops the call where `give_way` says so."""
+    """A step-end callback that stops the call where `give_way` says so; not after its
+    last step, when the images are all but made."""
 
-    def at_step_end(_pipeline, _step: int, _timestep, tensors: dict) -> dict:
-        if give_way():
+    def at_step_end(pipeline, step: int, _timestep, tensors: dict) -> dict:
+        if step + 1 < getattr(pipeline, "num_timesteps", step + 2) and give_way():
             raise GaveWay
         return tensors
 

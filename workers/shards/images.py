@@ -106,8 +106,9 @@ def pixels_at(
     resolution the image is too small for: its shorter side, as found (`found_side`) or as
     stored, under it.
 
-    A JPEG at least twice the largest resolution is decoded at half its size (DCT scaling),
-    when upscaling is allowed: one target's pixels never depend on another target's."""
+    A JPEG at least twice the largest resolution is decoded at half its size (DCT scaling)
+    where upscaling is allowed (`--resolution`, one target); never where it is not
+    (`--resolutions`), so that a target's pixels do not depend on the others asked with it."""
     with Image.open(io.BytesIO(data)) as image:
         stored = min(image.size)
         if upscale and image.format == "JPEG" and stored >= 2 * max(resolutions):

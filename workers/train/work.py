@@ -17,12 +17,11 @@ from collections.abc import Callable, Iterator, Sequence
 from time import perf_counter, time
 from typing import Any
 
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.jobs.delivery import Work, check_lease, lease_held
 from sdq.models.jobs.lifecycle import Output, utcnow
-from sdq.models.store import ObjectStore, StoreError
+from sdq.models.store import ObjectStore
 from sdq.models.tables import Job, Run
 from sdq.models.train.page import draw_page
 from sdq.models.train.settings import TrainSettings
@@ -211,8 +210,8 @@ class TrainWork(Work):
         try:
             with self.sessions() as session:
                 draw_page(session, self.store, session.get_one(Run, run_id))
-        except (DBAPIError, StoreError) as error:
-            logger.warning("the page of train run %s was not drawn: %r", run_id, error)
+        except Exception:  # anything: a failure here must not fail a job already recorded
+            logger.exception("the page of train run %s was not drawn", run_id)
 
     def _prune(self, spec: TrainShardSpec) -> None:
         """Marks the old checkpoints deleted, then deletes their objects: a row never says a

@@ -117,8 +117,8 @@ class Training:
         window = StepWindow(spec, state)
         while state.step < spec.last_step:
             inputs = window.next_from(self._inputs)
-            window.flops_from(inputs)
             with self._first_compiled(spec, inputs, window):
+                window.flops_from(inputs)
                 window.add(train_step(state, spec, inputs))
             if len(window) == self.loss_every:
                 self.on_steps(window.read())
@@ -128,9 +128,9 @@ class Training:
         return window.steps
 
     def _first_compiled(self, spec: TrainShardSpec, inputs, window: "StepWindow"):
-        """Around a compiled state's first step: the store's artifacts loaded before it,
-        this rank 0's saved after it where there were none, and its compile set aside from
-        the window's speed (it is the run's start, not its training)."""
+        """Around a compiled state's first step (and its FLOP count): the store's artifacts
+        loaded before it, this rank 0's saved after it where there were none, and all of
+        it set aside from the window's speed (it is the run's start, not its training)."""
         state = self.state
         if state.compiled is None:
             return nullcontext()
@@ -211,11 +211,12 @@ class StepWindow:
 
     def _compiling(self, elapsed: float, steps: int) -> float:
         """Of the window's `elapsed` seconds, those its first step spent compiling: that
-        step's time less one step's (the others' mean; all of it in a window of one)."""
+        step's time less one step's (the others' mean). A window of one step has no other
+        step to tell them apart by: its compile stays in its speed."""
         first = self._compiled_in
-        if first is None:
+        if first is None or steps < 2:
             return 0.0
-        return first - (elapsed - first) / (steps - 1) if steps > 1 else first
+        return max(0.0, first - (elapsed - first) / (steps - 1))
 
     def add(self, loss: torch.Tensor) -> None:
         lr = self.state.lr_scheduler.get_last_lr()[0]
