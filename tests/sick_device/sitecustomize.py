@@ -9,7 +9,7 @@ if os.environ.get("SDQ_TEST_SICK_DEVICE") == "1":
 
     from sdq.workers.generate import pipelines
 
-    def _render_on_a_sick_device(loaded, specs):
+    def _render_on_a_sick_device(loaded, specs, **_):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     pipelines.render = _render_on_a_sick_device
