@@ -100,13 +100,16 @@ def watch(
     show: bool = True,
     poll_seconds: float = 0.1,
     stop: Callable[[], bool] = lambda: False,
+    stalled: Callable[[], str | None] = lambda: None,
 ) -> None:
     """Waits until `finished()` reaches `total`, drawing a progress bar if `show`; each
     poll asks `finished()` once, and draws what it said. A command that waits returns
     within `poll_seconds` of the end, yet asks the database at most a tenth of the time (a
     large run's count takes longer, and is asked less often), and at least once a second
     (one slow answer, the database busy for a moment, is not waited for ten times over).
-    When `stop()` says so, it stops as Ctrl-C does."""
+    When `stop()` says so, it stops as Ctrl-C does. Once nothing has moved for
+    STALLED_SECONDS, `stalled()` is asked (once) what to say of it, if anything."""
+    began, first, asked_why = time.perf_counter(), None, False
     with _tracking(title, total, show) as track:
         while True:
             if stop():
@@ -116,7 +119,16 @@ def watch(
             track(count)
             if count >= total:
                 return
+            first = count if first is None else first
+            if not asked_why and count == first and asked - began > STALLED_SECONDS:
+                asked_why = True
+                if said := stalled():
+                    console.print(f"[yellow]{said}[/yellow]", highlight=False)
             time.sleep(min(max(poll_seconds, 9 * (time.perf_counter() - asked)), 1.0))
+
+
+# A wait with no progress this long asks why (no worker consumes the run's queue?).
+STALLED_SECONDS = 5.0
 
 
 def status_table(status: dict[str, Any]) -> Table:

@@ -86,6 +86,12 @@ def _broker(app: SdqCelery) -> str:
         return connection.as_uri()
 
 
+def consumed_queues(app: SdqCelery) -> set[str]:
+    """The queues live workers consume now, as they answer a ping."""
+    answered = app.control.inspect(timeout=REPLY_SECONDS).active_queues() or {}
+    return {queue["name"] for queues in answered.values() for queue in queues}
+
+
 def _workers(app: SdqCelery) -> list[Check]:
     """One check per queue: the workers that consume it and answered a ping."""
     answered = app.control.inspect(timeout=REPLY_SECONDS).active_queues() or {}

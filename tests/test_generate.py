@@ -25,6 +25,7 @@ from sdq.models.jobs.lifecycle import cancel_jobs
 from sdq.models.registry import tiny_identity
 from sdq.models.settings import Settings
 from sdq.models.tables import Job, JobEvent, JobStatus
+from sdq.producer.display import STALLED_SECONDS
 from sdq.producer.generate.plan import Defaults, plan_jobs
 from sdq.producer.generate.submit import CHUNK, Batching, record_run
 from sdq.producer.prompts import read_prompts
@@ -431,7 +432,8 @@ def test_ctrl_c_while_sending_leaves_the_rest_queued_for_the_relay(
 def test_ctrl_c_on_wait_stops_the_watching_not_the_run(
     own_deployment: dict[str, str], tmp_path: Path
 ) -> None:
-    """No worker here: the run waits in the broker, and goes on waiting after Ctrl-C."""
+    """No worker here: the wait says so once nothing has moved for a while (the bar alone
+    sat at 0 for ever); the run waits in the broker, and goes on waiting after Ctrl-C."""
     prompts = write(tmp_path / "p.csv", "prompt\nwatched\nand left\n")
     watching = subprocess.Popen(
         [sys.executable, "-m", "sdq.producer.cli", "submit", str(prompts), "--wait"],
@@ -444,8 +446,11 @@ def test_ctrl_c_on_wait_stops_the_watching_not_the_run(
             return session.scalar(select(func.count()).select_from(Job)) == 2
 
     wait_for(queued, what="the run's jobs in the broker", timeout=60)
-    time.sleep(1)  # watching now
+    time.sleep(STALLED_SECONDS + 8)  # watching, nothing moving, the workers asked (2 s)
     said = pressed_ctrl_c(watching)
+    assert (
+        "no worker consumes the generate queue now: the run waits for one (`sdq worker gpu`" in said
+    )
     assert "stopped watching: run 1 goes on on the workers" in said
     assert "`sdq resume 1 --wait` watches it again" in said
     with sessions() as session:

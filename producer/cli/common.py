@@ -17,13 +17,14 @@ from sqlalchemy.orm import Session
 from sdq.models.cores import cores, torch_threads
 from sdq.models.db import make_engine
 from sdq.models.faults import free_space, full_disk
-from sdq.models.jobs.kinds import Pool, kind_named
+from sdq.models.jobs.kinds import WARM, Pool, kind_named
 from sdq.models.jobs.lifecycle import Worker, release_jobs
 from sdq.models.jobs.outbox import EnqueueFailed, Sent, enqueue, messages
 from sdq.models.store import StoreError
 from sdq.models.tables import FINISHED, Job, JobStatus, Run
 from sdq.producer import display, lookups
 from sdq.producer.errors import InvalidInput, NotFound
+from sdq.producer.health import consumed_queues
 from sdq.workers.app import SdqCelery, worker_identity
 
 BAD_INPUT = 2
@@ -148,16 +149,41 @@ def finished_jobs(app: SdqCelery, run_id: int) -> Callable[[], int]:
 
 def watch_run(app: SdqCelery, run_id: int, *, jobs: int, show: bool) -> None:
     """Waits for the run's jobs to finish, with a progress bar when `show`."""
-    watch_progress(run_id, f"run {run_id}", jobs, finished_jobs(app, run_id), show=show)
+    watch_progress(run_id, f"run {run_id}", jobs, finished_jobs(app, run_id), show=show,
+                   stalled=no_worker_for(app, run_id))  # fmt: skip
 
 
 def watch_progress(
-    run_id: int, title: str, total: int, done: Callable[[], int], *, show: bool
+    run_id: int,
+    title: str,
+    total: int,
+    done: Callable[[], int],
+    *,
+    show: bool,
+    stalled: Callable[[], str | None] = lambda: None,
 ) -> None:
     """Waits until `done()` reaches `total` (a run's jobs, a train run's steps); Ctrl-C
-    stops the watching, not the run."""
+    stops the watching, not the run. A wait that does not move says what `stalled` says."""
     with watching(run_id) as pressed:
-        display.watch(title, total, done, show=show, stop=pressed)
+        display.watch(title, total, done, show=show, stop=pressed, stalled=stalled)
+
+
+def no_worker_for(app: SdqCelery, run_id: int) -> Callable[[], str | None]:
+    """What to say of a run that waits, where no live worker consumes its kind's queue (or
+    a warm one of it)."""
+
+    def said() -> str | None:
+        with app.sessions() as session:
+            kind = kind_named(session.get_one(Run, run_id).kind)
+        if any(name == kind.queue or name.startswith(f"{kind.queue}{WARM}")
+               for name in consumed_queues(app)):  # fmt: skip
+            return None
+        return (
+            f"no worker consumes the {kind.queue} queue now: the run waits for one "
+            f"(`sdq worker {kind.pool}`; `sdq health` lists the workers)"
+        )
+
+    return said
 
 
 @contextmanager

@@ -24,6 +24,7 @@ from sdq.producer.cli.common import (
     exit_if_dead,
     found,
     json_option,
+    no_worker_for,
     pass_app,
     ready_to_submit,
     report_submission,
@@ -275,7 +276,8 @@ def _watch(
         # run's end, which its closing says.
         return min(done(), steps - 1)
 
-    watch_progress(run_id, f"train run {run_id}", steps, finished, show=show)
+    watch_progress(run_id, f"train run {run_id}", steps, finished, show=show,
+                   stalled=no_worker_for(app, run_id))  # fmt: skip
 
 
 def watch_resumed(app: SdqCelery, run_id: int, *, jobs: int, show: bool) -> None:
