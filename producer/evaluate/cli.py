@@ -102,10 +102,11 @@ def evaluate(
         real = reference_samples(session, app.store, reference, samples) if reference else None
         evaluation = _evaluation(request, base, identity, real)
         runs = open_evaluation(session, scored, evaluation)
+        # Each run's jobs, for its bar: the renders' run has one a render.
+        jobs = {run_id: session.get_one(Run, run_id).job_count for run_id in runs}
     for run_id in runs:
         if app.settings.embedded:
-            with app.sessions() as session:  # the renders' run has a job per render
-                work_here(app, run_id, jobs=session.get_one(Run, run_id).job_count)
+            work_here(app, run_id, jobs=jobs[run_id])
         else:
             send_run(app, run_id)
     if app.settings.embedded or wait:

@@ -105,22 +105,23 @@ class EncodeWork(Work):
         self._store_empty_prompt(specs[0], encoders)
         # 2. Each target's latent shard, sharing the time it took alike.
         seconds = (perf_counter() - started) / len(targets)
+        scaling = encoders.vae.config.scaling_factor
         for job_id, spec in targets:
             encoded = join(encoders, [part[spec.resolution] for part in parts], spec.resolution)
-            yield self._store(job_id, spec, shard, (encoded, rows[spec.resolution]), seconds)
+            about = _made_from(spec, scaling)
+            yield self._store(job_id, spec, shard, (encoded, rows[spec.resolution], about), seconds)
 
     def _store(
         self,
         job_id: int,
         spec: EncodeSpec,
         shard: ImageShard,
-        target: tuple[Encoded, list[int]],
+        target: tuple[Encoded, list[int], dict[str, Any]],
         seconds: float,
     ) -> Output:
-        """A target's latent shard (its encoded samples, and the shard's rows they are),
-        with what it was made from, and its lineage row."""
-        encoded, rows = target
-        about = _made_from(spec, self.encoders.get(spec).vae.config.scaling_factor)
+        """A target's latent shard (its encoded samples, the shard's rows they are, and
+        what it was made from) and its lineage row."""
+        encoded, rows, about = target
         lineage = {name: [column[n] for n in rows] for name, column in shard.lineage().items()}
         data = latent_shard_bytes(lineage, encoded, about)
         uri = self.store.put_bytes(spec.latent_key, data, content_type=PARQUET)
