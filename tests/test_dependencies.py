@@ -20,7 +20,9 @@ LIGHT = {"safetensors.numpy"}
 GPU_MODULES = {
     "workers/gpu.py",
     "workers/tiny.py",
+    "workers/compiled.py",
     "workers/generate/pipelines.py",
+    "workers/generate/loras.py",
     "workers/generate/conditioning.py",
     "workers/generate/shared_prompts.py",
     "workers/encode/encoders.py",

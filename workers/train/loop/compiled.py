@@ -5,13 +5,11 @@ Compiled by region: each repeated block (diffusers' `compile_repeated_blocks`, t
 transformer blocks) is one graph, compiled once and reused by every block of its shapes,
 where a whole-model graph compiles everything at once, anew for each process.
 
-Shared: after a process's first step that compiled anything, rank 0 saves the artifacts (inductor's
-kernels and AOTAutograd's graphs: `torch.compiler.save_cache_artifacts`) to the store
-under a key of everything that decides them (torch's version, the device, the U-Net's
+Shared: after a process's first step that compiled anything, rank 0 saves the artifacts to
+the store (workers/compiled.py) under a key of everything that decides them (the U-Net's
 architecture, the step's shapes and dtypes, the precision, checkpointing, sharding), and
-every later process with the same key (another rank, job, worker or machine) loads them
-before its first step, so that its compile finds them made. Within a process a run's jobs
-reuse the graphs: nothing compiles again."""
+every later process with the same key loads them before its first step. Within a process a
+run's jobs reuse the graphs: nothing compiles again."""
 
 import logging
 from collections.abc import Callable
@@ -20,13 +18,17 @@ from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
 
-import torch
 from diffusers import UNet2DConditionModel
-from torch._dynamo.utils import counters
 
-from sdq.models.specs import canonical_sha256
-from sdq.models.store import MissingObject, ObjectStore
+from sdq.models.store import ObjectStore
 from sdq.models.train.specs import TrainShardSpec
+from sdq.workers.compiled import (
+    artifacts_key,
+    compile_counts,
+    load_artifacts,
+    model_architecture,
+    save_artifacts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -37,21 +39,16 @@ def compile_regions(unet: UNet2DConditionModel) -> None:
     unet.compile_repeated_blocks(fullgraph=True)
 
 
-def artifacts_key(spec: TrainShardSpec, unet: UNet2DConditionModel, shapes: dict) -> str:
+def train_key(spec: TrainShardSpec, unet: UNet2DConditionModel, shapes: dict) -> str:
     options = spec.options
-    device = next(unet.parameters()).device
-    # Not the config's own records (where it was loaded from, by which diffusers).
-    architecture = {name: value for name, value in unet.config.items() if name[0] != "_"}
     decided_by = {
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-        "architecture": architecture,
+        "architecture": model_architecture(unet),
         "shapes": shapes,
         "precision": options.mixed_precision,
         "gradient_checkpointing": options.gradient_checkpointing,
         "sharding": options.sharding if options.sharded else None,
     }
-    return f"compiled/train/{canonical_sha256(decided_by)}.bin"
+    return artifacts_key("train", decided_by, next(unet.parameters()).device)
 
 
 @dataclass
@@ -82,41 +79,15 @@ class SharedCompile:
             "latents": list(inputs.latents.shape),
             "embeddings": list(inputs.embeddings.shape),
         }
-        key = artifacts_key(spec, unet, shapes)
+        key = train_key(spec, unet, shapes)
         started = perf_counter()
-        loaded = self._load(key)
+        loaded = load_artifacts(self.store, key)
         yield
         self.stepped = True
-        self.figures = {
-            "key": key,
-            "loaded": loaded,
-            "graphs": counters["stats"]["unique_graphs"],
-            "kernels_found": counters["inductor"]["fxgraph_cache_hit"],
-            "kernels_compiled": counters["inductor"]["fxgraph_cache_miss"],
-        }
+        self.figures = {"key": key, "loaded": loaded, **compile_counts()}
         if saves and self.figures["kernels_compiled"]:
-            self._save(key)
+            save_artifacts(self.store, key)
         # Loading, compiling and saving: all of it the run's start.
         self.figures["seconds"] = round(perf_counter() - started, 3)
         took(self.figures["seconds"])
         logger.info("run %s: compiled regions %s", spec.run, self.figures)
-
-    def _load(self, key: str) -> bool:
-        """The artifacts loaded, where the store has them: a store that fails, or artifacts
-        another torch cannot read, cost only a compile."""
-        try:
-            return torch.compiler.load_cache_artifacts(self.store.get_bytes(key)) is not None
-        except MissingObject:
-            return False
-        except Exception:
-            logger.exception("compiled artifacts %s not loaded: compiling instead", key)
-            return False
-
-    def _save(self, key: str) -> None:
-        """What this process compiled, for the next: a store that fails costs them that."""
-        try:
-            saved = torch.compiler.save_cache_artifacts()
-            if saved is not None:
-                self.store.put_bytes(key, saved[0], content_type="application/octet-stream")
-        except Exception:
-            logger.exception("compiled artifacts %s not saved", key)
