@@ -55,3 +55,58 @@ def test_a_compiled_run_compiles_once_and_another_machine_loads_what_it_made(
     assert warm["graphs"] == cold["graphs"]
     # The same kernels: the same losses, step for step.
     assert json.loads(first)["losses"] == json.loads(second)["losses"]
+
+
+WARM_FROM_STORE = """
+import json, sys
+from pathlib import Path
+import numpy as np
+from sdq.models.registry import tiny_identity
+from sdq.models.store import LocalStore
+from sdq.producer.generate.plan import Defaults, plan_jobs
+from sdq.producer.prompts import PromptRow
+from sdq.workers.compiled import compile_counts
+from sdq.workers.generate.pipelines import PipelineCache, render
+from sdq.workers.weights import ModelFiles
+
+folder = Path(sys.argv[1])
+files = ModelFiles(LocalStore(folder / "store"), folder / sys.argv[2] / "models")
+pipelines = PipelineCache(files=files, size=1, compile_mode="default", compile_batches=(1,),
+                          warm_shapes=((64, 64),))
+[job] = plan_jobs([PromptRow(line=2, prompt="a lighthouse")], model=tiny_identity(),
+                  defaults=Defaults(seed=3, steps=2, dtype="float32"))
+loaded, _ = pipelines.get(job.spec)
+warmed = compile_counts()
+[image] = render(loaded, [job.spec])
+print(json.dumps({**warmed, "after_call": compile_counts(), "pixels": np.asarray(image).tolist()}))
+"""
+
+
+def _generate_worker(folder: Path, machine: str) -> dict:
+    """A compiled generate worker's process, with an inductor cache of its own (`machine`)
+    and the store shared: what it compiled warming, and its first image."""
+    done = subprocess.run(
+        [sys.executable, "-c", WARM_FROM_STORE, str(folder), machine],
+        env={**clean_env(), "PYTHONPATH": str(ROOT),
+             "TORCHINDUCTOR_CACHE_DIR": str(folder / machine / "inductor")},
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_a_compiled_generate_worker_warms_from_what_another_one_compiled(tmp_path: Path) -> None:
+    """The first worker compiles its warm shapes and leaves the artifacts in the store; a
+    second, on another machine (its own empty inductor cache), loads them and compiles no
+    kernel: it finds every one the first compiled, and renders the same pixels."""
+    cold = _generate_worker(tmp_path, "machine-1")
+    assert cold["kernels_compiled"] > 0 and cold["kernels_found"] == 0
+    [stored] = (tmp_path / "store" / "compiled" / "generate").iterdir()
+    assert stored.stat().st_size > 0
+    warm = _generate_worker(tmp_path, "machine-2")
+    assert warm["kernels_compiled"] == 0 and warm["kernels_found"] == cold["kernels_compiled"]
+    assert warm["graphs"] == cold["graphs"]
+    # Warm shapes are all a call meets: nothing compiled at the first job.
+    counted = ("graphs", "kernels_found", "kernels_compiled")
+    assert cold["after_call"] == {key: cold[key] for key in counted}
+    assert warm["pixels"] == cold["pixels"]

@@ -14,6 +14,7 @@ import torch
 from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
+from torch._dynamo.utils import counters
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
 from sdq.models import tiny
@@ -191,6 +192,55 @@ def test_a_lora_is_fused_at_its_scale_as_diffusers_applies_it(lora_file, tmp_pat
     moved = [replace(spec, loras=[{**lora, "name": "x", "source": "/elsewhere"}]) for spec in base]
     assert moved[0].hash() == with_lora[0].hash()
     assert pipelines.get(with_lora[1]) == (loaded, None)  # kept, fused once
+
+
+def lora_of(path: Path, scale: float) -> dict:
+    return {"name": path.parent.name, "source": str(path), "scale": scale,
+            "sha256": resolve_lora(str(path), session=None)["sha256"]}  # fmt: skip
+
+
+def with_diffusers_loras(loras: list[dict]):
+    """diffusers' own pipeline with the LoRAs loaded as adapters at their scales, unfused."""
+    reference = build_pipeline()
+    names = [f"adapter_{n}" for n in range(len(loras))]
+    for name, lora in zip(names, loras, strict=True):
+        path = Path(lora["source"])
+        reference.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=name)
+    reference.set_adapters(names, adapter_weights=[lora["scale"] for lora in loras])
+    return reference
+
+
+def test_a_compiled_worker_swaps_lora_sets_into_one_pipeline_compiling_nothing_again(
+    tmp_path,
+) -> None:
+    """Compiled (the eager backend: dynamo traces and guards as it does with inductor),
+    three LoRAs of the same rank in turn, then two of them together, are swapped into one
+    pipeline of the model, loaded and compiled once: no graph is made after its warm-up,
+    and each call renders what diffusers renders with those LoRAs at their scales. A set
+    whose ranks add up past the adapter's is fused into a pipeline of its own."""
+    files = [save_lora(build_pipeline(), tmp_path / f"lora-{n}", seed=20 + n) for n in range(3)]
+    loras = [lora_of(path, scale) for path, scale in zip(files, (0.7, 1.0, 1.3), strict=True)]
+    pipelines = cache(tmp_path, size=2, compile_mode="default", compile_backend="eager",
+                      compile_batches=(2,), warm_shapes=((64, 64),), lora_swap_rank=8)  # fmt: skip
+    base = planned(tiny_identity(), "a lighthouse", "a harbour")
+    first = replace(base[0], loras=loras[:1])
+    swapped, loading = pipelines.get(first)
+    assert loading is not None and swapped.warm_keys == (first.warm_key(),)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+
+    for chosen in ([loras[0]], [loras[1]], [loras[2]], [loras[0], loras[2]]):
+        specs = [replace(spec, loras=chosen) for spec in base]
+        assert pipelines.get(specs[0]) == (swapped, None)
+        close(render(swapped, specs), diffusers_renders(with_diffusers_loras(chosen), specs))
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled again
+    # One warm key for every LoRA set of the model: its swapping pipeline.
+    assert len({replace(base[0], loras=chosen).warm_key() for chosen in ([loras[0]], loras)}) == 1
+
+    every = [replace(spec, loras=loras) for spec in base]  # ranks 3 x 4 = 12, past 8
+    fused, loading = pipelines.get(every[0])
+    assert fused is not swapped and loading is not None and fused.swapped is None
+    close(render(fused, every), diffusers_renders(with_diffusers_loras(loras), every))
 
 
 def test_a_lora_for_another_model_fails_its_jobs_by_name(sdxl_folder, tmp_path) -> None:

@@ -131,8 +131,11 @@ class GenerationSpec:
 
     def warm_key(self) -> str:
         """Names a compiled pipeline warm at this spec's size (models/generate/routing.py):
-        the model's revision, dtype and LoRAs make the pipeline, the size its shape."""
-        pipeline = canonical_sha256([self.model_revision, self.dtype, self.lora_identity()])
+        the model's revision and dtype make the pipeline, the size its shape. A compiled
+        worker swaps LoRAs into one pipeline of the model (workers/generate/loras.py), so
+        every LoRA set shares one key, apart from the base."""
+        with_loras = ["swapped"] if self.loras else []  # [] as the base's key always was
+        pipeline = canonical_sha256([self.model_revision, self.dtype, with_loras])
         return f"{pipeline[:16]}.{self.width}x{self.height}"
 
     def lora_identity(self) -> list[list[Any]]:

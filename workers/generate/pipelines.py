@@ -5,10 +5,13 @@ CUDA_VISIBLE_DEVICES set), loads a pipeline the first time a task needs it, afte
 fork, and keeps the last few loaded for the tasks that follow, each with the text
 encoders' outputs for its recent prompts: a run that crosses subjects with styles repeats
 its prompts and negative prompts, and a call encodes only the ones it has not seen. A
-spec's LoRAs are fused into its pipeline's weights as it loads: the pipeline with them is
-one more loaded pipeline, as fast as the base.
+spec's LoRAs are fused into its pipeline's weights as it loads (the pipeline with them is
+one more loaded pipeline, as fast as the base); a compiled worker swaps them into one
+compiled pipeline per model instead (loras.py). A compiled pipeline warms from the
+kernels another process compiled for the same model and shapes (workers/compiled.py).
 """
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -26,11 +29,21 @@ from transformers import CLIPImageProcessor
 
 from sdq.models import tiny
 from sdq.models.generate.specs import TILED_DECODE_PIXELS, GenerationSpec
+from sdq.workers.compiled import (
+    artifacts_key,
+    compile_counts,
+    load_artifacts,
+    model_architecture,
+    save_artifacts,
+)
 from sdq.workers.generate.conditioning import PromptEmbeddings, call_conditioning, family_encoder
+from sdq.workers.generate.loras import NotSwappable, fuse_loras, make_swappable, swap_in
 from sdq.workers.generate.shared_prompts import EncoderPrompts, SharedPrompts, text_encoder_digest
 from sdq.workers.gpu import device_name, release_device_memory, torch_dtype
 from sdq.workers.tiny import build_pipeline
 from sdq.workers.weights import ModelFiles, PipelineError, check_tiny_revision
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -43,6 +56,8 @@ class Loaded:
     prompts: PromptEmbeddings | None
     batches: tuple[int, ...] = ()
     warm_keys: tuple[str, ...] = ()  # the shapes it compiled at load, by the specs' warm key
+    # A compiled pipeline that takes LoRAs by swapping (loras.py): the LoRA set it holds.
+    swapped: list[list[Any]] | None = None
 
 
 class PipelineCache:
@@ -59,6 +74,7 @@ class PipelineCache:
         compile_batches: tuple[int, ...] = (),
         warm_shapes: tuple[tuple[int, int], ...] = (),
         compile_backend: str = "inductor",
+        lora_swap_rank: int = 0,
     ) -> None:
         self.files = files
         self.size = size
@@ -70,14 +86,40 @@ class PipelineCache:
         # torch.compile's backend: inductor for work; "eager" traces and guards as it
         # does, without code generation (the tests count recompilations with it).
         self.compile_backend = compile_backend
+        # A compiled worker's LoRAs go into one pipeline per model, swapped (loras.py).
+        self.lora_swap_rank = lora_swap_rank if compile_mode else 0
         self._loaded: OrderedDict[tuple[Any, ...], Loaded] = OrderedDict()
         self._checkers: dict[tuple[str, str, torch.dtype], SafetyChecker] = {}
+        self._unswappable: set[str] = set()  # LoRA sets, by their identity's text
 
     def get(self, spec: GenerationSpec) -> tuple[Loaded, float | None]:
         """The spec's pipeline, and the seconds it took to load it now (None: it was
         loaded already)."""
-        key = (spec.model_source, spec.model_revision, torch_dtype(spec.dtype),
-               *map(tuple, spec.lora_identity()))  # fmt: skip
+        model = (spec.model_source, spec.model_revision, torch_dtype(spec.dtype))
+        identity = spec.lora_identity()
+        if identity and self.lora_swap_rank and repr(identity) not in self._unswappable:
+            try:
+                return self._swapped(spec, (*model, "swapped"))
+            except NotSwappable as why:
+                self._unswappable.add(repr(identity))
+                logger.info("LoRAs %s fused into a pipeline of their own: %s", identity, why)
+        return self._cached(spec, (*model, *map(tuple, identity)), swapped=False)
+
+    def _swapped(self, spec: GenerationSpec, key: tuple[Any, ...]) -> tuple[Loaded, float | None]:
+        """The model's swapping pipeline, holding the spec's LoRAs (swapped in now where it
+        held others: no load, no compile)."""
+        loaded, seconds = self._cached(spec, key, swapped=True)
+        if loaded.swapped != spec.lora_identity():
+            started = perf_counter()
+            loaded.swapped = None  # a swap that fails half way leaves it holding no set
+            swap_in(loaded.pipeline, spec, self._lora_files(spec), self.lora_swap_rank)
+            loaded.swapped = spec.lora_identity()
+            logger.info("LoRAs %s swapped in, %.2f s", loaded.swapped, perf_counter() - started)
+        return loaded, seconds
+
+    def _cached(
+        self, spec: GenerationSpec, key: tuple[Any, ...], *, swapped: bool
+    ) -> tuple[Loaded, float | None]:
         if key in self._loaded:
             self._loaded.move_to_end(key)
             return self._loaded[key], None
@@ -85,11 +127,41 @@ class PipelineCache:
             self._loaded.popitem(last=False)
             release_device_memory()
         started = perf_counter()
-        pipeline = self._load(spec)
+        pipeline = self._load(spec, swapped=swapped)
         loaded = Loaded(pipeline, self._embeddings(pipeline), self.compile_batches)
-        loaded.warm_keys = warm(loaded, spec, self.warm_shapes)
+        self._warm(loaded, spec)
         self._loaded[key] = loaded
         return loaded, perf_counter() - started
+
+    def _warm(self, loaded: Loaded, spec: GenerationSpec) -> None:
+        """Compiles the warm shapes, from the kernels another process compiled for the same
+        pipeline where the store has them, and leaves what this one compiled there."""
+        if not (loaded.batches and self.warm_shapes):
+            return
+        key = self._artifacts_key(loaded.pipeline, spec)
+        found = load_artifacts(self.files.store, key)
+        compiled_before = compile_counts()["kernels_compiled"]
+        loaded.warm_keys = warm(loaded, spec, self.warm_shapes)
+        counts = compile_counts()
+        if counts["kernels_compiled"] > compiled_before:
+            save_artifacts(self.files.store, key)
+        logger.info("warm shapes compiled (artifacts %s found: %s): %s", key, found, counts)
+
+    def _artifacts_key(self, pipeline: DiffusionPipeline, spec: GenerationSpec) -> str:
+        decided_by = {
+            "unet": model_architecture(pipeline.unet),
+            "vae": model_architecture(pipeline.vae),
+            "dtype": str(pipeline.dtype),
+            "mode": self.compile_mode,
+            "backend": self.compile_backend,
+            "shapes": self.warm_shapes,
+            "batches": self.compile_batches,
+            "lora_swap_rank": self.lora_swap_rank if spec.loras else None,
+        }
+        return artifacts_key("generate", decided_by, pipeline.device)
+
+    def _lora_files(self, spec: GenerationSpec) -> list[Path]:
+        return [self.files.lora_file(lora["source"], lora["sha256"]) for lora in spec.loras]
 
     def _embeddings(self, pipeline: DiffusionPipeline) -> PromptEmbeddings | None:
         """The pipeline's kept embeddings, in front of the deployment's shared ones for its
@@ -136,7 +208,7 @@ class PipelineCache:
         model = model.to(device_name(), dtype=torch_dtype(spec.dtype)).eval()
         return SafetyChecker(model, features)
 
-    def _load(self, spec: GenerationSpec) -> DiffusionPipeline:
+    def _load(self, spec: GenerationSpec, *, swapped: bool) -> DiffusionPipeline:
         dtype = torch_dtype(spec.dtype)
         if spec.model_source == tiny.TINY_NAME:
             check_tiny_revision(spec.model_revision)
@@ -156,15 +228,18 @@ class PipelineCache:
             pipeline = pipeline.to(dtype=dtype)
         pipeline = pipeline.to(device_name())
         pipeline.set_progress_bar_config(disable=True)
-        if spec.loras:
-            files = [self.files.lora_file(lora["source"], lora["sha256"]) for lora in spec.loras]
-            fuse_loras(pipeline, spec, files)
+        if spec.loras and not swapped:
+            fuse_loras(pipeline, spec, self._lora_files(spec))
         if torch.cuda.is_available() or self.compile_mode:
             # Convolutions in channels-last layout run on tensor cores without transposes.
             pipeline.unet.to(memory_format=torch.channels_last)
             pipeline.vae.to(memory_format=torch.channels_last)
+        if swapped:
+            make_swappable(pipeline, self.lora_swap_rank)
         if self.compile_mode:
-            compile_pipeline(pipeline, self.compile_mode, backend=self.compile_backend)
+            # Q, K and V fused into one projection would leave the swapped LoRAs' out.
+            compile_pipeline(pipeline, self.compile_mode, backend=self.compile_backend,
+                             fuse_qkv=not swapped)  # fmt: skip
         return pipeline
 
 
@@ -186,33 +261,9 @@ class SafetyChecker:
         return [bool(flag) for flag in flags]
 
 
-def fuse_loras(pipeline: DiffusionPipeline, spec: GenerationSpec, files: list[Path]) -> None:
-    """Fuses the spec's LoRAs into the pipeline's weights at their scales (diffusers'
-    load_lora_weights, set_adapters, fuse_lora), then lets their layers go: the fused
-    pipeline runs as fast as the base. Before compiling and fusing Q, K and V, whose
-    module names the LoRAs' keys are written against."""
-    names = [f"lora_{index}" for index in range(len(files))]
-    for name, path, lora in zip(names, files, spec.loras, strict=True):
-        try:
-            pipeline.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=name)
-        except torch.OutOfMemoryError:
-            raise
-        except (ValueError, KeyError, RuntimeError) as error:
-            raise PipelineError(
-                f"LoRA {lora['name']} cannot apply to model {spec.model_name}: {error}"
-            ) from error
-    applied = {name for adapters in pipeline.get_list_adapters().values() for name in adapters}
-    for name, lora in zip(names, spec.loras, strict=True):
-        if name not in applied:  # diffusers only warns of a LoRA that matches no module
-            raise PipelineError(
-                f"LoRA {lora['name']} has no weights for model {spec.model_name}'s modules"
-            )
-    pipeline.set_adapters(names, adapter_weights=[float(lora["scale"]) for lora in spec.loras])
-    pipeline.fuse_lora(adapter_names=names, lora_scale=1.0)
-    pipeline.unload_lora_weights()
-
-
-def compile_pipeline(pipeline: DiffusionPipeline, mode: str, *, backend: str = "inductor") -> None:
+def compile_pipeline(
+    pipeline: DiffusionPipeline, mode: str, *, backend: str = "inductor", fuse_qkv: bool = True
+) -> None:
     """The U-Net and the VAE's decoder (the module: the same graph whatever the slicing)
     compiled for static shapes, their attention's Q, K and V projections fused into one
     matmul each (diffusers' recipe for SD on torch 2). On a GPU, "max-autotune" and
@@ -220,7 +271,8 @@ def compile_pipeline(pipeline: DiffusionPipeline, mode: str, *, backend: str = "
     for each shape once. Compiling is lazy: the first call of each shape compiles (warm)."""
     if torch.cuda.is_available():
         torch.backends.cudnn.benchmark = True
-    pipeline.fuse_qkv_projections()
+    if fuse_qkv:
+        pipeline.fuse_qkv_projections()
     options = {"mode": mode} if backend == "inductor" else {"backend": backend}
     pipeline.unet = torch.compile(pipeline.unet, dynamic=False, **options)
     pipeline.vae.decoder = torch.compile(pipeline.vae.decoder, dynamic=False, **options)

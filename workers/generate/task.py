@@ -115,4 +115,5 @@ def pipelines(app: SdqCelery):
         compile_batches=settings.compile_batches,
         warm_shapes=settings.warm_shapes,
         compile_backend=settings.compile_backend,
+        lora_swap_rank=settings.lora_swap_rank,
     )
