@@ -1,13 +1,18 @@
 """Training plans on the meta device: Stable Diffusion 2's U-Net at the sizes the seed's
 pre-training ran per GPU, the parts that change with each option, and a configuration that
-does not fit, refused by `sdq train plan` and by `sdq train` before anything is queued."""
+does not fit, refused by `sdq train plan` and by `sdq train` before anything is queued.
+Each test plans once through the command line, as a user does (its options, the planner's
+process); the configurations it compares it plans with the planner itself, in this process
+(each command pays ~15 s of starting torch and diffusers twice)."""
 
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from sdq.models.train.architectures import UNET_ARCHITECTURES
+from sdq.workers.train import plan as planner
 from tests.services import clean_env
 
 # diffusers' stabilityai/stable-diffusion-2-base U-Net holds this many parameters.
@@ -29,11 +34,17 @@ def planned(tmp_path: Path, *args: str) -> dict:
     return json.loads(done.stdout)
 
 
+def planned_here(**request) -> dict:
+    """SD 2's plan from the planner in this process, as the command's JSON has it."""
+    config = UNET_ARCHITECTURES["sd2-base"]
+    return asdict(planner.plan(planner.PlanRequest(unet_config=config, **request)))
+
+
 def test_sd2_at_the_seed_s_sizes_per_gpu_fits_an_80gb_gpu(tmp_path: Path) -> None:
     # The seed trained 256 px at 128 and 512 px at 32 per GPU (32 GPUs: global batches of
     # 4,096 and 1,024).
     at_256 = planned(tmp_path, "--resolution", "256", "--batch-size", "4096", "--world-size", "32")
-    at_512 = planned(tmp_path, "--resolution", "512", "--batch-size", "1024", "--world-size", "32")
+    at_512 = planned_here(resolution=512, batch_size=1024, world_size=32)
     for plan in (at_256, at_512):
         assert set(plan["parts"]) == {"parameters", "gradients", "optimizer", "ema", "activations"}
         assert plan["parts"]["parameters"] == 4 * SD2_UNET_PARAMETERS
@@ -48,12 +59,12 @@ def test_sd2_at_the_seed_s_sizes_per_gpu_fits_an_80gb_gpu(tmp_path: Path) -> Non
 
 
 def test_each_option_changes_the_part_it_should(tmp_path: Path) -> None:
-    base = ("--resolution", "512", "--batch-size", "16")
-    plain = planned(tmp_path, *base)
-    doubled = planned(tmp_path, "--resolution", "512", "--batch-size", "32")
-    recomputed = planned(tmp_path, *base, "--gradient-checkpointing")
-    full_precision = planned(tmp_path, *base, "--mixed-precision", "no")
-    without_ema = planned(tmp_path, *base, "--ema", "0")
+    plain = planned(tmp_path, "--resolution", "512", "--batch-size", "16")
+    assert plain == planned_here(resolution=512, batch_size=16)  # the command's is the planner's
+    doubled = planned_here(resolution=512, batch_size=32)
+    recomputed = planned_here(resolution=512, batch_size=16, gradient_checkpointing=True)
+    full_precision = planned_here(resolution=512, batch_size=16, mixed_precision="no")
+    without_ema = planned_here(resolution=512, batch_size=16, ema=False)
     activations = plain["parts"]["activations"]
     # Twice the samples keep twice the activations; autocast's weight copies stay one.
     assert 1.8 * activations < doubled["parts"]["activations"] < 2 * activations
@@ -69,8 +80,8 @@ def test_a_configuration_that_does_not_fit_is_refused_with_what_would_make_it(
     tmp_path: Path,
 ) -> None:
     too_big = ("--resolution", "512", "--batch-size", "64", "--gpu-memory", "40GB")
-    plan = planned(tmp_path, *too_big)
-    assert not plan["fits"] and plan["would_fit_with"] == "--gradient-checkpointing"
+    found = planned_here(resolution=512, batch_size=64, gpu_memory=40 * 10**9)
+    assert not found["fits"] and found["would_fit_with"] == "--gradient-checkpointing"
     shown = sdq("train", "plan", "--unet-config", "sd2-base", *too_big, cwd=tmp_path)
     assert "does not fit" in shown.stdout and "--gradient-checkpointing" in shown.stdout
     config = tmp_path / "sd2.json"
@@ -87,10 +98,11 @@ def test_a_configuration_that_does_not_fit_is_refused_with_what_would_make_it(
 def test_sharding_spreads_the_state_over_the_ranks_and_is_offered_when_it_would_fit(
     tmp_path: Path,
 ) -> None:
-    over_8 = ("--resolution", "512", "--batch-size", "256", "--world-size", "8")
-    ddp = planned(tmp_path, *over_8)
-    grad_op = planned(tmp_path, *over_8, "--sharding", "grad-op")
-    full = planned(tmp_path, *over_8, "--sharding", "full")
+    over_8 = {"resolution": 512, "batch_size": 256, "world_size": 8}
+    ddp = planned_here(**over_8)
+    grad_op = planned_here(**over_8, sharding="grad-op")
+    full = planned(tmp_path, "--resolution", "512", "--batch-size", "256", "--world-size", "8",
+                   "--sharding", "full")  # fmt: skip
     whole = ddp["parts"]
     # Optimizer and EMA are 1/8 of DDP's on each GPU under both; grad-op holds every
     # weight gathered through a step, full only two blocks' beside its shard.
@@ -103,7 +115,7 @@ def test_sharding_spreads_the_state_over_the_ranks_and_is_offered_when_it_would_
     assert full["parts"]["parameters"] < whole["parameters"]
     assert full["per_gpu_bytes"] < grad_op["per_gpu_bytes"] < ddp["per_gpu_bytes"]
     # What does not fit at 8 ranks is offered sharding first (it costs the least speed).
-    tight = planned(tmp_path, *over_8, "--gpu-memory", "40GB")
+    tight = planned_here(**over_8, gpu_memory=40 * 10**9)
     assert not tight["fits"]
     assert tight["would_fit_with"].startswith("--sharding")
     alone = sdq("train", "plan", "--unet-config", "sd2-base", "--resolution", "512",
