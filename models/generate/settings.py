@@ -102,7 +102,8 @@ class GenerateSettings:
     # of this rank on its U-Net's attention layers (a LoRA set's ranks must add up to at
     # most this), with nothing loaded or compiled again from set to set; its U-Net works
     # this much more per call than a fused one. 0: each LoRA set fused into a pipeline of
-    # its own, compiled anew. Uncompiled workers always fuse.
+    # its own, compiled anew (warm routing still goes by model: any LoRA set to a worker
+    # warm with one). Uncompiled workers always fuse.
     lora_swap_rank: int = setting("SDQ_LORA_SWAP_RANK", 32, minimum=0)
     # `sdq serve`: how long a request waits for its images before it is answered 202 with
     # its jobs (which go on, and are cached); the most images (`n`) and steps one request

@@ -129,16 +129,16 @@ class PipelineCache:
         started = perf_counter()
         pipeline = self._load(spec, swapped=swapped)
         loaded = Loaded(pipeline, self._embeddings(pipeline), self.compile_batches)
-        self._warm(loaded, spec)
+        self._warm(loaded, spec, swapped=swapped)
         self._loaded[key] = loaded
         return loaded, perf_counter() - started
 
-    def _warm(self, loaded: Loaded, spec: GenerationSpec) -> None:
+    def _warm(self, loaded: Loaded, spec: GenerationSpec, *, swapped: bool) -> None:
         """Compiles the warm shapes, from the kernels another process compiled for the same
         pipeline where the store has them, and leaves what this one compiled there."""
         if not (loaded.batches and self.warm_shapes):
             return
-        key = self._artifacts_key(loaded.pipeline, spec)
+        key = self._artifacts_key(loaded.pipeline, swapped=swapped)
         found = load_artifacts(self.files.store, key)
         compiled_before = compile_counts()["kernels_compiled"]
         loaded.warm_keys = warm(loaded, spec, self.warm_shapes)
@@ -147,7 +147,8 @@ class PipelineCache:
             save_artifacts(self.files.store, key)
         logger.info("warm shapes compiled (artifacts %s found: %s): %s", key, found, counts)
 
-    def _artifacts_key(self, pipeline: DiffusionPipeline, spec: GenerationSpec) -> str:
+    def _artifacts_key(self, pipeline: DiffusionPipeline, *, swapped: bool) -> str:
+        # A fused LoRA's weights change no kernel: only the swapping adapter does.
         decided_by = {
             "unet": model_architecture(pipeline.unet),
             "vae": model_architecture(pipeline.vae),
@@ -156,7 +157,7 @@ class PipelineCache:
             "backend": self.compile_backend,
             "shapes": self.warm_shapes,
             "batches": self.compile_batches,
-            "lora_swap_rank": self.lora_swap_rank if spec.loras else None,
+            "lora_swap_rank": self.lora_swap_rank if swapped else None,
         }
         return artifacts_key("generate", decided_by, pipeline.device)
 
