@@ -78,16 +78,21 @@ def sdxl_folder(tmp_path_factory) -> Path:
     return folder
 
 
-def save_lora(pipeline, folder: Path, *, seed: int) -> Path:
-    """Random LoRA weights for the U-Net's attention, saved as diffusers' LoRA training
-    script saves its (peft's layers, diffusers' file). U-Net only: transformers 5 loads a
-    text encoder's LoRA only with peft >= 0.22, which the package index here lacks."""
+def save_lora(pipeline, folder: Path, *, seed: int, alpha: int = 4,
+              targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")) -> Path:  # fmt: skip
+    """Random LoRA weights of rank 4 for the U-Net's attention, saved as diffusers' LoRA
+    training script saves its (peft's layers, diffusers' file; an alpha other than the rank
+    in the file's adapter config, as peft's trainers write it). U-Net only: transformers 5
+    loads a text encoder's LoRA only with peft >= 0.22, which the package index here lacks."""
     torch.manual_seed(seed)
-    config = LoraConfig(r=4, lora_alpha=4, init_lora_weights=False,
-                        target_modules=["to_q", "to_k", "to_v", "to_out.0"])  # fmt: skip
+    config = LoraConfig(
+        r=4, lora_alpha=alpha, init_lora_weights=False, target_modules=list(targets)
+    )
     pipeline.unet.add_adapter(config)
     layers = get_peft_model_state_dict(pipeline.unet)
-    type(pipeline).save_lora_weights(folder, unet_lora_layers=layers)
+    metadata = config.to_dict() if alpha != 4 else None
+    type(pipeline).save_lora_weights(folder, unet_lora_layers=layers,
+                                     unet_lora_adapter_metadata=metadata)  # fmt: skip
     return folder / "pytorch_lora_weights.safetensors"
 
 
@@ -211,35 +216,49 @@ def with_diffusers_loras(loras: list[dict]):
 
 
 def test_a_compiled_worker_swaps_lora_sets_into_one_pipeline_compiling_nothing_again(
-    tmp_path,
+    sdxl_folder, tmp_path
 ) -> None:
     """Compiled (the eager backend: dynamo traces and guards as it does with inductor),
-    three LoRAs of the same rank in turn, then two of them together, are swapped into one
-    pipeline of the model, loaded and compiled once: no graph is made after its warm-up,
-    and each call renders what diffusers renders with those LoRAs at their scales. A set
-    whose ranks add up past the adapter's is fused into a pipeline of its own."""
-    files = [save_lora(build_pipeline(), tmp_path / f"lora-{n}", seed=20 + n) for n in range(3)]
-    loras = [lora_of(path, scale) for path, scale in zip(files, (0.7, 1.0, 1.3), strict=True)]
+    LoRAs of the same rank in turn (one with an alpha of its own, one of fewer layers),
+    then two of them together, are swapped into one pipeline of the model, loaded and
+    compiled once: no graph is made after its warm-up, and each call renders what diffusers
+    renders with those LoRAs at their scales. Another model's LoRA is refused by name and
+    leaves the pipeline as it was; a set whose ranks add up past the adapter's is fused into
+    a pipeline of its own."""
+    made = [
+        save_lora(build_pipeline(), tmp_path / "lora-0", seed=20),
+        save_lora(build_pipeline(), tmp_path / "lora-1", seed=21, alpha=8),
+        save_lora(build_pipeline(), tmp_path / "lora-2", seed=22, targets=("to_q", "to_k")),
+    ]
+    loras = [lora_of(path, scale) for path, scale in zip(made, (0.7, 1.0, 1.3), strict=True)]
     pipelines = cache(tmp_path, size=2, compile_mode="default", compile_backend="eager",
                       compile_batches=(2,), warm_shapes=((64, 64),), lora_swap_rank=8)  # fmt: skip
     base = planned(tiny_identity(), "a lighthouse", "a harbour")
     first = replace(base[0], loras=loras[:1])
-    swapped, loading = pipelines.get(first)
-    assert loading is not None and swapped.warm_keys == (first.warm_key(),)
+    swapping, loading = pipelines.get(first)
+    assert loading is not None and swapping.warm_keys == (first.warm_key(),)
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0
 
     for chosen in ([loras[0]], [loras[1]], [loras[2]], [loras[0], loras[2]]):
         specs = [replace(spec, loras=chosen) for spec in base]
-        assert pipelines.get(specs[0]) == (swapped, None)
-        close(render(swapped, specs), diffusers_renders(with_diffusers_loras(chosen), specs))
+        loaded, swap_seconds = pipelines.get(specs[0])
+        assert loaded is swapping and (swap_seconds is None) == (chosen == loras[:1])
+        close(render(loaded, specs), diffusers_renders(with_diffusers_loras(chosen), specs))
     assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled again
     # One warm key for every LoRA set of the model: its swapping pipeline.
     assert len({replace(base[0], loras=chosen).warm_key() for chosen in ([loras[0]], loras)}) == 1
 
+    sdxl_lora = lora_of(save_lora(build_sdxl(), tmp_path / "xl-lora", seed=6), 1.0)
+    with pytest.raises(PipelineError, match="cannot apply to model"):
+        pipelines.get(replace(base[0], loras=[sdxl_lora]))
+    again = [replace(spec, loras=[loras[1]]) for spec in base]
+    assert pipelines.get(again[0])[0] is swapping
+    close(render(swapping, again), diffusers_renders(with_diffusers_loras([loras[1]]), again))
+
     every = [replace(spec, loras=loras) for spec in base]  # ranks 3 x 4 = 12, past 8
     fused, loading = pipelines.get(every[0])
-    assert fused is not swapped and loading is not None and fused.swapped is None
+    assert fused is not swapping and loading is not None and fused.lora_set is None
     close(render(fused, every), diffusers_renders(with_diffusers_loras(loras), every))
 
 

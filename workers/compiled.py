@@ -55,7 +55,8 @@ def load_artifacts(store: ObjectStore, key: str) -> bool:
 
 
 def save_artifacts(store: ObjectStore, key: str) -> None:
-    """What this process compiled, for the next."""
+    """What this process compiled, for the next: all of it so far (torch keeps one record
+    a process), whatever the key; a loader finds its own kernels among them by content."""
     try:
         saved = torch.compiler.save_cache_artifacts()
         if saved is not None:

@@ -99,7 +99,7 @@ class GenerateSettings:
     # in seconds on a CPU, at uncompiled speed.
     compile_backend: str = setting("SDQ_COMPILE_BACKEND", "inductor", read=_compile_backend)
     # A compiled worker's LoRAs: swapped into one compiled pipeline per model, an adapter
-    # of this rank on its U-Net's attention layers (a LoRA set's ranks must add up to at
+    # of this rank on its U-Net's transformer blocks (a LoRA set's ranks must add up to at
     # most this), with nothing loaded or compiled again from set to set; its U-Net works
     # this much more per call than a fused one. 0: each LoRA set fused into a pipeline of
     # its own, compiled anew (warm routing still goes by model: any LoRA set to a worker

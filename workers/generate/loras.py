@@ -4,8 +4,9 @@ Fused: each LoRA loaded at its scale and fused into the weights (diffusers'
 load_lora_weights, set_adapters, fuse_lora), its layers then let go: the pipeline with
 them is one of its own, as fast as the base. That is how an uncompiled worker keeps them.
 
-Swapped: a compiled pipeline keeps one adapter of a fixed rank on the U-Net's attention
-layers, all zeros until a spec asks for LoRAs (the base model exactly); a spec's LoRAs, at
+Swapped: a compiled pipeline keeps one adapter of a fixed rank on the linear layers of the
+U-Net's transformer blocks, all zeros until a spec asks for LoRAs (the base model exactly);
+a spec's LoRAs, at
 their scales, are made one adapter of that rank and swapped into it in place (diffusers'
 LoRA hot-swap, peft's hotswap_adapter): neither the base is loaded again nor anything
 compiled again, whatever LoRA set a call brings. A LoRA set that does not fit the adapter
@@ -24,8 +25,9 @@ from sdq.models.generate.specs import GenerationSpec
 from sdq.workers.weights import PipelineError
 
 ADAPTER = "sdq"
-# The U-Net's layers the swapped adapter covers: every linear layer of its transformer
-# blocks, where LoRA trainers (diffusers' scripts, kohya's) put theirs.
+# The U-Net's layers the swapped adapter covers, where they are linear: those of its
+# transformer blocks, where LoRA trainers (diffusers' scripts, kohya's) put theirs (SD 1.5's
+# proj_in and proj_out are 1x1 convolutions: a LoRA of them is fused).
 SWAPPED_LAYERS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out",
                   "ff.net.0.proj", "ff.net.2")  # fmt: skip
 
@@ -84,17 +86,21 @@ def swapped_adapter(
     """The spec's LoRAs as one adapter of `rank` at scaling 1: per layer, the LoRAs' down
     weights stacked and their up weights side by side, each up weight times its LoRA's
     scale and its own alpha over its rank, so the adapter adds the sum of what each LoRA
-    adds; zeros for the rest of the rank and for the layers no LoRA touches (as the base)."""
+    adds; zeros for the rest of the rank. The layers no LoRA touches peft's swap zeroes
+    (so a set of fewer layers follows one of more)."""
     downs: dict[str, list[torch.Tensor]] = {}
     ups: dict[str, list[torch.Tensor]] = {}
     for path, lora in zip(files, spec.loras, strict=True):
-        for layer, (down, up) in _lora_layers(pipeline, path, float(lora["scale"])).items():
+        try:
+            layers = _lora_layers(pipeline, path, float(lora["scale"]))
+        except (ValueError, KeyError, OSError) as error:
+            raise PipelineError(f"LoRA {lora['name']} cannot be read: {error}") from error
+        for layer, (down, up) in layers.items():
             downs.setdefault(layer, []).append(down)
             ups.setdefault(layer, []).append(up)
     adapter = {}
     for layer, stacked in downs.items():
-        if not _covered(pipeline, layer):
-            raise NotSwappable(f"the adapter has no layer {layer}")
+        _check_fits(pipeline, layer, stacked + ups[layer], spec)
         down, up = torch.cat(stacked), torch.cat(ups[layer], dim=1)
         if down.shape[0] > rank:
             raise NotSwappable(f"its ranks add up to {down.shape[0]} at {layer}, above {rank}")
@@ -109,8 +115,9 @@ def _lora_layers(
     """A LoRA file's layers as diffusers reads it (any trainer's format): layer -> (down,
     up times scale x alpha / rank)."""
     weights, alphas, metadata = pipeline.lora_state_dict(
-        str(path.parent), weight_name=path.name, return_lora_metadata=True
-    )
+        str(path.parent), weight_name=path.name, return_lora_metadata=True,
+        unet_config=pipeline.unet.config,  # SDXL's kohya block names mapped to diffusers'
+    )  # fmt: skip
     weights = convert_unet_state_dict_to_peft(weights)
     layers = {key.rsplit(".lora_", 1)[0] for key in weights}
     if any(not layer.startswith("unet.") for layer in layers):
@@ -128,12 +135,25 @@ def _lora_layers(
     return found
 
 
-def _covered(pipeline: DiffusionPipeline, layer: str) -> bool:
+def _check_fits(
+    pipeline: DiffusionPipeline, layer: str, weights: list[torch.Tensor], spec: GenerationSpec
+) -> None:
+    """A layer the adapter has (else the set is fused), with the LoRAs' sizes its own (else
+    they are another model's: a LoRA that cannot apply, as fusing it would say)."""
     try:
         module = pipeline.unet.get_submodule(layer.removeprefix("unet."))
-    except AttributeError:
-        return False
-    return ADAPTER in getattr(module, "lora_A", {})
+        down, up = module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight
+    except (AttributeError, KeyError, TypeError):
+        raise NotSwappable(f"the adapter has no layer {layer}") from None
+    count = len(weights) // 2
+    if any(w.shape[1] != down.shape[1] for w in weights[:count]) or any(
+        w.shape[0] != up.shape[0] for w in weights[count:]
+    ):
+        names = ", ".join(lora["name"] for lora in spec.loras)
+        raise PipelineError(
+            f"LoRA {names} cannot apply to model {spec.model_name}: {layer} is "
+            f"{down.shape[1]} to {up.shape[0]} wide there"
+        )
 
 
 def _alphas(alphas: dict[str, float] | None, metadata: dict[str, Any] | None):

@@ -57,7 +57,7 @@ class Loaded:
     batches: tuple[int, ...] = ()
     warm_keys: tuple[str, ...] = ()  # the shapes it compiled at load, by the specs' warm key
     # A compiled pipeline that takes LoRAs by swapping (loras.py): the LoRA set it holds.
-    swapped: list[list[Any]] | None = None
+    lora_set: list[list[Any]] | None = None
 
 
 class PipelineCache:
@@ -90,35 +90,44 @@ class PipelineCache:
         self.lora_swap_rank = lora_swap_rank if compile_mode else 0
         self._loaded: OrderedDict[tuple[Any, ...], Loaded] = OrderedDict()
         self._checkers: dict[tuple[str, str, torch.dtype], SafetyChecker] = {}
-        self._unswappable: set[str] = set()  # LoRA sets, by their identity's text
+        # LoRA sets (by model and files) found not to fit the swapping adapter: fused.
+        self._unswappable: set[tuple[Any, ...]] = set()
 
     def get(self, spec: GenerationSpec) -> tuple[Loaded, float | None]:
-        """The spec's pipeline, and the seconds it took to load it now (None: it was
-        loaded already)."""
+        """The spec's pipeline, and the seconds it took to load it now, LoRAs swapped in
+        included (None: it was loaded already)."""
         model = (spec.model_source, spec.model_revision, torch_dtype(spec.dtype))
-        identity = spec.lora_identity()
-        if identity and self.lora_swap_rank and repr(identity) not in self._unswappable:
+        files = (*model, *(lora["sha256"] for lora in spec.loras))
+        if spec.loras and self.lora_swap_rank and files not in self._unswappable:
             try:
-                return self._swapped(spec, (*model, "swapped"))
+                return self._swapped(spec, (*model, "swapping"))
             except NotSwappable as why:
-                self._unswappable.add(repr(identity))
-                logger.info("LoRAs %s fused into a pipeline of their own: %s", identity, why)
-        return self._cached(spec, (*model, *map(tuple, identity)), swapped=False)
+                self._unswappable.add(files)
+                logger.info("LoRAs %s fused into a pipeline of their own: %s", files[3:], why)
+        key = (*model, *map(tuple, spec.lora_identity()))
+        return self._cached(spec, key, swapping=False)
 
     def _swapped(self, spec: GenerationSpec, key: tuple[Any, ...]) -> tuple[Loaded, float | None]:
         """The model's swapping pipeline, holding the spec's LoRAs (swapped in now where it
         held others: no load, no compile)."""
-        loaded, seconds = self._cached(spec, key, swapped=True)
-        if loaded.swapped != spec.lora_identity():
-            started = perf_counter()
-            loaded.swapped = None  # a swap that fails half way leaves it holding no set
+        loaded, seconds = self._cached(spec, key, swapping=True)
+        if loaded.lora_set == spec.lora_identity():
+            return loaded, seconds
+        started = perf_counter()
+        try:
             swap_in(loaded.pipeline, spec, self._lora_files(spec), self.lora_swap_rank)
-            loaded.swapped = spec.lora_identity()
-            logger.info("LoRAs %s swapped in, %.2f s", loaded.swapped, perf_counter() - started)
-        return loaded, seconds
+        except (NotSwappable, PipelineError):
+            raise  # found before the adapter was touched
+        except BaseException:
+            # A swap that failed part way (diffusers then deletes the adapter) leaves the
+            # pipeline holding no known set: let it go, and load it anew when next asked.
+            del self._loaded[key]
+            raise
+        loaded.lora_set = spec.lora_identity()
+        return loaded, (seconds or 0.0) + perf_counter() - started
 
     def _cached(
-        self, spec: GenerationSpec, key: tuple[Any, ...], *, swapped: bool
+        self, spec: GenerationSpec, key: tuple[Any, ...], *, swapping: bool
     ) -> tuple[Loaded, float | None]:
         if key in self._loaded:
             self._loaded.move_to_end(key)
@@ -127,18 +136,18 @@ class PipelineCache:
             self._loaded.popitem(last=False)
             release_device_memory()
         started = perf_counter()
-        pipeline = self._load(spec, swapped=swapped)
+        pipeline = self._load(spec, swapping=swapping)
         loaded = Loaded(pipeline, self._embeddings(pipeline), self.compile_batches)
-        self._warm(loaded, spec, swapped=swapped)
+        self._warm(loaded, spec, swapping=swapping)
         self._loaded[key] = loaded
         return loaded, perf_counter() - started
 
-    def _warm(self, loaded: Loaded, spec: GenerationSpec, *, swapped: bool) -> None:
+    def _warm(self, loaded: Loaded, spec: GenerationSpec, *, swapping: bool) -> None:
         """Compiles the warm shapes, from the kernels another process compiled for the same
         pipeline where the store has them, and leaves what this one compiled there."""
         if not (loaded.batches and self.warm_shapes):
             return
-        key = self._artifacts_key(loaded.pipeline, swapped=swapped)
+        key = self._artifacts_key(loaded.pipeline, swapping=swapping)
         found = load_artifacts(self.files.store, key)
         compiled_before = compile_counts()["kernels_compiled"]
         loaded.warm_keys = warm(loaded, spec, self.warm_shapes)
@@ -147,7 +156,7 @@ class PipelineCache:
             save_artifacts(self.files.store, key)
         logger.info("warm shapes compiled (artifacts %s found: %s): %s", key, found, counts)
 
-    def _artifacts_key(self, pipeline: DiffusionPipeline, *, swapped: bool) -> str:
+    def _artifacts_key(self, pipeline: DiffusionPipeline, *, swapping: bool) -> str:
         # A fused LoRA's weights change no kernel: only the swapping adapter does.
         decided_by = {
             "unet": model_architecture(pipeline.unet),
@@ -157,7 +166,7 @@ class PipelineCache:
             "backend": self.compile_backend,
             "shapes": self.warm_shapes,
             "batches": self.compile_batches,
-            "lora_swap_rank": self.lora_swap_rank if swapped else None,
+            "lora_swap_rank": self.lora_swap_rank if swapping else None,
         }
         return artifacts_key("generate", decided_by, pipeline.device)
 
@@ -209,7 +218,7 @@ class PipelineCache:
         model = model.to(device_name(), dtype=torch_dtype(spec.dtype)).eval()
         return SafetyChecker(model, features)
 
-    def _load(self, spec: GenerationSpec, *, swapped: bool) -> DiffusionPipeline:
+    def _load(self, spec: GenerationSpec, *, swapping: bool) -> DiffusionPipeline:
         dtype = torch_dtype(spec.dtype)
         if spec.model_source == tiny.TINY_NAME:
             check_tiny_revision(spec.model_revision)
@@ -229,18 +238,18 @@ class PipelineCache:
             pipeline = pipeline.to(dtype=dtype)
         pipeline = pipeline.to(device_name())
         pipeline.set_progress_bar_config(disable=True)
-        if spec.loras and not swapped:
+        if spec.loras and not swapping:
             fuse_loras(pipeline, spec, self._lora_files(spec))
         if torch.cuda.is_available() or self.compile_mode:
             # Convolutions in channels-last layout run on tensor cores without transposes.
             pipeline.unet.to(memory_format=torch.channels_last)
             pipeline.vae.to(memory_format=torch.channels_last)
-        if swapped:
+        if swapping:
             make_swappable(pipeline, self.lora_swap_rank)
         if self.compile_mode:
-            # Q, K and V fused into one projection would leave the swapped LoRAs' out.
+            # The U-Net's Q, K and V fused into one projection would leave swapped LoRAs out.
             compile_pipeline(pipeline, self.compile_mode, backend=self.compile_backend,
-                             fuse_qkv=not swapped)  # fmt: skip
+                             fuse_unet_qkv=not swapping)  # fmt: skip
         return pipeline
 
 
@@ -263,7 +272,7 @@ class SafetyChecker:
 
 
 def compile_pipeline(
-    pipeline: DiffusionPipeline, mode: str, *, backend: str = "inductor", fuse_qkv: bool = True
+    pipeline: DiffusionPipeline, mode: str, *, backend: str = "inductor", fuse_unet_qkv: bool = True
 ) -> None:
     """The U-Net and the VAE's decoder (the module: the same graph whatever the slicing)
     compiled for static shapes, their attention's Q, K and V projections fused into one
@@ -272,8 +281,7 @@ def compile_pipeline(
     for each shape once. Compiling is lazy: the first call of each shape compiles (warm)."""
     if torch.cuda.is_available():
         torch.backends.cudnn.benchmark = True
-    if fuse_qkv:
-        pipeline.fuse_qkv_projections()
+    pipeline.fuse_qkv_projections(unet=fuse_unet_qkv, vae=True)
     options = {"mode": mode} if backend == "inductor" else {"backend": backend}
     pipeline.unet = torch.compile(pipeline.unet, dynamic=False, **options)
     pipeline.vae.decoder = torch.compile(pipeline.vae.decoder, dynamic=False, **options)
