@@ -6,11 +6,11 @@ them is one of its own, as fast as the base. That is how an uncompiled worker ke
 
 Swapped: a compiled pipeline keeps one adapter of a fixed rank on the linear layers of the
 U-Net's transformer blocks, all zeros until a spec asks for LoRAs (the base model exactly);
-a spec's LoRAs, at
-their scales, are made one adapter of that rank and swapped into it in place (diffusers'
-LoRA hot-swap, peft's hotswap_adapter): neither the base is loaded again nor anything
-compiled again, whatever LoRA set a call brings. A LoRA set that does not fit the adapter
-(its text encoder's weights, layers the adapter lacks, ranks above it) is fused instead.
+a spec's LoRAs, at their scales, are made one adapter of that rank and swapped into it in
+place (diffusers' LoRA hot-swap, peft's hotswap_adapter): neither the base is loaded again
+nor anything compiled again, whatever LoRA set a call brings. A LoRA set that does not fit
+the adapter (its text encoder's weights, layers the adapter lacks, ranks above it) is fused
+instead.
 """
 
 from collections import Counter
