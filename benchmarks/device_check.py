@@ -8,7 +8,8 @@ written as users write it (diffusers, transformers and torch; nothing of sdq's):
             under torchrun (benchmarks/train_gpu.py, benchmarks/plain_ddp.py); eager, then
             both torch.compiled, each side's compile time (its first step) apart.
   generate: SD 1.5's shape at 512 px, 50 steps, batches 1 and 8, fp16: the worker's render()
-            against the pipeline called as a script calls it (benchmarks/gpu.py); eager, then
+            against the pipeline called as a script calls it (benchmarks/gpu.py); eager (and
+            the worker with SDQ_CHANNELS_LAST=0 beside it: channels_last_over_contiguous), then
             compiled as SDQ_COMPILE compiles (`--compile-mode`; reduce-overhead and
             max-autotune replay CUDA graphs), the buckets' warm-up apart, and the graphs
             compiled after it counted (recompilations).
@@ -362,6 +363,9 @@ def generate(check: Check, compiled: bool) -> None:
         pipeline = gpu.built(args, make)
         flops = gpu.flops_per_image(pipeline, args)
         sides = gpu.eager_sides(pipeline)
+        # The worker with SDQ_CHANNELS_LAST=0, measured in the same turns.
+        contiguous = gpu.eager_sides(gpu.built(args, make, channels_last=False))
+        sides["sdq_contiguous"] = contiguous["sdq"]
     eager = check.seen.get("generate eager", {}).get("calls_s", {})
     calls_s: dict[int, float] = {}  # each batch size's calls (the compiles left out)
     plain_warm_s = 0.0
@@ -395,6 +399,9 @@ def generate(check: Check, compiled: bool) -> None:
                      f"{name}_mfu": row[name]["mfu"]}  # fmt: skip
             if compiled:
                 line[f"{name}_recompiles_after_warm"] = sum(done.recompiled[name][counts[name] :])
+        if "sdq_contiguous" in row:
+            line["sdq_contiguous_images_per_s"] = row["sdq_contiguous"]["images_per_s"]
+            line["channels_last_over_contiguous"] = gpu.ratio(row, "sdq", "sdq_contiguous")
         seconds = time.monotonic() - measured
         line |= {"sdq_vs_plain": gpu.ratio(row, "sdq", "plain"), "seconds": round(seconds, 1)}
         check.emit(line)

@@ -150,12 +150,17 @@ def ratio(row: dict, side: str, baseline: str) -> float:
     return round(row[side]["images_per_s"] / row[baseline]["images_per_s"], 3)
 
 
-def built(args: argparse.Namespace, make: Callable[[], object] = sd15_pipeline):
+def built(
+    args: argparse.Namespace,
+    make: Callable[[], object] = sd15_pipeline,
+    *,
+    channels_last: bool = True,
+):
     """The pipeline built in code (SD 1.5's shape, or what `make` builds), on the device, as
-    a worker lays it out there."""
+    a worker lays it out there (SDQ_CHANNELS_LAST)."""
     pipeline = make().to(device_name(), getattr(torch, args.dtype))
     pipeline.set_progress_bar_config(disable=True)
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and channels_last:
         pipeline.unet.to(memory_format=torch.channels_last)
         pipeline.vae.to(memory_format=torch.channels_last)
     return pipeline

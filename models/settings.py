@@ -29,7 +29,8 @@ def setting(
 ) -> Any:
     """A setting, declared once: its environment variable, default and lower bound (for a
     whole number), or how it is read when its type says too little (`read(env, name,
-    default)`). A float is a duration in seconds above 0; text is taken as it is."""
+    default)`). A float is a duration in seconds above 0, a bool on or off (1 or 0); text
+    is taken as it is."""
     return field(default=default, metadata={"env": name, "minimum": minimum, "read": read})
 
 
@@ -46,6 +47,8 @@ def read_group(group: type[G], env: Mapping[str, str]) -> G:
             values[declared.name] = read_int(env, name, default, minimum=minimum)
         elif declared.type is float:
             values[declared.name] = _seconds(env, name, default)
+        elif declared.type is bool:
+            values[declared.name] = _flag(env, name, default)
         else:
             values[declared.name] = env.get(name) or default
     return group(**values)
@@ -54,6 +57,18 @@ def read_group(group: type[G], env: Mapping[str, str]) -> G:
 def read_int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 1) -> int:
     return _number(env, name, default, int, "an integer", lambda value: value >= minimum,
                    f"at least {minimum}")  # fmt: skip
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """On or off: 1, true, yes, on; 0, false, no, off."""
+    raw = (env.get(name) or "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be on or off (1 or 0), got {env[name]!r}")
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:

@@ -76,6 +76,12 @@ def test_settings_default_to_the_embedded_deployment() -> None:
         Settings.from_env({"SDQ_DOWNLOAD_CONNECT_TIMEOUT": "soon"})
     with pytest.raises(ValueError, match="above 0"):
         Settings.from_env({"SDQ_DOWNLOAD_TIMEOUT": "0"})
+    # On or off.
+    assert Settings.from_env({}).group(GenerateSettings).channels_last
+    assert not Settings.from_env({"SDQ_CHANNELS_LAST": "off"}).group(GenerateSettings).channels_last
+    refused = r"SDQ_CHANNELS_LAST must be on or off \(1 or 0\), got 'maybe'"
+    with pytest.raises(ValueError, match=refused):
+        Settings.from_env({"SDQ_CHANNELS_LAST": "maybe"})
 
 
 def test_compiled_shapes_are_read_and_checked() -> None:

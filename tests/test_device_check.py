@@ -63,6 +63,11 @@ def test_lines_come_as_each_measurement_ends(tmp_path: Path) -> None:
         unit = "images" if line["part"] == "generate" else "samples"
         assert line[f"sdq_{unit}_per_s"] > 0 and line[f"plain_{unit}_per_s"] > 0, line
         assert line["sdq_vs_plain"] > 0 and line["seconds"] >= 0, line
+    # Generation's eager lines measure the worker both ways (SDQ_CHANNELS_LAST).
+    for line in measured:
+        if line["part"] == "generate":
+            assert line["sdq_contiguous_images_per_s"] > 0, line
+            assert line["channels_last_over_contiguous"] > 0, line
 
 
 def test_a_part_that_would_not_fit_is_skipped_and_the_budget_kept(tmp_path: Path) -> None:

@@ -571,6 +571,12 @@ def test_a_compiling_worker_compiles_its_pipeline_once_with_fused_attention(tmp_
     conv = next(m for m in pipeline.unet.modules() if isinstance(m, torch.nn.Conv2d))
     assert conv.weight.is_contiguous(memory_format=torch.channels_last)
     assert cache.get(specs("y")[0]) == (loaded, None)  # once per process
+    # SDQ_CHANNELS_LAST=0: the weights as they were made.
+    contiguous = PipelineCache(files=cache.files, size=1, compile_mode="default",
+                               channels_last=False)  # fmt: skip
+    unet = contiguous.get(specs("x")[0])[0].pipeline.unet
+    conv = next(m for m in unet.modules() if isinstance(m, torch.nn.Conv2d))
+    assert not conv.weight.is_contiguous(memory_format=torch.channels_last)
 
 
 def test_a_compiled_pipeline_meets_only_the_shapes_it_warmed(tmp_path) -> None:

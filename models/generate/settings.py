@@ -98,6 +98,10 @@ class GenerateSettings:
     # guards, without code generation: a deployment's shapes, warming and routing checked
     # in seconds on a CPU, at uncompiled speed.
     compile_backend: str = setting("SDQ_COMPILE_BACKEND", "inductor", read=_compile_backend)
+    # The U-Net's and the VAE's weights in channels-last layout where there is a GPU or
+    # compiling (convolutions run on tensor cores without transposes): the device check
+    # measures a worker both ways (`channels_last_over_contiguous`).
+    channels_last: bool = setting("SDQ_CHANNELS_LAST", True)
     # A compiled worker's LoRAs: swapped into one compiled pipeline per model, an adapter
     # of this rank on its U-Net's transformer blocks (a LoRA set's ranks must add up to at
     # most this), with nothing loaded or compiled again from set to set; its U-Net works

@@ -75,6 +75,7 @@ class PipelineCache:
         warm_shapes: tuple[tuple[int, int], ...] = (),
         compile_backend: str = "inductor",
         lora_swap_rank: int = 0,
+        channels_last: bool = True,
     ) -> None:
         self.files = files
         self.size = size
@@ -88,6 +89,7 @@ class PipelineCache:
         self.compile_backend = compile_backend
         # A compiled worker's LoRAs go into one pipeline per model, swapped (loras.py).
         self.lora_swap_rank = lora_swap_rank if compile_mode else 0
+        self.channels_last = channels_last
         self._loaded: OrderedDict[tuple[Any, ...], Loaded] = OrderedDict()
         self._checkers: dict[tuple[str, str, torch.dtype], SafetyChecker] = {}
         # LoRA sets (by model and files) found not to fit the swapping adapter: fused.
@@ -167,6 +169,7 @@ class PipelineCache:
             "shapes": self.warm_shapes,
             "batches": self.compile_batches,
             "lora_swap_rank": self.lora_swap_rank if swapping else None,
+            "channels_last": self.channels_last,
         }
         return artifacts_key("generate", decided_by, pipeline.device)
 
@@ -240,7 +243,7 @@ class PipelineCache:
         pipeline.set_progress_bar_config(disable=True)
         if spec.loras and not swapping:
             fuse_loras(pipeline, spec, self._lora_files(spec))
-        if torch.cuda.is_available() or self.compile_mode:
+        if self.channels_last and (torch.cuda.is_available() or self.compile_mode):
             # Convolutions in channels-last layout run on tensor cores without transposes.
             pipeline.unet.to(memory_format=torch.channels_last)
             pipeline.vae.to(memory_format=torch.channels_last)

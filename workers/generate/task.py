@@ -116,4 +116,5 @@ def pipelines(app: SdqCelery):
         warm_shapes=settings.warm_shapes,
         compile_backend=settings.compile_backend,
         lora_swap_rank=settings.lora_swap_rank,
+        channels_last=settings.channels_last,
     )
