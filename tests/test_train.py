@@ -30,7 +30,7 @@ from sdq.models.train.tables import Checkpoint, TrainStep
 from sdq.producer.train.lookups import latest_step
 from sdq.workers.tiny import build_pipeline
 from tests.browser import chromium, open_page, texts
-from tests.conftest import BUCKET, ROOT, WorkerProcess, sdq_json
+from tests.conftest import BUCKET, ROOT, BeatProcess, WorkerProcess, sdq_json
 from tests.hostile_server import HostileServer
 from tests.netns_download import DOWNLOAD_ENV
 from tests.services import OutageProxy, clean_env, said_after, wait_for
@@ -752,8 +752,13 @@ def test_a_job_runs_under_its_worker_s_limits_not_its_sender_s(
     worker_env = {**own_deployment, **DOWNLOAD_ENV, "SDQ_TRAIN_TASK_SOFT_TIME_LIMIT": "6",
                   "SDQ_TRAIN_TASK_TIME_LIMIT": "600", "SDQ_TRAIN_LOSS_EVERY": "5",
                   "SDQ_TRAIN_RANKS": "1"}  # fmt: skip
+    # Beat, as a deployment runs it: a job whose next message a soft limit cut off (the
+    # limit lands wherever the task is, a database call included) is sent again.
+    healing = {**worker_env, "SDQ_MAINTENANCE_INTERVAL_SECONDS": "1",
+               "SDQ_RELAY_AFTER_SECONDS": "10"}  # fmt: skip
     workers = [WorkerProcess(worker_env, tmp_path / "gpu.log").start(),
-               WorkerProcess(worker_env, tmp_path / "cpu.log", pool="cpu").start()]  # fmt: skip
+               WorkerProcess(worker_env, tmp_path / "cpu.log", pool="cpu").start(),
+               BeatProcess(healing, tmp_path / "beat.log").start()]  # fmt: skip
     try:
         env = {**own_deployment, **DOWNLOAD_ENV}
         encoded_dataset(env, "limit-birds", 8, tmp_path)
