@@ -1,6 +1,8 @@
-"""`sdq train --compile` on the CPU (inductor's C++ backend): the U-Net compiled by region,
-once for all of a run's jobs in a process, its artifacts saved to the store; a process with
-an empty local cache (another machine's) loads them and compiles no kernel itself."""
+"""Compiling on the CPU (inductor's C++ backend), what it made shared through the store.
+`sdq train --compile`: the U-Net compiled by region, once for all of a run's jobs in a
+process, its artifacts saved to the store; a process with an empty local cache (another
+machine's) loads them and compiles no kernel itself. A compiled generate worker: its warm
+shapes compiled once, and another worker warms from what the first left in the store."""
 
 import ast
 import json
