@@ -88,13 +88,17 @@ def _broker(app: SdqCelery) -> str:
 
 def consumed_queues(app: SdqCelery) -> set[str]:
     """The queues live workers consume now, as they answer a ping."""
-    answered = app.control.inspect(timeout=REPLY_SECONDS).active_queues() or {}
-    return {queue["name"] for queues in answered.values() for queue in queues}
+    return {queue["name"] for queues in _active_queues(app).values() for queue in queues}
+
+
+def _active_queues(app: SdqCelery) -> dict[str, list[dict]]:
+    """Each live worker's queues, by its name, as it answers a ping."""
+    return app.control.inspect(timeout=REPLY_SECONDS).active_queues() or {}
 
 
 def _workers(app: SdqCelery) -> list[Check]:
     """One check per queue: the workers that consume it and answered a ping."""
-    answered = app.control.inspect(timeout=REPLY_SECONDS).active_queues() or {}
+    answered = _active_queues(app)
     consumers = {
         queue: sorted(worker for worker, queues in answered.items()
                       if any(q["name"] == queue for q in queues))

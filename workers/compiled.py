@@ -8,6 +8,8 @@ Both ways are best effort: a store that fails, or artifacts another torch cannot
 a compile, never the work."""
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -43,7 +45,20 @@ def compile_counts() -> dict[str, int]:
     }
 
 
-def load_artifacts(store: ObjectStore, key: str) -> bool:
+@contextmanager
+def shared_through(store: ObjectStore, key: str, *, saves: bool = True) -> Iterator[dict]:
+    """Around a compile: the store's artifacts for `key` loaded before it; after it, the
+    figures of what it found and compiled (the yielded dict), and what it compiled saved
+    (where it compiled anything, and `saves`)."""
+    figures: dict[str, Any] = {"key": key, "loaded": _load(store, key)}
+    compiled_before = compile_counts()["kernels_compiled"]
+    yield figures
+    figures.update(compile_counts())
+    if saves and figures["kernels_compiled"] > compiled_before:
+        _save(store, key)
+
+
+def _load(store: ObjectStore, key: str) -> bool:
     """The artifacts loaded, where the store has them."""
     try:
         return torch.compiler.load_cache_artifacts(store.get_bytes(key)) is not None
@@ -54,7 +69,7 @@ def load_artifacts(store: ObjectStore, key: str) -> bool:
         return False
 
 
-def save_artifacts(store: ObjectStore, key: str) -> None:
+def _save(store: ObjectStore, key: str) -> None:
     """What this process compiled, for the next: all of it so far (torch keeps one record
     a process), whatever the key; a loader finds its own kernels among them by content."""
     try:

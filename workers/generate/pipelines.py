@@ -29,13 +29,7 @@ from transformers import CLIPImageProcessor
 
 from sdq.models import tiny
 from sdq.models.generate.specs import TILED_DECODE_PIXELS, GenerationSpec
-from sdq.workers.compiled import (
-    artifacts_key,
-    compile_counts,
-    load_artifacts,
-    model_architecture,
-    save_artifacts,
-)
+from sdq.workers.compiled import artifacts_key, model_architecture, shared_through
 from sdq.workers.generate.conditioning import PromptEmbeddings, call_conditioning, family_encoder
 from sdq.workers.generate.loras import NotSwappable, fuse_loras, make_swappable, swap_in
 from sdq.workers.generate.shared_prompts import EncoderPrompts, SharedPrompts, text_encoder_digest
@@ -150,13 +144,9 @@ class PipelineCache:
         if not (loaded.batches and self.warm_shapes):
             return
         key = self._artifacts_key(loaded.pipeline, swapping=swapping)
-        found = load_artifacts(self.files.store, key)
-        compiled_before = compile_counts()["kernels_compiled"]
-        loaded.warm_keys = warm(loaded, spec, self.warm_shapes)
-        counts = compile_counts()
-        if counts["kernels_compiled"] > compiled_before:
-            save_artifacts(self.files.store, key)
-        logger.info("warm shapes compiled (artifacts %s found: %s): %s", key, found, counts)
+        with shared_through(self.files.store, key) as figures:
+            loaded.warm_keys = warm(loaded, spec, self.warm_shapes)
+        logger.info("warm shapes compiled: %s", figures)
 
     def _artifacts_key(self, pipeline: DiffusionPipeline, *, swapping: bool) -> str:
         # A fused LoRA's weights change no kernel: only the swapping adapter does.

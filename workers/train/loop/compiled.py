@@ -22,13 +22,7 @@ from diffusers import UNet2DConditionModel
 
 from sdq.models.store import ObjectStore
 from sdq.models.train.specs import TrainShardSpec
-from sdq.workers.compiled import (
-    artifacts_key,
-    compile_counts,
-    load_artifacts,
-    model_architecture,
-    save_artifacts,
-)
+from sdq.workers.compiled import artifacts_key, model_architecture, shared_through
 
 logger = logging.getLogger(__name__)
 
@@ -79,14 +73,11 @@ class SharedCompile:
             "latents": list(inputs.latents.shape),
             "embeddings": list(inputs.embeddings.shape),
         }
-        key = train_key(spec, unet, shapes)
         started = perf_counter()
-        loaded = load_artifacts(self.store, key)
-        yield
+        with shared_through(self.store, train_key(spec, unet, shapes), saves=saves) as figures:
+            yield
         self.stepped = True
-        self.figures = {"key": key, "loaded": loaded, **compile_counts()}
-        if saves and self.figures["kernels_compiled"]:
-            save_artifacts(self.store, key)
+        self.figures = figures
         # Loading, compiling and saving: all of it the run's start.
         self.figures["seconds"] = round(perf_counter() - started, 3)
         took(self.figures["seconds"])
