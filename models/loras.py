@@ -7,12 +7,14 @@ weights and the scale, never with the path or name it was found under."""
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy.orm import Session
 
+from sdq.models.jobs.kinds import MadeModel
 from sdq.models.registry import (
     LORA_FORMAT,
     PATH_PREFIXES,
@@ -20,6 +22,7 @@ from sdq.models.registry import (
     ModelNotFound,
     file_sha256,
     latest_pushed,
+    made_by_a_run,
     record_lora,
 )
 from sdq.models.store import ObjectStore, S3Store
@@ -59,6 +62,10 @@ def resolve_lora(value: str, *, session: Session) -> dict[str, Any]:
         path = Path(ref)
         check_lora(_head(path), str(path))
         sha256, name, source = file_sha256(path), path.stem, str(path.resolve())
+    elif (made := made_by_a_run(session, ref)) is not None:
+        if made.lora_key is None:
+            raise ModelNotFound(f"{ref!r} is a pipeline a train run made: pass it with --model")
+        sha256, name, source = made.revision, made.name, f"{STORE_SOURCE}{made.lora_key}"
     elif (record := latest_pushed(session, ref, LORA_FORMAT)) is not None:
         sha256, name, source = record.revision, ref, f"{STORE_SOURCE}{record.store_prefix}"
     elif ref.startswith(PATH_PREFIXES) or ref.endswith(SUFFIX):
@@ -71,6 +78,11 @@ def resolve_lora(value: str, *, session: Session) -> dict[str, Any]:
             "or a name registered with `sdq model push FILE NAME`"
         )
     return {"name": name, "source": source, "sha256": sha256, "scale": scale}
+
+
+def trained_lora(name: str, key: str, sha256: str) -> dict[str, Any]:
+    """The spec's record of a LoRA a train run wrote to the store, at its full scale."""
+    return {"name": name, "source": f"{STORE_SOURCE}{key}", "sha256": sha256, "scale": 1.0}
 
 
 def check_lora(head: bytes, where: str) -> None:
@@ -114,11 +126,25 @@ def push_lora(path: Path, name: str, *, store: ObjectStore, session: Session) ->
     if path.suffix != SUFFIX:
         raise ModelNotFound(f"{path}: a LoRA is pushed as a {SUFFIX} file")
     check_lora(_head(path), str(path))
-    sha256 = file_sha256(path)
+    return _push(name, file_sha256(path), lambda key: store.put_file(key, path), session)
+
+
+def push_made_lora(
+    made: MadeModel, name: str, *, store: ObjectStore, session: Session
+) -> PushedLora:
+    """The LoRA file a train run made, copied within the store under `name`, so that the
+    keep policy deleting the run's old checkpoints leaves it; its content, so its lineage,
+    stays the checkpoint's."""
+    return _push(name, made.revision, lambda key: store.copy(made.lora_key, key), session)
+
+
+def _push(name: str, sha256: str, put: Callable[[str], None], session: Session) -> PushedLora:
+    """`put` the file at its key once per content; the registry row, written last, marks
+    the copy complete."""
     key = f"loras/{name}/{sha256[:16]}{SUFFIX}"
     known = latest_pushed(session, name, LORA_FORMAT)
     if known is not None and known.revision == sha256:
         return PushedLora(sha256, key, uploaded=False)
-    store.put_file(key, path)
+    put(key)
     record_lora(session, name, key, sha256)
     return PushedLora(sha256, key, uploaded=True)

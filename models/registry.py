@@ -111,6 +111,8 @@ def resolve_model(ref: str, *, store: ObjectStore, session: Session) -> ModelIde
     if (files := stored_files(ref)) is not None:
         return _pipeline(files)
     if (made := made_by_a_run(session, ref)) is not None:
+        if made.lora_key is not None:
+            raise ModelNotFound(f"{ref!r} is a LoRA a train run made: pass it with --lora")
         return _made_identity(made, store)
     if (record := latest_pushed(session, ref)) is not None:
         return _resolve_pushed(record, store)
@@ -368,14 +370,10 @@ def push_model(folder: Path, name: str, *, store: ObjectStore, session: Session)
     return _push(_pipeline(files), name, session, put_files)
 
 
-def push_made_model(ref: str, name: str, *, store: ObjectStore, session: Session) -> Pushed | None:
-    """The model a run made that `ref` names (RUN@STEP, NAME@STEP, RUN@best:METRIC), copied
-    within the store under `name`, so that the keep policy deleting the run's old
-    checkpoints leaves it; None when `ref` names no run's model. Its revision, so its
-    lineage, stays the checkpoint's."""
-    made = made_by_a_run(session, ref)
-    if made is None:
-        return None
+def push_made_model(made: MadeModel, name: str, *, store: ObjectStore, session: Session) -> Pushed:
+    """The pipeline a run made, copied within the store under `name`, so that the keep
+    policy deleting the run's old checkpoints leaves it. Its revision, so its lineage, stays
+    the checkpoint's."""
 
     def copy_files(prefix: str) -> None:
         for key in store.list_keys(f"{made.prefix}/"):

@@ -194,19 +194,31 @@ class FixedRenders:
         return cls(**{**data, "prompts": prompts})
 
     def specs(
-        self, model: tuple[str, str, str], scheduler_config: dict[str, Any]
+        self,
+        model: tuple[str, str, str],
+        scheduler_config: dict[str, Any],
+        loras: tuple[dict[str, Any], ...] = (),
     ) -> list[GenerationSpec]:
-        """A render of each prompt by the model (name, source, revision)."""
-        return [self._spec(model, scheduler_config, prompt, seed) for prompt, seed in self.prompts]
+        """A render of each prompt by the model (name, source, revision), with `loras` (as
+        a spec records them) applied."""
+        return [
+            self._spec(model, scheduler_config, loras, prompt, seed)
+            for prompt, seed in self.prompts
+        ]
 
     def _spec(
-        self, model: tuple[str, str, str], scheduler_config: dict[str, Any], prompt: str, seed: int
+        self,
+        model: tuple[str, str, str],
+        scheduler_config: dict[str, Any],
+        loras: tuple[dict[str, Any], ...],
+        prompt: str,
+        seed: int,
     ) -> GenerationSpec:
         return GenerationSpec.by_model(
             *model, scheduler=self.scheduler, prompt=prompt,
             scheduler_config=self.scheduler_config or scheduler_config,
             negative_prompt="", seed=seed, steps=self.steps, guidance=self.guidance,
-            width=self.size, height=self.size, dtype=self.dtype,
+            width=self.size, height=self.size, dtype=self.dtype, loras=list(loras),
         )  # fmt: skip
 
 

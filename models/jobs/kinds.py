@@ -132,13 +132,15 @@ class ModelHooks:
 @dataclass(frozen=True)
 class MadeModel:
     """A model a run made: its name (by the step it is), where its files are in the store,
-    its revision, and the run and step that made it."""
+    its revision, and the run and step that made it. A LoRA run's model is one LoRA file
+    (`lora_key`, under the prefix), which renders over its run's base."""
 
     name: str
     prefix: str
     revision: str
     run: int
     step: int
+    lora_key: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

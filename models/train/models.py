@@ -11,6 +11,7 @@ from sdq.models.evaluate.scores import NoScores, best_step
 from sdq.models.jobs.kinds import TRAIN, MadeModel
 from sdq.models.registry import ModelNotFound
 from sdq.models.tables import Run
+from sdq.models.train.specs import lora_file_key
 from sdq.models.train.tables import Checkpoint
 
 CHECKPOINT_REF = re.compile(r"(?P<owner>[^/@\s]+)@(?:(?P<step>\d+)|best:(?P<best>\w+))")
@@ -23,8 +24,10 @@ def made_model(session: Session, ref: str) -> MadeModel | None:
     if checkpoint is None:
         return None
     owner = ref.partition("@")[0]
+    adapters_only = session.get(Run, checkpoint.run_id).options.get("lora_rank") is not None
     return MadeModel(f"{owner}@{checkpoint.step}", checkpoint.model_prefix,
-                     checkpoint.model_revision, checkpoint.run_id, checkpoint.step)  # fmt: skip
+                     checkpoint.model_revision, checkpoint.run_id, checkpoint.step,
+                     lora_file_key(checkpoint.model_prefix) if adapters_only else None)  # fmt: skip
 
 
 def checkpoint_named(session: Session, ref: str) -> Checkpoint | None:

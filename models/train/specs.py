@@ -28,6 +28,11 @@ GRAD_COMMS = ("fp32", "bf16")
 SPEC_VERSION = 1
 # Where `--report-to` sends a run's figures besides SQL (workers/tracking.py).
 TRACKERS = ("tensorboard", "wandb")
+# The U-Net layers a LoRA run adapts (workers/train/loop/lora.py names their modules).
+LORA_TARGETS = ("attention", "attention+ff")
+# What a LoRA run's model is: one file, as diffusers' save_lora_weights names it, under the
+# checkpoint's model prefix.
+LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,6 +148,23 @@ class TrainOptions:
         False, help="Random weights instead of the base's U-Net, drawn from --seed."
     )
     unet_config: dict[str, Any] | None = None
+    # LoRA (Hu et al. 2021): adapters of this rank train on the U-Net's layers and nothing
+    # else does; the run's model is a LoRA file.
+    lora_rank: int | None = option(
+        None, low=1, shown="none: the whole U-Net trains",
+        help="Train a LoRA of this rank on the U-Net instead of the whole U-Net: checkpoints "
+        "hold the adapters and their optimizer state (megabytes), and the run's model is a "
+        "LoRA file that `--lora NAME` renders with over its base.",
+    )  # fmt: skip
+    lora_alpha: float | None = option(
+        None, low=0, above=True, shown="the rank",
+        help="The LoRA's alpha: its update is scaled by alpha / rank.",
+    )  # fmt: skip
+    lora_targets: str = option(
+        "attention", choices=LORA_TARGETS,
+        help="The layers a LoRA adapts in the U-Net's transformer blocks: attention's query, "
+        "key, value and output projections; attention+ff adds the feed-forward layers.",
+    )  # fmt: skip
     ema: float | None = option(
         0.9999, low=0, high=1, above=True, below=True, zero_is_none=True,
         help="EMA decay; 0 keeps none.",
@@ -173,6 +195,7 @@ class TrainOptions:
         if self.unet_config is not None and not self.from_scratch:
             raise ValueError("--unet-config sets the architecture of a U-Net --from-scratch")
         self._check_split()
+        self._check_lora()
 
     def _check_split(self) -> None:
         """The global batch splits evenly over nodes, ranks, lanes and micro-batches."""
@@ -197,9 +220,29 @@ class TrainOptions:
                 f"or more, or --sharding none"
             )
 
+    def _check_lora(self) -> None:
+        """A LoRA adapts a trained U-Net, and its state is small enough for every rank."""
+        if self.lora_rank is None:
+            if self.lora_alpha is not None or self.lora_targets != LORA_TARGETS[0]:
+                raise ValueError("--lora-alpha and --lora-targets shape a LoRA: give --lora-rank")
+            return
+        if self.from_scratch:
+            raise ValueError(
+                "--lora-rank adapts a trained U-Net's weights; --from-scratch has none to adapt"
+            )
+        if self.sharded:
+            raise ValueError(
+                f"--lora-rank with --sharding {self.sharding}: a LoRA's trained state is its "
+                f"adapters (megabytes), which every rank holds whole; give --sharding none"
+            )
+
     @property
     def sharded(self) -> bool:
         return self.sharding != "none"
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank is not None
 
     @property
     def ranks_per_node(self) -> int:
@@ -335,6 +378,11 @@ class TrainShardSpec:
 
 def checkpoint_prefix(run: int, step: int) -> str:
     return f"train/{run}/checkpoints/{step:08d}"
+
+
+def lora_file_key(model_prefix: str) -> str:
+    """Where a LoRA run's checkpoint keeps its model, the LoRA file."""
+    return f"{model_prefix}/{LORA_FILE}"
 
 
 def inputs_key(run: int) -> str:

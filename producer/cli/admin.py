@@ -11,8 +11,8 @@ from click.core import ParameterSource
 
 from sdq.models.db import make_engine
 from sdq.models.jobs.kinds import POOL_QUEUES, Pool
-from sdq.models.loras import push_lora
-from sdq.models.registry import ModelNotFound, push_made_model, push_model
+from sdq.models.loras import push_lora, push_made_lora
+from sdq.models.registry import ModelNotFound, made_by_a_run, push_made_model, push_model
 from sdq.models.store import StoreError
 from sdq.models.tables import SickWorker
 from sdq.producer import display, lookups
@@ -105,11 +105,16 @@ def _pushed(
         return lora.sha256, app.store.uri(lora.key), lora.uploaded, None
     if source.is_dir():
         pushed = push_model(source, name, store=app.store, session=session)
-    elif (pushed := push_made_model(str(source), name, store=app.store, session=session)) is None:
+    elif (made := made_by_a_run(session, str(source))) is None:
         raise ModelNotFound(
             f"{source}: no such file or folder, and no training run's model "
             "(RUN@STEP, NAME@STEP or RUN@best:METRIC)"
         )
+    elif made.lora_key is not None:
+        lora = push_made_lora(made, name, store=app.store, session=session)
+        return lora.sha256, app.store.uri(lora.key), lora.uploaded, (made.run, made.step)
+    else:
+        pushed = push_made_model(made, name, store=app.store, session=session)
     identity = pushed.identity
     return identity.revision, app.store.uri(pushed.prefix), pushed.uploaded, identity.made_by
 

@@ -51,6 +51,7 @@ from sdq.producer.train.plan import (
 )
 from sdq.producer.train.plan import plan as plan_memory
 from sdq.producer.train.refusals import (
+    check_evaluation,
     check_job_length,
     check_trackers,
     checked_options,
@@ -178,6 +179,7 @@ def start(
     train_options = checked_options(app, base, resume_from, into, options)
     prompts = read_validation_prompts(validation_prompts) if validation_prompts else ()
     evaluation = train_evaluation_request(evaluation_asked, holdout=train_options.holdout)
+    check_evaluation(train_options, evaluation)
     if train_options.unet_config is not None and can_plan():
         check_fits(train_options, resolution, gpu_memory)
     check_job_length(train_options, app.settings.time_limits[TRAIN.queue].soft)

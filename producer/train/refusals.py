@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from sdq.models.evaluate.specs import Evaluation
 from sdq.models.train.architectures import InvalidArchitecture, unet_architecture
 from sdq.models.train.specs import TRAINING_SHARE_OF_TIME_LIMIT, TrainOptions
 from sdq.producer.cli.common import exit_bad_input
@@ -34,7 +35,20 @@ def checked_options(
                                "it needs a broker (SDQ_BROKER_URL) and workers")  # fmt: skip
     if resume_from and train_options.from_scratch:
         raise click.UsageError("--resume-from starts from trained weights; --from-scratch does not")
+    if resume_from and train_options.lora:
+        raise click.UsageError("--lora-rank trains adapters over a base model: to adapt a "
+                               "checkpoint's model, give it as --base RUN@STEP")  # fmt: skip
     return train_options
+
+
+def check_evaluation(options: TrainOptions, evaluation: Evaluation | None) -> None:
+    """Evaluation scores a checkpoint's whole pipeline; a LoRA run's models are LoRA files."""
+    if evaluation is not None and options.lora:
+        raise click.UsageError(
+            "--eval-metrics scores a checkpoint's whole model, and a LoRA run's models are "
+            "LoRA files: leave --eval-metrics out, and compare them by rendering with "
+            "--lora NAME@STEP (--validation-prompts renders them at every checkpoint)"
+        )
 
 
 def _train_options(unet_config: str | None, **options: Any) -> TrainOptions:

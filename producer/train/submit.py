@@ -256,6 +256,10 @@ def start_checkpoint(session: Session, run_id: int, step: int | str | None) -> S
         Checkpoint.run_id == run_id, Checkpoint.deleted_at.is_(None)
     )
     steps = session.scalars(query.order_by(Checkpoint.step)).all()
+    run = session.get(Run, run_id)
+    if run is not None and run.options.get("lora_rank") is not None:
+        raise CannotTrain(f"--resume-from {run_id}: train run {run_id} trained a LoRA; its "
+                          f"checkpoints hold adapters, not a U-Net to go on from")  # fmt: skip
     if isinstance(step, str):
         try:
             step = best_step(session, run_id, step.removeprefix("best:"), steps)

@@ -18,9 +18,10 @@ from sdq.models.generate.generations import open_render_run
 from sdq.models.jobs.kinds import TRAIN
 from sdq.models.jobs.lifecycle import utcnow
 from sdq.models.jobs.outbox import write_jobs
-from sdq.models.registry import STORE_SOURCE, record_stored_model
+from sdq.models.loras import trained_lora
+from sdq.models.registry import STORE_SOURCE, record_lora, record_stored_model
 from sdq.models.tables import Run
-from sdq.models.train.specs import TrainShardSpec, checkpoint_prefix
+from sdq.models.train.specs import TrainShardSpec, checkpoint_prefix, lora_file_key
 from sdq.models.train.tables import Checkpoint, TrainStep
 
 logger = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ def record_checkpoint(
         .returning(Checkpoint.id)
     ).first()
     if written.model_prefix is not None:
-        record_stored_model(session, spec.model_name, written.model_prefix, written.model_revision)
+        _register_model(session, spec, written)
     if inserted is None:
         return [spec.run]  # a second writer of this checkpoint: the rest is written already
     new_work = []
@@ -132,7 +133,7 @@ def record_checkpoint(
         written.model_revision,
     )
     if spec.validation is not None:
-        new_work.append(_validation_run(session, spec, written.step, model))
+        new_work.append(_validation_run(session, spec, written))
     if written.model_prefix is not None and spec.evaluates(written.step):
         # Scored on the evaluate queue: the run's next job is sent whether or not it is.
         scored = ScoredModel(*model, spec.scheduler_config, run=spec.run, step=written.step)
@@ -172,13 +173,28 @@ def _next_job(session: Session, spec: TrainShardSpec, step: int) -> None:
     write_jobs(session, spec.run, TRAIN, [after.to_dict()], [after.hash()], utcnow())
 
 
-def _validation_run(
-    session: Session, spec: TrainShardSpec, step: int, model: tuple[str, str, str]
-) -> int:
-    """A generation run of the validation prompts from this checkpoint's model."""
+def _register_model(session: Session, spec: TrainShardSpec, written: Written) -> None:
+    """The checkpoint's model as the newest under the run's name: a pipeline that `--model
+    NAME` loads, or the LoRA file that `--lora NAME` renders with."""
+    if spec.options.lora:
+        key = lora_file_key(written.model_prefix)
+        record_lora(session, spec.model_name, key, written.model_revision)
+    else:
+        record_stored_model(session, spec.model_name, written.model_prefix, written.model_revision)
+
+
+def _validation_run(session: Session, spec: TrainShardSpec, written: Written) -> int:
+    """A generation run of the validation prompts from this checkpoint's model: its
+    pipeline, or the base's with its LoRA."""
+    step, name = written.step, f"{spec.model_name}@{written.step}"
+    if spec.options.lora:
+        model = (spec.base_name, spec.base_source, spec.base_revision)
+        loras = (trained_lora(name, lora_file_key(written.model_prefix), written.model_revision),)
+    else:
+        model, loras = (name, f"{STORE_SOURCE}{written.model_prefix}", written.model_revision), ()
     return open_render_run(
         session,
-        spec.validation.specs(model, spec.scheduler_config),
+        spec.validation.specs(model, spec.scheduler_config, loras),
         source=f"validation of train run {spec.run} at step {step}",
         options={"validation_of": spec.run, "step": step},
     )

@@ -28,6 +28,7 @@ from diffusers import DDPMScheduler, UNet2DConditionModel
 from diffusers.configuration_utils import FrozenDict
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel
+from safetensors.torch import load_file
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
@@ -37,7 +38,8 @@ from sdq.models.train.specs import TrainOptions, TrainShardSpec, checkpoint_pref
 from sdq.workers.tiny import build_unet
 from sdq.workers.train.loop.checkpoints import fetch_base_ahead
 from sdq.workers.train.loop.compiled import SharedCompile, compile_regions
-from sdq.workers.train.loop.files import UNET_FOLDER, load_state
+from sdq.workers.train.loop.files import ADAPTER_FILE, UNET_FOLDER, load_state
+from sdq.workers.train.loop.lora import add_lora, load_adapter
 from sdq.workers.train.loop.sharding import (
     SHARDED_FOLDER,
     is_sharded,
@@ -95,13 +97,18 @@ def new_state(spec: TrainShardSpec, unet: UNet2DConditionModel, ranks: Ranks = A
     options = spec.options
     device = ranks.device()
     use_fast_kernels(device)
-    # 1. The U-Net on this rank's device: whole, or sharded over the ranks.
+    # 1. The U-Net on this rank's device: whole, or sharded over the ranks; frozen under a
+    # LoRA's adapters, when the run trains one.
     sharded = options.sharded and ranks.distributed
     unet = _on_device(unet, options, device, sharded=sharded)
+    if options.lora:
+        add_lora(unet, options)
+    trained = [parameter for parameter in unet.parameters() if parameter.requires_grad]
     # 2. What trains it: AdamW (fused: one kernel for every parameter's update, on a GPU
     # and on the CPU, where its default loops over the parameters), the EMA.
-    optimizer = torch.optim.AdamW(unet.parameters(), lr=options.lr, fused=True)
-    ema = _ema(unet, options.ema) if options.ema is not None and (ranks.writes or sharded) else None
+    optimizer = torch.optim.AdamW(trained, lr=options.lr, fused=True)
+    keeps_ema = options.ema is not None and (ranks.writes or sharded)
+    ema = _ema(trained, unet, options.ema) if keeps_ema else None
     # 3. What the steps call: the U-Net, its blocks compiled if asked, in DDP's wrapper over
     # several unsharded ranks.
     if options.compile:
@@ -127,6 +134,7 @@ def new_state(spec: TrainShardSpec, unet: UNet2DConditionModel, ranks: Ranks = A
         device=device,
         ranks=ranks,
         checkpoint_group=state_group() if sharded else None,
+        lora=options.lora,
     )
 
 
@@ -145,11 +153,11 @@ def _on_device(
     return unet
 
 
-def _ema(unet: UNet2DConditionModel, decay: float) -> EMAModel:
-    """EMA weights of the U-Net's parameters (this rank's shards, when sharded: every rank
+def _ema(trained: list[torch.nn.Parameter], unet: UNet2DConditionModel, decay: float) -> EMAModel:
+    """EMA weights of the trained parameters (this rank's shards, when sharded: every rank
     keeps its own; else rank 0 keeps them all), updated with foreach ops."""
     return LerpEMA(
-        unet.parameters(),
+        trained,
         decay=decay,
         foreach=True,
         model_cls=UNet2DConditionModel,
@@ -228,12 +236,12 @@ def restore_state(
     else:
         prefix = f"{checkpoint_prefix(spec.run, spec.first_step)}/state/"
         with downloaded(store, prefix, node_folder) as folder:
-            state = load_checkpoint(spec, folder, ranks)
+            state = load_checkpoint(spec, folder, ranks, files)
     if spec.options.caption_dropout:
         state.empty_prompt = empty_prompt(store, spec.empty_prompt_key).to(state.device)
     if spec.options.compile:
         state.compiled = SharedCompile(store)
-    if ranks.writes:
+    if ranks.writes and not spec.options.lora:  # a LoRA's model is its adapters alone
         fetch_base_ahead(spec, files)  # after the restore: it may have fetched them already
     return state
 
@@ -293,13 +301,20 @@ def empty_prompt(store: ObjectStore, key: str | None) -> torch.Tensor:
     return torch.from_numpy(np.load(io.BytesIO(store.get_bytes(key))).astype(np.float32))
 
 
-def load_checkpoint(spec: TrainShardSpec, folder: Path, ranks: Ranks = ALONE) -> TrainState:
-    """The state a checkpoint folder holds, as it was when written."""
+def load_checkpoint(
+    spec: TrainShardSpec, folder: Path, ranks: Ranks = ALONE, files: ModelFiles | None = None
+) -> TrainState:
+    """The state a checkpoint folder holds, as it was when written (a LoRA's adapters over
+    its base's U-Net, which `files` finds)."""
     if is_sharded(folder):
         state = new_state(spec, _laid_out(folder), ranks)
         restore(state, folder)
         return state
-    state = new_state(spec, UNet2DConditionModel.from_pretrained(folder / UNET_FOLDER), ranks)
+    if spec.options.lora:
+        state = new_state(spec, base_unet(spec, files), ranks)
+        load_adapter(state.unet, load_file(folder / ADAPTER_FILE, device=str(state.device)))
+    else:
+        state = new_state(spec, UNet2DConditionModel.from_pretrained(folder / UNET_FOLDER), ranks)
     saved = load_state(folder, state.device)
     state.step = saved["step"]
     restore_optimizer(state.optimizer, saved["optimizer"])

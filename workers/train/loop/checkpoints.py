@@ -16,13 +16,15 @@ from time import perf_counter
 from typing import Any, TypeVar
 
 import torch
+from safetensors.torch import save_file
 
 from sdq.models import tiny
-from sdq.models.registry import content_hash, folder_content_hash
+from sdq.models.registry import content_hash, file_sha256, folder_content_hash
 from sdq.models.store import ObjectStore
 from sdq.models.train.specs import TrainShardSpec, checkpoint_prefix
 from sdq.workers.tiny import build_pipeline
-from sdq.workers.train.loop.files import UNET_FOLDER, save_state, save_unet
+from sdq.workers.train.loop.files import ADAPTER_FILE, UNET_FOLDER, save_state, save_unet
+from sdq.workers.train.loop.lora import adapter_weights, save_lora_file
 from sdq.workers.train.loop.sharding import ShardedSnapshot, every_rank_hashes, shard_hashes
 from sdq.workers.train.loop.state import TrainState
 from sdq.workers.train.records import Written
@@ -36,12 +38,14 @@ class Snapshot:
 
     step: int
     unet_config: dict
-    unet: dict[str, torch.Tensor]  # the U-Net's state dict
+    # The U-Net's state dict; a LoRA run's adapter weights (`lora`), its U-Net being its base's.
+    unet: dict[str, torch.Tensor]
     # The optimizer's, learning rate scheduler's, EMA's and gradient scaler's state dicts.
     training: dict[str, Any]
     # The U-Net's state dict with the EMA's weights (the same tensors as its state dict's).
     ema_unet: dict[str, torch.Tensor] | None
     seconds: float  # how long the training waited for the copy
+    lora: bool = False
 
     @property
     def model_weights(self) -> dict[str, torch.Tensor]:
@@ -53,7 +57,8 @@ def snapshot(state: TrainState) -> Snapshot:
     """The state's copy on the host, into pinned memory from a GPU (one wait for all the
     copies), contiguous as safetensors writes it."""
     started = perf_counter()
-    unet = _host_copies(state.unet.state_dict(), state.device)
+    weights = adapter_weights(state.unet) if state.lora else state.unet.state_dict()
+    unet = _host_copies(weights, state.device)
     training = _host_copies(
         {
             "optimizer": state.optimizer.state_dict(),
@@ -67,8 +72,9 @@ def snapshot(state: TrainState) -> Snapshot:
         torch.cuda.synchronize(state.device)
     ema_unet = None
     if state.ema is not None:
-        # One shadow per parameter, in the U-Net's parameter order.
-        names = [name for name, _ in state.unet.named_parameters()]
+        # One shadow per trained parameter, in the U-Net's parameter order (the adapter's
+        # weights are all parameters, in that order).
+        names = list(unet) if state.lora else [name for name, _ in state.unet.named_parameters()]
         shadows = training["ema"]["shadow_params"]
         ema_unet = {**unet, **dict(zip(names, shadows, strict=True))}
     return Snapshot(
@@ -78,6 +84,7 @@ def snapshot(state: TrainState) -> Snapshot:
         training,
         ema_unet,
         seconds=perf_counter() - started,
+        lora=state.lora,
     )
 
 
@@ -97,8 +104,13 @@ def _host_copies(value: Any, device: torch.device) -> Any:
 def save_checkpoint(snapshot: Snapshot, folder: Path) -> None:
     """The U-Net as diffusers saves it, and the rest of the training state beside it. No
     generator state: every draw is a function of the seed and the step, so the same run
-    writes the same bytes, and any world size can go on from it."""
-    save_unet(snapshot.unet_config, snapshot.unet, folder / UNET_FOLDER)
+    writes the same bytes, and any world size can go on from it. A LoRA run's holds its
+    adapter in place of the U-Net."""
+    if snapshot.lora:
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(snapshot.unet, folder / ADAPTER_FILE)
+    else:
+        save_unet(snapshot.unet_config, snapshot.unet, folder / UNET_FOLDER)
     save_state({"step": snapshot.step, **snapshot.training}, folder)
 
 
@@ -156,17 +168,22 @@ def _write_model(
     spec: TrainShardSpec, snapshot: Snapshot | ShardedSnapshot, store: ObjectStore,
     files: ModelFiles,
 ) -> tuple[str | None, str | None]:  # fmt: skip
-    """The whole pipeline in the store when the checkpoint is a model (at the step the job
-    reached, which is its last unless it stopped early): its prefix and content hash."""
+    """The model in the store when the checkpoint is one (at the step the job reached,
+    which is its last unless it stopped early): its prefix and content hash. A model is a
+    whole pipeline, or a LoRA run's one LoRA file (hashed as a file: what `--lora` names)."""
     if not replace(spec, last_step=snapshot.step).exports_model:
         return None, None
     prefix = f"{checkpoint_prefix(spec.run, snapshot.step)}/model"
     with tempfile.TemporaryDirectory(prefix="sdq-model-") as temporary:
         folder = Path(temporary)
-        base = fetched_base(spec, files)
-        export_model(snapshot.unet_config, snapshot.model_weights, base, folder)
-        revision = _upload(store, prefix, folder, sorted(folder.rglob("*")),
-                           lambda: folder_content_hash(folder))  # fmt: skip
+        if spec.options.lora:
+            path = save_lora_file(snapshot.model_weights, spec.options, folder)
+            revision = _upload(store, prefix, folder, [path], lambda: file_sha256(path))
+        else:
+            export_model(snapshot.unet_config, snapshot.model_weights, fetched_base(spec, files),
+                         folder)  # fmt: skip
+            revision = _upload(store, prefix, folder, sorted(folder.rglob("*")),
+                               lambda: folder_content_hash(folder))  # fmt: skip
     return prefix, revision
 
 

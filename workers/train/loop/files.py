@@ -17,6 +17,8 @@ from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
 from safetensors.torch import load_file, save_file
 
 TENSORS_FILE = "training.safetensors"
+# A LoRA run's checkpoint holds its adapter's weights here in place of the U-Net.
+ADAPTER_FILE = "adapter.safetensors"
 UNET_FOLDER = "unet"  # a pipeline's U-Net, and a checkpoint's, as diffusers names it
 VALUES_FILE = "training.json"
 

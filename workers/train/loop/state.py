@@ -69,6 +69,13 @@ class TrainState:
     checkpoint_group: Any = None
     # A compiled state's artifacts, shared through the store (compiled.SharedCompile).
     compiled: Any = None
+    # Whether the U-Net is frozen under a LoRA's adapters, which are all that trains.
+    lora: bool = False
+
+    @property
+    def trained(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer and the EMA follow: the U-Net's, or its adapters'."""
+        return [parameter for parameter in self.unet.parameters() if parameter.requires_grad]
 
     @property
     def sharded(self) -> bool:

@@ -232,7 +232,7 @@ def _optimizer_step(state: TrainState, max_grad_norm: float | None) -> None:
         state.optimizer.step()
     state.lr_scheduler.step()
     if state.ema is not None:
-        state.ema.step(state.unet.parameters())
+        state.ema.step(state.trained)
 
 
 def _loss(prediction, target, timesteps, spec: TrainShardSpec, scheduler) -> torch.Tensor:

@@ -1,0 +1,93 @@
+"""LoRA training (`sdq train --lora-rank R`): peft's adapters on the U-Net's transformer
+blocks train, and nothing else does. A checkpoint's state holds the adapters and their
+optimizer state (megabytes, where the U-Net's is gigabytes), and its model is one LoRA file
+as diffusers' own training scripts save it, which `--lora` and `load_lora_weights` read.
+GPU-side: imports torch.
+"""
+
+from pathlib import Path
+
+import torch
+from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+from diffusers.utils import convert_state_dict_to_diffusers
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from sdq.models.train.specs import LORA_FILE, TrainOptions
+
+# The modules each --lora-targets adapts, by the end of their names (as peft matches them),
+# in every transformer block: attention's projections, then the feed-forward's two layers.
+TARGET_MODULES = {
+    "attention": ("to_q", "to_k", "to_v", "to_out.0"),
+    "attention+ff": ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
+}
+
+
+def lora_config(options: TrainOptions) -> LoraConfig:
+    """The adapter a run trains: gaussian-initialised down weights and zero up weights (the
+    model starts as its base), scaled by alpha / rank."""
+    return LoraConfig(
+        r=options.lora_rank,
+        lora_alpha=options.lora_alpha or options.lora_rank,
+        init_lora_weights="gaussian",
+        target_modules=list(TARGET_MODULES[options.lora_targets]),
+    )
+
+
+def add_lora(unet: UNet2DConditionModel, options: TrainOptions) -> None:
+    """Freezes the U-Net and adds the run's adapter to it, its weights drawn from the run's
+    seed (peft draws them on the host, then moves them to the layer's device): the same
+    adapter on every rank and machine."""
+    unet.requires_grad_(False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(options.seed)
+        unet.add_adapter(lora_config(options))
+
+
+def adapter_weights(unet: UNet2DConditionModel) -> dict[str, torch.Tensor]:
+    """The adapter's weights, named as peft saves them (without the adapter's name), in the
+    order of the U-Net's trainable parameters."""
+    return get_peft_model_state_dict(unet)
+
+
+def load_adapter(unet: UNet2DConditionModel, weights: dict[str, torch.Tensor]) -> None:
+    """A checkpoint's adapter weights into the U-Net's adapter, every one of them."""
+    loaded = set_peft_model_state_dict(unet, weights)
+    missing = [name for name in loaded.missing_keys if "lora_" in name]
+    if loaded.unexpected_keys or missing:
+        raise ValueError(
+            f"the checkpoint's adapter does not fit the run's: unexpected "
+            f"{loaded.unexpected_keys[:3]}, missing {missing[:3]}"
+        )
+
+
+def save_lora_file(weights: dict[str, torch.Tensor], options: TrainOptions, folder: Path) -> Path:
+    """The adapter as a LoRA file in diffusers' format, its rank and alpha in the file's
+    metadata (so that an alpha other than the rank is read back as it trained)."""
+    StableDiffusionPipeline.save_lora_weights(
+        folder,
+        unet_lora_layers=convert_state_dict_to_diffusers(weights),
+        unet_lora_adapter_metadata=_metadata(options),
+        weight_name=LORA_FILE,
+    )
+    _with_one_metadata_key(folder / LORA_FILE)
+    return folder / LORA_FILE
+
+
+def _with_one_metadata_key(path: Path) -> None:
+    """The file written again with diffusers' adapter metadata alone, without its "format"
+    key: safetensors writes metadata from a hash map, so two keys come out in either order,
+    and the same LoRA would be other bytes (its revision is their hash) from run to run."""
+    with safe_open(path, "pt") as opened:
+        adapter = opened.metadata()[LORA_ADAPTER_METADATA_KEY]
+    save_file(load_file(path), path, metadata={LORA_ADAPTER_METADATA_KEY: adapter})
+
+
+def _metadata(options: TrainOptions) -> dict:
+    """The adapter's config as the file records it, the same bytes for the same options:
+    peft keeps the target modules as a set, whose order changes from process to process."""
+    config = lora_config(options).to_dict()
+    return {**config, "target_modules": sorted(config["target_modules"])}
