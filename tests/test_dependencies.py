@@ -34,6 +34,7 @@ GPU_MODULES = {
     "workers/train/loop/checkpoints.py",
     "workers/train/loop/compiled.py",
     "workers/train/loop/files.py",
+    "workers/train/loop/lora.py",
     "workers/train/loop/sharding.py",
     "workers/train/loop/state.py",
     "workers/train/loop/step.py",
