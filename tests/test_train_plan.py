@@ -11,6 +11,10 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+from diffusers import UNet2DConditionModel
+from peft import LoraConfig
+
 from sdq.models.train.architectures import UNET_ARCHITECTURES
 from sdq.workers.train import plan as planner
 from tests.services import clean_env
@@ -122,3 +126,26 @@ def test_sharding_spreads_the_state_over_the_ranks_and_is_offered_when_it_would_
                 "--batch-size", "8", "--sharding", "full", cwd=tmp_path)  # fmt: skip
     assert alone.returncode == 2
     assert "--sharding full spreads the state over ranks: give --world-size 2" in alone.stderr
+
+
+def test_a_lora_plans_its_adapters_state_beside_the_frozen_u_net(tmp_path: Path) -> None:
+    """Under `--lora-rank`, the gradients, AdamW's moments and the EMA are the adapters'
+    alone (counted here with peft itself, on the meta device), the frozen U-Net's weights
+    stay, and what does not fit is never offered sharding (a LoRA is refused it)."""
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(UNET_ARCHITECTURES["sd2-base"])
+    unet.requires_grad_(False)
+    unet.add_adapter(LoraConfig(r=16, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    adapters = sum(p.numel() for p in unet.parameters() if p.requires_grad)
+    assert 0 < adapters < SD2_UNET_PARAMETERS / 100
+    lora = planned(tmp_path, "--resolution", "512", "--batch-size", "16", "--lora-rank", "16")
+    whole = planned_here(resolution=512, batch_size=16)["parts"]
+    assert lora["parts"]["parameters"] == 4 * (SD2_UNET_PARAMETERS + adapters)
+    assert (lora["parts"]["gradients"], lora["parts"]["optimizer"], lora["parts"]["ema"]) == (
+        4 * adapters, 8 * adapters, 4 * adapters
+    )  # fmt: skip
+    # No weight gradient of a frozen layer: the backward keeps less of the forward.
+    assert lora["parts"]["activations"] < whole["activations"]
+    tight = planned_here(resolution=512, batch_size=256, world_size=8, lora_rank=16,
+                         gpu_memory=16 * 10**9)  # fmt: skip
+    assert not tight["fits"] and "--sharding" not in tight["would_fit_with"]

@@ -92,6 +92,8 @@ def plan_request(options: TrainOptions, resolution: int, gpu_memory: int) -> dic
         "mixed_precision": options.mixed_precision,
         "gradient_checkpointing": options.gradient_checkpointing,
         "ema": options.ema is not None,
+        "lora_rank": options.lora_rank,
+        "lora_targets": options.lora_targets,
         "gpu_memory": gpu_memory,
     }
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from diffusers import UNet2DConditionModel
 from torch.utils.flop_counter import FlopCounterMode
 
+from sdq.workers.train.loop.lora import lora_config
 from sdq.workers.train.loop.sharding import shard_units
 
 # The share of a GPU's memory a plan may fill.
@@ -50,6 +51,9 @@ class PlanRequest:
     mixed_precision: str = "auto"  # as on a GPU: auto is bf16
     gradient_checkpointing: bool = False
     ema: bool = True
+    # A LoRA of this rank trains on the frozen U-Net (None: the whole U-Net trains).
+    lora_rank: int | None = None
+    lora_targets: str = "attention"
     gpu_memory: int = 80 * 10**9
 
     @property
@@ -74,6 +78,9 @@ def plan(request: PlanRequest) -> Plan:
     """The plan of a configuration, and when it does not fit, what would make it."""
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(request.unet_config)
+    if request.lora_rank is not None:
+        unet.requires_grad_(False)
+        unet.add_adapter(lora_config(request.lora_rank, request.lora_targets))
     found = _plan(unet, request)
     if found.fits:
         return found
@@ -100,11 +107,13 @@ def _state_parts(
     unet: UNet2DConditionModel, parameters: int, request: PlanRequest
 ) -> dict[str, int]:
     """Bytes of the training state on one GPU, in fp32: each part 1/N of the whole when
-    sharded over N ranks, plus what a step holds gathered."""
+    sharded over N ranks, plus what a step holds gathered. Under a LoRA, the gradients,
+    optimizer state and EMA are the adapters' alone."""
     if request.sharding == "none" or request.world_size == 1:
-        ema = 4 * parameters if request.ema else 0
-        return {"parameters": 4 * parameters, "gradients": 4 * parameters,
-                "optimizer": 8 * parameters, "ema": ema}  # fmt: skip
+        trained = sum(p.numel() for p in unet.parameters() if p.requires_grad)
+        ema = 4 * trained if request.ema else 0
+        return {"parameters": 4 * parameters, "gradients": 4 * trained,
+                "optimizer": 8 * trained, "ema": ema}  # fmt: skip
     shard = -(-parameters // request.world_size)
     largest = max(sum(p.numel() for p in unit.parameters()) for unit in shard_units(unet))
     # grad-op keeps every gathered weight from the forward to the backward; full gathers
@@ -124,7 +133,7 @@ def _remedies(request: PlanRequest) -> Iterator[tuple[str, PlanRequest]]:
     rank), recomputing activations, sharding the weights too (gathered twice a step), then
     accumulating smaller micro-batches into the same global batch."""
     changes: list[tuple[str, dict[str, Any]]] = []
-    spread = request.world_size > 1
+    spread = request.world_size > 1 and request.lora_rank is None  # a LoRA is never sharded
     if spread and request.sharding == "none":
         changes.append(("--sharding grad-op", {"sharding": "grad-op"}))
     if not request.gradient_checkpointing:

@@ -26,15 +26,19 @@ TARGET_MODULES = {
 }
 
 
-def lora_config(options: TrainOptions) -> LoraConfig:
+def lora_config(rank: int, targets: str, alpha: float | None = None) -> LoraConfig:
     """The adapter a run trains: gaussian-initialised down weights and zero up weights (the
-    model starts as its base), scaled by alpha / rank."""
+    model starts as its base), scaled by alpha (the rank when None) over the rank."""
     return LoraConfig(
-        r=options.lora_rank,
-        lora_alpha=options.lora_alpha or options.lora_rank,
+        r=rank,
+        lora_alpha=alpha or rank,
         init_lora_weights="gaussian",
-        target_modules=list(TARGET_MODULES[options.lora_targets]),
+        target_modules=list(TARGET_MODULES[targets]),
     )
+
+
+def run_lora_config(options: TrainOptions) -> LoraConfig:
+    return lora_config(options.lora_rank, options.lora_targets, options.lora_alpha)
 
 
 def add_lora(unet: UNet2DConditionModel, options: TrainOptions) -> None:
@@ -44,7 +48,7 @@ def add_lora(unet: UNet2DConditionModel, options: TrainOptions) -> None:
     unet.requires_grad_(False)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(options.seed)
-        unet.add_adapter(lora_config(options))
+        unet.add_adapter(run_lora_config(options))
 
 
 def adapter_weights(unet: UNet2DConditionModel) -> dict[str, torch.Tensor]:
@@ -89,5 +93,5 @@ def _with_one_metadata_key(path: Path) -> None:
 def _metadata(options: TrainOptions) -> dict:
     """The adapter's config as the file records it, the same bytes for the same options:
     peft keeps the target modules as a set, whose order changes from process to process."""
-    config = lora_config(options).to_dict()
+    config = run_lora_config(options).to_dict()
     return {**config, "target_modules": sorted(config["target_modules"])}
