@@ -51,6 +51,18 @@ def test_only_the_adapters_train_and_the_base_stays_as_it_was() -> None:
     assert len(state.optimizer.state) == len(adapters) == len(state.ema.shadow_params)
 
 
+def test_under_autocast_the_frozen_weights_are_kept_in_its_precision() -> None:
+    """As diffusers' LoRA script keeps them (bf16 here, on the CPU, asked for): the adapters
+    train in fp32, and a step moves them."""
+    shard = spec(**LORA, mixed_precision="bf16", ema=None)
+    state = new_state(shard, build_unet())
+    dtypes = {(p.requires_grad, p.dtype) for p in state.unet.parameters()}
+    assert dtypes == {(False, torch.bfloat16), (True, torch.float32)}
+    before = [p.detach().clone() for p in state.trained]
+    step(state, shard, *batch(0))
+    assert all(not torch.equal(p, old) for p, old in zip(state.trained, before, strict=True))
+
+
 def test_a_checkpoint_holds_the_adapters_and_resumes_to_the_same_bytes(tmp_path: Path) -> None:
     """As a whole U-Net's does, after the training went on from the same state while the
     snapshot was written; the state is the adapters and their optimizer state alone."""

@@ -140,7 +140,8 @@ def test_a_lora_plans_its_adapters_state_beside_the_frozen_u_net(tmp_path: Path)
     assert 0 < adapters < SD2_UNET_PARAMETERS / 100
     lora = planned(tmp_path, "--resolution", "512", "--batch-size", "16", "--lora-rank", "16")
     whole = planned_here(resolution=512, batch_size=16)["parts"]
-    assert lora["parts"]["parameters"] == 4 * (SD2_UNET_PARAMETERS + adapters)
+    # The frozen weights in bf16 (the plan's GPU precision), the adapters in fp32.
+    assert lora["parts"]["parameters"] == 2 * SD2_UNET_PARAMETERS + 4 * adapters
     assert (lora["parts"]["gradients"], lora["parts"]["optimizer"], lora["parts"]["ema"]) == (
         4 * adapters, 8 * adapters, 4 * adapters
     )  # fmt: skip

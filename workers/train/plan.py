@@ -10,7 +10,8 @@ every weight through a step under grad-op, the two largest blocks' under full, a
 block's unsharded gradients before they are reduce-scattered), and the activations
 kept for the backward pass, at the autocast precision, with or without gradient
 checkpointing (plus, under autocast, the half-precision copies of the weights it keeps for
-the backward pass). Attention is counted as a GPU runs it, flash or memory-efficient
+the backward pass). Under a LoRA (`--lora-rank`) the U-Net's weights are frozen, kept in
+the autocast precision, and the gradients, optimizer state and EMA are its adapters'. Attention is counted as a GPU runs it, flash or memory-efficient
 SDPA, which keeps the output and the log-sum-exp, never the attention matrix. What the
 plan leaves out (the CUDA context, kernels' workspaces, the allocator's fragmentation) is
 why a configuration fits only within USABLE of the GPU's memory.
@@ -94,9 +95,13 @@ def _plan(unet: UNet2DConditionModel, request: PlanRequest) -> Plan:
     parameters = sum(parameter.numel() for parameter in unet.parameters())
     activations, flops = _traced(unet, request)
     half = HALF.get(request.mixed_precision)
+    # A LoRA's frozen weights are kept in the autocast precision; autocast copies the rest.
+    frozen = parameters - _trained(unet) if half is not None and request.lora_rank else 0
     if half is not None:
-        activations += parameters * half.itemsize  # autocast's copies of the weights
+        activations += (parameters - frozen) * half.itemsize  # autocast's copies
     parts = {**_state_parts(unet, parameters, request), "activations": activations}
+    if frozen:
+        parts["parameters"] -= frozen * (4 - half.itemsize)
     total = sum(parts.values())
     usable = int(request.gpu_memory * USABLE)
     return Plan(total, parts, flops, total <= usable, request.micro_batch, request.gpu_memory,
@@ -110,7 +115,7 @@ def _state_parts(
     sharded over N ranks, plus what a step holds gathered. Under a LoRA, the gradients,
     optimizer state and EMA are the adapters' alone."""
     if request.sharding == "none" or request.world_size == 1:
-        trained = sum(p.numel() for p in unet.parameters() if p.requires_grad)
+        trained = _trained(unet)
         ema = 4 * trained if request.ema else 0
         return {"parameters": 4 * parameters, "gradients": 4 * trained,
                 "optimizer": 8 * trained, "ema": ema}  # fmt: skip
@@ -125,6 +130,10 @@ def _state_parts(
         "optimizer": 8 * shard,
         "ema": 4 * shard if request.ema else 0,
     }
+
+
+def _trained(unet: UNet2DConditionModel) -> int:
+    return sum(parameter.numel() for parameter in unet.parameters() if parameter.requires_grad)
 
 
 def _remedies(request: PlanRequest) -> Iterator[tuple[str, PlanRequest]]:

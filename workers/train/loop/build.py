@@ -49,6 +49,7 @@ from sdq.workers.train.loop.sharding import (
     unet_weights,
 )
 from sdq.workers.train.loop.state import ALONE, Ranks, TrainState
+from sdq.workers.train.loop.step import autocast_dtype
 from sdq.workers.weights import ModelFiles, check_tiny_revision
 
 # diffusers' schedule names for --lr-schedule, each with --lr-warmup steps first.
@@ -102,7 +103,7 @@ def new_state(spec: TrainShardSpec, unet: UNet2DConditionModel, ranks: Ranks = A
     sharded = options.sharded and ranks.distributed
     unet = _on_device(unet, options, device, sharded=sharded)
     if options.lora:
-        add_lora(unet, options)
+        add_lora(unet, options, autocast_dtype(options.mixed_precision, device))
     trained = [parameter for parameter in unet.parameters() if parameter.requires_grad]
     # 2. What trains it: AdamW (fused: one kernel for every parameter's update, on a GPU
     # and on the CPU, where its default loops over the parameters), the EMA.

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+from diffusers.training_utils import cast_training_params
 from diffusers.utils import convert_state_dict_to_diffusers
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
@@ -41,14 +42,21 @@ def run_lora_config(options: TrainOptions) -> LoraConfig:
     return lora_config(options.lora_rank, options.lora_targets, options.lora_alpha)
 
 
-def add_lora(unet: UNet2DConditionModel, options: TrainOptions) -> None:
+def add_lora(
+    unet: UNet2DConditionModel, options: TrainOptions, frozen_dtype: torch.dtype | None
+) -> None:
     """Freezes the U-Net and adds the run's adapter to it, its weights drawn from the run's
     seed (peft draws them on the host, then moves them to the layer's device): the same
-    adapter on every rank and machine."""
+    adapter on every rank and machine. Under autocast the frozen weights are kept in its
+    precision, as diffusers' LoRA script keeps them (half their memory, and no copy made
+    of each in every forward pass); the adapters train in fp32."""
     unet.requires_grad_(False)
+    if frozen_dtype is not None:
+        unet.to(frozen_dtype)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(options.seed)
         unet.add_adapter(run_lora_config(options))
+    cast_training_params(unet, dtype=torch.float32)
 
 
 def adapter_weights(unet: UNet2DConditionModel) -> dict[str, torch.Tensor]:
