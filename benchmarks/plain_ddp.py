@@ -2,10 +2,13 @@
 does it, under torchrun: the latent shards on local disk loaded into a torch Dataset, a
 DataLoader with a DistributedSampler, DDP, AdamW, DDPM noise, min-SNR weighted MSE, EMA
 weights. No queue, no database, no object store, no checkpoints, and nothing of sdq's: what
-sdq is measured against by benchmarks/train.py and benchmarks/train_scaling.py.
+sdq is measured against by benchmarks/train.py and benchmarks/train_scaling.py. With
+--lora-rank, diffusers' train_text_to_image_lora.py instead: the U-Net frozen (in the
+autocast precision), peft LoRA adapters on its attention trained in fp32, no EMA.
 
-    torchrun --nproc-per-node N benchmarks/plain_ddp.py --shards DIR --unet-config FILE \\
-        --scheduler-config FILE --steps S --batch-size B [--timed-from K] [--compile]
+    torchrun --nproc-per-node N benchmarks/plain_ddp.py --shards DIR \\
+        (--unet-config FILE | --unet-pretrained DIR) --scheduler-config FILE --steps S \\
+        --batch-size B [--lora-rank R] [--timed-from K] [--compile]
 """
 
 import argparse
@@ -22,7 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from diffusers import DDPMScheduler, UNet2DConditionModel
-from diffusers.training_utils import EMAModel, compute_snr
+from diffusers.training_utils import EMAModel, cast_training_params, compute_snr
+from peft import LoraConfig
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -77,6 +81,25 @@ def compiled_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def unet_of(args, precision: torch.dtype | None) -> UNet2DConditionModel:
+    """A U-Net from its config (weights from the seed) or a pipeline's U-Net folder; with
+    --lora-rank, frozen under LoRA adapters as train_text_to_image_lora.py makes it."""
+    if args.unet_pretrained is not None:
+        unet = UNet2DConditionModel.from_pretrained(args.unet_pretrained)
+    else:
+        unet = UNet2DConditionModel.from_config(json.loads(args.unet_config.read_text()))
+    if args.lora_rank:
+        unet.requires_grad_(False)
+        if precision is not None:
+            unet.to(precision)
+        unet.add_adapter(
+            LoraConfig(r=args.lora_rank, lora_alpha=args.lora_rank, init_lora_weights="gaussian",
+                       target_modules=["to_k", "to_q", "to_v", "to_out.0"])
+        )  # fmt: skip
+        cast_training_params(unet, dtype=torch.float32)
+    return unet
+
+
 def main(args) -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cuda = torch.cuda.is_available()
@@ -85,11 +108,12 @@ def main(args) -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
     torch.manual_seed(args.seed)
-    unet = UNet2DConditionModel.from_config(json.loads(args.unet_config.read_text()))
-    unet = unet.to(device).train()
+    precision = torch.bfloat16 if cuda else None
+    unet = unet_of(args, precision).to(device).train()
+    trained = [parameter for parameter in unet.parameters() if parameter.requires_grad]
     scheduler = DDPMScheduler.from_config(json.loads(args.scheduler_config.read_text()))
-    optimizer = torch.optim.AdamW(unet.parameters(), lr=args.lr)
-    ema = EMAModel(unet.parameters(), decay=args.ema)
+    optimizer = torch.optim.AdamW(trained, lr=args.lr)
+    ema = None if args.lora_rank else EMAModel(trained, decay=args.ema)
     model = DistributedDataParallel(unet, device_ids=[device.index] if cuda else None)
     if args.compile:
         model = torch.compile(model, backend=args.compile_backend)
@@ -97,7 +121,6 @@ def main(args) -> None:
     sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(dataset, batch_size=args.batch_size // world_size, sampler=sampler,
                         drop_last=True, pin_memory=cuda)  # fmt: skip
-    precision = torch.bfloat16 if cuda else None
     step, epoch, started, graphs = 0, 0, None, None
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -112,7 +135,8 @@ def main(args) -> None:
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            ema.step(unet.parameters())
+            if ema is not None:
+                ema.step(trained)
             step += 1
             if step == 1:  # compiled, the first step compiles
                 first_step = timer(cuda) - loop_started
@@ -143,7 +167,10 @@ def main(args) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=Path, required=True)
-    parser.add_argument("--unet-config", type=Path, required=True)
+    unet = parser.add_mutually_exclusive_group(required=True)
+    unet.add_argument("--unet-config", type=Path)
+    unet.add_argument("--unet-pretrained", type=Path, help="a pipeline's unet folder")
+    parser.add_argument("--lora-rank", type=int, help="train a LoRA of this rank on it")
     parser.add_argument("--scheduler-config", type=Path, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--batch-size", type=int, required=True)

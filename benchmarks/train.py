@@ -41,6 +41,8 @@ from tests.services import BENCH_BUCKET, deployment  # noqa: E402
 
 DATASET = "train-bench"
 RESOLUTION = 64
+# What LoRA runs adapt (--lora-rank): the tiny pipeline around the --unet U-Net, pushed.
+LORA_BASE = "bench-lora-base"
 
 
 def make_latents(env: dict[str, str], args) -> None:
@@ -48,20 +50,41 @@ def make_latents(env: dict[str, str], args) -> None:
         env, args.image_dir, images=args.images, name=DATASET, resolution=RESOLUTION,
         rows_per_shard=64,
     )  # fmt: skip
-    sdq_json(env, "encode", DATASET, "--model", "tiny", "--resolution", str(RESOLUTION), "--wait")
+    model = LORA_BASE if getattr(args, "lora_rank", None) else "tiny"
+    sdq_json(env, "encode", DATASET, "--model", model, "--resolution", str(RESOLUTION), "--wait")
+
+
+def push_lora_base(env: dict[str, str], folder: Path, unet: str) -> None:
+    """The base LoRA runs adapt: the tiny pipeline with the `--unet` U-Net in its place
+    (weights drawn from seed 0), saved in `folder`/base and pushed as LORA_BASE; the plain
+    loop loads the same U-Net folder."""
+    import torch
+    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+
+    from sdq.workers.tiny import build_pipeline
+
+    pipeline = build_pipeline()
+    if unet != "tiny":
+        torch.manual_seed(0)
+        new_unet = UNet2DConditionModel.from_config(UNETS[unet])
+        pipeline = StableDiffusionPipeline(**{**pipeline.components, "unet": new_unet})
+    pipeline.save_pretrained(folder / "base")
+    sdq_json(env, "model", "push", str(folder / "base"), LORA_BASE)
 
 
 def train_options(args, folder: Path) -> list[str]:
     """`sdq train`'s options: the tiny base (its noise schedule, text encoder and VAE), and
     the U-Net `--unet` names trained from scratch unless it is tiny's own; the plain loop
-    reads the same config file (PlainLoop writes it)."""
-    unet = (
-        []
-        if args.unet == "tiny"
-        else ["--from-scratch", "--unet-config", str(folder / "unet.json")]
-    )
+    reads the same config file (PlainLoop writes it). With --lora-rank, a LoRA of that rank
+    on LORA_BASE, with no EMA (diffusers' LoRA script keeps none)."""
+    if getattr(args, "lora_rank", None):
+        model = ["--base", LORA_BASE, "--lora-rank", str(args.lora_rank), "--ema", "0"]
+    elif args.unet == "tiny":
+        model = ["--base", "tiny"]
+    else:
+        model = ["--base", "tiny", "--from-scratch", "--unet-config", str(folder / "unet.json")]
     return [
-        "--base", "tiny", *unet, "--resolution", str(RESOLUTION), "--steps", str(args.steps),
+        *model, "--resolution", str(RESOLUTION), "--steps", str(args.steps),
         "--batch-size", str(args.batch_size), "--checkpoint-every", str(args.checkpoint_every),
     ]  # fmt: skip
 
@@ -107,14 +130,20 @@ class PlainLoop:
         (folder / "unet.json").write_text(json.dumps(UNETS[unet]))
         (folder / "scheduler.json").write_text(json.dumps(tiny_identity().scheduler_config))
 
+    def _unet(self, args) -> list[str]:
+        """The U-Net it trains: from the config, or LORA_BASE's under a LoRA."""
+        if getattr(args, "lora_rank", None):
+            pretrained = str(self.folder / "base/unet")
+            return ["--unet-pretrained", pretrained, "--lora-rank", str(args.lora_rank)]
+        return ["--unet-config", str(self.folder / "unet.json")]
+
     def run(self, args, world_size: int = 1) -> float:
         """Samples/s from the command's start to its end, process starts included."""
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", str(world_size), str(ROOT / "benchmarks/plain_ddp.py"),
             "--shards", str(self.folder / "shards"),
-            "--unet-config", str(self.folder / "unet.json"),
-            "--scheduler-config", str(self.folder / "scheduler.json"),
+            *self._unet(args), "--scheduler-config", str(self.folder / "scheduler.json"),
             "--steps", str(args.steps), "--batch-size", str(args.batch_size),
         ]  # fmt: skip
         # Each rank its share of the cores, as torchrun's users set it. (sdq's ranks give

@@ -25,9 +25,13 @@ checkpoint), `sdq_stalls` (what each job costs the training beside its steps: th
 and checkpoint waits, at --checkpoint-every steps a job) and `sdq_vs_plain` at each world
 size.
 
+With --lora-rank R both sides train a LoRA of rank R on the U-Net instead (sdq: `--lora-rank
+R --ema 0` over the tiny pipeline with that U-Net, pushed; plain: the loop of diffusers'
+train_text_to_image_lora.py, benchmarks/plain_ddp.py --lora-rank), from the same weights.
+
     python benchmarks/train_scaling.py [--world-sizes 1,2] [--steps 300]
         [--checkpoint-every 100] [--batch-size 8] [--images 256] [--rounds 3]
-        [--unet sd2-narrow|tiny]
+        [--unet sd2-narrow|tiny] [--lora-rank R]
 """
 
 import argparse
@@ -51,6 +55,7 @@ from benchmarks.train import (  # noqa: E402
     PlainLoop,
     add_unet_option,
     make_latents,
+    push_lora_base,
     train_options,
 )
 from tests.conftest import WorkerProcess, sdq_json  # noqa: E402
@@ -101,6 +106,7 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     add_unet_option(parser)
+    parser.add_argument("--lora-rank", type=int, help="train a LoRA of this rank, both sides")
     parser.add_argument(
         "--image-dir", type=Path, default=Path(tempfile.gettempdir()) / "sdq-bench-images"
     )
@@ -115,6 +121,8 @@ def main() -> None:
             env, home / "gpu.log", args=("--train-ranks", str(max(sizes)))
         ).start()
         try:
+            if args.lora_rank:
+                push_lora_base(env, Path(folder), args.unet)
             make_latents(env, args)
             plain = PlainLoop(env, Path(folder), args.unet)
             for _ in range(args.rounds):
@@ -133,6 +141,7 @@ def main() -> None:
         json.dumps(
             {
                 "unet": args.unet,
+                "lora_rank": args.lora_rank,
                 "steps": args.steps,
                 "global_batch": args.batch_size,
                 "cores": os.cpu_count(),

@@ -149,8 +149,8 @@ def test_a_lora_run_renders_by_name_resumes_exactly_and_leads_back_to_its_urls(
     """Embedded, end to end: a LoRA trained in two jobs, registered by its --into name, its
     validation rendered over the base at each checkpoint; rendered with `--lora NAME` and
     `--lora NAME@STEP`, pushed under another name, and from its image back to the URLs it
-    learned from. One job of all its steps makes the same file, byte for byte. What cannot
-    train is refused before anything is written."""
+    learned from. One job of all its steps makes the same file, byte for byte; two ranks
+    follow one's losses. What cannot train is refused before anything is written."""
     env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT)}
     encoded_dataset(env, "toy", 16, tmp_path)
     database, store = tmp_path / "sdq-data/sdq.db", tmp_path / "sdq-data/store"
@@ -182,6 +182,13 @@ def test_a_lora_run_renders_by_name_resumes_exactly_and_leads_back_to_its_urls(
     )
     whole = sdq_json(env, "train", "toy", *lora, "--checkpoint-every", "40", cwd=tmp_path)
     assert whole["losses"] == trained["losses"]
+    # Two ranks (DDP over the adapters) follow one rank's loss curve, within float rounding.
+    two = sdq_json(env, "train", "toy", *lora, "--checkpoint-every", "40", "--world-size", "2",
+                   cwd=tmp_path)  # fmt: skip
+    assert [step for step, _ in two["losses"]] == [step for step, _ in whole["losses"]]
+    assert [loss for _, loss in two["losses"]] == pytest.approx(
+        [loss for _, loss in whole["losses"]], rel=1e-3
+    )
     assert (
         whole["checkpoints"][-1]["model_revision"] == trained["checkpoints"][-1]["model_revision"]
     )
