@@ -49,6 +49,12 @@ def test_only_the_adapters_train_and_the_base_stays_as_it_was() -> None:
     assert all(torch.equal(frozen[name], base[name]) for name in base)
     # The optimizer and the EMA follow the adapters alone.
     assert len(state.optimizer.state) == len(adapters) == len(state.ema.shadow_params)
+    # A checkpoint's model takes each adapter weight's own EMA shadow, by name.
+    shadows = dict(zip(adapters, state.ema.shadow_params, strict=True))
+    taken = snapshot(state)
+    assert taken.model_weights.keys() == {name.replace(".default", "") for name in adapters}
+    for name, shadow in shadows.items():
+        assert torch.equal(taken.model_weights[name.replace(".default", "")], shadow)
 
 
 def test_under_autocast_the_frozen_weights_are_kept_in_its_precision() -> None:
