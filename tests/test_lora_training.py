@@ -186,6 +186,13 @@ def test_a_lora_run_renders_by_name_resumes_exactly_and_leads_back_to_its_urls(
         "succeeded",
         [20, 40],
     )
+    assert trained["lora_rank"] == 4
+    shown = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", "train", "status", str(trained["run_id"])],
+        env=env, cwd=tmp_path, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    said = " ".join(shown.stdout.split())
+    assert "render with: sdq run PROMPTS --model tiny --lora toy-lora@STEP (STEP: 20, 40)" in said
     whole = sdq_json(env, "train", "toy", *lora, "--checkpoint-every", "40", cwd=tmp_path)
     assert whole["losses"] == trained["losses"]
     # Two ranks (DDP over the adapters) follow one rank's loss curve, within float rounding.

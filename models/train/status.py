@@ -52,6 +52,8 @@ def train_status(session: Session, run: Run) -> dict[str, Any]:
         "dataset": run.options["dataset"],
         "base": run.options["base"],
         "model": run.options["into"] or str(run_id),
+        # A LoRA run's models are LoRA files, rendered over its base (None: pipelines).
+        "lora_rank": run.options.get("lora_rank"),
         "step": step,
         "checkpoint_step": checkpointed,
         "steps": steps,

@@ -43,12 +43,19 @@ def show_training(status: dict[str, Any], *, render_command: str = "sdq submit")
         stdout.print(rows_table(rows, ["step", "holds", "uri"], title="checkpoints"))
         models = [str(row["step"]) for row in rows if row["holds"] == "model"]
         if models:
-            stdout.print(f"render with: {render_command} PROMPTS --model {status['model']}@STEP "
+            stdout.print(f"render with: {render_command} PROMPTS {_rendered_by(status)} "
                          f"(STEP: {', '.join(models)})")  # fmt: skip
     if status["scores"]:
         stdout.print(rows_table(_score_rows(status["scores"]), ["metric", "latest", "best"],
                                 title="checkpoint scores"))  # fmt: skip
     stdout.print(f"page: {status['page']}", soft_wrap=True)
+
+
+def _rendered_by(status: dict[str, Any]) -> str:
+    """The options that render a checkpoint's model: it, or the base with its LoRA."""
+    if status["lora_rank"] is None:
+        return f"--model {status['model']}@STEP"
+    return f"--model {status['base']} --lora {status['model']}@STEP"
 
 
 def _goes_on_from(status: dict[str, Any]) -> str:

@@ -11,8 +11,9 @@ block's unsharded gradients before they are reduce-scattered), and the activatio
 kept for the backward pass, at the autocast precision, with or without gradient
 checkpointing (plus, under autocast, the half-precision copies of the weights it keeps for
 the backward pass). Under a LoRA (`--lora-rank`) the U-Net's weights are frozen, kept in
-the autocast precision, and the gradients, optimizer state and EMA are its adapters'. Attention is counted as a GPU runs it, flash or memory-efficient
-SDPA, which keeps the output and the log-sum-exp, never the attention matrix. What the
+the autocast precision, and the gradients, optimizer state and EMA are its adapters'.
+Attention is counted as a GPU runs it, flash or memory-efficient SDPA, which keeps the
+output and the log-sum-exp, never the attention matrix. What the
 plan leaves out (the CUDA context, kernels' workspaces, the allocator's fragmentation) is
 why a configuration fits only within USABLE of the GPU's memory.
 
