@@ -22,6 +22,7 @@ from sdq.workers.tiny import build_pipeline, build_unet
 from sdq.workers.train.loop.build import load_checkpoint, new_state
 from sdq.workers.train.loop.checkpoints import save_checkpoint, snapshot
 from sdq.workers.train.loop.lora import save_lora_file
+from sdq.workers.train.loop.step import training_flops_per_sample
 from tests.conftest import ROOT, sdq_json
 from tests.netns_download import DOWNLOAD_ENV
 from tests.services import clean_env
@@ -67,6 +68,19 @@ def test_under_autocast_the_frozen_weights_are_kept_in_its_precision() -> None:
     before = [p.detach().clone() for p in state.trained]
     step(state, shard, *batch(0))
     assert all(not torch.equal(p, old) for p, old in zip(state.trained, before, strict=True))
+
+
+def test_a_lora_s_flops_are_two_forward_passes_at_its_precision() -> None:
+    """Its frozen weights take no gradient: a step is the forward and the activations'
+    backward, where a whole U-Net's backward also computes every weight's gradient. Counted
+    under the run's autocast (bf16 here), where the frozen weights are kept."""
+    whole, lora = spec(mixed_precision="bf16"), spec(**LORA, mixed_precision="bf16")
+    counted = {
+        name: training_flops_per_sample(new_state(shard, build_unet()), shard, *batch(0))
+        for name, shard in (("whole", whole), ("lora", lora))
+    }
+    # The adapters' own matmuls add a few percent to the forward pass.
+    assert 2 / 3 < counted["lora"] / counted["whole"] < 2 / 3 * 1.1
 
 
 def test_a_checkpoint_holds_the_adapters_and_resumes_to_the_same_bytes(tmp_path: Path) -> None:

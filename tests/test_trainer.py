@@ -263,10 +263,12 @@ def test_an_unfitting_architecture_is_refused_with_its_reason() -> None:
 
 
 def test_model_flops_per_sample_scale_with_the_latent_size() -> None:
-    state = new_state(spec(), build_unet())
+    shard = spec()
+    state = new_state(shard, build_unet())
     latents, embeddings = batch(0)
-    small = training_flops_per_sample(state, latents, embeddings)
-    large = training_flops_per_sample(state, torch.cat([latents] * 2, dim=3).repeat(1, 1, 2, 1),
+    small = training_flops_per_sample(state, shard, latents, embeddings)
+    large = training_flops_per_sample(state, shard,
+                                      torch.cat([latents] * 2, dim=3).repeat(1, 1, 2, 1),
                                       embeddings)  # fmt: skip
     assert small > 0 and 3.5 < large / small < 4.5  # four times the pixels
     assert peak_flops(state.device) is None  # no MFU on a CPU

@@ -328,9 +328,10 @@ class TrainShardSpec:
 
     @property
     def exports_model(self) -> bool:
-        """Whether this job's checkpoint is also written as a whole pipeline that generation
-        can use: the run's last, one whose validation prompts are rendered, or one the
-        export interval asks for. The others hold the training state only."""
+        """Whether this job's checkpoint is also written as a model that generation can use
+        (a whole pipeline, or a LoRA run's LoRA file): the run's last, one whose validation
+        prompts are rendered, or one the export interval asks for. The others hold the
+        training state only."""
         every = self.options.export_every
         return (
             self.last_step == self.options.steps

@@ -8,12 +8,12 @@ from typing import Any
 
 import click
 
-from sdq.models.evaluate.specs import Evaluation
 from sdq.models.train.architectures import InvalidArchitecture, unet_architecture
 from sdq.models.train.specs import TRAINING_SHARE_OF_TIME_LIMIT, TrainOptions
 from sdq.producer.cli.common import exit_bad_input
 from sdq.producer.cli.options import from_command_line
 from sdq.producer.errors import InvalidInput
+from sdq.producer.evaluate.request import EvaluationRequest
 from sdq.producer.prompts import read_prompts
 from sdq.workers.app import SdqCelery
 
@@ -41,7 +41,7 @@ def checked_options(
     return train_options
 
 
-def check_evaluation(options: TrainOptions, evaluation: Evaluation | None) -> None:
+def check_evaluation(options: TrainOptions, evaluation: EvaluationRequest | None) -> None:
     """Evaluation scores a checkpoint's whole pipeline; a LoRA run's models are LoRA files."""
     if evaluation is not None and options.lora:
         raise click.UsageError(

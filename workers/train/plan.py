@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from diffusers import UNet2DConditionModel
 from torch.utils.flop_counter import FlopCounterMode
 
-from sdq.workers.train.loop.lora import lora_config
+from sdq.workers.train.loop.lora import lora_config, training_passes
 from sdq.workers.train.loop.sharding import shard_units
 
 # The share of a GPU's memory a plan may fill.
@@ -180,7 +180,9 @@ def _traced(unet: UNet2DConditionModel, request: PlanRequest) -> tuple[int, floa
     counter = FlopCounterMode(display=False)
     with _attention_as_on_a_gpu(), kept.hooks(), counter:
         model(latents, timesteps, embeddings)
-    return kept.bytes, 3.0 * counter.get_total_flops() / batch
+    return kept.bytes, training_passes(
+        request.lora_rank is not None
+    ) * counter.get_total_flops() / batch
 
 
 class _KeptForBackward:

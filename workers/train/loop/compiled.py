@@ -42,6 +42,8 @@ def train_key(spec: TrainShardSpec, unet: UNet2DConditionModel, shapes: dict) ->
         "gradient_checkpointing": options.gradient_checkpointing,
         "sharding": options.sharding if options.sharded else None,
     }
+    if options.lora:  # its layers are other modules, compiled apart from a whole U-Net's
+        decided_by["lora"] = [options.lora_rank, options.lora_alpha, options.lora_targets]
     return artifacts_key("train", decided_by, next(unet.parameters()).device)
 
 

@@ -8,7 +8,7 @@ GPU-side: imports torch.
 from pathlib import Path
 
 import torch
-from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+from diffusers import UNet2DConditionModel
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
 from diffusers.training_utils import cast_training_params
 from diffusers.utils import convert_state_dict_to_diffusers
@@ -25,6 +25,13 @@ TARGET_MODULES = {
     "attention": ("to_q", "to_k", "to_v", "to_out.0"),
     "attention+ff": ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
 }
+
+
+def training_passes(lora: bool) -> float:
+    """A training step's FLOPs in forward passes (the model-FLOPs convention): the forward,
+    and a backward that computes the activations' gradients and the weights'; a LoRA's
+    frozen weights take none (its adapters' are a rounding error beside them)."""
+    return 2.0 if lora else 3.0
 
 
 def lora_config(rank: int, targets: str, alpha: float | None = None) -> LoraConfig:
@@ -79,6 +86,8 @@ def load_adapter(unet: UNet2DConditionModel, weights: dict[str, torch.Tensor]) -
 def save_lora_file(weights: dict[str, torch.Tensor], options: TrainOptions, folder: Path) -> Path:
     """The adapter as a LoRA file in diffusers' format, its rank and alpha in the file's
     metadata (so that an alpha other than the rank is read back as it trained)."""
+    from diffusers import StableDiffusionPipeline  # here: the planner builds adapters only
+
     StableDiffusionPipeline.save_lora_weights(
         folder,
         unet_lora_layers=convert_state_dict_to_diffusers(weights),

@@ -26,6 +26,7 @@ from diffusers.training_utils import compute_snr
 from sdq.models.ahead import run_ahead
 from sdq.models.train.specs import TrainShardSpec
 from sdq.workers.train.loop.data import Batch
+from sdq.workers.train.loop.lora import training_passes
 from sdq.workers.train.loop.state import TrainState
 
 
@@ -246,17 +247,21 @@ def _loss(prediction, target, timesteps, spec: TrainShardSpec, scheduler) -> tor
     return (per_sample * weights).mean()
 
 
-def training_flops_per_sample(state: TrainState, latents, embeddings) -> float:
-    """The U-Net's FLOPs to train on one sample: its forward pass counted by torch's FLOP
-    counter, times 3 for the backward pass (the usual model-FLOPs convention: recomputed
-    activations do not count)."""
+def training_flops_per_sample(
+    state: TrainState, spec: TrainShardSpec, latents, embeddings
+) -> float:
+    """The U-Net's FLOPs to train on one sample: its forward pass, at the run's precision,
+    counted by torch's FLOP counter, times the passes a step makes of it (the model-FLOPs
+    convention: recomputed activations do not count)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     timesteps = torch.zeros((1,), dtype=torch.long, device=state.device)
     counter = FlopCounterMode(display=False)
-    with torch.no_grad(), counter:
+    precision = autocast_dtype(spec.options.mixed_precision, state.device)
+    autocast = torch.autocast(state.device.type, dtype=precision, enabled=precision is not None)
+    with torch.no_grad(), autocast, counter:
         state.unet(latents[:1], timesteps, embeddings[:1])
-    return 3.0 * counter.get_total_flops()
+    return training_passes(state.lora) * counter.get_total_flops()
 
 
 AUTOCAST = {"fp16": torch.float16, "bf16": torch.bfloat16}

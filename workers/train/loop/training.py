@@ -118,7 +118,7 @@ class Training:
         while state.step < spec.last_step:
             inputs = window.next_from(self._inputs)
             with self._first_compiled(spec, inputs, window):
-                window.flops_from(inputs)
+                window.flops_from(spec, inputs)
                 window.add(train_step(state, spec, inputs))
             if len(window) == self.loss_every:
                 self.on_steps(window.read())
@@ -198,11 +198,11 @@ class StepWindow:
         self._waited += perf_counter() - started
         return step_inputs
 
-    def flops_from(self, inputs: StepInputs) -> None:
+    def flops_from(self, spec: TrainShardSpec, inputs: StepInputs) -> None:
         """The model's FLOPs per sample, counted once on the state's first batch (on a GPU)."""
         if self._peak is not None and self.state.flops_per_sample is None:
             self.state.flops_per_sample = training_flops_per_sample(
-                self.state, inputs.latents.float(), inputs.embeddings.float()
+                self.state, spec, inputs.latents.float(), inputs.embeddings.float()
             )
 
     def compiled_in(self, seconds: float) -> None:
