@@ -157,9 +157,12 @@ def test_the_lora_file_is_what_diffusers_loads_into_the_u_net_that_trained(
     assert isinstance(pipeline, StableDiffusionPipeline)
 
 
-def _refused(env: dict[str, str], cwd: Path, *args: str) -> str:
-    """What a command that is refused says (a train of the dataset, unless it names one)."""
-    command = args if args[0] == "run" else ("train", "toy", *TRAIN, "--steps", "4", *args)
+# A short train of the test's dataset, for what is refused before anything is written.
+SHORT = ("train", "toy", *TRAIN, "--steps", "4")
+
+
+def _refused(env: dict[str, str], cwd: Path, *command: str) -> str:
+    """What a command that is refused says."""
     refused = subprocess.run(
         [sys.executable, "-m", "sdq.producer.cli", *command],
         env=env, cwd=cwd, capture_output=True, text=True,
@@ -186,17 +189,25 @@ def test_a_lora_run_renders_by_name_resumes_exactly_and_leads_back_to_its_urls(
     encoded_dataset(env, "toy", 16, tmp_path)
     database, store = tmp_path / "sdq-data/sdq.db", tmp_path / "sdq-data/store"
     assert "'--lora-rank': 0 is not in the range x>=1" in _refused(
-        env, tmp_path, "--lora-rank", "0"
+        env, tmp_path, *SHORT, "--lora-rank", "0"
     )
     assert "give --sharding none" in _refused(
-        env, tmp_path, "--lora-rank", "4", "--sharding", "grad-op", "--world-size", "2"
+        env, tmp_path, *SHORT, "--lora-rank", "4", "--sharding", "grad-op", "--world-size", "2"
     )
-    assert "shape a LoRA: give --lora-rank" in _refused(env, tmp_path, "--lora-alpha", "8")
+    assert "shape a LoRA: give --lora-rank" in _refused(env, tmp_path, *SHORT, "--lora-alpha", "8")
     assert "--from-scratch has none to adapt" in _refused(
-        env, tmp_path, "--lora-rank", "4", "--from-scratch"
+        env, tmp_path, *SHORT, "--lora-rank", "4", "--from-scratch"
     )
     assert "a LoRA run's models are LoRA files" in _refused(
-        env, tmp_path, "--lora-rank", "4", "--holdout", "0.25", "--eval-metrics", "heldout_loss"
+        env,
+        tmp_path,
+        *SHORT,
+        "--lora-rank",
+        "4",
+        "--holdout",
+        "0.25",
+        "--eval-metrics",
+        "heldout_loss",
     )
     with sqlite3.connect(database) as db:
         assert db.execute("SELECT count(*) FROM runs WHERE kind = 'train'").fetchone() == (0,)
@@ -265,6 +276,12 @@ def test_a_lora_run_renders_by_name_resumes_exactly_and_leads_back_to_its_urls(
     assert np.array_equal(_image(store, database, kept["jobs"][0]["id"]), at_20)
     said = _refused(env, tmp_path, "run", str(prompts), "--model", "toy-lora@40")
     assert "is a LoRA a train run made: pass it with --lora" in said
+    # A LoRA run goes on from no checkpoint, and none goes on from a LoRA run's.
+    resumed = ("train", "toy", "--resolution", "64", "--batch-size", "4", "--steps", "4")
+    said = _refused(env, tmp_path, *resumed, "--resume-from", "1", "--lora-rank", "4")
+    assert "to adapt a checkpoint's model, give it as --base RUN@STEP" in said
+    said = _refused(env, tmp_path, *resumed, "--resume-from", str(trained["run_id"]))
+    assert "trained a LoRA; its checkpoints hold adapters, not a U-Net to go on from" in said
 
     with sqlite3.connect(database) as db:
         sources = db.execute(
