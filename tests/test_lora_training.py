@@ -19,15 +19,15 @@ from safetensors.torch import load_file
 
 from sdq.models.train.specs import LORA_FILE
 from sdq.workers.tiny import build_pipeline, build_unet
-from sdq.workers.train.loop.build import load_checkpoint, new_state
-from sdq.workers.train.loop.checkpoints import save_checkpoint, snapshot
+from sdq.workers.train.loop.build import new_state
+from sdq.workers.train.loop.checkpoints import snapshot
 from sdq.workers.train.loop.lora import save_lora_file
 from sdq.workers.train.loop.step import training_flops_per_sample
 from tests.conftest import ROOT, sdq_json
 from tests.netns_download import DOWNLOAD_ENV
 from tests.services import clean_env
 from tests.test_train import TRAIN, encoded_dataset
-from tests.test_trainer import batch, files_in, spec, step
+from tests.test_trainer import batch, going_on_and_resumed, spec, step
 
 LORA = {"lora_rank": 4, "lora_alpha": 8.0, "lr": 1e-2}
 
@@ -98,19 +98,8 @@ def test_a_checkpoint_holds_the_adapters_and_resumes_to_the_same_bytes(tmp_path:
     """As a whole U-Net's does, after the training went on from the same state while the
     snapshot was written; the state is the adapters and their optimizer state alone."""
     shard = spec(**LORA, lr_schedule="cosine", lr_warmup=1, ema=0.9)
-    going_on = new_state(shard, build_unet())
-    for seed in (0, 1):
-        step(going_on, shard, *batch(seed))
-    at_two = snapshot(going_on)
-    step(going_on, shard, *batch(2))
-    save_checkpoint(at_two, tmp_path / "at-2")
-    resumed = load_checkpoint(shard, tmp_path / "at-2")
-    assert resumed.step == 2 and resumed.lora
-    step(resumed, shard, *batch(2))
-    for state, folder in ((going_on, "going-on"), (resumed, "resumed")):
-        step(state, shard, *batch(3))
-        save_checkpoint(snapshot(state), tmp_path / folder)
-    written = {folder: files_in(tmp_path / folder) for folder in ("going-on", "resumed")}
+    written, resumed = going_on_and_resumed(shard, tmp_path)
+    assert resumed.lora
     assert written["going-on"] == written["resumed"]
     assert {path.name for path in written["resumed"]} == {
         "adapter.safetensors", "training.json", "training.safetensors"

@@ -30,7 +30,7 @@ from sdq.workers.train.loop.build import (
 )
 from sdq.workers.train.loop.checkpoints import save_checkpoint, snapshot
 from sdq.workers.train.loop.files import save_unet
-from sdq.workers.train.loop.state import Ranks
+from sdq.workers.train.loop.state import Ranks, TrainState
 from sdq.workers.train.loop.step import (
     autocast_dtype,
     draw,
@@ -346,10 +346,11 @@ def test_a_checkpoint_s_u_net_is_the_folder_diffusers_writes(tmp_path) -> None:
     assert all(torch.equal(loaded[name], weight) for name, weight in taken.unet.items())
 
 
-def test_a_state_resumed_from_its_checkpoint_writes_the_same_bytes(tmp_path) -> None:
-    """Also when the checkpoint is written from a snapshot after the training went on from
-    the same state (as it does while a checkpoint uploads): nothing in it moved along."""
-    shard = spec(lr=1e-3, lr_schedule="cosine", lr_warmup=1, grad_accumulation=2, ema=0.9)
+def going_on_and_resumed(shard: TrainShardSpec, tmp_path) -> tuple[dict[str, dict], TrainState]:
+    """Four steps, the checkpoint at step 2 written from its snapshot after the training
+    went on from it (as it does while a checkpoint uploads), the state resumed from that
+    checkpoint taking steps 3 and 4 too: each one's checkpoint files at step 4 (by
+    "going-on" and "resumed"), and the resumed state."""
     going_on = new_state(shard, build_unet())
     for seed in (0, 1):
         step(going_on, shard, *batch(seed))
@@ -362,7 +363,15 @@ def test_a_state_resumed_from_its_checkpoint_writes_the_same_bytes(tmp_path) -> 
     for state, folder in ((going_on, "going-on"), (resumed, "resumed")):
         step(state, shard, *batch(3))
         save_checkpoint(snapshot(state), tmp_path / folder)
-    written = {folder: files_in(tmp_path / folder) for folder in ("going-on", "resumed")}
+    return {folder: files_in(tmp_path / folder) for folder in ("going-on", "resumed")}, resumed
+
+
+def test_a_state_resumed_from_its_checkpoint_writes_the_same_bytes(tmp_path) -> None:
+    """Also when the checkpoint is written from a snapshot after the training went on from
+    the same state (as it does while a checkpoint uploads): nothing in it moved along."""
+    shard = spec(lr=1e-3, lr_schedule="cosine", lr_warmup=1, grad_accumulation=2, ema=0.9)
+    written, resumed = going_on_and_resumed(shard, tmp_path)
+    assert resumed.step == 4
     assert written["going-on"] == written["resumed"]
     assert {path.name for path in written["resumed"]} >= {"training.json", "training.safetensors"}
 
