@@ -98,18 +98,14 @@ def new_state(spec: TrainShardSpec, unet: UNet2DConditionModel, ranks: Ranks = A
     options = spec.options
     device = ranks.device()
     use_fast_kernels(device)
-    # 1. The U-Net on this rank's device: whole, or sharded over the ranks; frozen under a
-    # LoRA's adapters, when the run trains one.
+    # 1. The U-Net on this rank's device: whole, or sharded over the ranks (and a LoRA's).
     sharded = options.sharded and ranks.distributed
     unet = _on_device(unet, options, device, sharded=sharded)
-    if options.lora:
-        add_lora(unet, options, autocast_dtype(options.mixed_precision, device))
     trained = [parameter for parameter in unet.parameters() if parameter.requires_grad]
     # 2. What trains it: AdamW (fused: one kernel for every parameter's update, on a GPU
     # and on the CPU, where its default loops over the parameters), the EMA.
     optimizer = torch.optim.AdamW(trained, lr=options.lr, fused=True)
-    keeps_ema = options.ema is not None and (ranks.writes or sharded)
-    ema = _ema(trained, unet, options.ema) if keeps_ema else None
+    ema = _ema(trained, unet, options.ema, keeps=ranks.writes or sharded)
     # 3. What the steps call: the U-Net, its blocks compiled if asked, in DDP's wrapper over
     # several unsharded ranks.
     if options.compile:
@@ -143,7 +139,8 @@ def _on_device(
     unet: UNet2DConditionModel, options: TrainOptions, device: torch.device, *, sharded: bool
 ) -> UNet2DConditionModel:
     """The U-Net on this rank's device, whole or `sharded` over the ranks, with gradient
-    checkpointing if asked; one laid out on the meta device is given memory for its part."""
+    checkpointing if asked, and a LoRA's adapters over it; one laid out on the meta device
+    is given memory for its part."""
     unet = _placed(_without_origin(unet), device, channels_last=not options.sharded)
     if options.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
@@ -151,12 +148,19 @@ def _on_device(
         shard(unet, options.sharding, options.grad_comm, device)
     if unet.device.type == "meta":
         unet.to_empty(device=device)
+    if options.lora:
+        add_lora(unet, options, autocast_dtype(options.mixed_precision, device))
     return unet
 
 
-def _ema(trained: list[torch.nn.Parameter], unet: UNet2DConditionModel, decay: float) -> EMAModel:
-    """EMA weights of the trained parameters (this rank's shards, when sharded: every rank
-    keeps its own; else rank 0 keeps them all), updated with foreach ops."""
+def _ema(
+    trained: list[torch.nn.Parameter], unet: UNet2DConditionModel, decay: float | None, keeps: bool
+) -> EMAModel | None:
+    """EMA weights of the trained parameters, where the run keeps them (`decay`) and this
+    rank does (its shards, when sharded: every rank keeps its own; else rank 0 keeps them
+    all), updated with foreach ops."""
+    if decay is None or not keeps:
+        return None
     return LerpEMA(
         trained,
         decay=decay,
