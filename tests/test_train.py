@@ -24,7 +24,7 @@ from sdq.models.db import make_engine, session_factory
 from sdq.models.jobs.kinds import TRAIN as TRAIN_KIND
 from sdq.models.jobs.lifecycle import OUTAGE
 from sdq.models.tables import Job, JobEvent, JobStatus, Run
-from sdq.models.train.specs import read_inputs_manifest
+from sdq.models.train.inputs import read_inputs_manifest
 from sdq.models.train.status import time_shares
 from sdq.models.train.tables import Checkpoint, TrainStep
 from sdq.producer.train.lookups import latest_step

@@ -1,8 +1,6 @@
 """Training as the producer and the train workers both see it: a run's options, the spec
 of one train-shard job, and where checkpoints live."""
 
-import io
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -384,34 +382,3 @@ def checkpoint_prefix(run: int, step: int) -> str:
 def lora_file_key(model_prefix: str) -> str:
     """Where a LoRA run's checkpoint keeps its model, the LoRA file."""
     return f"{model_prefix}/{LORA_FILE}"
-
-
-def inputs_key(run: int) -> str:
-    return f"train/{run}/inputs.parquet"
-
-
-def inputs_manifest(inputs: Sequence[LatentInput]) -> bytes:
-    """A run's latent shards in their order, as parquet: one row each."""
-    import pyarrow as pa  # here: every `sdq` command imports this module, few write parquet
-    import pyarrow.parquet as pq
-
-    table = pa.table(
-        {
-            "uri": pa.array([item.uri for item in inputs], pa.string()),
-            "key": pa.array([item.key for item in inputs], pa.string()),
-            "samples": pa.array([item.samples for item in inputs], pa.int64()),
-        }
-    )
-    buffer = io.BytesIO()
-    pq.write_table(table, buffer, compression="zstd")
-    return buffer.getvalue()
-
-
-def read_inputs_manifest(data: bytes) -> tuple[LatentInput, ...]:
-    import pyarrow.parquet as pq
-
-    rows = pq.read_table(io.BytesIO(data)).to_pydict()
-    return tuple(
-        LatentInput(uri=uri, key=key, samples=samples)
-        for uri, key, samples in zip(rows["uri"], rows["key"], rows["samples"], strict=True)
-    )

@@ -19,15 +19,9 @@ from sdq.models.specs import ModelIdentity
 from sdq.models.store import PARQUET, ObjectStore
 from sdq.models.tables import Run
 from sdq.models.train.architectures import check_fits
+from sdq.models.train.inputs import inputs_key, inputs_manifest
 from sdq.models.train.models import encoders_lineage
-from sdq.models.train.specs import (
-    LatentInput,
-    TrainOptions,
-    TrainShardSpec,
-    checkpoint_prefix,
-    inputs_key,
-    inputs_manifest,
-)
+from sdq.models.train.specs import LatentInput, TrainOptions, TrainShardSpec, checkpoint_prefix
 from sdq.models.train.tables import Checkpoint, TrainInput
 from sdq.producer.datasets.lookups import dataset_named, no_usable_samples
 from sdq.producer.errors import NotFound

@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 from sdq.models.store import ObjectStore
+from sdq.models.train.inputs import read_inputs_manifest
 from sdq.models.train.settings import TrainSettings
-from sdq.models.train.specs import LatentInput, TrainShardSpec, read_inputs_manifest
+from sdq.models.train.specs import LatentInput, TrainShardSpec
 from sdq.workers.gpu import peak_flops
 from sdq.workers.train.loop.checkpoints import Snapshot, snapshot
 from sdq.workers.train.loop.data import LatentStream, load_shards
