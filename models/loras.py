@@ -77,12 +77,12 @@ def resolve_lora(value: str, *, session: Session) -> dict[str, Any]:
             f"unknown LoRA {ref!r}: not a .safetensors file, an s3:// URI, "
             "or a name registered with `sdq model push FILE NAME`"
         )
+    return lora_record(name, source, sha256, scale)
+
+
+def lora_record(name: str, source: str, sha256: str, scale: float = 1.0) -> dict[str, Any]:
+    """What a spec records of a LoRA: its name, where its file is, its content and scale."""
     return {"name": name, "source": source, "sha256": sha256, "scale": scale}
-
-
-def trained_lora(name: str, key: str, sha256: str) -> dict[str, Any]:
-    """The spec's record of a LoRA a train run wrote to the store, at its full scale."""
-    return {"name": name, "source": f"{STORE_SOURCE}{key}", "sha256": sha256, "scale": 1.0}
 
 
 def check_lora(head: bytes, where: str) -> None:

@@ -18,7 +18,7 @@ from sdq.models.generate.generations import open_render_run
 from sdq.models.jobs.kinds import TRAIN
 from sdq.models.jobs.lifecycle import utcnow
 from sdq.models.jobs.outbox import write_jobs
-from sdq.models.loras import trained_lora
+from sdq.models.loras import lora_record
 from sdq.models.registry import STORE_SOURCE, record_lora, record_stored_model
 from sdq.models.tables import Run
 from sdq.models.train.specs import TrainShardSpec, checkpoint_prefix, lora_file_key
@@ -189,7 +189,8 @@ def _validation_run(session: Session, spec: TrainShardSpec, written: Written) ->
     step, name = written.step, f"{spec.model_name}@{written.step}"
     if spec.options.lora:
         model = (spec.base_name, spec.base_source, spec.base_revision)
-        loras = (trained_lora(name, lora_file_key(written.model_prefix), written.model_revision),)
+        key = f"{STORE_SOURCE}{lora_file_key(written.model_prefix)}"
+        loras = (lora_record(name, key, written.model_revision),)
     else:
         model, loras = (name, f"{STORE_SOURCE}{written.model_prefix}", written.model_revision), ()
     return open_render_run(
