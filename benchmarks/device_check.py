@@ -437,7 +437,7 @@ def image_shard(check: Check, count: int, side: int):
     return ImageShard(keys=[f"{n:06d}" for n in range(count)], urls=[""] * count,
                       captions=[f"subject {n % 16}, a style" for n in range(count)],
                       sha256s=[""] * count, images=images,
-                      found_sides=[side] * count)  # fmt: skip
+                      found_sizes=[(side, side)] * count)  # fmt: skip
 
 
 def weight_bytes(*modules) -> int:

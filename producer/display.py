@@ -203,13 +203,21 @@ def show_dataset(summary: dict[str, Any]) -> None:
     if summary.get("page"):
         stdout.print(f"page: {summary['page']}", soft_wrap=True)
     if summary["latents"]:
-        columns = ["model", "resolution", "shards", "samples", "left out", "samples_per_second",
-                   "prefix"]  # fmt: skip
-        rows = [{**row, "left out": _left_out(row["left_out"])} for row in summary["latents"]]
+        columns = ["model", "resolution", "buckets", "shards", "samples", "left out",
+                   "samples_per_second", "prefix"]  # fmt: skip
+        rows = [
+            {**row, "left out": _left_out(row["left_out"]), "buckets": _buckets(row)}
+            for row in summary["latents"]
+        ]
         stdout.print(rows_table(rows, columns, title="latents"))
     for kind in KINDS.values():
         if (show := kind.producer_hooks().show_dataset) is not None:
             show(summary)
+
+
+def _buckets(latents: dict[str, Any]) -> str:
+    """A bucketed entry's samples per bucket; nothing for squares."""
+    return ", ".join(f"{shape}: {count}" for shape, count in latents.get("buckets", {}).items())
 
 
 def health_table(checks: list[Any]) -> Table:

@@ -7,11 +7,12 @@ Revises: 0017
 Create Date: 2026-11-24 15:20:00
 """
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
+
+from sdq.migrations.sqlite import views_set_aside
 
 revision: str = "0018"
 down_revision: str | None = "0017"
@@ -51,7 +52,7 @@ SAMPLE_QUALITY_0017 = SAMPLE_QUALITY.replace(
 def upgrade() -> None:
     op.execute("DROP VIEW sample_quality")
     if op.get_bind().dialect.name == "sqlite":
-        with _views_set_aside(), op.batch_alter_table("samples") as batch:
+        with views_set_aside("samples"), op.batch_alter_table("samples") as batch:
             batch.add_column(sa.Column("origin_id", sa.Integer(), nullable=True))
             batch.create_foreign_key(
                 FOREIGN_KEY, "samples", ["origin_id"], ["id"], ondelete="CASCADE"
@@ -69,31 +70,10 @@ def downgrade() -> None:
     op.execute("DROP VIEW sample_quality")
     op.drop_index("ix_samples_origin_id", table_name="samples")
     if op.get_bind().dialect.name == "sqlite":
-        with _views_set_aside(), op.batch_alter_table("samples") as batch:
+        with views_set_aside("samples"), op.batch_alter_table("samples") as batch:
             batch.drop_constraint(FOREIGN_KEY, type_="foreignkey")
             batch.drop_column("origin_id")
     else:
         op.drop_constraint(FOREIGN_KEY, "samples", type_="foreignkey")
         op.drop_column("samples", "origin_id")
     op.execute(SAMPLE_QUALITY_0017)
-
-
-@contextmanager
-def _views_set_aside() -> Iterator[None]:
-    """SQLite adds a constraint only by rebuilding the table, which fails while a view
-    reads it: the views that read samples are dropped meanwhile and made again as SQLite
-    keeps them."""
-    views = (
-        op.get_bind()
-        .execute(
-            sa.text(
-                "SELECT name, sql FROM sqlite_master WHERE type = 'view' AND sql LIKE '%samples%'"
-            )
-        )
-        .all()
-    )
-    for name, _ in views:
-        op.execute(f"DROP VIEW {name}")
-    yield
-    for _, definition in views:
-        op.execute(definition)

@@ -84,8 +84,27 @@ def latent_key(dataset: str, model_revision: str, resolution: int, shard: int) -
     return f"{latent_prefix(dataset, model_revision, resolution)}/{shard:05d}.parquet"
 
 
-def latent_prefix(dataset: str, model_revision: str, resolution: int) -> str:
-    return f"datasets/{dataset}/latents-{model_revision[:16]}-{resolution}"
+def latent_prefix(
+    dataset: str, model_revision: str, resolution: int, *, bucketed: bool = False
+) -> str:
+    """Where a dataset's latents by one model at one resolution are: squares, or
+    `bucketed`, the aspect-ratio buckets of that area (`sdq encode --buckets`)."""
+    shapes = "-buckets" if bucketed else ""
+    return f"datasets/{dataset}/latents-{model_revision[:16]}-{resolution}{shapes}"
+
+
+def bucket_latent_key(
+    dataset: str, model_revision: str, resolution: int, shard: int, bucket: str
+) -> str:
+    """An image shard's latents in one bucket (named WIDTHxHEIGHT) of an area."""
+    prefix = latent_prefix(dataset, model_revision, resolution, bucketed=True)
+    return f"{prefix}/{shard:05d}-{bucket}.parquet"
+
+
+def buckets_manifest_key(dataset: str, model_revision: str, resolution: int, shard: int) -> str:
+    """What one image shard's encode at an area made: its latent shard in each bucket."""
+    prefix = latent_prefix(dataset, model_revision, resolution, bucketed=True)
+    return f"{prefix}/{shard:05d}.json"
 
 
 def empty_prompt_key(dataset: str, model_revision: str) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -22,6 +23,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
     func,
 )
 from sqlalchemy.orm import Mapped, mapped_column
@@ -120,11 +122,17 @@ class LatentShard(Base):
     image_sha256: Mapped[str] = mapped_column(String(64))
     model_name: Mapped[str] = mapped_column(Text)
     model_revision: Mapped[str] = mapped_column(String(64))
+    # Its samples' shape in pixels: a square at the resolution, or, `bucketed`, one
+    # aspect-ratio bucket of the area resolution x resolution (`sdq encode --buckets`).
     resolution: Mapped[int] = mapped_column(Integer)
+    bucketed: Mapped[bool] = mapped_column(Boolean, server_default=false())
+    width: Mapped[int] = mapped_column(Integer)
+    height: Mapped[int] = mapped_column(Integer)
     uri: Mapped[str] = mapped_column(Text)
     sha256: Mapped[str] = mapped_column(String(64))
     samples: Mapped[int] = mapped_column(Integer)
-    # The shard's images left out of this resolution, too small for it (never upscaled).
+    # The shard's images left out of this resolution, too small for it (never upscaled);
+    # bucketed, those of its images that went to this bucket.
     too_small: Mapped[int] = mapped_column(Integer, server_default="0")
     # Shapes and dtypes of the stored tensors, as the file's schema metadata has them.
     tensors: Mapped[dict[str, Any]] = mapped_column(JsonDocument)
@@ -133,7 +141,13 @@ class LatentShard(Base):
 
     __table_args__ = (
         UniqueConstraint(
-            "shard_id", "model_revision", "resolution", name="uq_latent_shards_shard_id_model"
+            "shard_id",
+            "model_revision",
+            "resolution",
+            "bucketed",
+            "width",
+            "height",
+            name="uq_latent_shards_shard_id_model",
         ),
         Index("ix_latent_shards_dataset_id", "dataset_id"),
     )

@@ -4,7 +4,12 @@ jobs at several resolutions go in one message, and its images are decoded once f
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from sdq.models.datasets import SPEC_VERSION, empty_prompt_key, latent_key
+from sdq.models.datasets import (
+    SPEC_VERSION,
+    buckets_manifest_key,
+    empty_prompt_key,
+    latent_key,
+)
 from sdq.models.specs import canonical_sha256
 
 
@@ -29,6 +34,9 @@ class EncodeSpec:
     # Encoded at several resolutions at once (`--resolutions`): an image smaller than this
     # one is left out of it ("too small for 512"), never upscaled.
     leave_out_smaller: bool | None = None
+    # In aspect-ratio buckets of the area resolution x resolution (`--buckets`): each image
+    # in the bucket of the nearest shape, covered and cropped least, never upscaled.
+    buckets: bool | None = None
 
     @property
     def source(self) -> "EncodeSpec":
@@ -50,7 +58,9 @@ class EncodeSpec:
 
     @property
     def latent_key(self) -> str:
-        return latent_key(self.dataset, self.model_revision, self.resolution, self.shard)
+        """The job's output: its latent shard, or bucketed, the manifest of its buckets'."""
+        where = (self.dataset, self.model_revision, self.resolution, self.shard)
+        return buckets_manifest_key(*where) if self.buckets else latent_key(*where)
 
     @property
     def empty_prompt_key(self) -> str:

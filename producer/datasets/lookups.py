@@ -216,33 +216,65 @@ def removed_by_rule(session: Session, dataset_id: int) -> dict[str, int]:
 
 
 def latent_summary(session: Session, dataset_id: int, name: str) -> list[dict[str, Any]]:
-    """The dataset's latent shards, one entry per model revision and resolution, with the
-    images each left out and why."""
+    """The dataset's latent shards, one entry per model revision and resolution (squares,
+    or the buckets of an area), with the images each left out and why; bucketed, the
+    samples in each bucket."""
+    target = (LatentShard.model_name, LatentShard.model_revision, LatentShard.resolution)
+    shape = (LatentShard.bucketed, LatentShard.width, LatentShard.height)
     rows = session.execute(
         select(
-            LatentShard.model_name,
-            LatentShard.model_revision,
-            LatentShard.resolution,
+            *target,
+            *shape,
             func.count(),
             func.sum(LatentShard.samples),
             func.sum(LatentShard.too_small),
             func.sum(LatentShard.seconds),
         )
         .where(LatentShard.dataset_id == dataset_id)
-        .group_by(LatentShard.model_name, LatentShard.model_revision, LatentShard.resolution)
-        .order_by(LatentShard.model_name, LatentShard.resolution)
+        .group_by(*target, *shape)
+        .order_by(*target, *shape)
     )
-    return [
-        {
-            "model": model,
-            "revision": revision,
-            "resolution": resolution,
-            "shards": shards,
-            "samples": samples,
-            # Images left out of this resolution, smaller than it (`--resolutions`).
-            "left_out": {f"too small for {resolution}": too_small} if too_small else {},
-            "samples_per_second": round(samples / seconds, 2) if seconds else None,
-            "prefix": latent_prefix(name, revision, resolution),
-        }
-        for model, revision, resolution, shards, samples, too_small, seconds in rows
-    ]
+    entries: dict[tuple, dict[str, Any]] = {}
+    for model, revision, resolution, bucketed, width, height, *counted in rows:
+        entry = entries.setdefault(
+            (model, revision, resolution, bucketed),
+            _latent_entry(name, model, revision, resolution, bucketed),
+        )
+        _count_latents(entry, f"{width}x{height}", *counted)
+    return [_rated(entry) for entry in entries.values()]
+
+
+def _latent_entry(
+    name: str, model: str, revision: str, resolution: int, bucketed: bool
+) -> dict[str, Any]:
+    return {
+        "model": model,
+        "revision": revision,
+        "resolution": resolution,
+        **({"buckets": {}} if bucketed else {}),
+        "shards": 0,
+        "samples": 0,
+        # Images left out of this resolution, smaller than it (`--resolutions`, `--buckets`).
+        "left_out": {},
+        "seconds": 0.0,
+        "prefix": latent_prefix(name, revision, resolution, bucketed=bucketed),
+    }
+
+
+def _count_latents(
+    entry: dict[str, Any], shape: str, shards: int, samples: int, too_small: int, seconds: float
+) -> None:
+    if "buckets" in entry:
+        entry["buckets"][shape] = samples
+    entry["shards"] += shards
+    entry["samples"] += samples
+    entry["seconds"] += seconds or 0
+    if too_small:
+        reason = f"too small for {entry['resolution']}"
+        entry["left_out"][reason] = entry["left_out"].get(reason, 0) + too_small
+
+
+def _rated(entry: dict[str, Any]) -> dict[str, Any]:
+    seconds = entry.pop("seconds")
+    rate = round(entry["samples"] / seconds, 2) if seconds else None
+    return {**entry, "samples_per_second": rate}

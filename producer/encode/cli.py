@@ -17,6 +17,7 @@ from sdq.producer.encode.submit import (
     EncodeSubmission,
     NothingToEncode,
     TooSmall,
+    Way,
     record_encode,
 )
 from sdq.workers.app import SdqCelery
@@ -45,6 +46,14 @@ DEFAULT_RESOLUTION = 256
     "image smaller than one is left out of it ('too small for 512'), never upscaled.",
 )
 @click.option(
+    "--buckets",
+    metavar="AREA[,AREA...]",
+    help="Aspect-ratio buckets instead of squares, e.g. 256,512 (areas 256² and 512²): each "
+    "image in the bucket of the nearest shape (SDXL's list, sides multiples of 64), resized "
+    "to cover it and cropped least, never upscaled. Needs a dataset downloaded with "
+    "--resize-mode keep_ratio (or no).",
+)
+@click.option(
     "--batch-size",
     default=32,
     show_default=True,
@@ -60,6 +69,7 @@ def encode(
     model: str,
     resolution: int | None,
     resolutions: str | None,
+    buckets: str | None,
     batch_size: int,
     wait: bool,
     as_json: bool,
@@ -68,9 +78,10 @@ def encode(
     shard and resolution on the GPU workers: latents and caption embeddings for training.
 
     Without a broker (SDQ_BROKER_URL unset) the work runs here, in this process."""
-    targets = _targets(resolution, resolutions)
+    targets = _targets(resolution, resolutions, buckets)
     ready_to_submit(app)
-    submission = _submit(app, name, model, targets, batch_size, resolutions is not None)
+    way = Way(leave_out_smaller=resolutions is not None, buckets=buckets is not None)
+    submission = _submit(app, name, model, targets, batch_size, way)
     if submission.images_at is not None:
         display.console.print(
             f"[yellow]dataset {name!r} holds {submission.images_at} px images: encoding them at "
@@ -87,17 +98,21 @@ def encode(
     )
 
 
-def _targets(resolution: int | None, resolutions: str | None) -> list[int]:
-    """The resolutions asked for, each a multiple of 8, smallest first."""
-    if resolution is not None and resolutions is not None:
-        raise click.UsageError("give --resolution or --resolutions, not both")
-    if resolutions is None:
+def _targets(resolution: int | None, resolutions: str | None, buckets: str | None) -> list[int]:
+    """The resolutions (or bucket areas' sides) asked for, each a multiple of 8, smallest
+    first."""
+    given = {"--resolution": resolution, "--resolutions": resolutions, "--buckets": buckets}
+    named = [option for option, value in given.items() if value is not None]
+    if len(named) > 1:
+        raise click.UsageError(f"give one of {', '.join(given)}, not {' and '.join(named)}")
+    if not named or named == ["--resolution"]:
         return _multiples_of_8([resolution or DEFAULT_RESOLUTION], "--resolution")
+    [option] = named
     try:
-        chosen = sorted({int(part) for part in resolutions.split(",")})
+        chosen = sorted({int(part) for part in given[option].split(",")})
     except ValueError:
-        raise click.UsageError(f"--resolutions {resolutions}: not a list such as 256,512") from None
-    return _multiples_of_8(chosen, "--resolutions")
+        raise click.UsageError(f"{option} {given[option]}: not a list such as 256,512") from None
+    return _multiples_of_8(chosen, option)
 
 
 def _multiples_of_8(targets: list[int], option: str) -> list[int]:
@@ -113,16 +128,15 @@ def _submit(
     model: str,
     targets: list[int],
     batch_size: int,
-    leave_out_smaller: bool,
+    way: Way,
 ) -> EncodeSubmission:
     with found():
         try:
             with app.sessions() as session:
                 identity = resolve_model(model, store=app.store, session=session)
             return record_encode(
-                app.sessions, name, identity, resolutions=targets,
-                leave_out_smaller=leave_out_smaller, batch_size=batch_size,
-            )  # fmt: skip
+                app.sessions, name, identity, resolutions=targets, way=way, batch_size=batch_size
+            )
         except (ModelNotFound, NothingToEncode, TooSmall) as error:
             raise click.UsageError(str(error)) from None
 
@@ -137,6 +151,7 @@ def _report_submission(submission: EncodeSubmission, tasks: int, as_json: bool) 
             "revision": submission.revision,
             "resolution": submission.resolutions[0] if len(submission.resolutions) == 1 else None,
             "resolutions": submission.resolutions,
+            "buckets": submission.buckets,
             "jobs": submission.jobs,
             "cached": submission.cached,
             "waiting": submission.waiting,

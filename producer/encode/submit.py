@@ -4,12 +4,13 @@ image once for all of them. A shard already encoded so (the same file, the same 
 revision) is served from the store, as images are."""
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.datasets import derived_from
+from sdq.models.datasets.buckets import buckets_for
 from sdq.models.datasets.tables import Dataset, Shard
 from sdq.models.encode.specs import EncodeSpec
 from sdq.models.jobs.kinds import ENCODE
@@ -32,12 +33,23 @@ class TooSmall(Exception):
 
 
 @dataclass(frozen=True)
+class Way:
+    """How images meet their targets: squares that upscale smaller images
+    (`--resolution`), squares that leave them out (`--resolutions`), or aspect-ratio
+    buckets that leave them out (`--buckets`)."""
+
+    leave_out_smaller: bool = False
+    buckets: bool = False
+
+
+@dataclass(frozen=True)
 class EncodeSubmission:
     run_id: int
     dataset: str
     model: str
     revision: str
     resolutions: list[int]
+    buckets: bool
     jobs: int
     cached: int
     # Shards planned but not downloaded yet: a later `sdq encode` picks them up.
@@ -52,20 +64,21 @@ def record_encode(
     model: ModelIdentity,
     *,
     resolutions: list[int],
-    leave_out_smaller: bool,
+    way: Way,
     batch_size: int,
 ) -> EncodeSubmission:
-    """The encode run of the dataset's downloaded shards, a job per shard and resolution,
-    in one transaction (nothing is written when the dataset has nothing to encode). With
-    `leave_out_smaller` (`--resolutions`), an image smaller than a resolution is left out
-    of it, never upscaled."""
+    """The encode run of the dataset's downloaded shards, a job per shard and resolution
+    (or bucket area), in one transaction (nothing is written when the dataset has nothing
+    to encode). Unless `way` upscales, an image smaller than a target is left out of it."""
     with sessions.begin() as session:
         # 1. The dataset's downloaded shards, or why there is nothing to encode.
         dataset, downloaded, waiting = _readable(session, name)
         stored_at = _stored_at(dataset)
-        if leave_out_smaller:
+        if way.buckets:
+            _check_buckets(name, dataset, resolutions)
+        elif way.leave_out_smaller:
             _check_targets(name, stored_at, resolutions)
-        _check_same_way(session, name, model, resolutions, leave_out_smaller)
+        _check_same_way(session, name, model, resolutions, way)
         kept = _kept(session, dataset)
         # 2. The run and its jobs; a shard encoded already by this model is done as written.
         record_model(session, model)
@@ -76,26 +89,27 @@ def record_encode(
             options={
                 **_described(name, model),
                 "resolutions": resolutions,
-                "leave_out_smaller": leave_out_smaller,
+                **asdict(way),
             },
             # A shard is a minute of GPU work: one per message, with all its targets.
             jobs_per_message=len(resolutions),
             task_options={"batch_size": batch_size},
         )
         specs = [
-            _spec(dataset, shard, model, resolution, kept(shard.id), leave_out_smaller)
+            _spec(dataset, shard, model, resolution, kept(shard.id), way)
             for shard in downloaded
             for resolution in resolutions
         ]
         cached = add_jobs(session, run, ENCODE, specs)
     # 3. What was submitted, and whether the images are smaller than the resolution.
-    upscaled = stored_at is not None and stored_at < max(resolutions) and not leave_out_smaller
+    upscaled = stored_at is not None and stored_at < max(resolutions) and way == Way()
     return EncodeSubmission(
         run_id=run.id,
         dataset=name,
         model=model.name,
         revision=model.revision,
         resolutions=resolutions,
+        buckets=way.buckets,
         jobs=len(specs),
         cached=cached,
         waiting=waiting,
@@ -122,6 +136,28 @@ def _check_targets(name: str, stored_at: int | None, resolutions: list[int]) -> 
         )
 
 
+def _check_buckets(name: str, dataset: Dataset, areas: list[int]) -> None:
+    """Buckets need each image's own shape, which a square download cut away, and images
+    large enough for some bucket of each area: refused otherwise, with what to do."""
+    mode = dataset.options.get("resize_mode", "center_crop")
+    if mode not in ("keep_ratio", "no"):
+        raise NothingToEncode(
+            f"dataset {name!r} was downloaded with --resize-mode {mode}: its images are "
+            f"squares, and buckets need each image's own shape; download it again with "
+            f"--resize-mode keep_ratio (or encode squares with --resolution)"
+        )
+    stored_at = _stored_at(dataset)
+    for area in areas:
+        shortest = min(min(bucket.width, bucket.height) for bucket in buckets_for(area))
+        if stored_at is not None and stored_at < shortest:
+            raise TooSmall(
+                f"dataset {name!r} holds images {stored_at} px on their shorter side "
+                f"(downloaded with --resolution {stored_at}): every one is too small for the "
+                f"buckets of {area}x{area} px, whose shortest side is {shortest}; download it "
+                f"again with --resolution {area}, or leave {area} out"
+            )
+
+
 def _readable(session: Session, name: str) -> tuple[Dataset, list[Shard], int]:
     """The dataset's downloaded shards and how many wait, or why there is nothing to encode."""
     try:
@@ -135,18 +171,23 @@ def _check_same_way(
     name: str,
     model: ModelIdentity,
     resolutions: list[int],
-    leave_out_smaller: bool,
+    way: Way,
 ) -> None:
-    """A dataset's latents at a resolution are one set (one file a shard, the one training
-    reads): encoding them the other way (`--resolution` upscales smaller images,
+    """A dataset's square latents at a resolution are one set (one file a shard, the one
+    training reads): encoding them the other way (`--resolution` upscales smaller images,
     `--resolutions` leaves them out) would replace them under a run reading them. Refused,
-    saying how the latents there were made."""
+    saying how the latents there were made. Buckets are a set of their own."""
+    if way.buckets:
+        return
     encoded = session.scalars(
         select(Run.options).where(Run.kind == ENCODE.name, Run.source == name)
     ).all()
     for options in encoded:
+        if options.get("buckets"):
+            continue
         targets = set(options.get("resolutions") or [options["resolution"]])
         same_model = options["revision"] == model.revision
+        leave_out_smaller = way.leave_out_smaller
         other_way = bool(options.get("leave_out_smaller")) != leave_out_smaller
         if same_model and other_way and (overlap := sorted(targets & set(resolutions))):
             made = WAYS[not leave_out_smaller]
@@ -184,7 +225,7 @@ def _spec(
     model: ModelIdentity,
     resolution: int,
     keys: list[str] | None,
-    leave_out_smaller: bool,
+    way: Way,
 ) -> EncodeSpec:
     return EncodeSpec(
         dataset=dataset.name,
@@ -198,5 +239,6 @@ def _spec(
         dtype=model.default_dtype,
         images_of=derived_from(dataset.options),
         keys=keys,
-        leave_out_smaller=leave_out_smaller or None,
+        leave_out_smaller=way.leave_out_smaller or None,
+        buckets=way.buckets or None,
     )

@@ -286,6 +286,7 @@ def _latent_shards(
                 LatentShard.dataset_id == dataset.id,
                 LatentShard.model_revision == revision,
                 LatentShard.resolution == resolution,
+                LatentShard.bucketed.is_(False),
                 LatentShard.samples > 0,
             )
             .order_by(Shard.number)

@@ -2,7 +2,7 @@
 with them: images to scaled samples of their latent distributions, captions to CLIP
 hidden states. GPU-side: imports torch. The U-Net is never loaded for this."""
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -13,9 +13,10 @@ from transformers import CLIPTextModel, CLIPTokenizer
 
 from sdq.models import tiny
 from sdq.models.datasets import latent_seed
+from sdq.models.datasets.buckets import Bucket
 from sdq.models.encode.specs import EncodeSpec
 from sdq.workers.gpu import device_name, release_device_memory, torch_dtype
-from sdq.workers.shards.images import ImageShard, pixels_at
+from sdq.workers.shards.images import ImageShard, InBucket, pixels_at, pixels_in_buckets
 from sdq.workers.shards.latents import Encoded
 from sdq.workers.tiny import build_text_encoder, build_tokenizer, build_vae
 from sdq.workers.weights import ModelFiles, check_tiny_revision
@@ -80,28 +81,48 @@ class LoadedEncoders:
         return Encoders(vae, text_encoder, tokenizer, device, dtype)
 
 
+# What a shard's images are encoded into: (a job's resolution, a shape), where the shape
+# is the square at the resolution or, bucketed, one aspect-ratio bucket of that area.
+TargetKey = tuple[int, Bucket]
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """An image at one target: its pixels, and for a bucket what SDXL's micro-conditioning
+    needs (its original width and height, and the crop's top and left offsets)."""
+
+    pixels: np.ndarray
+    conditions: tuple[int, int, int, int] | None = None
+
+
 @dataclass(frozen=True)
 class Target:
-    """A batch's pixels at one resolution as uint8 (a quarter of the bytes of floats to
-    copy to the device): those of its rows the resolution keeps."""
+    """A batch's pixels at one target as uint8 (a quarter of the bytes of floats to copy
+    to the device): those of its rows the target keeps."""
 
     pixels: torch.Tensor  # kept x height x width x 3
     kept: list[int]  # the batch's rows they are
+    left_out: int  # the batch's images too small for it
+    conditions: np.ndarray | None  # kept x 4, bucketed (see Decoded)
 
 
 @dataclass(frozen=True)
 class Batch:
     """One batch as the CPU prepared it, each image decoded once for every target: its
-    pixels at each resolution, token ids, and each sample's latent seed."""
+    pixels at each, token ids, and each sample's latent seed."""
 
     start: int  # the shard's row of its first sample
-    targets: dict[int, Target]
+    targets: dict[TargetKey, Target]
     token_ids: torch.Tensor  # batch x tokens
     seeds: list[int]
 
-    def kept_rows(self, resolution: int) -> list[int]:
-        """The shard's rows the resolution keeps of this batch."""
-        return [self.start + row for row in self.targets[resolution].kept]
+    def kept_rows(self, key: TargetKey) -> list[int]:
+        """The shard's rows the target keeps of this batch."""
+        return [self.start + row for row in self.targets[key].kept]
+
+
+def square(resolution: int) -> TargetKey:
+    return resolution, Bucket(resolution, resolution)
 
 
 def prepare_batches(
@@ -113,18 +134,15 @@ def prepare_batches(
     decoders: ThreadPoolExecutor,
     pin: bool,
 ) -> Iterator[Batch]:
-    """The CPU work of encoding one image shard for the specs' resolutions, batch by batch:
+    """The CPU work of encoding one image shard for the specs' targets, batch by batch:
     decoding and cropping (on `decoders`, since Pillow decodes without the GIL),
     tokenizing and pinning for a fast copy."""
-    resolutions = [spec.resolution for spec in specs]
-    upscale = not specs[0].leave_out_smaller
+    decode = _decoder(specs)
     pinned = (lambda tensor: tensor.pin_memory()) if pin else (lambda tensor: tensor)
     for start in range(0, len(shard), batch_size):
         stop = start + batch_size
-        decoded = list(decoders.map(
-            lambda data, side: pixels_at(data, resolutions, found_side=side, upscale=upscale),
-            shard.images[start:stop], shard.found_sides[start:stop],
-        ))  # fmt: skip
+        images, sizes = shard.images[start:stop], shard.found_sizes[start:stop]
+        decoded = list(decoders.map(decode, images, sizes))
         tokens = tokenizer(
             shard.captions[start:stop],
             padding="max_length",
@@ -134,36 +152,82 @@ def prepare_batches(
         ).input_ids
         yield Batch(
             start=start,
-            targets={r: _target(decoded, r, pinned) for r in resolutions},
+            targets=_targets(decoded, pinned),
             token_ids=pinned(tokens),
             seeds=[latent_seed(specs[0].dataset, key) for key in shard.keys[start:stop]],
         )
 
 
-def _target(decoded: list[dict[int, np.ndarray | None]], resolution: int, pinned) -> Target:
-    kept = [row for row, image in enumerate(decoded) if image[resolution] is not None]
+Decode = Callable[[bytes, tuple[int, int] | None], dict[TargetKey, Decoded | None]]
+
+
+def _decoder(specs: Sequence[EncodeSpec]) -> Decode:
+    """An image's targets: None where it is too small for one (and left out)."""
+    sides = [spec.resolution for spec in specs]
+    if specs[0].buckets:
+        return lambda data, size: _bucketed(pixels_in_buckets(data, sides, found_size=size))
+    upscale = not specs[0].leave_out_smaller
+
+    def squares(data: bytes, size: tuple[int, int] | None) -> dict[TargetKey, Decoded | None]:
+        at = pixels_at(data, sides, found_size=size, upscale=upscale)
+        return {
+            square(side): None if pixels is None else Decoded(pixels) for side, pixels in at.items()
+        }
+
+    return squares
+
+
+def _bucketed(placed: dict[int, InBucket | Bucket]) -> dict[TargetKey, Decoded | None]:
+    decoded: dict[TargetKey, Decoded | None] = {}
+    for side, image in placed.items():
+        if isinstance(image, Bucket):  # too small for the bucket it would go to
+            decoded[side, image] = None
+        else:
+            where = image.placement
+            conditions = (*image.original, where.top, where.left)
+            decoded[side, where.bucket] = Decoded(image.pixels, conditions)
+    return decoded
+
+
+def _targets(decoded: list[dict[TargetKey, Decoded | None]], pinned) -> dict[TargetKey, Target]:
+    keys = dict.fromkeys(key for image in decoded for key in image)
+    return {key: _target(decoded, key, pinned) for key in keys}
+
+
+def _target(decoded: list[dict[TargetKey, Decoded | None]], key: TargetKey, pinned) -> Target:
+    placed = [row for row, image in enumerate(decoded) if key in image]
+    kept = [row for row in placed if decoded[row][key] is not None]
     if not kept:
-        return Target(torch.empty(0, resolution, resolution, 3, dtype=torch.uint8), [])
-    images = np.stack([decoded[row][resolution] for row in kept])
-    return Target(pinned(torch.from_numpy(images)), kept)
+        bucket = key[1]
+        empty = torch.empty(0, bucket.height, bucket.width, 3, dtype=torch.uint8)
+        return Target(empty, [], len(placed), None)
+    images = [decoded[row][key] for row in kept]
+    conditions = [image.conditions for image in images]
+    return Target(
+        pinned(torch.from_numpy(np.stack([image.pixels for image in images]))),
+        kept,
+        left_out=len(placed) - len(kept),
+        conditions=None if conditions[0] is None else np.array(conditions, np.int32),
+    )
 
 
-def encode_batch(encoders: Encoders, batch: Batch) -> dict[int, Encoded]:
-    """The batch at each of its resolutions: its captions encoded once, its images by the
-    VAE at each."""
+def encode_batch(encoders: Encoders, batch: Batch) -> dict[TargetKey, Encoded]:
+    """The batch at each of its targets: its captions encoded once, its images by the VAE
+    at each."""
     device = encoders.device
     with torch.inference_mode():
         token_ids = batch.token_ids.to(device, non_blocking=True)
         embeddings = encoders.text_encoder(token_ids)[0].to(encoders.storage_dtype).cpu().numpy()
         token_ids = batch.token_ids.numpy().astype(np.int32)
         return {
-            resolution: Encoded(
+            key: Encoded(
                 seeds=[batch.seeds[row] for row in target.kept],
                 latents=_latents(encoders, target, [batch.seeds[row] for row in target.kept]),
                 text_embeddings=embeddings[target.kept],
                 token_ids=token_ids[target.kept],
+                conditions=target.conditions,
             )
-            for resolution, target in batch.targets.items()
+            for key, target in batch.targets.items()
         }
 
 
@@ -171,7 +235,7 @@ def _latents(encoders: Encoders, target: Target, seeds: list[int]) -> np.ndarray
     """The VAE's scaled samples of the target's pixels, each drawn from its seed."""
     device, dtype = encoders.device, encoders.dtype
     if not seeds:
-        return _no_latents(encoders, target.pixels.shape[1])
+        return _no_latents(encoders, Bucket(target.pixels.shape[2], target.pixels.shape[1]))
     images = target.pixels.to(device, non_blocking=True).permute(0, 3, 1, 2)
     images = (images.float() / 127.5 - 1).to(dtype)
     if device.type == "cuda":
@@ -197,17 +261,19 @@ def empty_prompt(encoders: Encoders) -> np.ndarray:
     return embedding.to(encoders.storage_dtype).cpu().numpy()
 
 
-def join(encoders: Encoders, parts: list[Encoded], resolution: int) -> Encoded:
+def join(encoders: Encoders, parts: list[Encoded], shape: Bucket) -> Encoded:
     """A shard's batches as one; a shard with no kept image still says what it would hold."""
     if parts:
+        conditions = [part.conditions for part in parts if part.conditions is not None]
         return Encoded(
             seeds=[seed for part in parts for seed in part.seeds],
             latents=np.concatenate([part.latents for part in parts]),
             text_embeddings=np.concatenate([part.text_embeddings for part in parts]),
             token_ids=np.concatenate([part.token_ids for part in parts]),
+            conditions=np.concatenate(conditions) if conditions else None,
         )
     tokens = encoders.tokenizer.model_max_length
-    latents = _no_latents(encoders, resolution)
+    latents = _no_latents(encoders, shape)
     width = encoders.text_encoder.config.hidden_size
     return Encoded(
         seeds=[],
@@ -217,8 +283,9 @@ def join(encoders: Encoders, parts: list[Encoded], resolution: int) -> Encoded:
     )
 
 
-def _no_latents(encoders: Encoders, resolution: int) -> np.ndarray:
+def _no_latents(encoders: Encoders, shape: Bucket) -> np.ndarray:
     """No sample's latents, in the shape and dtype a sample's would have."""
     dtype = torch.empty(0, dtype=encoders.storage_dtype).numpy().dtype
-    side = resolution // 2 ** (len(encoders.vae.config.block_out_channels) - 1)
-    return np.empty((0, encoders.vae.config.latent_channels, side, side), dtype)
+    scale = 2 ** (len(encoders.vae.config.block_out_channels) - 1)
+    channels = encoders.vae.config.latent_channels
+    return np.empty((0, channels, shape.height // scale, shape.width // scale), dtype)

@@ -9,9 +9,11 @@ decoded each in its turn (see `ahead_of_device`).
 
 import hashlib
 import io
+import json
 import os
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +22,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.ahead import run_ahead
+from sdq.models.datasets import bucket_latent_key
+from sdq.models.datasets.buckets import Bucket
 from sdq.models.datasets.tables import Dataset, LatentShard, Shard
 from sdq.models.db import upsert
 from sdq.models.encode.specs import EncodeSpec
@@ -33,14 +37,45 @@ from sdq.workers.shards.latents import Encoded, describe, latent_shard_bytes
 from sdq.workers.weights import ModelUnavailable
 
 if TYPE_CHECKING:
-    from sdq.workers.encode.encoders import LoadedEncoders
+    from sdq.workers.encode.encoders import Batch, LoadedEncoders, TargetKey
 
 NPY = "application/octet-stream"
+JSON = "application/json"
 # Batches prepared ahead of the device: enough to ride out a slow decode, few enough
 # that pinned host memory stays small.
 BATCHES_AHEAD = 2
 # Decoding threads; Pillow decodes without the GIL, so these use the CPU's cores.
 DECODE_THREADS = min(8, os.cpu_count() or 1)
+
+
+@dataclass
+class Made:
+    """What a shard's batches made at one target: encoded parts, the shard's rows they
+    are, and how many images were too small for it."""
+
+    parts: list[Encoded] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    left_out: int = 0
+
+    def add(self, encoded: Encoded, batch: "Batch", key: "TargetKey") -> None:
+        self.parts.append(encoded)
+        self.rows += batch.kept_rows(key)
+        self.left_out += batch.targets[key].left_out
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A latent shard stored: its shape, where, its hash, and what it holds."""
+
+    bucket: Bucket
+    uri: str
+    sha256: str
+    samples: int
+    too_small: int
+
+    def described(self) -> dict[str, Any]:
+        return {"uri": self.uri, "sha256": self.sha256, "samples": self.samples,
+                "too_small": self.too_small}  # fmt: skip
 
 
 class EncodeWork(Work):
@@ -80,9 +115,9 @@ class EncodeWork(Work):
         shard: ImageShard,
         decoders: ThreadPoolExecutor,
     ) -> Iterator[Output]:
-        """One image shard's latents at each target's resolution, and its text embeddings,
-        stored and recorded: each image decoded and each caption encoded once for all."""
-        from sdq.workers.encode.encoders import encode_batch, join, prepare_batches
+        """One image shard's latents at each target, and its text embeddings, stored and
+        recorded: each image decoded and each caption encoded once for all."""
+        from sdq.workers.encode.encoders import encode_batch, prepare_batches, square
 
         started = perf_counter()
         # 1. The shard's batches, decoded and tokenized ahead of the device, then encoded.
@@ -96,42 +131,71 @@ class EncodeWork(Work):
             decoders=decoders,
             pin=encoders.device.type == "cuda",
         )
-        parts: list[dict[int, Encoded]] = []
-        rows: dict[int, list[int]] = {spec.resolution: [] for spec in specs}
+        # A square target has its latent shard though no image is kept; a bucket has one
+        # once an image goes to it.
+        made = {square(spec.resolution): Made() for spec in specs if not spec.buckets}
         for batch in ahead_of_device(batches, BATCHES_AHEAD, encoders.device):
-            parts.append(encode_batch(encoders, batch))
-            for resolution, kept in rows.items():
-                kept += batch.kept_rows(resolution)
+            for key, encoded in encode_batch(encoders, batch).items():
+                made.setdefault(key, Made()).add(encoded, batch, key)
         self._store_empty_prompt(specs[0], encoders)
-        # 2. Each target's latent shard, sharing the time it took alike.
+        # 2. Each target's latent shards, sharing the time it took alike.
         seconds = (perf_counter() - started) / len(targets)
-        scaling = encoders.vae.config.scaling_factor
         for job_id, spec in targets:
-            encoded = join(encoders, [part[spec.resolution] for part in parts], spec.resolution)
-            about = _made_from(spec, scaling)
-            yield self._store(job_id, spec, shard, (encoded, rows[spec.resolution], about), seconds)
+            shapes = {key[1]: made[key] for key in made if key[0] == spec.resolution}
+            stored = [
+                self._store(spec, shard, (bucket, of_shape), seconds / len(shapes), encoders)
+                for bucket, of_shape in shapes.items()
+            ]
+            yield self._output(job_id, spec, stored, seconds)
 
     def _store(
         self,
-        job_id: int,
         spec: EncodeSpec,
         shard: ImageShard,
-        target: tuple[Encoded, list[int], dict[str, Any]],
+        target: tuple[Bucket, "Made"],
         seconds: float,
-    ) -> Output:
-        """A target's latent shard (its encoded samples, the shard's rows they are, and
-        what it was made from) and its lineage row."""
-        encoded, rows, about = target
-        lineage = {name: [column[n] for n in rows] for name, column in shard.lineage().items()}
+        encoders,
+    ) -> "Stored":
+        """A target's latent shard in one shape (its encoded samples, the shard's rows they
+        are, and what it was made from) and its lineage row."""
+        from sdq.workers.encode.encoders import join
+
+        bucket, made = target
+        encoded = join(encoders, made.parts, bucket)
+        lineage = {name: [column[n] for n in made.rows] for name, column in shard.lineage().items()}
+        about = _made_from(spec, bucket, encoders.vae.config.scaling_factor)
         data = latent_shard_bytes(lineage, encoded, about)
-        uri = self.store.put_bytes(spec.latent_key, data, content_type=PARQUET)
-        output = Output(
-            job_id, uri, hashlib.sha256(data).hexdigest(), work_seconds=seconds, units=len(rows)
+        key = (
+            bucket_latent_key(spec.dataset, spec.model_revision, spec.resolution, spec.shard,
+                              bucket.name)
+            if spec.buckets
+            else spec.latent_key
+        )  # fmt: skip
+        stored = Stored(
+            bucket,
+            self.store.put_bytes(key, data, content_type=PARQUET),
+            hashlib.sha256(data).hexdigest(),
+            samples=len(made.rows),
+            too_small=made.left_out,
         )
         with self.sessions.begin() as session:
-            _record(session, spec, output, samples=len(rows), too_small=len(shard) - len(rows),
-                    tensors=describe(encoded))  # fmt: skip
-        return output
+            _record(session, spec, stored, tensors=describe(encoded), seconds=seconds)
+        return stored
+
+    def _output(
+        self, job_id: int, spec: EncodeSpec, stored: list["Stored"], seconds: float
+    ) -> Output:
+        """The job's output: its latent shard, or bucketed, a manifest of its buckets'."""
+        samples = sum(shape.samples for shape in stored)
+        if not spec.buckets:
+            [only] = stored
+            return Output(job_id, only.uri, only.sha256, work_seconds=seconds, units=samples)
+        manifest = json.dumps(
+            {shape.bucket.name: shape.described() for shape in stored}, sort_keys=True
+        ).encode()
+        uri = self.store.put_bytes(spec.latent_key, manifest, content_type=JSON)
+        digest = hashlib.sha256(manifest).hexdigest()
+        return Output(job_id, uri, digest, work_seconds=seconds, units=samples)
 
     def _store_empty_prompt(self, spec: EncodeSpec, encoders) -> None:
         """Training needs it whichever shard comes first: each worker process stores it
@@ -164,13 +228,7 @@ def _by_shard(jobs: Sequence[Job], specs: list[EncodeSpec]) -> list[list[tuple[i
 
 
 def _record(
-    session: Session,
-    spec: EncodeSpec,
-    output: Output,
-    *,
-    samples: int,
-    too_small: int,
-    tensors: dict[str, Any],
+    session: Session, spec: EncodeSpec, stored: Stored, *, tensors: dict[str, Any], seconds: float
 ) -> None:
     """The lineage row: this latent file came from that image shard through that model.
     Encoding a shard again (a redelivered job) rewrites the row, never adds a second."""
@@ -186,15 +244,18 @@ def _record(
         "model_name": spec.model_name,
         "model_revision": spec.model_revision,
         "resolution": spec.resolution,
-        "uri": output.uri,
-        "sha256": output.sha256,
-        "samples": samples,
-        "too_small": too_small,
+        "bucketed": bool(spec.buckets),
+        "width": stored.bucket.width,
+        "height": stored.bucket.height,
+        "uri": stored.uri,
+        "sha256": stored.sha256,
+        "samples": stored.samples,
+        "too_small": stored.too_small,
         "tensors": tensors,
-        "seconds": output.work_seconds,
+        "seconds": seconds,
         "finished_at": utcnow(),
     }
-    key = ["shard_id", "model_revision", "resolution"]
+    key = ["shard_id", "model_revision", "resolution", "bucketed", "width", "height"]
     session.execute(
         upsert(session, LatentShard)
         .values(row)
@@ -204,7 +265,7 @@ def _record(
     )
 
 
-def _made_from(spec: EncodeSpec, scaling_factor: float) -> dict[str, Any]:
+def _made_from(spec: EncodeSpec, bucket: Bucket, scaling_factor: float) -> dict[str, Any]:
     """What a latent shard records of what made it."""
     return {
         "dataset": spec.dataset,
@@ -212,5 +273,6 @@ def _made_from(spec: EncodeSpec, scaling_factor: float) -> dict[str, Any]:
         "image_sha256": spec.shard_sha256,
         "model_revision": spec.model_revision,
         "resolution": spec.resolution,
+        **({"bucket": {"width": bucket.width, "height": bucket.height}} if spec.buckets else {}),
         "scaling_factor": scaling_factor,
     }

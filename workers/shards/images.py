@@ -13,8 +13,9 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from sdq.models.datasets import ImageOptions, SampleStatus, shard_key
+from sdq.models.datasets.buckets import Bucket, Placement, buckets_for, place
 from sdq.models.store import MissingObject, ObjectStore
-from sdq.workers.shards.pixels import resize, to_rgb
+from sdq.workers.shards.pixels import in_bucket, resize, to_rgb
 
 
 class ShardUnreadable(Exception):
@@ -31,9 +32,9 @@ class ImageShard:
     captions: list[str]
     sha256s: list[str]
     images: list[bytes]
-    # Each image's shorter side as it was found on the web, before the download resized it
-    # (None where the shard does not say).
-    found_sides: list[int | None]
+    # Each image's width and height as it was found on the web, before the download
+    # resized it (None where the shard does not say).
+    found_sizes: list[tuple[int, int] | None]
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -49,7 +50,7 @@ class ImageShard:
             captions=[self.captions[index] for index in rows],
             sha256s=[self.sha256s[index] for index in rows],
             images=[self.images[index] for index in rows],
-            found_sides=[self.found_sides[index] for index in rows],
+            found_sizes=[self.found_sizes[index] for index in rows],
         )
 
     def lineage(self) -> dict[str, list[str]]:
@@ -83,14 +84,15 @@ def read_image_shard(data: bytes, image_column: str) -> ImageShard:
     found = [name for name in FOUND_SIZE if name in file.schema_arrow.names]
     table = file.read(columns=["key", "url", "caption", "sha256", "status", image_column, *found])
     kept = table.filter(pc.equal(table["status"], SampleStatus.success))
-    sides = pc.min_element_wise(*(kept[name] for name in found)) if found else None
     return ImageShard(
         keys=kept["key"].to_pylist(),
         urls=kept["url"].to_pylist(),
         captions=kept["caption"].to_pylist(),
         sha256s=kept["sha256"].to_pylist(),
         images=kept[image_column].to_pylist(),
-        found_sides=sides.to_pylist() if sides is not None else [None] * kept.num_rows,
+        found_sizes=list(zip(*(kept[name].to_pylist() for name in FOUND_SIZE), strict=True))
+        if found
+        else [None] * kept.num_rows,
     )
 
 
@@ -99,11 +101,15 @@ FOUND_SIZE = ("original_width", "original_height")
 
 
 def pixels_at(
-    data: bytes, resolutions: Sequence[int], *, found_side: int | None, upscale: bool
+    data: bytes,
+    resolutions: Sequence[int],
+    *,
+    found_size: tuple[int, int] | None,
+    upscale: bool,
 ) -> dict[int, np.ndarray | None]:
     """An image decoded once, center-cropped to each resolution: uint8 RGB, height x width
     x 3 (a no-op for a dataset already made at it). Unless `upscale`, None for each
-    resolution the image is too small for: its shorter side, as found (`found_side`) or as
+    resolution the image is too small for: its shorter side, as found (`found_size`) or as
     stored, under it.
 
     A JPEG at least twice the largest resolution is decoded at half its size (DCT scaling)
@@ -114,10 +120,40 @@ def pixels_at(
         if upscale and image.format == "JPEG" and stored >= 2 * max(resolutions):
             image.draft("RGB", (image.width // 2, image.height // 2))
         rgb = to_rgb(image)
-        side = stored if found_side is None else min(stored, found_side)
+        side = stored if found_size is None else min(stored, *found_size)
         return {
             resolution: np.asarray(resize(rgb, ImageOptions(resolution=resolution)))
             if upscale or side >= resolution
             else None
             for resolution in resolutions
         }
+
+
+@dataclass(frozen=True)
+class InBucket:
+    """An image at one area: its pixels in its bucket (uint8 RGB, height x width x 3),
+    where in the covering resize the crop took them from, and its size as it was found."""
+
+    pixels: np.ndarray
+    placement: Placement
+    original: tuple[int, int]  # width, height
+
+
+def pixels_in_buckets(
+    data: bytes, sides: Sequence[int], *, found_size: tuple[int, int] | None
+) -> dict[int, InBucket | Bucket]:
+    """An image decoded once and placed in its bucket at each area (side x side pixels);
+    where it is too small for the bucket, as stored or as found, only the bucket it would
+    have gone to (never upscaled)."""
+    placed: dict[int, InBucket | Bucket] = {}
+    with Image.open(io.BytesIO(data)) as image:
+        rgb = to_rgb(image)
+        original = found_size or rgb.size
+        for side in sides:
+            placement = place(buckets_for(side), *rgb.size)
+            bucket = placement.bucket
+            if placement.scale > 1 or bucket.width > original[0] or bucket.height > original[1]:
+                placed[side] = bucket
+            else:
+                placed[side] = InBucket(np.asarray(in_bucket(rgb, placement)), placement, original)
+    return placed

@@ -20,6 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 METADATA_KEY = b"sdq"
+# The columns of a bucketed sample's original size and crop (see Encoded.conditions).
+CONDITIONS = ("original_width", "original_height", "crop_top", "crop_left")
 # What training reads of a shard.
 TRAINING_TENSORS = ("latents", "text_embeddings")
 
@@ -32,6 +34,9 @@ class Encoded:
     latents: np.ndarray  # samples x channels x height x width
     text_embeddings: np.ndarray  # samples x tokens x hidden size
     token_ids: np.ndarray  # samples x tokens
+    # Bucketed: samples x (original width, original height, crop top, crop left), what
+    # SDXL's micro-conditioning is made of; stored as int columns of those names.
+    conditions: np.ndarray | None = None
 
     def tensors(self) -> dict[str, np.ndarray]:
         return {
@@ -52,6 +57,8 @@ def latent_shard_bytes(
         **{name: pa.array(values, pa.string()) for name, values in lineage.items()},
         "seed": pa.array(encoded.seeds, pa.int64()),
     }
+    if encoded.conditions is not None:
+        columns.update(zip(CONDITIONS, map(pa.array, encoded.conditions.T), strict=True))
     tensors = encoded.tensors()
     columns.update({name: fixed_size_binary(array) for name, array in tensors.items()})
     metadata = {**about, "tensors": describe(encoded)}

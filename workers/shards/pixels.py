@@ -5,6 +5,7 @@ import numpy as np
 from PIL import Image
 
 from sdq.models.datasets import ImageOptions
+from sdq.models.datasets.buckets import Placement
 
 BACKGROUND = (255, 255, 255)  # what transparent pixels become
 
@@ -51,6 +52,17 @@ def resize(image: Image.Image, options: ImageOptions) -> Image.Image:
     return _scaled(image, size / side, box=(left, top, left + side, top + side))
 
 
+def in_bucket(image: Image.Image, placement: Placement) -> Image.Image:
+    """The image resized to cover its bucket and cropped to it, the crop's region alone
+    resampled (as for center_crop)."""
+    bucket, scale = placement.bucket, placement.scale
+    left, top = placement.left / scale, placement.top / scale
+    box = (left, top, left + bucket.width / scale, top + bucket.height / scale)
+    if scale == 1:
+        return image.crop(tuple(map(round, box)))
+    return image.resize((bucket.width, bucket.height), _filter(scale), box=box)
+
+
 def _scaled(
     image: Image.Image, scale: float, box: tuple[int, int, int, int] | None = None
 ) -> Image.Image:
@@ -59,8 +71,11 @@ def _scaled(
     if scale == 1:
         return image.crop(box) if box else image
     target = (max(1, round((right - left) * scale)), max(1, round((bottom - top) * scale)))
-    # img2dataset's filters: area averaging down (cv2's INTER_AREA is Pillow's BOX), which
-    # does not alias and costs a third of Lanczos; Lanczos up, where area has nothing to
-    # average.
-    resample = Image.Resampling.BOX if scale < 1 else Image.Resampling.LANCZOS
-    return image.resize(target, resample, box=box)
+    return image.resize(target, _filter(scale), box=box)
+
+
+def _filter(scale: float) -> Image.Resampling:
+    """img2dataset's filters: area averaging down (cv2's INTER_AREA is Pillow's BOX), which
+    does not alias and costs a third of Lanczos; Lanczos up, where area has nothing to
+    average."""
+    return Image.Resampling.BOX if scale < 1 else Image.Resampling.LANCZOS

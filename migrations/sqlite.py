@@ -1,0 +1,30 @@
+"""What SQLite needs of a migration that Postgres does not."""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import sqlalchemy as sa
+from alembic import op
+
+
+@contextmanager
+def views_set_aside(table: str) -> Iterator[None]:
+    """SQLite changes a table's constraints only by rebuilding the table, which fails while
+    a view reads it: the views that read `table` are dropped meanwhile and made again as
+    SQLite keeps them. Elsewhere a table is altered in place: nothing to do."""
+    if op.get_bind().dialect.name != "sqlite":
+        yield
+        return
+    views = (
+        op.get_bind()
+        .execute(
+            sa.text("SELECT name, sql FROM sqlite_master WHERE type = 'view' AND sql LIKE :table"),
+            {"table": f"%{table}%"},
+        )
+        .all()
+    )
+    for name, _ in views:
+        op.execute(f"DROP VIEW {name}")
+    yield
+    for _, definition in views:
+        op.execute(definition)

@@ -1,0 +1,50 @@
+"""latent_shards.width, height and bucketed: a latent shard holds one shape, a square at
+its resolution or one aspect-ratio bucket of the area resolution x resolution
+(`sdq encode --buckets`), so one image shard has a latent shard per bucket its images
+went to
+
+Revision ID: 0026
+Revises: 0025
+Create Date: 2026-11-27 23:50:00
+"""
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+from sdq.migrations.sqlite import views_set_aside
+
+revision: str = "0026"
+down_revision: str | None = "0025"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+UNIQUE = "uq_latent_shards_shard_id_model"
+BEFORE = ["shard_id", "model_revision", "resolution"]
+AFTER = [*BEFORE, "bucketed", "width", "height"]
+
+
+def upgrade() -> None:
+    with views_set_aside("latent_shards"), op.batch_alter_table("latent_shards") as batch:
+        batch.add_column(sa.Column("width", sa.Integer(), nullable=True))
+        batch.add_column(sa.Column("height", sa.Integer(), nullable=True))
+        batch.add_column(
+            sa.Column("bucketed", sa.Boolean(), server_default=sa.false(), nullable=False)
+        )
+    op.execute("UPDATE latent_shards SET width = resolution, height = resolution")
+    with views_set_aside("latent_shards"), op.batch_alter_table("latent_shards") as batch:
+        batch.alter_column("width", existing_type=sa.Integer(), nullable=False)
+        batch.alter_column("height", existing_type=sa.Integer(), nullable=False)
+        batch.drop_constraint(UNIQUE, type_="unique")
+        batch.create_unique_constraint(UNIQUE, AFTER)
+
+
+def downgrade() -> None:
+    op.execute("DELETE FROM latent_shards WHERE bucketed")
+    with views_set_aside("latent_shards"), op.batch_alter_table("latent_shards") as batch:
+        batch.drop_constraint(UNIQUE, type_="unique")
+        batch.create_unique_constraint(UNIQUE, BEFORE)
+        batch.drop_column("bucketed")
+        batch.drop_column("height")
+        batch.drop_column("width")

@@ -1,0 +1,159 @@
+"""Aspect-ratio buckets: the shapes of an area, which one an image goes to, and
+`sdq encode --buckets` end to end (embedded): each image in its bucket as a plain
+resize-then-crop makes it, encoded as a plain diffusers loop encodes it, its original size
+and crop kept beside its latents, one latent shard per bucket, the images too small for
+their bucket left out and counted, and what cannot work refused before anything is written."""
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+from sdq.models.datasets import latent_seed
+from sdq.models.datasets.buckets import SDXL_BUCKETS, Bucket, buckets_for, nearest_bucket, place
+from sdq.workers.shards.latents import CONDITIONS, read_tensor
+from sdq.workers.tiny import build_vae
+from tests.conftest import ROOT, sdq_json
+from tests.hostile_server import HostileServer
+from tests.netns_download import DOWNLOAD_ENV
+from tests.services import clean_env
+
+pytestmark = pytest.mark.timeout(300)
+
+# Images as found on the web, and the bucket of the 128² area each goes to once the
+# download kept its ratio with the shorter side at 128 px (None: too small for it).
+FOUND = {
+    "256x128": Bucket(192, 128),  # 2:1, nearer 3:2 than 3:1; the width cropped
+    "96x200": None,  # nearest 128x192, but 96 px wide as found: never upscaled
+    "300x100": Bucket(192, 64),  # 3:1 exactly, scaled down, nothing cropped
+    "160x160": Bucket(128, 128),
+    "130x250": Bucket(128, 192),  # the height cropped
+    "500x300": Bucket(192, 128),
+}
+
+
+def test_the_buckets_of_an_area_are_sdxl_s_scaled_to_it() -> None:
+    assert buckets_for(1024) == tuple(sorted(
+        (Bucket(*shape) for shape in SDXL_BUCKETS), key=lambda bucket: bucket.aspect
+    ))  # fmt: skip
+    for side in (256, 512, 768):
+        buckets = buckets_for(side)
+        assert Bucket(side, side) in buckets
+        assert all(b.width % 64 == 0 and b.height % 64 == 0 for b in buckets)
+        # Each within a rounding step of the area, from 1:4 to 4:1.
+        assert all(abs(b.width * b.height - side**2) <= 64 * 2 * side for b in buckets)
+        assert min(b.aspect for b in buckets) == pytest.approx(1 / 4, rel=0.25)
+        assert max(b.aspect for b in buckets) == pytest.approx(4, rel=0.25)
+
+
+@pytest.mark.parametrize("width,height", [(640, 480), (480, 640), (1920, 1080), (300, 1200),
+                                          (512, 512), (5000, 900), (777, 333)])  # fmt: skip
+def test_an_image_goes_where_it_is_cropped_least_and_is_covered(width: int, height: int) -> None:
+    buckets = buckets_for(512)
+
+    def kept(bucket: Bucket) -> float:
+        """The share of the image a cover-and-crop into the bucket keeps."""
+        scale = max(bucket.width / width, bucket.height / height)
+        return bucket.width * bucket.height / (width * height * scale**2)
+
+    placed = place(buckets, width, height)
+    assert placed.bucket == nearest_bucket(buckets, width, height)
+    assert kept(placed.bucket) == pytest.approx(max(map(kept, buckets)))
+    covered = (round(width * placed.scale), round(height * placed.scale))
+    assert covered[0] >= placed.bucket.width and covered[1] >= placed.bucket.height
+    assert (placed.left, placed.top) == (
+        (covered[0] - placed.bucket.width) // 2,
+        (covered[1] - placed.bucket.height) // 2,
+    )
+
+
+def expected_pixels(stored: Image.Image, bucket: Bucket) -> tuple[np.ndarray, int, int]:
+    """The plain way: resize the whole image to cover the bucket, crop the middle."""
+    scale = max(bucket.width / stored.width, bucket.height / stored.height)
+    covered = (round(stored.width * scale), round(stored.height * scale))
+    resized = stored.resize(covered, Image.Resampling.BOX) if scale != 1 else stored
+    left, top = (covered[0] - bucket.width) // 2, (covered[1] - bucket.height) // 2
+    return np.array(resized.crop((left, top, left + bucket.width, top + bucket.height))), top, left
+
+
+def run(env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sdq.producer.cli", *args],
+                          env=env, cwd=cwd, capture_output=True, text=True)  # fmt: skip
+
+
+@torch.inference_mode()
+def test_encode_buckets_places_each_image_in_one_latent_shard_per_bucket(tmp_path: Path) -> None:
+    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT)}
+    with HostileServer() as server:
+        listing = tmp_path / "shapes.csv"
+        listing.write_text("url,caption\n" + "".join(
+            f"{server.base}/sized/{size}/{n}.jpg,picture {n}\n" for n, size in enumerate(FOUND)
+        ))  # fmt: skip
+        for name, mode in (("shapes", "keep_ratio"), ("squares", "center_crop")):
+            sdq_json(env, "download", str(listing), "--dataset", name, "--resolution", "128",
+                     "--resize-mode", mode, "--min-size", "32", "--rows-per-shard", "4",
+                     "--wait", cwd=tmp_path)  # fmt: skip
+
+    # What cannot work is refused before anything is written, saying what to do.
+    cropped = run(env, tmp_path, "encode", "squares", "--model", "tiny", "--buckets", "128")
+    assert cropped.returncode == 2, cropped.stderr
+    assert "--resize-mode center_crop" in cropped.stderr and "keep_ratio" in cropped.stderr
+    too_big = run(env, tmp_path, "encode", "shapes", "--model", "tiny", "--buckets", "128,512")
+    assert too_big.returncode == 2 and "too small for the buckets of 512x512" in " ".join(
+        too_big.stderr.split()
+    ), too_big.stderr
+    both = run(env, tmp_path, "encode", "shapes", "--model", "tiny", "--buckets", "128",
+               "--resolution", "128")  # fmt: skip
+    assert both.returncode == 2 and "not --resolution and --buckets" in both.stderr, both.stderr
+    assert sdq_json(env, "dataset", "show", "shapes", cwd=tmp_path)["latents"] == []
+
+    shown = sdq_json(env, "encode", "shapes", "--model", "tiny", "--buckets", "128",
+                     "--batch-size", "3", "--wait", cwd=tmp_path)  # fmt: skip
+    [latents] = shown["latents"]
+    expected = [bucket for bucket in FOUND.values() if bucket]
+    assert latents["buckets"] == {
+        bucket.name: expected.count(bucket) for bucket in sorted(set(expected))
+    }
+    assert latents["shards"] == 6  # a file per image shard and bucket its images went to
+    assert (latents["samples"], latents["left_out"]) == (5, {"too small for 128": 1})
+
+    # Each bucket's latents are a plain loop's over the image placed so; its original
+    # size (as found) and crop are kept beside them.
+    store = tmp_path / "sdq-data" / "store"
+    images = pq.read_table(store / "datasets/shapes/images/00000.parquet").to_pylist()
+    images += pq.read_table(store / "datasets/shapes/images/00001.parquet").to_pylist()
+    by_key = {row["key"]: row for row in images}
+    vae = build_vae()
+    seen = 0
+    for path in sorted((store / latents["prefix"]).glob("*.parquet")):
+        table = pq.read_table(path)
+        bucket = Bucket(*map(int, path.stem.split("-")[1].split("x")))
+        about = json.loads(table.schema.metadata[b"sdq"])
+        assert about["bucket"] == {"width": bucket.width, "height": bucket.height}
+        got = read_tensor(table, "latents")
+        assert got.shape == (table.num_rows, 4, bucket.height // 8, bucket.width // 8)
+        for index, row in enumerate(table.to_pylist()):
+            source = by_key[row["key"]]
+            found = (source["original_width"], source["original_height"])
+            assert FOUND[f"{found[0]}x{found[1]}"] == bucket
+            stored = Image.open(io.BytesIO(source["jpg"])).convert("RGB")
+            pixels, top, left = expected_pixels(stored, bucket)
+            assert [row[name] for name in CONDITIONS] == [*found, top, left]
+            image = torch.from_numpy(pixels).permute(2, 0, 1)[None].float() / 127.5 - 1
+            generator = torch.Generator().manual_seed(latent_seed("shapes", row["key"]))
+            plain = vae.encode(image).latent_dist.sample(generator=generator) * 0.18215
+            np.testing.assert_allclose(got[index], plain[0].numpy(), atol=0.02)
+            seen += 1
+    assert seen == 5
+
+    # Squares at the area are another set: training on them says they are not made yet.
+    trained = run(env, tmp_path, "train", "shapes", "--base", "tiny", "--resolution", "128",
+                  "--steps", "1")  # fmt: skip
+    assert trained.returncode == 2 and "at 128 px" in trained.stderr, trained.stderr
