@@ -8,6 +8,7 @@ import io
 import json
 import subprocess
 import sys
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -18,12 +19,15 @@ from PIL import Image
 
 from sdq.models.datasets import latent_seed
 from sdq.models.datasets.buckets import SDXL_BUCKETS, Bucket, buckets_for, nearest_bucket, place
+from sdq.models.train.specs import LatentInput
 from sdq.workers.shards.latents import CONDITIONS, read_tensor
 from sdq.workers.tiny import build_vae
+from sdq.workers.train.loop.data import BucketedStream, bucket_schedule
 from tests.conftest import ROOT, sdq_json
 from tests.hostile_server import HostileServer
 from tests.netns_download import DOWNLOAD_ENV
 from tests.services import clean_env
+from tests.test_train_data import Shards
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -157,3 +161,70 @@ def test_encode_buckets_places_each_image_in_one_latent_shard_per_bucket(tmp_pat
     trained = run(env, tmp_path, "train", "shapes", "--base", "tiny", "--resolution", "128",
                   "--steps", "1")  # fmt: skip
     assert trained.returncode == 2 and "at 128 px" in trained.stderr, trained.stderr
+
+    # Trained on the buckets, each step one bucket's batch: two jobs make the model one job
+    # makes (exact resume), and the run says how many steps each bucket had.
+    revisions = []
+    for every in ("6", "3"):
+        trained = sdq_json(env, "train", "shapes", "--base", "tiny", "--resolution", "128",
+                           "--buckets", "--batch-size", "2", "--steps", "6",
+                           "--checkpoint-every", every, "--wait", cwd=tmp_path)  # fmt: skip
+        assert (trained["status"], trained["step"]) == ("succeeded", 6)
+        mix = trained["buckets"]
+        assert sum(mix.values()) == 6 and set(mix) <= set(latents["buckets"]), mix
+        revisions.append(trained["checkpoints"][-1]["model_revision"])
+    assert revisions[0] == revisions[1]
+    evaluated = run(env, tmp_path, "train", "shapes", "--base", "tiny", "--resolution", "128",
+                    "--buckets", "--steps", "2", "--holdout", "0.2",
+                    "--eval-metrics", "heldout_loss")  # fmt: skip
+    assert evaluated.returncode == 2 and "--buckets" in evaluated.stderr, evaluated.stderr
+
+
+# Twelve shards in three buckets, their sizes, and the bucket of each.
+BUCKETED = [(5, "192x128"), (7, "128x128"), (6, "128x192"), (3, "192x128"), (8, "128x128"),
+            (5, "128x192"), (4, "192x128"), (6, "128x128"), (9, "128x128"), (4, "128x192"),
+            (6, "192x128"), (5, "128x128")]  # fmt: skip
+
+
+def bucketed_samples(lanes: int, steps: int, first_step: int = 0, mine=None, last=None):
+    """Each batch's bucket and samples (shard * 1000 + row), and the shards it loaded."""
+    shards = Shards(tuple(size for size, _ in BUCKETED))
+    inputs = tuple(LatentInput(uri=f"s3://b/{n}", key=str(n), samples=size, bucket=bucket)
+                   for n, (size, bucket) in enumerate(BUCKETED))  # fmt: skip
+    stream = BucketedStream(inputs, seed=3, batch_size=4, lanes=lanes, load=shards.load,
+                            shards_ahead=1, threads=2)  # fmt: skip
+    batches = stream.batches(first_step, mine, last_step=last)
+    taken = [(batch.step, batch.bucket, [int(v) for v in batch.latents.reshape(-1)])
+             for batch in islice(batches, steps)]  # fmt: skip
+    batches.close()
+    return taken, shards.loaded
+
+
+def test_each_batch_is_one_bucket_s_and_ranks_and_resumes_take_the_same_samples() -> None:
+    whole, _ = bucketed_samples(lanes=4, steps=40)
+    assert [step for step, _, _ in whole] == list(range(1, 41))
+    for _, bucket, values in whole:
+        assert {BUCKETED[value // 1000][1] for value in values} == {bucket}
+    # Two ranks of two lanes each train on the slices of the one rank's batches.
+    halves = [bucketed_samples(lanes=4, steps=40, mine=range(2 * r, 2 * r + 2))[0]
+              for r in range(2)]  # fmt: skip
+    assert [
+        (s, b, first + second) for (s, b, first), (_, _, second) in zip(*halves, strict=True)
+    ] == whole
+    # A job that starts at step 23 goes on with the same buckets and samples.
+    assert bucketed_samples(lanes=4, steps=17, first_step=23)[0] == whole[23:]
+    # Nothing past the run's last step is fetched (where without one, the next shards are).
+    taken, loaded = bucketed_samples(lanes=1, steps=2, last=2)
+    needed = {value // 1000 for _, _, values in taken for value in values}
+    assert set(loaded) == needed
+    assert set(bucketed_samples(lanes=1, steps=2)[1]) > needed
+
+
+def test_buckets_are_drawn_in_proportion_to_their_samples_in_blocks_from_the_seed() -> None:
+    sizes = [10, 30, 60]
+    drawn = bucket_schedule(sizes, seed=1, first=0, last=30_000)
+    shares = np.bincount(drawn, minlength=3) / len(drawn)
+    np.testing.assert_allclose(shares, [0.1, 0.3, 0.6], atol=0.01)
+    # Any stretch of steps is the same draws, across the blocks' seams.
+    np.testing.assert_array_equal(bucket_schedule(sizes, 1, 4000, 9000), drawn[4000:9000])
+    assert not np.array_equal(bucket_schedule(sizes, 2, 0, 100), drawn[:100])

@@ -1,7 +1,7 @@
 """latent_shards.width, height and bucketed: a latent shard holds one shape, a square at
 its resolution or one aspect-ratio bucket of the area resolution x resolution
 (`sdq encode --buckets`), so one image shard has a latent shard per bucket its images
-went to
+went to; train_steps.bucket: the bucket a step of a run on buckets trained on
 
 Revision ID: 0026
 Revises: 0025
@@ -38,9 +38,11 @@ def upgrade() -> None:
         batch.alter_column("height", existing_type=sa.Integer(), nullable=False)
         batch.drop_constraint(UNIQUE, type_="unique")
         batch.create_unique_constraint(UNIQUE, AFTER)
+    op.add_column("train_steps", sa.Column("bucket", sa.Text(), nullable=True))
 
 
 def downgrade() -> None:
+    op.drop_column("train_steps", "bucket")
     op.execute("DELETE FROM latent_shards WHERE bucketed")
     with views_set_aside("latent_shards"), op.batch_alter_table("latent_shards") as batch:
         batch.drop_constraint(UNIQUE, type_="unique")

@@ -22,6 +22,7 @@ def inputs_manifest(inputs: Sequence[LatentInput]) -> bytes:
             "uri": pa.array([item.uri for item in inputs], pa.string()),
             "key": pa.array([item.key for item in inputs], pa.string()),
             "samples": pa.array([item.samples for item in inputs], pa.int64()),
+            "bucket": pa.array([item.bucket for item in inputs], pa.string()),
         }
     )
     buffer = io.BytesIO()
@@ -33,7 +34,10 @@ def read_inputs_manifest(data: bytes) -> tuple[LatentInput, ...]:
     import pyarrow.parquet as pq
 
     rows = pq.read_table(io.BytesIO(data)).to_pydict()
+    buckets = rows.get("bucket") or [None] * len(rows["key"])  # none before buckets were
     return tuple(
-        LatentInput(uri=uri, key=key, samples=samples)
-        for uri, key, samples in zip(rows["uri"], rows["key"], rows["samples"], strict=True)
+        LatentInput(uri=uri, key=key, samples=samples, bucket=bucket)
+        for uri, key, samples, bucket in zip(
+            rows["uri"], rows["key"], rows["samples"], buckets, strict=True
+        )
     )

@@ -30,7 +30,7 @@ th {{ background: #f6f6f6; font-weight: 600; }}
 td img {{ width: 128px; image-rendering: pixelated; display: block; }}
 .missing {{ width: 128px; color: #a00; }}
 </style></head><body>
-<h1>Train run {run_id}</h1><p>{summary}</p><p>{speed}</p>
+<h1>Train run {run_id}</h1><p>{summary}</p><p>{speed}</p>{buckets}
 <h2>Loss</h2>{curve}
 <h2>Learning rate</h2>{learning_rate}
 {scores}{checkpoints}{validation}</body></html>
@@ -70,6 +70,7 @@ def training_html(
             f"{status['dataset']} on {status['base']}, model {status['model']}"
         ),
         speed=html.escape(speed_text(status)),
+        buckets=f"<p>{html.escape(buckets_text(status))}</p>" if status["buckets"] else "",
         curve=_curve(status["losses"]),
         learning_rate=_curve(status["learning_rates"]),
         scores="".join(
@@ -90,6 +91,12 @@ def speed_text(status: dict[str, Any]) -> str:
     ranks = f" on {status['world_size']} ranks" if status["world_size"] > 1 else ""
     mfu = f", MFU {status['mfu']:.1%}" if status["mfu"] is not None else ""
     return f"{status['samples_per_second']:.1f} samples/s{ranks}{mfu}{left}"
+
+
+def buckets_text(status: dict[str, Any]) -> str:
+    """A run on buckets: the steps it trained in each."""
+    mix = status["buckets"]
+    return "steps per bucket: " + ", ".join(f"{shape} {steps}" for shape, steps in mix.items())
 
 
 def checkpoint_holds(checkpoint: dict[str, Any]) -> str:

@@ -146,6 +146,13 @@ class TrainOptions:
         False, help="Random weights instead of the base's U-Net, drawn from --seed."
     )
     unet_config: dict[str, Any] | None = None
+    # Aspect-ratio buckets (models/datasets/buckets.py): each global batch is one bucket's,
+    # so every rank's micro-batch has one shape.
+    buckets: bool = option(
+        False, help="Train on the aspect-ratio buckets of --resolution's area (`sdq encode "
+        "--buckets`): each global batch from one bucket, the buckets drawn from --seed in "
+        "proportion to their samples.",
+    )  # fmt: skip
     # LoRA (Hu et al. 2021): adapters of this rank train on the U-Net's layers and nothing
     # else does; the run's model is a LoRA file.
     lora_rank: int | None = option(
@@ -280,11 +287,13 @@ def default_lanes(batch_size: int, world_size: int) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class LatentInput:
-    """One latent shard a run reads, and how many samples it holds."""
+    """One latent shard a run reads, and how many samples it holds (of one aspect-ratio
+    bucket, WIDTHxHEIGHT, in a run on buckets)."""
 
     uri: str
     key: str
     samples: int
+    bucket: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

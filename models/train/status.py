@@ -58,6 +58,7 @@ def train_status(session: Session, run: Run) -> dict[str, Any]:
         "checkpoint_step": checkpointed,
         "steps": steps,
         "world_size": run.options.get("world_size", 1),
+        "buckets": _bucket_mix(session, run_id) if run.options.get("buckets") else None,
         **_recent_speed(losses[-RECENT_STEPS:], left),
         **time_shares(session, run_id, run.options["batch_size"], checkpoints, steps),
         "losses": [[row[0], row[1]] for row in losses],
@@ -66,6 +67,22 @@ def train_status(session: Session, run: Run) -> dict[str, Any]:
         "scores": run_scores(session, run_id),
         "resumed_from": _resumed_from(run.options),
     }
+
+
+def _bucket_mix(session: Session, run_id: int) -> dict[str, int]:
+    """A run on aspect-ratio buckets: the steps it has taken in each, widest last."""
+    rows = session.execute(
+        select(TrainStep.bucket, func.count())
+        .where(TrainStep.run_id == run_id)
+        .group_by(TrainStep.bucket)
+    ).all()
+    shapes = sorted(rows, key=lambda row: _aspect(row[0]))
+    return {bucket: steps for bucket, steps in shapes}
+
+
+def _aspect(bucket: str) -> float:
+    width, height = map(int, bucket.split("x"))
+    return width / height
 
 
 def _resumed_from(options: dict[str, Any]) -> dict[str, int] | None:

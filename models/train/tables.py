@@ -46,6 +46,8 @@ class TrainStep(Base):
     # The step's share of the time its window of steps waited for data (none recorded
     # before it was measured).
     data_wait_seconds: Mapped[float | None] = mapped_column(Float)
+    # The aspect-ratio bucket of its batch, WIDTHxHEIGHT (a run on `--buckets`).
+    bucket: Mapped[str | None] = mapped_column(Text)
     # When the step ended, by its rank's clock (steps recorded before that was: when they
     # reached the database).
     at: Mapped[datetime] = mapped_column(

@@ -320,7 +320,7 @@ def status(app: SdqCelery, run_id: int, as_json: bool) -> None:
 
 # What a plan takes of a run's options, besides its batch size.
 PLANNED = ("world_size", "sharding", "grad_accumulation", "mixed_precision",
-           "gradient_checkpointing", "ema", "lora_rank", "lora_targets")  # fmt: skip
+           "gradient_checkpointing", "ema", "lora_rank", "lora_targets", "buckets")  # fmt: skip
 
 
 @train.command()

@@ -94,6 +94,7 @@ def plan_request(options: TrainOptions, resolution: int, gpu_memory: int) -> dic
         "ema": options.ema is not None,
         "lora_rank": options.lora_rank,
         "lora_targets": options.lora_targets,
+        "buckets": options.buckets,
         "gpu_memory": gpu_memory,
     }
 

@@ -9,7 +9,13 @@ from sqlalchemy.orm import Session
 
 from sdq.models.evaluate.specs import best_of
 from sdq.models.store import LINK_SECONDS
-from sdq.models.train.page import checkpoint_holds, draw_page, page_key, speed_text
+from sdq.models.train.page import (
+    buckets_text,
+    checkpoint_holds,
+    draw_page,
+    page_key,
+    speed_text,
+)
 from sdq.producer.cli.common import lookup
 from sdq.producer.display import rows_table, stdout
 from sdq.producer.train.lookups import train_run
@@ -26,6 +32,8 @@ def show_training(status: dict[str, Any], *, render_command: str = "sdq submit")
     )
     if status["samples_per_second"]:
         stdout.print(speed_text(status))
+    if status["buckets"]:
+        stdout.print(buckets_text(status))
     if status["time_shares"]:
         shares = status["time_shares"]
         stdout.print(

@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.datasets import empty_prompt_key, latent_key
+from sdq.models.datasets import bucket_latent_key, empty_prompt_key, latent_key
 from sdq.models.datasets.tables import LatentShard, Shard
 from sdq.models.evaluate.scores import NoScores, best_step
 from sdq.models.generate.specs import FixedRenders
@@ -151,7 +151,7 @@ def _usable_shards(
 ) -> tuple[list[tuple[LatentShard, int]], str | None]:
     """The latent shards a run trains on, checked against its architecture, and the key of
     the empty prompt's embedding where caption dropout needs it."""
-    shards = _latent_shards(session, name, base, resolution)
+    shards = _latent_shards(session, name, base, resolution, options.buckets)
     if options.unet_config is not None:
         _check_architecture(options.unet_config, shards[0][0])
     encoded_with = shards[0][0].model_revision
@@ -269,12 +269,13 @@ def start_checkpoint(session: Session, run_id: int, step: int | str | None) -> S
 
 
 def _latent_shards(
-    session: Session, name: str, base: ModelIdentity, resolution: int
+    session: Session, name: str, base: ModelIdentity, resolution: int, buckets: bool = False
 ) -> list[tuple[LatentShard, int]]:
-    """The latent shards to train on, each with its image shard's number: made with the
-    base, or else with a model whose VAE, text encoder and tokenizer are the base's byte for
-    byte (so their latents are the same): the one it was trained from, and so on back, or
-    any registered model whose encoders' files hash alike."""
+    """The latent shards to train on, each with its image shard's number: squares at the
+    resolution or the buckets of its area, made with the base, or else with a model whose
+    VAE, text encoder and tokenizer are the base's byte for byte (so their latents are the
+    same): the one it was trained from, and so on back, or any registered model whose
+    encoders' files hash alike."""
     dataset = dataset_named(session, name)
     lineage = encoders_lineage(session, base.revision)
     twins = [revision for revision in same_encoders(session, base) if revision not in lineage]
@@ -286,22 +287,27 @@ def _latent_shards(
                 LatentShard.dataset_id == dataset.id,
                 LatentShard.model_revision == revision,
                 LatentShard.resolution == resolution,
-                LatentShard.bucketed.is_(False),
+                LatentShard.bucketed.is_(buckets),
                 LatentShard.samples > 0,
             )
-            .order_by(Shard.number)
+            .order_by(Shard.number, LatentShard.width, LatentShard.height)
         ).all()
         if shards:
             return [(shard, number) for shard, number in shards]
     if unusable := no_usable_samples(session, dataset):
         raise CannotTrain(unusable)
+    shapes, option = ("buckets of", "--buckets") if buckets else ("", "--resolution")
     raise CannotTrain(
         f"dataset {name!r} has no latents made with {base.name} (revision "
-        f"{base.revision[:12]}) at {resolution} px: `sdq encode {name} --model "
-        f"{base.name} --resolution {resolution}` makes them"
+        f"{base.revision[:12]}) at {shapes}{' ' if buckets else ''}{resolution} px: "
+        f"`sdq encode {name} --model {base.name} {option} {resolution}` makes them"
     )
 
 
 def _input(name: str, shard: LatentShard, number: int) -> LatentInput:
-    key = latent_key(name, shard.model_revision, shard.resolution, number)
-    return LatentInput(uri=shard.uri, key=key, samples=shard.samples)
+    where = (name, shard.model_revision, shard.resolution, number)
+    if not shard.bucketed:
+        return LatentInput(uri=shard.uri, key=latent_key(*where), samples=shard.samples)
+    bucket = f"{shard.width}x{shard.height}"
+    key = bucket_latent_key(*where, bucket)
+    return LatentInput(uri=shard.uri, key=key, samples=shard.samples, bucket=bucket)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from diffusers import UNet2DConditionModel
 from torch.utils.flop_counter import FlopCounterMode
 
+from sdq.models.datasets.buckets import buckets_for
 from sdq.workers.train.loop.lora import lora_config, training_passes
 from sdq.workers.train.loop.sharding import shard_units
 
@@ -56,11 +57,21 @@ class PlanRequest:
     # A LoRA of this rank trains on the frozen U-Net (None: the whole U-Net trains).
     lora_rank: int | None = None
     lora_targets: str = "attention"
+    # On aspect-ratio buckets of the resolution's area: planned for the one of most pixels.
+    buckets: bool = False
     gpu_memory: int = 80 * 10**9
 
     @property
     def micro_batch(self) -> int:
         return max(1, self.batch_size // (self.world_size * self.grad_accumulation))
+
+    @property
+    def latent_size(self) -> tuple[int, int]:
+        """The latents' height and width: the square's, or the largest bucket's."""
+        if not self.buckets:
+            return self.resolution // 8, self.resolution // 8
+        largest = max(buckets_for(self.resolution), key=lambda b: (b.width * b.height, b))
+        return largest.height // 8, largest.width // 8
 
 
 @dataclass(frozen=True)
@@ -171,10 +182,11 @@ def _traced(unet: UNet2DConditionModel, request: PlanRequest) -> tuple[int, floa
         model.enable_gradient_checkpointing()
     else:
         model.disable_gradient_checkpointing()
-    batch, side = request.micro_batch, request.resolution // 8
-    width = request.unet_config.get("cross_attention_dim", 768)
-    latents = torch.zeros((batch, model.config.in_channels, side, side), device="meta", dtype=dtype)
-    embeddings = torch.zeros((batch, TEXT_TOKENS, width), device="meta", dtype=dtype)
+    batch, (height, width) = request.micro_batch, request.latent_size
+    channels = model.config.in_channels
+    latents = torch.zeros((batch, channels, height, width), device="meta", dtype=dtype)
+    hidden = request.unet_config.get("cross_attention_dim", 768)
+    embeddings = torch.zeros((batch, TEXT_TOKENS, hidden), device="meta", dtype=dtype)
     timesteps = torch.zeros((batch,), device="meta", dtype=torch.long)
     kept = _KeptForBackward({id(parameter) for parameter in model.parameters()})
     counter = FlopCounterMode(display=False)

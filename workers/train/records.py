@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 # What a step redone by a later attempt writes again (the same, but for when it ended).
 STEP_FIGURES = ("loss", "lr", "samples_per_second", "world_size", "mfu", "data_wait_seconds",
-                "at")  # fmt: skip
+                "bucket", "at")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,13 @@ train on exactly what one rank would with the same lanes. With one lane this is 
 of earlier runs: each epoch's shards in their permuted order, each shard's rows permuted.
 
 A rank's next shards are known from the seed: they are fetched and decoded on a pool of
-threads (parallel ranged GETs on S3) while the current ones are trained on. No torch here.
+threads (parallel ranged GETs on S3) while the current ones are trained on.
+
+On aspect-ratio buckets (`--buckets`), each bucket's shards are a stream of their own as
+above, and each global batch is one bucket's: the bucket of step k is drawn from the run's
+seed in proportion to the buckets' samples, in blocks of steps, so a job that starts at
+step s counts each bucket's steps before it from the seed alone and starts every bucket's
+lanes there. No torch here.
 """
 
 from collections import deque
@@ -41,6 +47,7 @@ class Batch:
     step: int  # the step that trains on it, counted from 1
     latents: np.ndarray  # this rank's samples x channels x height x width, as stored
     text_embeddings: np.ndarray  # this rank's samples x tokens x hidden size, as stored
+    bucket: str | None = None  # its aspect-ratio bucket, WIDTHxHEIGHT, on buckets
 
 
 @dataclass(frozen=True)
@@ -182,6 +189,10 @@ class LatentStream:
             else None
         )
 
+    def samples(self) -> int:
+        """The samples it trains on."""
+        return sum(map(len, self.kept)) if self.kept else sum(item.samples for item in self.inputs)
+
     def batches(
         self,
         first_step: int,
@@ -246,3 +257,84 @@ def _gather(step: int, pieces: list[Piece], cache: ShardCache, allocate: Allocat
         np.take(shard_embeddings, piece.rows, axis=0, out=embeddings[start:end])
         start = end
     return Batch(step, latents, embeddings)
+
+
+# Steps whose buckets are drawn at once: the draws of step k depend on its block alone.
+BUCKET_BLOCK = 4096
+# Keeps the bucket draws' generators apart from the permutations' ([seed, epoch, shard]).
+BUCKET_DRAWS = 2**31 - 1
+
+
+def bucket_schedule(sizes: Sequence[int], seed: int, first: int, last: int) -> np.ndarray:
+    """The bucket (an index into `sizes`) of each step in (first, last], each drawn in
+    proportion to the buckets' samples."""
+    if last <= first:
+        return np.empty(0, np.int64)
+    share = np.asarray(sizes, dtype=np.float64) / sum(sizes)
+    blocks = range(first // BUCKET_BLOCK, (last - 1) // BUCKET_BLOCK + 1)
+    drawn = np.concatenate([
+        np.random.default_rng([seed, BUCKET_DRAWS, block]).choice(len(sizes), BUCKET_BLOCK, p=share)
+        for block in blocks
+    ])  # fmt: skip
+    start = blocks[0] * BUCKET_BLOCK
+    return drawn[first - start : last - start]
+
+
+class BucketedStream:
+    """Global batches each of one aspect-ratio bucket: a LatentStream per bucket, the
+    buckets taken in the seeded order of `bucket_schedule`."""
+
+    def __init__(self, inputs: tuple[LatentInput, ...], *, load: LoadShard, **stream) -> None:
+        names = sorted({item.bucket for item in inputs})
+        self.seed = stream["seed"]
+        self.streams = [
+            LatentStream(
+                tuple(inputs[index] for index in where),
+                load=lambda shard, where=where: load(where[shard]),
+                **stream,
+            )
+            for where in (
+                [index for index, item in enumerate(inputs) if item.bucket == name]
+                for name in names
+            )
+        ]
+        self.names = names
+        self.sizes = [stream.samples() for stream in self.streams]
+
+    def batches(
+        self,
+        first_step: int,
+        lanes: range | None = None,
+        allocate: Allocate = np.empty,
+        last_step: int | None = None,
+    ) -> Iterator[Batch]:
+        """As LatentStream.batches, each batch one bucket's; each bucket's stream starts
+        at its steps before `first_step` and fetches nothing past its steps by `last_step`."""
+        before = self._steps_by(first_step)
+        by_last = None if last_step is None else self._steps_by(last_step)
+        started: dict[int, Iterator[Batch]] = {}
+        try:
+            for step, bucket in enumerate(self._schedule(first_step, last_step), first_step + 1):
+                if bucket not in started:  # a bucket's stream starts when first drawn
+                    last = None if by_last is None else int(by_last[bucket])
+                    stream = self.streams[bucket]
+                    started[bucket] = stream.batches(int(before[bucket]), lanes, allocate, last)
+                batch = next(started[bucket])
+                yield Batch(step, batch.latents, batch.text_embeddings, self.names[bucket])
+        finally:
+            for batches in started.values():
+                batches.close()
+
+    def _steps_by(self, step: int) -> np.ndarray:
+        """Each bucket's steps among the run's first `step`."""
+        drawn = bucket_schedule(self.sizes, self.seed, 0, step)
+        return np.bincount(drawn, minlength=len(self.sizes))
+
+    def _schedule(self, first_step: int, last_step: int | None) -> Iterator[int]:
+        """The bucket of each step after `first_step`, a block of draws at a time."""
+        step = first_step
+        while last_step is None or step < last_step:
+            end = (step // BUCKET_BLOCK + 1) * BUCKET_BLOCK
+            end = end if last_step is None else min(end, last_step)
+            yield from map(int, bucket_schedule(self.sizes, self.seed, step, end))
+            step = end

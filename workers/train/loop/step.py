@@ -46,6 +46,7 @@ class StepInputs:
     latents: torch.Tensor  # as the shards store them (fp16 from a GPU's encode)
     embeddings: torch.Tensor
     draws: Draws
+    bucket: str | None = None  # its aspect-ratio bucket, WIDTHxHEIGHT, on buckets
 
 
 def sample_seed(seed: int, step: int, index: int) -> int:
@@ -96,7 +97,8 @@ def on_device(
     def staged(batch: Batch) -> StepInputs:
         latents = torch.from_numpy(batch.latents)
         draws = draw(spec, batch.step, part, latents.shape[1:])
-        host = StepInputs(latents, torch.from_numpy(batch.text_embeddings), _pinned(draws, side))
+        embeddings = torch.from_numpy(batch.text_embeddings)
+        host = StepInputs(latents, embeddings, _pinned(draws, side), batch.bucket)
         if side is None:
             return _moved(host, state.device)
         with torch.cuda.stream(side):
@@ -139,6 +141,7 @@ def _moved(inputs: StepInputs, device: torch.device) -> StepInputs:
         move(inputs.latents),
         move(inputs.embeddings),
         Draws(move(draws.noise), move(draws.timesteps), move(draws.dropped)),
+        inputs.bucket,
     )
 
 

@@ -26,7 +26,7 @@ from sdq.models.train.settings import TrainSettings
 from sdq.models.train.specs import LatentInput, TrainShardSpec
 from sdq.workers.gpu import peak_flops
 from sdq.workers.train.loop.checkpoints import Snapshot, snapshot
-from sdq.workers.train.loop.data import LatentStream, load_shards
+from sdq.workers.train.loop.data import BucketedStream, LatentStream, load_shards
 from sdq.workers.train.loop.sharding import ShardedSnapshot, sharded_snapshot
 from sdq.workers.train.loop.state import TrainState
 from sdq.workers.train.loop.step import (
@@ -73,7 +73,7 @@ class Training:
         self.ahead: list[dict] = []
         self._writing: ShardedSnapshot | None = None
         shards = run_inputs(spec, store)
-        stream = LatentStream(
+        stream = (BucketedStream if spec.options.buckets else LatentStream)(
             shards,
             seed=spec.options.seed,
             batch_size=spec.options.batch_size,
@@ -120,7 +120,7 @@ class Training:
             inputs = window.next_from(self._inputs)
             with self._first_compiled(spec, inputs, window):
                 window.flops_from(spec, inputs)
-                window.add(train_step(state, spec, inputs))
+                window.add(train_step(state, spec, inputs), inputs.bucket)
             if len(window) == self.loss_every:
                 self.on_steps(window.read())
                 if stop():
@@ -219,16 +219,16 @@ class StepWindow:
             return 0.0
         return max(0.0, first - (elapsed - first) / (steps - 1))
 
-    def add(self, loss: torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor, bucket: str | None) -> None:
         lr = self.state.lr_scheduler.get_last_lr()[0]
-        self._losses.append((self.state.step, lr, loss))
+        self._losses.append((self.state.step, lr, loss, bucket))
 
     def read(self) -> list[dict[str, Any]]:
         """The window's steps, their losses read from the device at once."""
         if not self._losses:
             return []
         read_before = len(self.steps)
-        losses = torch.stack([loss for _, _, loss in self._losses]).tolist()
+        losses = torch.stack([loss for _, _, loss, _ in self._losses]).tolist()
         closed, closed_at = perf_counter(), time()
         options = self.spec.options
         # A compile is set aside: the steps' time and speed are the training's alone, and
@@ -239,7 +239,9 @@ class StepWindow:
         waited = self._waited / len(losses)
         began = self._opened_at + compiling
         each = (closed_at - began) / len(losses)
-        for n, ((step, lr, _), loss) in enumerate(zip(self._losses, losses, strict=True), 1):
+        for n, ((step, lr, _, bucket), loss) in enumerate(
+            zip(self._losses, losses, strict=True), 1
+        ):
             self.steps.append(
                 {
                     "run_id": self.spec.run,
@@ -250,6 +252,7 @@ class StepWindow:
                     "world_size": options.world_size,
                     "mfu": flops * speed / (peak * options.world_size) if flops else None,
                     "data_wait_seconds": waited,
+                    "bucket": bucket,
                     # When it ended (a time.time()): the window's time shared evenly.
                     "at": began + n * each,
                 }
