@@ -17,6 +17,15 @@ from an S3 server over HTTP (moto), on one core.
   it, never past its last step, as a run's ranks read). `bytes_per_rank_over_ideal`
   is, for each world size, the most any rank fetched over 1/N of what one rank alone did.
 
+With `--buckets`, the same figures over aspect-ratio buckets (`sdq train --buckets`): shards
+of three buckets whose latents have the square's pixel count (32x32, 16x64 and 64x16), read
+by the bucketed stream (a stream per bucket, each batch one bucket's), against as many
+square shards of the same bytes; `buckets_over_square` is its samples/s per core over the
+square's, and `bytes_per_rank_over_ideal` is the bucketed run's. Each bucket has as many
+shards as the square figures use in all (`--shards`, `--bytes-shards`): a bucket of fewer
+shards than its lanes hold at once is read by every lane of one rank alone from one cache,
+which makes 1/N of that rank's bytes no ideal at all.
+
 Prints one JSON object with `speedup` (sdq's samples/s per core over the previous data
 path's, same data, from the local folder, where the format and not the fetch decides;
 `speedup_by_store` and `layout_speedup_by_store`, the stream's own over the list layout,
@@ -25,7 +34,7 @@ process on this machine's other core serving ~60 MB/s: from it the fetch bounds 
 paths, and its figures say so rather than what the format costs.
 
     python benchmarks/train_data.py [--shards 8] [--bytes-shards 64] [--rows 1000]
-        [--batch-size 64]
+        [--batch-size 64] [--buckets]
 """
 
 import argparse
@@ -49,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 from sdq.models.store import LocalStore, ObjectStore, S3Store  # noqa: E402
 from sdq.models.train.specs import LatentInput  # noqa: E402
 from sdq.workers.shards.latents import Encoded, latent_shard_bytes  # noqa: E402
-from sdq.workers.train.loop.data import LatentStream, load_shards  # noqa: E402
+from sdq.workers.train.loop.data import BucketedStream, LatentStream, load_shards  # noqa: E402
 from tests.old_shards import list_layout_bytes  # noqa: E402
 from tests.services import MotoServer, aws_env, s3_client  # noqa: E402
 
@@ -57,13 +66,17 @@ LATENT_SHAPE, EMBEDDING_SHAPE, TOKENS = (4, 32, 32), (77, 1024), 77
 BUCKET = "train-data-bench"
 LANES = 8
 WORLD_SIZES = (1, 2, 4, 8)
+# Epochs the bucketed and square streams are timed over (see buckets_against_squares).
+EPOCHS = 2
+# Buckets whose latents hold the square's pixels (LATENT_SHAPE's), as latent height x width.
+BUCKET_SHAPES = ((32, 32), (16, 64), (64, 16))
 
 
-def shard_tensors(rows: int, seed: int) -> Encoded:
+def shard_tensors(rows: int, seed: int, latent_shape=LATENT_SHAPE) -> Encoded:
     rng = np.random.default_rng(seed)
     return Encoded(
         seeds=list(range(rows)),
-        latents=rng.standard_normal((rows, *LATENT_SHAPE), dtype=np.float32).astype(np.float16),
+        latents=rng.standard_normal((rows, *latent_shape), dtype=np.float32).astype(np.float16),
         text_embeddings=rng.standard_normal((rows, *EMBEDDING_SHAPE), dtype=np.float32).astype(
             np.float16
         ),
@@ -78,12 +91,20 @@ LAYOUTS: dict[str, Callable[[dict, Encoded], bytes]] = {
 
 
 def write_shards(
-    stores: list[ObjectStore], shards: int, rows: int, layouts=tuple(LAYOUTS), prefix: str = ""
+    stores: list[ObjectStore],
+    shards: int,
+    rows: int,
+    layouts=tuple(LAYOUTS),
+    prefix: str = "",
+    buckets: bool = False,
 ) -> dict[str, tuple]:
-    """Each layout's shards in every store; the inputs of a run over them, by layout."""
+    """Each layout's shards in every store; the inputs of a run over them, by layout.
+    `buckets`: shard n in bucket n mod 3 of BUCKET_SHAPES."""
     inputs: dict[str, list[LatentInput]] = defaultdict(list)
     for number in range(shards):
-        tensors = shard_tensors(rows, number)
+        height, width = BUCKET_SHAPES[number % len(BUCKET_SHAPES)] if buckets else (32, 32)
+        bucket = f"{width * 8}x{height * 8}" if buckets else None
+        tensors = shard_tensors(rows, number, (LATENT_SHAPE[0], height, width))
         lineage = {"key": [f"{number:05d}{row:04d}" for row in range(rows)]}
         for layout in layouts:
             write = LAYOUTS[layout]
@@ -91,12 +112,13 @@ def write_shards(
             data = write(lineage, tensors)
             for store in stores:
                 store.put_bytes(key, data, content_type="application/octet-stream")
-            inputs[layout].append(LatentInput(uri=key, key=key, samples=rows))
+            inputs[layout].append(LatentInput(uri=key, key=key, samples=rows, bucket=bucket))
     return {layout: tuple(items) for layout, items in inputs.items()}
 
 
-def stream(inputs: tuple, read: Callable, args, ahead: int) -> LatentStream:
-    return LatentStream(
+def stream(inputs: tuple, read: Callable, args, ahead: int) -> LatentStream | BucketedStream:
+    bucketed = inputs[0].bucket is not None
+    return (BucketedStream if bucketed else LatentStream)(
         inputs,
         seed=0,
         batch_size=args.batch_size,
@@ -111,9 +133,9 @@ def epoch_steps(inputs: tuple, args) -> int:
     return sum(item.samples for item in inputs) // args.batch_size
 
 
-def samples_per_second(inputs: tuple, store: ObjectStore, args) -> float:
-    """One rank reading every lane for one epoch, on this process's one core."""
-    steps = epoch_steps(inputs, args)
+def samples_per_second(inputs: tuple, store: ObjectStore, args, epochs: int = 1) -> float:
+    """One rank reading every lane for `epochs` epochs, on this process's one core."""
+    steps = epochs * epoch_steps(inputs, args)
     started = time.perf_counter()
     for _ in islice(stream(inputs, store.get_large, args, ahead=0).batches(0), steps):
         pass
@@ -181,7 +203,10 @@ def main() -> None:
     parser.add_argument("--bytes-shards", type=int, default=64)
     parser.add_argument("--rows", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--buckets", action="store_true", help="aspect-ratio buckets too")
     args = parser.parse_args()
+    if args.buckets:
+        return buckets_against_squares(args)
     server = MotoServer().start()
     try:
         os.environ.update(aws_env(server.endpoint))
@@ -232,6 +257,44 @@ def main() -> None:
             indent=2,
         )
     )
+
+
+def buckets_against_squares(args) -> None:
+    """The bucketed stream against the square one, over shards of the same bytes."""
+    shards, bytes_shards = (len(BUCKET_SHAPES) * n for n in (args.shards, args.bytes_shards))
+    with tempfile.TemporaryDirectory(prefix="sdq-train-data-") as folder:
+        store = LocalStore(Path(folder))
+        runs = {
+            "square": write_shards([store], shards, args.rows, ("binary",), "square-"),
+            "buckets": write_shards([store], shards, args.rows, ("binary",), "buckets-",
+                                    buckets=True),
+        }  # fmt: skip
+        many = write_shards([store], bytes_shards, args.rows, ("binary",), "many-",
+                            buckets=True)  # fmt: skip
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core, this rank's
+        # Over several epochs: the buckets are drawn at random, so over one epoch's steps
+        # some have started their second epoch's shards while others have not finished
+        # their first; over more, that evens out, as over a run.
+        speed = {
+            name: warm(samples_per_second, inputs["binary"], store, args, EPOCHS)
+            for name, inputs in runs.items()
+        }
+        fetched = {n: bytes_per_rank(many["binary"], store, args, n) for n in WORLD_SIZES}
+    alone = fetched[1][0]
+    print(json.dumps({
+        "shards": shards,
+        "bytes_shards": bytes_shards,
+        "rows_per_shard": args.rows,
+        "batch_size": args.batch_size,
+        "lanes": LANES,
+        "bucket_latent_shapes": [list(shape) for shape in BUCKET_SHAPES],
+        "samples_per_second_one_core": {name: round(v, 1) for name, v in speed.items()},
+        "buckets_over_square": round(speed["buckets"] / speed["square"], 3),
+        "bytes_per_rank": fetched,
+        "bytes_per_rank_over_ideal": {
+            n: round(max(per_rank) / (alone / n), 3) for n, per_rank in fetched.items()
+        },
+    }, indent=2))  # fmt: skip
 
 
 if __name__ == "__main__":

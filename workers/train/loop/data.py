@@ -130,11 +130,13 @@ class Lane:
 
 
 class ShardCache:
-    """Shards fetched and decoded on a pool of threads, each held while a lane wants it."""
+    """Shards fetched and decoded on a pool of threads, each held while a lane wants it;
+    the pool its own, or one it shares (a run on buckets: one pool for every bucket)."""
 
-    def __init__(self, load: LoadShard, threads: int) -> None:
+    def __init__(self, load: LoadShard, pool: ThreadPoolExecutor, *, owns_pool: bool) -> None:
         self._load = load
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="sdq-shards")
+        self._pool = pool
+        self._owns_pool = owns_pool
         self._held: dict[int, Future] = {}
 
     def want(self, shards: Iterable[int]) -> None:
@@ -150,8 +152,15 @@ class ShardCache:
         return self._held[shard].result()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._owns_pool:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        for future in self._held.values():
+            future.cancel()
         self._held = {}
+
+
+def fetch_pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="sdq-shards")
 
 
 def load_shards(
@@ -199,10 +208,12 @@ class LatentStream:
         lanes: range | None = None,
         allocate: Allocate = np.empty,
         last_step: int | None = None,
+        pool: ThreadPoolExecutor | None = None,
     ) -> Iterator[Batch]:
         """Batch after batch from the one step `first_step` trains on up to `last_step`
         (the run's last: no shard past it is fetched), of each the samples of `lanes`
-        (a rank's share; all of them by default)."""
+        (a rank's share; all of them by default), fetched on `pool` (one of its own by
+        default)."""
         per_lane = self.batch_size // self.lanes
         mine = [
             Lane(
@@ -217,7 +228,8 @@ class LatentStream:
             )
             for lane in lanes or range(self.lanes)
         ]
-        cache = ShardCache(self.load, self.threads)
+        own = pool is None
+        cache = ShardCache(self.load, fetch_pool(self.threads) if own else pool, owns_pool=own)
         try:
             steps = (
                 count(first_step + 1) if last_step is None else range(first_step + 1, last_step + 1)
@@ -300,6 +312,7 @@ class BucketedStream:
         ]
         self.names = names
         self.sizes = [stream.samples() for stream in self.streams]
+        self.threads = stream["threads"]
 
     def batches(
         self,
@@ -309,21 +322,26 @@ class BucketedStream:
         last_step: int | None = None,
     ) -> Iterator[Batch]:
         """As LatentStream.batches, each batch one bucket's; each bucket's stream starts
-        at its steps before `first_step` and fetches nothing past its steps by `last_step`."""
+        at its steps before `first_step` and fetches nothing past its steps by `last_step`,
+        on one pool for all (as many threads as a square run's)."""
         before = self._steps_by(first_step)
         by_last = None if last_step is None else self._steps_by(last_step)
         started: dict[int, Iterator[Batch]] = {}
+        pool = fetch_pool(self.threads)
         try:
             for step, bucket in enumerate(self._schedule(first_step, last_step), first_step + 1):
                 if bucket not in started:  # a bucket's stream starts when first drawn
                     last = None if by_last is None else int(by_last[bucket])
                     stream = self.streams[bucket]
-                    started[bucket] = stream.batches(int(before[bucket]), lanes, allocate, last)
+                    started[bucket] = stream.batches(
+                        int(before[bucket]), lanes, allocate, last, pool
+                    )
                 batch = next(started[bucket])
                 yield Batch(step, batch.latents, batch.text_embeddings, self.names[bucket])
         finally:
             for batches in started.values():
                 batches.close()
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _steps_by(self, step: int) -> np.ndarray:
         """Each bucket's steps among the run's first `step`."""
