@@ -6,6 +6,7 @@ from typing import Any
 
 from sdq.models.datasets import (
     SPEC_VERSION,
+    bucket_latent_key,
     buckets_manifest_key,
     empty_prompt_key,
     latent_key,
@@ -61,6 +62,15 @@ class EncodeSpec:
         """The job's output: its latent shard, or bucketed, the manifest of its buckets'."""
         where = (self.dataset, self.model_revision, self.resolution, self.shard)
         return buckets_manifest_key(*where) if self.buckets else latent_key(*where)
+
+    def shape_key(self, bucket: str) -> str:
+        """Where its latents in one shape are: its latent shard, or bucketed, the one of
+        that bucket (WIDTHxHEIGHT)."""
+        if not self.buckets:
+            return self.latent_key
+        return bucket_latent_key(
+            self.dataset, self.model_revision, self.resolution, self.shard, bucket
+        )
 
     @property
     def empty_prompt_key(self) -> str:

@@ -296,10 +296,10 @@ def _latent_shards(
             return [(shard, number) for shard, number in shards]
     if unusable := no_usable_samples(session, dataset):
         raise CannotTrain(unusable)
-    shapes, option = ("buckets of", "--buckets") if buckets else ("", "--resolution")
+    shapes, option = ("the buckets of ", "--buckets") if buckets else ("", "--resolution")
     raise CannotTrain(
         f"dataset {name!r} has no latents made with {base.name} (revision "
-        f"{base.revision[:12]}) at {shapes}{' ' if buckets else ''}{resolution} px: "
+        f"{base.revision[:12]}) at {shapes}{resolution} px: "
         f"`sdq encode {name} --model {base.name} {option} {resolution}` makes them"
     )
 

@@ -22,7 +22,6 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.ahead import run_ahead
-from sdq.models.datasets import bucket_latent_key
 from sdq.models.datasets.buckets import Bucket
 from sdq.models.datasets.tables import Dataset, LatentShard, Shard
 from sdq.models.db import upsert
@@ -37,7 +36,7 @@ from sdq.workers.shards.latents import Encoded, describe, latent_shard_bytes
 from sdq.workers.weights import ModelUnavailable
 
 if TYPE_CHECKING:
-    from sdq.workers.encode.encoders import Batch, LoadedEncoders, TargetKey
+    from sdq.workers.encode.encoders import Batch, Encoders, LoadedEncoders, TargetKey
 
 NPY = "application/octet-stream"
 JSON = "application/json"
@@ -142,8 +141,9 @@ class EncodeWork(Work):
         seconds = (perf_counter() - started) / len(targets)
         for job_id, spec in targets:
             shapes = {key[1]: made[key] for key in made if key[0] == spec.resolution}
+            each = seconds / max(1, len(shapes))  # a shard of no image has no bucket
             stored = [
-                self._store(spec, shard, (bucket, of_shape), seconds / len(shapes), encoders)
+                self._store(spec, shard, (bucket, of_shape), each, encoders)
                 for bucket, of_shape in shapes.items()
             ]
             yield self._output(job_id, spec, stored, seconds)
@@ -154,7 +154,7 @@ class EncodeWork(Work):
         shard: ImageShard,
         target: tuple[Bucket, "Made"],
         seconds: float,
-        encoders,
+        encoders: "Encoders",
     ) -> "Stored":
         """A target's latent shard in one shape (its encoded samples, the shard's rows they
         are, and what it was made from) and its lineage row."""
@@ -165,15 +165,9 @@ class EncodeWork(Work):
         lineage = {name: [column[n] for n in made.rows] for name, column in shard.lineage().items()}
         about = _made_from(spec, bucket, encoders.vae.config.scaling_factor)
         data = latent_shard_bytes(lineage, encoded, about)
-        key = (
-            bucket_latent_key(spec.dataset, spec.model_revision, spec.resolution, spec.shard,
-                              bucket.name)
-            if spec.buckets
-            else spec.latent_key
-        )  # fmt: skip
         stored = Stored(
             bucket,
-            self.store.put_bytes(key, data, content_type=PARQUET),
+            self.store.put_bytes(spec.shape_key(bucket.name), data, content_type=PARQUET),
             hashlib.sha256(data).hexdigest(),
             samples=len(made.rows),
             too_small=made.left_out,
