@@ -504,7 +504,13 @@ def encode(check: Check, compiled: bool = False) -> None:
     from sdq.models.store import LocalStore
     from sdq.models.train.architectures import SD15_VAE
     from sdq.workers.ahead import ahead_of_device
-    from sdq.workers.encode.encoders import LoadedEncoders, encode_batch, join, prepare_batches
+    from sdq.workers.encode.encoders import (
+        LoadedEncoders,
+        encode_batch,
+        join,
+        prepare_batches,
+        square,
+    )
     from sdq.workers.encode.work import BATCHES_AHEAD, DECODE_THREADS
     from sdq.workers.shards.latents import latent_shard_bytes
     from sdq.workers.tiny import build_text_encoder, build_tokenizer, build_vae
@@ -545,8 +551,9 @@ def encode(check: Check, compiled: bool = False) -> None:
                 pin=encoders.device.type == "cuda",
             )  # fmt: skip
             batches = ahead_of_device(batches, BATCHES_AHEAD, encoders.device)
-            parts = [encode_batch(encoders, each)[spec.resolution] for each in batches]
-            encoded = join(encoders, parts, spec.resolution)
+            target = square(spec.resolution)
+            parts = [encode_batch(encoders, each)[target] for each in batches]
+            encoded = join(encoders, parts, target[1])
             latent_shard_bytes(shard.lineage(), encoded, {"dataset": spec.dataset})
 
     def plain_loop(shard) -> None:

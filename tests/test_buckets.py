@@ -213,11 +213,9 @@ def test_each_batch_is_one_bucket_s_and_ranks_and_resumes_take_the_same_samples(
     ] == whole
     # A job that starts at step 23 goes on with the same buckets and samples.
     assert bucketed_samples(lanes=4, steps=17, first_step=23)[0] == whole[23:]
-    # Nothing past the run's last step is fetched (where without one, the next shards are).
+    # Nothing past the run's last step is fetched: the shards its steps read, each once.
     taken, loaded = bucketed_samples(lanes=1, steps=2, last=2)
-    needed = {value // 1000 for _, _, values in taken for value in values}
-    assert set(loaded) == needed
-    assert set(bucketed_samples(lanes=1, steps=2)[1]) > needed
+    assert sorted(loaded) == sorted({value // 1000 for _, _, values in taken for value in values})
 
 
 def test_buckets_are_drawn_in_proportion_to_their_samples_in_blocks_from_the_seed() -> None:
