@@ -172,6 +172,8 @@ def test_encode_buckets_places_each_image_in_one_latent_shard_per_bucket(tmp_pat
         assert (trained["status"], trained["step"]) == ("succeeded", 6)
         mix = trained["buckets"]
         assert sum(mix.values()) == 6 and set(mix) <= set(latents["buckets"]), mix
+        page = (store / f"runs/{trained['run_id']}/training.html").read_text()
+        assert "steps per bucket: " + ", ".join(f"{b} {n}" for b, n in mix.items()) in page
         revisions.append(trained["checkpoints"][-1]["model_revision"])
     assert revisions[0] == revisions[1]
     evaluated = run(env, tmp_path, "train", "shapes", "--base", "tiny", "--resolution", "128",
