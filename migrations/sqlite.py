@@ -28,3 +28,19 @@ def views_set_aside(table: str) -> Iterator[None]:
     yield
     for _, definition in views:
         op.execute(definition)
+
+
+@contextmanager
+def rows_kept(table: str) -> Iterator[None]:
+    """SQLite rebuilds a table by dropping it, and with foreign keys on, dropping deletes
+    its rows first, which cascades into every table whose rows reference them: the rows of
+    `table` (such a referencing table) are copied aside and put back once the rebuilt
+    table, whose ids the rebuild keeps, is in place. Elsewhere nothing is dropped."""
+    if op.get_bind().dialect.name != "sqlite":
+        yield
+        return
+    op.execute(f"CREATE TEMP TABLE kept_{table} AS SELECT * FROM {table}")
+    yield
+    op.execute(f"DELETE FROM {table}")
+    op.execute(f"INSERT INTO {table} SELECT * FROM kept_{table}")
+    op.execute(f"DROP TABLE kept_{table}")

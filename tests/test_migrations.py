@@ -185,6 +185,41 @@ def test_kind_neutral_jobs_keep_every_existing_row(empty_database: str) -> None:
     upgrade(engine)
 
 
+TRAINED_ON_ROWS = [
+    "INSERT INTO datasets (id, name, options) VALUES (1, 'pets', '{}')",
+    "INSERT INTO shards (id, dataset_id, number, source_uri, source_id, first_row, row_count) "
+    "VALUES (1, 1, 0, 'list.csv', 's', 0, 4)",
+    "INSERT INTO latent_shards (id, dataset_id, shard_id, image_sha256, model_name, "
+    "model_revision, resolution, uri, sha256, samples, tensors, seconds, finished_at) VALUES "
+    "(5, 1, 1, 'i', 'tiny', 'r', 64, 'u', 's', 3, '{}', 1.0, '2026-11-27 00:00:00')",
+    "INSERT INTO runs (id, kind, source, options, job_count) VALUES (2, 'train', 'pets', '{}', 1)",
+    "INSERT INTO train_inputs (run_id, latent_shard_id) VALUES (2, 5)",
+]
+
+
+def test_latent_shards_gain_their_shape_and_keep_the_runs_that_read_them(
+    empty_database: str,
+) -> None:
+    """0026 rebuilds latent_shards on SQLite, which with foreign keys on would cascade into
+    train_inputs: a run's link to its data survives it both ways."""
+    engine = make_engine(empty_database)
+    downgrade(engine, "base")
+    upgrade(engine, "0025")
+    with engine.begin() as connection:
+        for statement in TRAINED_ON_ROWS:
+            connection.execute(text(statement))
+    upgrade(engine)
+    with engine.begin() as connection:
+        shape = "SELECT width, height, bucketed FROM latent_shards"
+        assert connection.execute(text(shape)).all() == [(64, 64, False)]
+        assert connection.execute(text("SELECT * FROM train_inputs")).all() == [(2, 5)]
+    downgrade(engine, "0025")
+    with engine.begin() as connection:
+        assert connection.execute(text("SELECT * FROM train_inputs")).all() == [(2, 5)]
+    downgrade(engine, "base")
+    upgrade(engine)
+
+
 def test_every_command_on_a_database_without_tables_says_to_upgrade(tmp_path: Path) -> None:
     from click.testing import CliRunner
 

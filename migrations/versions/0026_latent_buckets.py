@@ -8,12 +8,14 @@ Revises: 0025
 Create Date: 2026-11-27 23:50:00
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import sqlalchemy as sa
 from alembic import op
+from alembic.operations import BatchOperations
 
-from sdq.migrations.sqlite import views_set_aside
+from sdq.migrations.sqlite import rows_kept, views_set_aside
 
 revision: str = "0026"
 down_revision: str | None = "0025"
@@ -26,14 +28,14 @@ AFTER = [*BEFORE, "bucketed", "width", "height"]
 
 
 def upgrade() -> None:
-    with views_set_aside("latent_shards"), op.batch_alter_table("latent_shards") as batch:
-        batch.add_column(sa.Column("width", sa.Integer(), nullable=True))
-        batch.add_column(sa.Column("height", sa.Integer(), nullable=True))
-        batch.add_column(
-            sa.Column("bucketed", sa.Boolean(), server_default=sa.false(), nullable=False)
-        )
+    op.add_column("latent_shards", sa.Column("width", sa.Integer(), nullable=True))
+    op.add_column("latent_shards", sa.Column("height", sa.Integer(), nullable=True))
+    op.add_column(
+        "latent_shards",
+        sa.Column("bucketed", sa.Boolean(), server_default=sa.false(), nullable=False),
+    )
     op.execute("UPDATE latent_shards SET width = resolution, height = resolution")
-    with views_set_aside("latent_shards"), op.batch_alter_table("latent_shards") as batch:
+    with _rebuilt() as batch:
         batch.alter_column("width", existing_type=sa.Integer(), nullable=False)
         batch.alter_column("height", existing_type=sa.Integer(), nullable=False)
         batch.drop_constraint(UNIQUE, type_="unique")
@@ -44,9 +46,21 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_column("train_steps", "bucket")
     op.execute("DELETE FROM latent_shards WHERE bucketed")
-    with views_set_aside("latent_shards"), op.batch_alter_table("latent_shards") as batch:
+    with _rebuilt() as batch:
         batch.drop_constraint(UNIQUE, type_="unique")
         batch.create_unique_constraint(UNIQUE, BEFORE)
         batch.drop_column("bucketed")
         batch.drop_column("height")
         batch.drop_column("width")
+
+
+@contextmanager
+def _rebuilt() -> Iterator[BatchOperations]:
+    """latent_shards altered where SQLite rebuilds it: the views on it set aside, and the
+    train runs' inputs, which reference it, kept."""
+    with (
+        rows_kept("train_inputs"),
+        views_set_aside("latent_shards"),
+        op.batch_alter_table("latent_shards") as batch,
+    ):
+        yield batch
