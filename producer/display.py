@@ -203,8 +203,9 @@ def show_dataset(summary: dict[str, Any]) -> None:
     if summary.get("page"):
         stdout.print(f"page: {summary['page']}", soft_wrap=True)
     if summary["latents"]:
-        columns = ["model", "resolution", "buckets", "shards", "samples", "left out",
-                   "samples_per_second", "prefix"]  # fmt: skip
+        bucketed = any("buckets" in row for row in summary["latents"])
+        columns = ["model", "resolution", *(["buckets"] if bucketed else []), "shards",
+                   "samples", "left out", "samples_per_second", "prefix"]  # fmt: skip
         rows = [
             {**row, "left out": _left_out(row["left_out"]), "buckets": _buckets(row)}
             for row in summary["latents"]

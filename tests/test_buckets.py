@@ -16,10 +16,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
+from sqlalchemy import text
 
+from sdq.migrations import upgrade
 from sdq.models.datasets import latent_seed
 from sdq.models.datasets.buckets import SDXL_BUCKETS, Bucket, buckets_for, nearest_bucket, place
+from sdq.models.db import make_engine, session_factory
+from sdq.models.encode.specs import EncodeSpec
 from sdq.models.train.specs import LatentInput
+from sdq.workers.encode.work import _forget_other_buckets
 from sdq.workers.shards.latents import CONDITIONS, read_tensor
 from sdq.workers.tiny import build_vae
 from sdq.workers.train.loop.data import BucketedStream, bucket_schedule
@@ -228,3 +233,32 @@ def test_buckets_are_drawn_in_proportion_to_their_samples_in_blocks_from_the_see
     # Any stretch of steps is the same draws, across the blocks' seams.
     np.testing.assert_array_equal(bucket_schedule(sizes, 1, 4000, 9000), drawn[4000:9000])
     assert not np.array_equal(bucket_schedule(sizes, 2, 0, 100), drawn[:100])
+
+
+def test_a_shard_encoded_again_into_other_buckets_keeps_no_row_of_the_old_ones(
+    tmp_path: Path,
+) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path}/sdq.db")
+    upgrade(engine)
+    shapes = [(64, 64, False), (192, 128, True), (128, 192, True), (128, 128, True)]
+    with engine.begin() as connection:
+        connection.execute(text("INSERT INTO datasets (id, name, options) VALUES (1, 'd', '{}')"))
+        connection.execute(text(
+            "INSERT INTO shards (id, dataset_id, number, source_uri, source_id, first_row, "
+            "row_count) VALUES (1, 1, 0, 'l', 's', 0, 4)"
+        ))  # fmt: skip
+        for width, height, bucketed in shapes:
+            connection.execute(text(
+                "INSERT INTO latent_shards (dataset_id, shard_id, image_sha256, model_name, "
+                "model_revision, resolution, bucketed, width, height, uri, sha256, samples, "
+                "tensors, seconds, finished_at) VALUES (1, 1, 'i', 'tiny', 'r', 128, :b, :w, "
+                ":h, 'u', 's', 1, '{}', 1, '2026-11-28 00:00:00')"
+            ), {"b": bucketed, "w": width, "h": height})  # fmt: skip
+    spec = EncodeSpec(dataset="d", shard=0, shard_sha256="i", image_format="jpg",
+                      model_name="tiny", model_source="tiny", model_revision="r",
+                      resolution=128, dtype="float32", buckets=True)  # fmt: skip
+    with session_factory(engine).begin() as session:
+        _forget_other_buckets(session, spec, [Bucket(192, 128)])
+    with engine.begin() as connection:
+        left = connection.execute(text("SELECT width, height, bucketed FROM latent_shards"))
+        assert sorted(left.all()) == [(64, 64, False), (192, 128, True)]

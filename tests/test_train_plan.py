@@ -76,7 +76,7 @@ def test_each_option_changes_the_part_it_should(tmp_path: Path) -> None:
     assert recomputed["parts"]["activations"] < activations / 3
     assert full_precision["parts"]["activations"] > 1.5 * activations
     assert without_ema["parts"]["ema"] == 0
-    # On buckets, planned for the bucket of most pixels: 576x512 at 512², an eighth more.
+    # On buckets, planned for a bucket of most pixels (768x384 at 512²): an eighth more.
     bucketed = planned(tmp_path, "--resolution", "512", "--batch-size", "16", "--buckets")
     assert bucketed["parts"]["activations"] == pytest.approx(1.125 * activations, rel=0.03)
     assert {plan["flops_per_sample"] for plan in (plain, recomputed, without_ema)} == {

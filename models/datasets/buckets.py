@@ -36,6 +36,12 @@ class Bucket:
     def name(self) -> str:
         return f"{self.width}x{self.height}"
 
+    @classmethod
+    def named(cls, name: str) -> "Bucket":
+        """The bucket of a name, WIDTHxHEIGHT."""
+        width, height = map(int, name.split("x"))
+        return cls(width, height)
+
     @property
     def aspect(self) -> float:
         return self.width / self.height

@@ -11,6 +11,7 @@ from typing import Any
 from sqlalchemy import Row, func, select
 from sqlalchemy.orm import Session
 
+from sdq.models.datasets.buckets import Bucket
 from sdq.models.evaluate.scores import run_scores
 from sdq.models.generate.tables import Generation
 from sdq.models.jobs.kinds import GENERATE
@@ -76,13 +77,8 @@ def _bucket_mix(session: Session, run_id: int) -> dict[str, int]:
         .where(TrainStep.run_id == run_id)
         .group_by(TrainStep.bucket)
     ).all()
-    shapes = sorted(rows, key=lambda row: _aspect(row[0]))
+    shapes = sorted(rows, key=lambda row: Bucket.named(row[0]).aspect)
     return {bucket: steps for bucket, steps in shapes}
-
-
-def _aspect(bucket: str) -> float:
-    width, height = map(int, bucket.split("x"))
-    return width / height
 
 
 def _resumed_from(options: dict[str, Any]) -> dict[str, int] | None:

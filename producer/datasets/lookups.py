@@ -7,6 +7,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from sdq.models.datasets import BLOCKED_ADDRESS, SampleStatus, latent_prefix
+from sdq.models.datasets.buckets import Bucket
 from sdq.models.datasets.tables import Dataset, LatentShard, Sample, Shard
 from sdq.models.jobs.kinds import KINDS
 from sdq.models.tables import Run
@@ -220,6 +221,7 @@ def latent_summary(session: Session, dataset_id: int, name: str) -> list[dict[st
     or the buckets of an area), with the images each left out and why; bucketed, the
     samples in each bucket."""
     target = (LatentShard.model_name, LatentShard.model_revision, LatentShard.resolution)
+    listed = (LatentShard.model_name, LatentShard.resolution, LatentShard.model_revision)
     shape = (LatentShard.bucketed, LatentShard.width, LatentShard.height)
     rows = session.execute(
         select(
@@ -232,7 +234,7 @@ def latent_summary(session: Session, dataset_id: int, name: str) -> list[dict[st
         )
         .where(LatentShard.dataset_id == dataset_id)
         .group_by(*target, *shape)
-        .order_by(*target, *shape)
+        .order_by(*listed, *shape)
     )
     entries: dict[tuple, dict[str, Any]] = {}
     for model, revision, resolution, bucketed, width, height, *counted in rows:
@@ -240,7 +242,7 @@ def latent_summary(session: Session, dataset_id: int, name: str) -> list[dict[st
             (model, revision, resolution, bucketed),
             _latent_entry(name, model, revision, resolution, bucketed),
         )
-        _count_latents(entry, f"{width}x{height}", *counted)
+        _count_latents(entry, Bucket(width, height).name, *counted)
     return [_rated(entry) for entry in entries.values()]
 
 
@@ -257,6 +259,7 @@ def _latent_entry(
         # Images left out of this resolution, smaller than it (`--resolutions`, `--buckets`).
         "left_out": {},
         "seconds": 0.0,
+        "samples_per_second": None,
         "prefix": latent_prefix(name, revision, resolution, bucketed=bucketed),
     }
 
@@ -276,5 +279,6 @@ def _count_latents(
 
 def _rated(entry: dict[str, Any]) -> dict[str, Any]:
     seconds = entry.pop("seconds")
-    rate = round(entry["samples"] / seconds, 2) if seconds else None
-    return {**entry, "samples_per_second": rate}
+    if seconds:
+        entry["samples_per_second"] = round(entry["samples"] / seconds, 2)
+    return entry

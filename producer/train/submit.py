@@ -9,6 +9,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.datasets import bucket_latent_key, empty_prompt_key, latent_key
+from sdq.models.datasets.buckets import Bucket
 from sdq.models.datasets.tables import LatentShard, Shard
 from sdq.models.evaluate.scores import NoScores, best_step
 from sdq.models.generate.specs import FixedRenders
@@ -308,6 +309,6 @@ def _input(name: str, shard: LatentShard, number: int) -> LatentInput:
     where = (name, shard.model_revision, shard.resolution, number)
     if not shard.bucketed:
         return LatentInput(uri=shard.uri, key=latent_key(*where), samples=shard.samples)
-    bucket = f"{shard.width}x{shard.height}"
+    bucket = Bucket(shard.width, shard.height).name
     key = bucket_latent_key(*where, bucket)
     return LatentInput(uri=shard.uri, key=key, samples=shard.samples, bucket=bucket)

@@ -18,7 +18,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from sqlalchemy import select
+from sqlalchemy import delete, select, tuple_
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.ahead import run_ahead
@@ -146,6 +146,9 @@ class EncodeWork(Work):
                 self._store(spec, shard, (bucket, of_shape), each, encoders)
                 for bucket, of_shape in shapes.items()
             ]
+            if spec.buckets:
+                with self.sessions.begin() as session:
+                    _forget_other_buckets(session, spec, list(shapes))
             yield self._output(job_id, spec, stored, seconds)
 
     def _store(
@@ -221,16 +224,37 @@ def _by_shard(jobs: Sequence[Job], specs: list[EncodeSpec]) -> list[list[tuple[i
     return shards
 
 
+def _image_shard(session: Session, spec: EncodeSpec) -> tuple[int, int]:
+    """The ids of the spec's dataset and image shard."""
+    return session.execute(
+        select(Shard.dataset_id, Shard.id)
+        .join(Dataset, Dataset.id == Shard.dataset_id)
+        .where(Dataset.name == spec.dataset, Shard.number == spec.shard)
+    ).one()
+
+
+def _forget_other_buckets(session: Session, spec: EncodeSpec, buckets: list[Bucket]) -> None:
+    """A shard encoded again into other buckets (its file changed since) keeps no row of a
+    bucket it no longer fills: training would read that bucket's old samples."""
+    _, shard_id = _image_shard(session, spec)
+    made = [(bucket.width, bucket.height) for bucket in buckets]
+    session.execute(
+        delete(LatentShard).where(
+            LatentShard.shard_id == shard_id,
+            LatentShard.model_revision == spec.model_revision,
+            LatentShard.resolution == spec.resolution,
+            LatentShard.bucketed.is_(True),
+            tuple_(LatentShard.width, LatentShard.height).not_in(made),
+        )
+    )
+
+
 def _record(
     session: Session, spec: EncodeSpec, stored: Stored, *, tensors: dict[str, Any], seconds: float
 ) -> None:
     """The lineage row: this latent file came from that image shard through that model.
     Encoding a shard again (a redelivered job) rewrites the row, never adds a second."""
-    dataset_id, shard_id = session.execute(
-        select(Shard.dataset_id, Shard.id)
-        .join(Dataset, Dataset.id == Shard.dataset_id)
-        .where(Dataset.name == spec.dataset, Shard.number == spec.shard)
-    ).one()
+    dataset_id, shard_id = _image_shard(session, spec)
     row = {
         "dataset_id": dataset_id,
         "shard_id": shard_id,

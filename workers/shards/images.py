@@ -90,10 +90,16 @@ def read_image_shard(data: bytes, image_column: str) -> ImageShard:
         captions=kept["caption"].to_pylist(),
         sha256s=kept["sha256"].to_pylist(),
         images=kept[image_column].to_pylist(),
-        found_sizes=list(zip(*(kept[name].to_pylist() for name in FOUND_SIZE), strict=True))
-        if found
-        else [None] * kept.num_rows,
+        found_sizes=_found_sizes(kept, found),
     )
+
+
+def _found_sizes(kept: pa.Table, found: list[str]) -> list[tuple[int, int] | None]:
+    """Each image's width and height as found; None where the shard does not say."""
+    if len(found) < len(FOUND_SIZE):
+        return [None] * kept.num_rows
+    sizes = zip(*(kept[name].to_pylist() for name in FOUND_SIZE), strict=True)
+    return [None if None in size else size for size in sizes]
 
 
 # The columns of an image's size as it was found (shards written before them lack them).
