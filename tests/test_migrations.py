@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from alembic import command
-from sqlalchemy import Connection, Select, inspect, text
+from sqlalchemy import Connection, Engine, Select, inspect, text
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
@@ -159,13 +159,19 @@ FIRST_SCHEMA_ROWS = [
 ]
 
 
-def test_kind_neutral_jobs_keep_every_existing_row(empty_database: str) -> None:
-    engine = make_engine(empty_database)
+def at_revision_with_rows(database_url: str, revision: str, rows: list[str]) -> Engine:
+    """The database from scratch at `revision`, holding `rows`."""
+    engine = make_engine(database_url)
     downgrade(engine, "base")
-    upgrade(engine, "0001")
+    upgrade(engine, revision)
     with engine.begin() as connection:
-        for statement in FIRST_SCHEMA_ROWS:
+        for statement in rows:
             connection.execute(text(statement))
+    return engine
+
+
+def test_kind_neutral_jobs_keep_every_existing_row(empty_database: str) -> None:
+    engine = at_revision_with_rows(empty_database, "0001", FIRST_SCHEMA_ROWS)
     upgrade(engine)
     with engine.begin() as connection:
         moved = connection.execute(
@@ -202,12 +208,7 @@ def test_latent_shards_gain_their_shape_and_keep_the_runs_that_read_them(
 ) -> None:
     """0026 rebuilds latent_shards on SQLite, which with foreign keys on would cascade into
     train_inputs: a run's link to its data survives it both ways."""
-    engine = make_engine(empty_database)
-    downgrade(engine, "base")
-    upgrade(engine, "0025")
-    with engine.begin() as connection:
-        for statement in TRAINED_ON_ROWS:
-            connection.execute(text(statement))
+    engine = at_revision_with_rows(empty_database, "0025", TRAINED_ON_ROWS)
     upgrade(engine)
     with engine.begin() as connection:
         shape = "SELECT width, height, bucketed FROM latent_shards"
