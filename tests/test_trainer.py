@@ -255,7 +255,7 @@ def test_from_scratch_builds_the_named_architecture_from_the_seed() -> None:
 
 def test_an_unfitting_architecture_is_refused_with_its_reason() -> None:
     with pytest.raises(InvalidArchitecture, match="1024-wide text embeddings; the dataset"):
-        check_fits(UNET_ARCHITECTURES["sd2-base"], latent_channels=4, text_width=32)
+        check_fits(UNET_ARCHITECTURES["sd2-base"], latent_channels=4, text_width=32, pooled=None)
     with pytest.raises(ValueError, match="--unet-config sets the architecture"):
         TrainOptions(steps=1, unet_config={"block_out_channels": [32]})
     with pytest.raises(ValueError, match="multiple of --world-size 3 x --grad-accumulation 2"):

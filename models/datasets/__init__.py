@@ -107,10 +107,20 @@ def buckets_manifest_key(dataset: str, model_revision: str, resolution: int, sha
     return f"{prefix}/{shard:05d}.json"
 
 
+# The tensor an SDXL model's latent shards hold beside the others: its second text
+# encoder's pooled embeddings (`latent_shards.tensors` names it for the producer).
+POOLED_EMBEDDINGS = "pooled_embeddings"
+
+
 def empty_prompt_key(dataset: str, model_revision: str) -> str:
     """The text encoder's output for the empty prompt, stored by the dataset's encode run:
     what caption dropout trains on in place of a caption."""
     return f"datasets/{dataset}/empty-prompt-{model_revision[:16]}.npy"
+
+
+def empty_pooled_key(empty_prompt: str) -> str:
+    """Beside an SDXL model's empty prompt (`empty_prompt`, its key): its pooled embedding."""
+    return f"{empty_prompt.removesuffix('.npy')}-pooled.npy"
 
 
 def latent_seed(dataset: str, key: str) -> int:

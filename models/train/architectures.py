@@ -33,7 +33,27 @@ UNET_ARCHITECTURES: dict[str, dict[str, Any]] = {
         "attention_head_dim": [5, 10, 20, 20],
         "use_linear_projection": True,
     },
+    # stabilityai/stable-diffusion-xl-base-1.0: three levels, transformers 1, 2 and 10 deep,
+    # attending to both text encoders' hidden states (768 + 1280 wide); the pooled
+    # embedding (1280) and six time ids (256 wide each) added to the timestep's embedding.
+    "sdxl": {
+        **_SD_BLOCKS,
+        "sample_size": 128,
+        "block_out_channels": [320, 640, 1280],
+        "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+        "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+        "transformer_layers_per_block": [1, 2, 10],
+        "attention_head_dim": [5, 10, 20],
+        "cross_attention_dim": 2048,
+        "use_linear_projection": True,
+        "addition_embed_type": "text_time",
+        "addition_time_embed_dim": 256,
+        "projection_class_embeddings_input_dim": 2816,
+    },
 }
+# SDXL's micro-conditioning: original height and width, crop top and left, target height
+# and width, each embedded addition_time_embed_dim wide.
+TIME_IDS = 6
 
 
 # The rest of Stable Diffusion 1.5's shape, for the benchmarks' random-weight pipelines:
@@ -74,8 +94,20 @@ def unet_architecture(name_or_file: str) -> dict[str, Any]:
     return {key: value for key, value in config.items() if not key.startswith("_")}
 
 
-def check_fits(config: dict[str, Any], *, latent_channels: int, text_width: int) -> None:
-    """The architecture takes the dataset's latents and text embeddings as they are."""
+def pooled_width(config: dict[str, Any]) -> int | None:
+    """The pooled text embedding's width an SDXL U-Net (text_time conditioning) adds to its
+    timestep's embedding; None for a U-Net without it."""
+    if config.get("addition_embed_type") != "text_time":
+        return None
+    times = TIME_IDS * config["addition_time_embed_dim"]
+    return config["projection_class_embeddings_input_dim"] - times
+
+
+def check_fits(
+    config: dict[str, Any], *, latent_channels: int, text_width: int, pooled: int | None
+) -> None:
+    """The architecture takes the dataset's latents and text embeddings as they are, and
+    the pooled embeddings of an SDXL model's encode where it is SDXL's (and only there)."""
     channels = config.get("in_channels", 4)
     width = config.get("cross_attention_dim", 1280)
     if channels != latent_channels or width != text_width:
@@ -84,3 +116,21 @@ def check_fits(config: dict[str, Any], *, latent_channels: int, text_width: int)
             f"the dataset's latents have {latent_channels} channels and its text embeddings "
             f"are {text_width} wide"
         )
+    takes = pooled_width(config)
+    if takes == pooled:
+        return
+    if takes is None:
+        why = (
+            "the U-Net has no text_time conditioning (SDXL's) for the pooled text "
+            "embeddings of the dataset's SDXL encode: train an SDXL U-Net "
+            "(--unet-config sdxl, or a file), or encode with the model you train"
+        )
+    elif pooled is None:
+        why = (
+            "the U-Net is SDXL's (text_time conditioning) and needs pooled text "
+            "embeddings, which the dataset's encode did not make: encode it with an "
+            "SDXL model"
+        )
+    else:
+        why = f"the U-Net takes {takes}-wide pooled text embeddings; the dataset's are {pooled}"
+    raise InvalidArchitecture(why)

@@ -8,7 +8,12 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.datasets import bucket_latent_key, empty_prompt_key, latent_key
+from sdq.models.datasets import (
+    POOLED_EMBEDDINGS,
+    bucket_latent_key,
+    empty_prompt_key,
+    latent_key,
+)
 from sdq.models.datasets.buckets import Bucket
 from sdq.models.datasets.tables import LatentShard, Shard
 from sdq.models.evaluate.scores import NoScores, best_step
@@ -189,6 +194,7 @@ def _check_architecture(unet_config: dict, shard: LatentShard) -> None:
         unet_config,
         latent_channels=tensors["latents"]["shape"][0],
         text_width=tensors["text_embeddings"]["shape"][-1],
+        pooled=tensors[POOLED_EMBEDDINGS]["shape"][-1] if POOLED_EMBEDDINGS in tensors else None,
     )
 
 

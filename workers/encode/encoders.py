@@ -1,6 +1,8 @@
-"""A model's VAE and text encoder, loaded once per worker process, and batches encoded
-with them: images to scaled samples of their latent distributions, captions to CLIP
-hidden states. GPU-side: imports torch. The U-Net is never loaded for this."""
+"""A model's VAE and text encoder (SDXL's two), loaded once per worker process, and batches
+encoded with them: images to scaled samples of their latent distributions, captions to
+CLIP hidden states (for SDXL, both encoders' side by side and the second's pooled
+embedding, as its pipeline makes them). GPU-side: imports torch. The U-Net is never loaded
+for this."""
 
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -8,15 +10,21 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from diffusers import AutoencoderKL
-from transformers import CLIPTextModel, CLIPTokenizer
+from diffusers import AutoencoderKL, DiffusionPipeline
+from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from sdq.models import tiny
 from sdq.models.datasets import latent_seed
-from sdq.models.datasets.buckets import Bucket
+from sdq.models.datasets.buckets import Bucket, place
 from sdq.models.encode.specs import EncodeSpec
 from sdq.workers.gpu import device_name, release_device_memory, torch_dtype
-from sdq.workers.shards.images import ImageShard, InBucket, pixels_at, pixels_in_buckets
+from sdq.workers.shards.images import (
+    ImageShard,
+    InBucket,
+    pixels_at,
+    pixels_in_buckets,
+    stored_size,
+)
 from sdq.workers.shards.latents import Encoded
 from sdq.workers.tiny import build_text_encoder, build_tokenizer, build_vae
 from sdq.workers.weights import ModelFiles, check_tiny_revision
@@ -29,11 +37,29 @@ class Encoders:
     tokenizer: CLIPTokenizer
     device: torch.device
     dtype: torch.dtype
+    # SDXL's second text encoder (with its projection: the pooled embedding) and tokenizer.
+    text_encoder_2: CLIPTextModelWithProjection | None = None
+    tokenizer_2: CLIPTokenizer | None = None
 
     @property
     def storage_dtype(self) -> torch.dtype:
         # NumPy and parquet have no bfloat16; float32 holds it exactly.
         return torch.float32 if self.dtype == torch.bfloat16 else self.dtype
+
+    @property
+    def sdxl(self) -> bool:
+        return self.text_encoder_2 is not None
+
+    @property
+    def tokenizers(self) -> list[CLIPTokenizer]:
+        return [self.tokenizer] if self.tokenizer_2 is None else [self.tokenizer, self.tokenizer_2]
+
+    @property
+    def vae_dtype(self) -> torch.dtype:
+        # SDXL's VAE overflows in fp16 (its config says force_upcast): its pipeline and
+        # training script run it in fp32.
+        upcast = self.sdxl and self.vae.config.get("force_upcast", False)
+        return torch.float32 if upcast and self.dtype == torch.float16 else self.dtype
 
 
 class LoadedEncoders:
@@ -63,22 +89,48 @@ class LoadedEncoders:
         dtype = torch_dtype(spec.dtype)
         if spec.model_source == tiny.TINY_NAME:
             check_tiny_revision(spec.model_revision)
-            vae, text_encoder, tokenizer = build_vae(), build_text_encoder(), build_tokenizer()
+            loaded = Encoders(build_vae(), build_text_encoder(), build_tokenizer(), DEVICE, dtype)
         else:
-            where = self.files.locate(spec.model_source, spec.model_revision)
-            found = {"revision": where.revision}
-            vae = AutoencoderKL.from_pretrained(where.path, subfolder="vae", dtype=dtype, **found)
-            text_encoder = CLIPTextModel.from_pretrained(
-                where.path, subfolder="text_encoder", dtype=dtype, **found
-            )
-            tokenizer = CLIPTokenizer.from_pretrained(where.path, subfolder="tokenizer", **found)
+            loaded = _from_pretrained(self.files, spec, dtype)
         device = torch.device(device_name())
-        vae = vae.to(device, dtype).eval().requires_grad_(False)
-        text_encoder = text_encoder.to(device, dtype).eval().requires_grad_(False)
+        vae = loaded.vae.to(device, loaded.vae_dtype).eval().requires_grad_(False)
         if device.type == "cuda":
             # Convolutions in channels-last layout run on tensor cores without transposes.
             vae = vae.to(memory_format=torch.channels_last)
-        return Encoders(vae, text_encoder, tokenizer, device, dtype)
+        text_encoders = [
+            None if encoder is None else encoder.to(device, dtype).eval().requires_grad_(False)
+            for encoder in (loaded.text_encoder, loaded.text_encoder_2)
+        ]
+        return Encoders(vae, text_encoders[0], loaded.tokenizer, device, dtype,
+                        text_encoders[1], loaded.tokenizer_2)  # fmt: skip
+
+
+# Where encoders are built or loaded, before they go to the device.
+DEVICE = torch.device("cpu")
+
+
+def _from_pretrained(files: ModelFiles, spec: EncodeSpec, dtype: torch.dtype) -> Encoders:
+    """A pipeline's encoders from its files: its VAE, its text encoder and tokenizer, and an
+    SDXL pipeline's second ones."""
+    where = files.locate(spec.model_source, spec.model_revision)
+    found = {"revision": where.revision}
+
+    def load(kind, subfolder: str, **typed):
+        return kind.from_pretrained(where.path, subfolder=subfolder, **typed, **found)
+
+    second = DiffusionPipeline.load_config(where.path, **found).get("text_encoder_2")
+    sdxl = second is not None and second[0] is not None
+    return Encoders(
+        vae=load(AutoencoderKL, "vae"),  # as stored: it goes to its own dtype on the device
+        text_encoder=load(CLIPTextModel, "text_encoder", dtype=dtype),
+        tokenizer=load(CLIPTokenizer, "tokenizer"),
+        device=DEVICE,
+        dtype=dtype,
+        text_encoder_2=load(CLIPTextModelWithProjection, "text_encoder_2", dtype=dtype)
+        if sdxl
+        else None,
+        tokenizer_2=load(CLIPTokenizer, "tokenizer_2") if sdxl else None,
+    )
 
 
 # What a shard's images are encoded into: (a job's resolution, a shape), where the shape
@@ -113,7 +165,7 @@ class Batch:
 
     start: int  # the shard's row of its first sample
     targets: dict[TargetKey, Target]
-    token_ids: torch.Tensor  # batch x tokens
+    token_ids: list[torch.Tensor]  # batch x tokens, by each of the model's tokenizers
     seeds: list[int]
 
     def kept_rows(self, key: TargetKey) -> list[int]:
@@ -128,41 +180,49 @@ def square(resolution: int) -> TargetKey:
 def prepare_batches(
     shard: ImageShard,
     specs: Sequence[EncodeSpec],
-    tokenizer: CLIPTokenizer,
+    encoders: Encoders,
     *,
     batch_size: int,
     decoders: ThreadPoolExecutor,
-    pin: bool,
 ) -> Iterator[Batch]:
     """The CPU work of encoding one image shard for the specs' targets, batch by batch:
     decoding and cropping (on `decoders`, since Pillow decodes without the GIL),
     tokenizing and pinning for a fast copy."""
-    decode = _decoder(specs)
+    decode = _decoder(specs, conditioned=encoders.sdxl)
+    pin = encoders.device.type == "cuda"
     pinned = (lambda tensor: tensor.pin_memory()) if pin else (lambda tensor: tensor)
     for start in range(0, len(shard), batch_size):
         stop = start + batch_size
         images, sizes = shard.images[start:stop], shard.found_sizes[start:stop]
         decoded = list(decoders.map(decode, images, sizes))
-        tokens = tokenizer(
-            shard.captions[start:stop],
-            padding="max_length",
-            max_length=tokenizer.model_max_length,
-            truncation=True,
-            return_tensors="pt",
-        ).input_ids
         yield Batch(
             start=start,
             targets=_targets(decoded, pinned),
-            token_ids=pinned(tokens),
+            token_ids=[
+                pinned(token_ids_of(shard.captions[start:stop], tokenizer))
+                for tokenizer in encoders.tokenizers
+            ],
             seeds=[latent_seed(specs[0].dataset, key) for key in shard.keys[start:stop]],
         )
+
+
+def token_ids_of(texts: list[str], tokenizer: CLIPTokenizer) -> torch.Tensor:
+    """The texts' token ids, each padded or cut to the tokenizer's length."""
+    return tokenizer(
+        texts,
+        padding="max_length",
+        max_length=tokenizer.model_max_length,
+        truncation=True,
+        return_tensors="pt",
+    ).input_ids
 
 
 Decode = Callable[[bytes, tuple[int, int] | None], dict[TargetKey, Decoded | None]]
 
 
-def _decoder(specs: Sequence[EncodeSpec]) -> Decode:
-    """An image's targets: None where it is too small for one (and left out)."""
+def _decoder(specs: Sequence[EncodeSpec], *, conditioned: bool) -> Decode:
+    """An image's targets: None where it is too small for one (and left out); squares with
+    their conditions where the model is `conditioned` on them (SDXL)."""
     sides = [spec.resolution for spec in specs]
     if specs[0].buckets:
         return lambda data, size: _bucketed(pixels_in_buckets(data, sides, found_size=size))
@@ -170,11 +230,21 @@ def _decoder(specs: Sequence[EncodeSpec]) -> Decode:
 
     def squares(data: bytes, size: tuple[int, int] | None) -> dict[TargetKey, Decoded | None]:
         at = pixels_at(data, sides, found_size=size, upscale=upscale)
+        original = (size or stored_size(data)) if conditioned else None
         return {
-            square(side): None if pixels is None else Decoded(pixels) for side, pixels in at.items()
+            square(side): None if pixels is None else Decoded(pixels, _cropped(original, side))
+            for side, pixels in at.items()
         }
 
     return squares
+
+
+def _cropped(original: tuple[int, int] | None, side: int) -> tuple[int, int, int, int] | None:
+    """The conditions of an image of the `original` size center-cropped to a square."""
+    if original is None:
+        return None
+    placement = place((Bucket(side, side),), *original)
+    return (*original, placement.top, placement.left)
 
 
 def _bucketed(placed: dict[int, InBucket | Bucket]) -> dict[TargetKey, Decoded | None]:
@@ -216,24 +286,43 @@ def encode_batch(encoders: Encoders, batch: Batch) -> dict[TargetKey, Encoded]:
     at each."""
     device = encoders.device
     with torch.inference_mode():
-        token_ids = batch.token_ids.to(device, non_blocking=True)
-        embeddings = encoders.text_encoder(token_ids)[0].to(encoders.storage_dtype).cpu().numpy()
-        token_ids = batch.token_ids.numpy().astype(np.int32)
+        token_ids = [ids.to(device, non_blocking=True) for ids in batch.token_ids]
+        embeddings, pooled = _text(encoders, token_ids)
+        stored_ids = batch.token_ids[0].numpy().astype(np.int32)
         return {
             key: Encoded(
                 seeds=[batch.seeds[row] for row in target.kept],
                 latents=_latents(encoders, target, [batch.seeds[row] for row in target.kept]),
                 text_embeddings=embeddings[target.kept],
-                token_ids=token_ids[target.kept],
+                token_ids=stored_ids[target.kept],
                 conditions=target.conditions,
+                pooled_embeddings=None if pooled is None else pooled[target.kept],
             )
             for key, target in batch.targets.items()
         }
 
 
+def _text(
+    encoders: Encoders, token_ids: list[torch.Tensor]
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The text encoder's hidden states, in the storage dtype; for SDXL, its two encoders'
+    penultimate hidden states side by side and the second's pooled embedding, as
+    StableDiffusionXLPipeline.encode_prompt makes them."""
+
+    def stored(tensor: torch.Tensor) -> np.ndarray:
+        return tensor.to(encoders.storage_dtype).cpu().numpy()
+
+    if not encoders.sdxl:
+        return stored(encoders.text_encoder(token_ids[0])[0]), None
+    first = encoders.text_encoder(token_ids[0], output_hidden_states=True)
+    second = encoders.text_encoder_2(token_ids[1], output_hidden_states=True)
+    hidden = torch.cat([first.hidden_states[-2], second.hidden_states[-2]], dim=-1)
+    return stored(hidden), stored(second.text_embeds)
+
+
 def _latents(encoders: Encoders, target: Target, seeds: list[int]) -> np.ndarray:
     """The VAE's scaled samples of the target's pixels, each drawn from its seed."""
-    device, dtype = encoders.device, encoders.dtype
+    device, dtype = encoders.device, encoders.vae_dtype
     if not seeds:
         return _no_latents(encoders, Bucket(target.pixels.shape[2], target.pixels.shape[1]))
     images = target.pixels.to(device, non_blocking=True).permute(0, 3, 1, 2)
@@ -247,39 +336,47 @@ def _latents(encoders: Encoders, target: Target, seeds: list[int]) -> np.ndarray
     return latents.to(encoders.storage_dtype).cpu().numpy()
 
 
-def empty_prompt(encoders: Encoders) -> np.ndarray:
-    """The text encoder's output for "" (tokens x hidden size), in the storage dtype."""
-    tokens = encoders.tokenizer(
-        [""],
-        padding="max_length",
-        max_length=encoders.tokenizer.model_max_length,
-        truncation=True,
-        return_tensors="pt",
-    ).input_ids
+def empty_prompt(encoders: Encoders) -> tuple[np.ndarray, np.ndarray | None]:
+    """The text encoders' output for "" (tokens x hidden size, and SDXL's pooled
+    embedding), in the storage dtype."""
+    token_ids = [token_ids_of([""], tokenizer) for tokenizer in encoders.tokenizers]
     with torch.inference_mode():
-        embedding = encoders.text_encoder(tokens.to(encoders.device))[0][0]
-    return embedding.to(encoders.storage_dtype).cpu().numpy()
+        embeddings, pooled = _text(encoders, [ids.to(encoders.device) for ids in token_ids])
+    return embeddings[0], None if pooled is None else pooled[0]
 
 
 def join(encoders: Encoders, parts: list[Encoded], shape: Bucket) -> Encoded:
     """A shard's batches as one; a shard with no kept image still says what it would hold."""
     if parts:
         conditions = [part.conditions for part in parts if part.conditions is not None]
+        pooled = [part.pooled_embeddings for part in parts if part.pooled_embeddings is not None]
         return Encoded(
             seeds=[seed for part in parts for seed in part.seeds],
             latents=np.concatenate([part.latents for part in parts]),
             text_embeddings=np.concatenate([part.text_embeddings for part in parts]),
             token_ids=np.concatenate([part.token_ids for part in parts]),
             conditions=np.concatenate(conditions) if conditions else None,
+            pooled_embeddings=np.concatenate(pooled) if pooled else None,
         )
+    return _nothing(encoders, shape)
+
+
+def _nothing(encoders: Encoders, shape: Bucket) -> Encoded:
+    """No sample, in the shapes and dtypes a sample's tensors would have."""
     tokens = encoders.tokenizer.model_max_length
     latents = _no_latents(encoders, shape)
-    width = encoders.text_encoder.config.hidden_size
+    text_encoders = [encoders.text_encoder, encoders.text_encoder_2]
+    width = sum(encoder.config.hidden_size for encoder in text_encoders if encoder is not None)
+    second = encoders.text_encoder_2
     return Encoded(
         seeds=[],
         latents=latents,
         text_embeddings=np.empty((0, tokens, width), latents.dtype),
         token_ids=np.empty((0, tokens), np.int32),
+        conditions=np.empty((0, 4), np.int32) if second is not None else None,
+        pooled_embeddings=None
+        if second is None
+        else np.empty((0, second.config.projection_dim), latents.dtype),
     )
 
 

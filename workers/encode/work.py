@@ -22,6 +22,7 @@ from sqlalchemy import delete, select, tuple_
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.ahead import run_ahead
+from sdq.models.datasets import empty_pooled_key
 from sdq.models.datasets.buckets import Bucket
 from sdq.models.datasets.tables import Dataset, LatentShard, Shard
 from sdq.models.db import upsert
@@ -123,12 +124,7 @@ class EncodeWork(Work):
         specs = [spec for _, spec in targets]
         encoders = self.encoders.get(specs[0])
         batches = prepare_batches(
-            shard,
-            specs,
-            encoders.tokenizer,
-            batch_size=self.batch_size,
-            decoders=decoders,
-            pin=encoders.device.type == "cuda",
+            shard, specs, encoders, batch_size=self.batch_size, decoders=decoders
         )
         # A square target has its latent shard though no image is kept; a bucket has one
         # once an image goes to it.
@@ -200,9 +196,11 @@ class EncodeWork(Work):
         from sdq.workers.encode.encoders import empty_prompt
 
         if spec.empty_prompt_key not in self.encoders.stored:
-            self.store.put_bytes(
-                spec.empty_prompt_key, npy_bytes(empty_prompt(encoders)), content_type=NPY
-            )
+            embedding, pooled = empty_prompt(encoders)
+            if pooled is not None:  # first: its presence says the embedding is complete
+                pooled_key = empty_pooled_key(spec.empty_prompt_key)
+                self.store.put_bytes(pooled_key, npy_bytes(pooled), content_type=NPY)
+            self.store.put_bytes(spec.empty_prompt_key, npy_bytes(embedding), content_type=NPY)
             self.encoders.stored.add(spec.empty_prompt_key)
 
 

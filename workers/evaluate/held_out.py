@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 from sdq.models.evaluate.specs import HeldOut
 from sdq.models.store import ObjectStore
 from sdq.workers.shards.images import read_image_shard
-from sdq.workers.shards.latents import TRAINING_TENSORS, read_tensor
+from sdq.workers.shards.latents import read_training_tensors
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,7 @@ class HeldOutSamples:
     captions: list[str]
     latents: np.ndarray  # samples x channels x height x width, as stored
     text_embeddings: np.ndarray  # samples x tokens x hidden size, as stored
+    added: dict[str, np.ndarray]  # an SDXL U-Net's added conditions, by name (none for SD)
 
 
 def _manifest(store: ObjectStore, held_out: HeldOut) -> dict[str, list]:
@@ -35,17 +36,18 @@ def read_held_out(store: ObjectStore, held_out: HeldOut) -> HeldOutSamples:
     places = defaultdict(list)  # latent shard -> [(place in the manifest, row)]
     for place, (key, row) in enumerate(zip(manifest["latent_key"], manifest["row"], strict=True)):
         places[key].append((place, row))
-    latents, embeddings = [None] * len(manifest["row"]), [None] * len(manifest["row"])
+    samples: list[dict[str, np.ndarray]] = [{}] * len(manifest["row"])
     for key, wanted in places.items():
-        table = pq.read_table(pa.BufferReader(store.get_large(key)), columns=[*TRAINING_TENSORS])
-        shard_latents, shard_embeddings = (read_tensor(table, name) for name in TRAINING_TENSORS)
+        tensors = read_training_tensors(store.get_large(key))
         for place, row in wanted:
-            latents[place], embeddings[place] = shard_latents[row], shard_embeddings[row]
+            samples[place] = {name: array[row] for name, array in tensors.items()}
+    stacked = {name: np.stack([sample[name] for sample in samples]) for name in samples[0]}
     return HeldOutSamples(
         keys=manifest["key"],
         captions=manifest["caption"],
-        latents=np.stack(latents),
-        text_embeddings=np.stack(embeddings),
+        latents=stacked.pop("latents"),
+        text_embeddings=stacked.pop("text_embeddings"),
+        added=stacked,
     )
 
 

@@ -84,7 +84,11 @@ def heldout_loss(
             target = scheduler.get_velocity(latents, noise, steps)
         else:
             target = noise
-        prediction = unet(noisy.to(device, dtype), steps.to(device), embeddings).sample
+        added = {name: torch.from_numpy(array[rows]).to(device, dtype)
+                 for name, array in samples.added.items()}  # fmt: skip
+        prediction = unet(
+            noisy.to(device, dtype), steps.to(device), embeddings, added_cond_kwargs=added or None
+        ).sample
         errors = F.mse_loss(prediction.float().cpu(), target, reduction="none")
         total += float(errors.mean(dim=[1, 2, 3]).sum())
     return total / len(pairs)

@@ -135,6 +135,12 @@ def pixels_at(
         }
 
 
+def stored_size(data: bytes) -> tuple[int, int]:
+    """An image's width and height as stored, from its header (nothing is decoded)."""
+    with Image.open(io.BytesIO(data)) as image:
+        return image.size
+
+
 @dataclass(frozen=True)
 class InBucket:
     """An image at one area: its pixels in its bucket (uint8 RGB, height x width x 3),

@@ -19,10 +19,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from sdq.models.datasets import POOLED_EMBEDDINGS as POOLED
+
 METADATA_KEY = b"sdq"
-# The columns of a bucketed sample's original size and crop (see Encoded.conditions).
+# The columns of a sample's original size and crop (see Encoded.conditions).
 CONDITIONS = ("original_width", "original_height", "crop_top", "crop_left")
-# What training reads of a shard.
+# What training reads of a shard (and of an SDXL model's, its pooled embeddings too).
 TRAINING_TENSORS = ("latents", "text_embeddings")
 
 
@@ -34,16 +36,21 @@ class Encoded:
     latents: np.ndarray  # samples x channels x height x width
     text_embeddings: np.ndarray  # samples x tokens x hidden size
     token_ids: np.ndarray  # samples x tokens
-    # Bucketed: samples x (original width, original height, crop top, crop left), what
-    # SDXL's micro-conditioning is made of; stored as int columns of those names.
+    # Bucketed or for SDXL: samples x (original width, original height, crop top, crop
+    # left), what SDXL's micro-conditioning is made of; stored as int columns of those names.
     conditions: np.ndarray | None = None
+    # SDXL: samples x width, its second text encoder's pooled (projected) embedding.
+    pooled_embeddings: np.ndarray | None = None
 
     def tensors(self) -> dict[str, np.ndarray]:
-        return {
+        tensors = {
             "latents": self.latents,
             "text_embeddings": self.text_embeddings,
             "token_ids": self.token_ids,
         }
+        if self.pooled_embeddings is not None:
+            tensors[POOLED] = self.pooled_embeddings
+        return tensors
 
 
 def latent_shard_bytes(
@@ -107,9 +114,26 @@ def read_tensor(table: pa.Table, name: str) -> np.ndarray:
     return flat.reshape(shape).astype(dtype, copy=False)
 
 
-def read_training_tensors(data: bytes | memoryview) -> tuple[np.ndarray, np.ndarray]:
-    """What training reads of a shard's bytes: its latents and text embeddings, in the
-    dtype they were stored in (views of one copy of their pages, in the binary layout)."""
-    table = pq.read_table(pa.BufferReader(data), columns=list(TRAINING_TENSORS))
-    latents, embeddings = (read_tensor(table, name) for name in TRAINING_TENSORS)
-    return latents, embeddings
+def read_training_tensors(data: bytes | memoryview) -> dict[str, np.ndarray]:
+    """What training reads of a shard's bytes: its `latents` and `text_embeddings`, in the
+    dtype they were stored in (views of one copy of their pages, in the binary layout);
+    an SDXL model's shard also gives the U-Net's added conditions, by the names diffusers
+    gives them: `text_embeds` (the pooled embeddings) and `time_ids`."""
+    file = pq.ParquetFile(pa.BufferReader(data))
+    sdxl = POOLED in file.schema_arrow.names
+    table = file.read(columns=[*TRAINING_TENSORS, *((POOLED, *CONDITIONS) if sdxl else ())])
+    tensors = {name: read_tensor(table, name) for name in TRAINING_TENSORS}
+    if sdxl:
+        tensors.update(text_embeds=read_tensor(table, POOLED), time_ids=time_ids(table))
+    return tensors
+
+
+def time_ids(table: pa.Table) -> np.ndarray:
+    """SDXL's micro-conditioning of each sample (samples x 6, float32): its original height
+    and width, the crop's top and left, and the height and width it was encoded at, in
+    that order, as diffusers' SDXL pipeline and training script make them."""
+    about = json.loads(table.schema.metadata[METADATA_KEY])
+    bucket = about.get("bucket") or {"width": about["resolution"], "height": about["resolution"]}
+    width, height, top, left = (table.column(name).to_numpy() for name in CONDITIONS)
+    target = np.broadcast_to([bucket["height"], bucket["width"]], (len(table), 2))
+    return np.column_stack([height, width, top, left, target]).astype(np.float32)

@@ -34,6 +34,7 @@ from diffusers import UNet2DConditionModel
 from torch.utils.flop_counter import FlopCounterMode
 
 from sdq.models.datasets.buckets import buckets_for
+from sdq.models.train.architectures import TIME_IDS, pooled_width
 from sdq.workers.train.loop.lora import lora_config, training_passes
 from sdq.workers.train.loop.sharding import shard_units
 
@@ -188,10 +189,17 @@ def _traced(unet: UNet2DConditionModel, request: PlanRequest) -> tuple[int, floa
     hidden = request.unet_config.get("cross_attention_dim", 768)
     embeddings = torch.zeros((batch, TEXT_TOKENS, hidden), device="meta", dtype=dtype)
     timesteps = torch.zeros((batch,), device="meta", dtype=torch.long)
+    pooled = pooled_width(request.unet_config)
+    added = None
+    if pooled is not None:  # SDXL's pooled embedding and time ids
+        added = {
+            "text_embeds": torch.zeros((batch, pooled), device="meta", dtype=dtype),
+            "time_ids": torch.zeros((batch, TIME_IDS), device="meta", dtype=dtype),
+        }
     kept = _KeptForBackward({id(parameter) for parameter in model.parameters()})
     counter = FlopCounterMode(display=False)
     with _attention_as_on_a_gpu(), kept.hooks(), counter:
-        model(latents, timesteps, embeddings)
+        model(latents, timesteps, embeddings, added_cond_kwargs=added)
     return kept.bytes, training_passes(
         request.lora_rank is not None
     ) * counter.get_total_flops() / batch

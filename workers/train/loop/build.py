@@ -33,7 +33,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from sdq.models import tiny
+from sdq.models.datasets import empty_pooled_key
 from sdq.models.store import ObjectStore
+from sdq.models.train.architectures import pooled_width
 from sdq.models.train.specs import TrainOptions, TrainShardSpec, checkpoint_prefix
 from sdq.workers.tiny import build_unet
 from sdq.workers.train.loop.checkpoints import fetch_base_ahead
@@ -244,6 +246,9 @@ def restore_state(
             state = load_checkpoint(spec, folder, ranks, files)
     if spec.options.caption_dropout:
         state.empty_prompt = empty_prompt(store, spec.empty_prompt_key).to(state.device)
+        if pooled_width(state.unet.config) is not None:  # SDXL's
+            pooled = empty_prompt(store, empty_pooled_key(spec.empty_prompt_key))
+            state.empty_pooled = pooled.to(state.device)
     if spec.options.compile:
         state.compiled = SharedCompile(store)
     if ranks.writes and not spec.options.lora:  # a LoRA's model is its adapters alone

@@ -25,7 +25,7 @@ lanes there. No torch here.
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import count
 
@@ -35,8 +35,9 @@ from sdq.models.train.holdout import kept_rows
 from sdq.models.train.specs import LatentInput
 from sdq.workers.shards.latents import read_training_tensors
 
-# Fetches one shard's latents and text embeddings, by its place in the run's inputs.
-LoadShard = Callable[[int], tuple[np.ndarray, np.ndarray]]
+# Fetches one shard's tensors (read_training_tensors), by its place in the run's inputs.
+Tensors = dict[str, np.ndarray]
+LoadShard = Callable[[int], Tensors]
 # Where a batch's arrays are gathered: (shape, dtype) -> an empty array (pinned memory
 # on a GPU, so the copy to the device runs without the host waiting).
 Allocate = Callable[[tuple[int, ...], np.dtype], np.ndarray]
@@ -48,6 +49,8 @@ class Batch:
     latents: np.ndarray  # this rank's samples x channels x height x width, as stored
     text_embeddings: np.ndarray  # this rank's samples x tokens x hidden size, as stored
     bucket: str | None = None  # its aspect-ratio bucket, WIDTHxHEIGHT, on buckets
+    # An SDXL U-Net's added conditions (pooled embeddings, time ids), by diffusers' names.
+    added: Tensors = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -148,7 +151,7 @@ class ShardCache:
             if shard not in self._held:
                 self._held[shard] = self._pool.submit(self._load, shard)
 
-    def get(self, shard: int) -> tuple[np.ndarray, np.ndarray]:
+    def get(self, shard: int) -> Tensors:
         return self._held[shard].result()
 
     def close(self) -> None:
@@ -257,18 +260,21 @@ class LatentStream:
 
 
 def _gather(step: int, pieces: list[Piece], cache: ShardCache, allocate: Allocate) -> Batch:
-    first_latents, first_embeddings = cache.get(pieces[0].shard)
+    """The pieces' rows of each of their shards' tensors, one after another."""
+    first = cache.get(pieces[0].shard)
     total = sum(len(piece.rows) for piece in pieces)
-    latents = allocate((total, *first_latents.shape[1:]), first_latents.dtype)
-    embeddings = allocate((total, *first_embeddings.shape[1:]), first_embeddings.dtype)
+    gathered = {
+        name: allocate((total, *array.shape[1:]), array.dtype) for name, array in first.items()
+    }
     start = 0
     for piece in pieces:
-        shard_latents, shard_embeddings = cache.get(piece.shard)
+        tensors = cache.get(piece.shard)
         end = start + len(piece.rows)
-        np.take(shard_latents, piece.rows, axis=0, out=latents[start:end])
-        np.take(shard_embeddings, piece.rows, axis=0, out=embeddings[start:end])
+        for name, out in gathered.items():
+            np.take(tensors[name], piece.rows, axis=0, out=out[start:end])
         start = end
-    return Batch(step, latents, embeddings)
+    latents, embeddings = gathered.pop("latents"), gathered.pop("text_embeddings")
+    return Batch(step, latents, embeddings, added=gathered)
 
 
 # Steps whose buckets are drawn at once: the draws of step k depend on its block alone.
@@ -337,7 +343,7 @@ class BucketedStream:
                         int(before[bucket]), lanes, allocate, last, pool
                     )
                 batch = next(started[bucket])
-                yield Batch(step, batch.latents, batch.text_embeddings, self.names[bucket])
+                yield replace(batch, step=step, bucket=self.names[bucket])
         finally:
             for batches in started.values():
                 batches.close()

@@ -61,6 +61,7 @@ class TrainState:
     ranks: Ranks
     # The text encoder's output for the empty prompt, for caption dropout.
     empty_prompt: torch.Tensor | None = None
+    empty_pooled: torch.Tensor | None = None  # SDXL: its pooled embedding too
     # The U-Net's training FLOPs per sample, counted once for a state that lives on from
     # job to job (on a GPU, for MFU).
     flops_per_sample: float | None = None

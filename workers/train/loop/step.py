@@ -15,7 +15,7 @@ generator state to save (a resumed job draws what the first attempt drew).
 import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -28,6 +28,9 @@ from sdq.models.train.specs import TrainShardSpec
 from sdq.workers.train.loop.data import Batch
 from sdq.workers.train.loop.lora import training_passes
 from sdq.workers.train.loop.state import TrainState
+
+# The added condition caption dropout replaces beside the text embeddings (SDXL's pooled).
+POOLED = "text_embeds"
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,8 @@ class StepInputs:
     embeddings: torch.Tensor
     draws: Draws
     bucket: str | None = None  # its aspect-ratio bucket, WIDTHxHEIGHT, on buckets
+    # An SDXL U-Net's added conditions (`text_embeds`, `time_ids`; none for SD).
+    added: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def sample_seed(seed: int, step: int, index: int) -> int:
@@ -78,11 +83,13 @@ def draw(spec: TrainShardSpec, step: int, part: slice, sample_shape: torch.Size)
     )
 
 
-def step_inputs(state: TrainState, spec: TrainShardSpec, latents, embeddings) -> StepInputs:
+def step_inputs(
+    state: TrainState, spec: TrainShardSpec, latents, embeddings, added=None
+) -> StepInputs:
     """The next step's inputs from host tensors, drawn and moved here and now."""
     part = state.ranks.part(spec.options.batch_size)
     draws = draw(spec, state.step + 1, part, latents.shape[1:])
-    return _moved(StepInputs(latents, embeddings, draws), state.device)
+    return _moved(StepInputs(latents, embeddings, draws, added=added or {}), state.device)
 
 
 def on_device(
@@ -98,7 +105,8 @@ def on_device(
         latents = torch.from_numpy(batch.latents)
         draws = draw(spec, batch.step, part, latents.shape[1:])
         embeddings = torch.from_numpy(batch.text_embeddings)
-        host = StepInputs(latents, embeddings, _pinned(draws, side), batch.bucket)
+        added = {name: torch.from_numpy(array) for name, array in batch.added.items()}
+        host = StepInputs(latents, embeddings, _pinned(draws, side), batch.bucket, added)
         if side is None:
             return _moved(host, state.device)
         with torch.cuda.stream(side):
@@ -142,6 +150,7 @@ def _moved(inputs: StepInputs, device: torch.device) -> StepInputs:
         move(inputs.embeddings),
         Draws(move(draws.noise), move(draws.timesteps), move(draws.dropped)),
         inputs.bucket,
+        {name: move(tensor) for name, tensor in inputs.added.items()},
     )
 
 
@@ -150,7 +159,8 @@ def _used_here(inputs: StepInputs) -> None:
     their memory to the side stream again before the step's work on them is done."""
     here = torch.cuda.current_stream(inputs.latents.device)
     draws = inputs.draws
-    for tensor in (inputs.latents, inputs.embeddings, draws.noise, draws.timesteps, draws.dropped):
+    tensors = (inputs.latents, inputs.embeddings, draws.noise, draws.timesteps, draws.dropped)
+    for tensor in (*tensors, *inputs.added.values()):
         if tensor is not None:
             tensor.record_stream(here)
 
@@ -163,10 +173,14 @@ def train_step(state: TrainState, spec: TrainShardSpec, inputs: StepInputs) -> t
     options = spec.options
     draws = inputs.draws
     latents, embeddings = inputs.latents.float(), inputs.embeddings.float()
+    added = {name: tensor.float() for name, tensor in inputs.added.items()}
     # Anything else random in the model (dropout in a custom architecture) is seeded too.
     torch.manual_seed(sample_seed(options.seed, state.step + 1, -1 - state.ranks.rank))
     if draws.dropped is not None:
         embeddings = torch.where(draws.dropped[:, None, None], state.empty_prompt, embeddings)
+        if added:  # SDXL: the empty prompt's pooled embedding too
+            pooled = torch.where(draws.dropped[:, None], state.empty_pooled, added[POOLED])
+            added[POOLED] = pooled
     micro = options.micro_batch
     total = torch.zeros((), device=state.device)
     state.optimizer.zero_grad(set_to_none=True)
@@ -176,7 +190,9 @@ def train_step(state: TrainState, spec: TrainShardSpec, inputs: StepInputs) -> t
         # Gradients are averaged across ranks once per step, on the last micro-batch.
         syncing = last or not state.ranks.distributed
         with nullcontext() if syncing else _gradients_kept_here(state):
-            loss = _micro_loss(state, spec, latents[part], embeddings[part], draws, part)
+            conditions = {name: tensor[part] for name, tensor in added.items()}
+            loss = _micro_loss(state, spec, latents[part], embeddings[part], draws, part,
+                               added=conditions)  # fmt: skip
             loss = loss / options.grad_accumulation
             _backward(state, loss)
         total += loss.detach()
@@ -202,7 +218,8 @@ def _gradients_kept_here(state: TrainState) -> Iterator[None]:
         state.unet.set_requires_gradient_sync(True)
 
 
-def _micro_loss(state: TrainState, spec: TrainShardSpec, latents, embeddings, draws, part):
+def _micro_loss(state: TrainState, spec: TrainShardSpec, latents, embeddings, draws, part, *,
+                added: dict[str, torch.Tensor]):  # fmt: skip
     scheduler = state.noise_scheduler
     noise, timesteps = draws.noise[part], draws.timesteps[part]
     noisy = scheduler.add_noise(latents, noise, timesteps)
@@ -212,7 +229,9 @@ def _micro_loss(state: TrainState, spec: TrainShardSpec, latents, embeddings, dr
         target = noise
     precision = autocast_dtype(spec.options.mixed_precision, state.device)
     with torch.autocast(state.device.type, dtype=precision, enabled=precision is not None):
-        prediction = state.model(noisy, timesteps, embeddings).sample
+        prediction = state.model(
+            noisy, timesteps, embeddings, added_cond_kwargs=added or None
+        ).sample
     return _loss(prediction.float(), target.float(), timesteps, spec, scheduler)
 
 
@@ -251,7 +270,7 @@ def _loss(prediction, target, timesteps, spec: TrainShardSpec, scheduler) -> tor
 
 
 def training_flops_per_sample(
-    state: TrainState, spec: TrainShardSpec, latents, embeddings
+    state: TrainState, spec: TrainShardSpec, latents, embeddings, added=None
 ) -> float:
     """The U-Net's FLOPs to train on one sample: its forward pass, at the run's precision,
     counted by torch's FLOP counter, times the passes a step makes of it (the model-FLOPs
@@ -263,7 +282,8 @@ def training_flops_per_sample(
     precision = autocast_dtype(spec.options.mixed_precision, state.device)
     autocast = torch.autocast(state.device.type, dtype=precision, enabled=precision is not None)
     with torch.no_grad(), autocast, counter:
-        state.unet(latents[:1], timesteps, embeddings[:1])
+        conditions = {name: tensor[:1] for name, tensor in (added or {}).items()}
+        state.unet(latents[:1], timesteps, embeddings[:1], added_cond_kwargs=conditions or None)
     return training_passes(state.lora) * counter.get_total_flops()
 
 

@@ -203,7 +203,11 @@ class StepWindow:
         """The model's FLOPs per sample, counted once on the state's first batch (on a GPU)."""
         if self._peak is not None and self.state.flops_per_sample is None:
             self.state.flops_per_sample = training_flops_per_sample(
-                self.state, spec, inputs.latents.float(), inputs.embeddings.float()
+                self.state,
+                spec,
+                inputs.latents.float(),
+                inputs.embeddings.float(),
+                {name: tensor.float() for name, tensor in inputs.added.items()},
             )
 
     def compiled_in(self, seconds: float) -> None:
