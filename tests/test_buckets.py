@@ -105,8 +105,11 @@ def test_encode_buckets_places_each_image_in_one_latent_shard_per_bucket(tmp_pat
         listing.write_text("url,caption\n" + "".join(
             f"{server.base}/sized/{size}/{n}.jpg,picture {n}\n" for n, size in enumerate(FOUND)
         ))  # fmt: skip
-        for name, mode in (("shapes", "keep_ratio"), ("squares", "center_crop")):
-            sdq_json(env, "download", str(listing), "--dataset", name, "--resolution", "128",
+        # The longer side at twice the area's side keeps what the area's buckets need.
+        downloads = [("shapes", "keep_ratio", "128"), ("squares", "center_crop", "128"),
+                     ("longest", "keep_ratio_largest", "256")]  # fmt: skip
+        for name, mode, side in downloads:
+            sdq_json(env, "download", str(listing), "--dataset", name, "--resolution", side,
                      "--resize-mode", mode, "--min-size", "32", "--rows-per-shard", "4",
                      "--wait", cwd=tmp_path)  # fmt: skip
 
@@ -118,6 +121,10 @@ def test_encode_buckets_places_each_image_in_one_latent_shard_per_bucket(tmp_pat
     assert too_big.returncode == 2 and "too small for the buckets of 512x512" in " ".join(
         too_big.stderr.split()
     ), too_big.stderr
+    too_long = run(env, tmp_path, "encode", "longest", "--model", "tiny", "--buckets", "512")
+    assert too_long.returncode == 2 and "256 px on their longer side" in " ".join(
+        too_long.stderr.split()
+    ), too_long.stderr
     both = run(env, tmp_path, "encode", "shapes", "--model", "tiny", "--buckets", "128",
                "--resolution", "128")  # fmt: skip
     assert both.returncode == 2 and "not --resolution and --buckets" in both.stderr, both.stderr
@@ -132,6 +139,9 @@ def test_encode_buckets_places_each_image_in_one_latent_shard_per_bucket(tmp_pat
     }
     assert latents["shards"] == 6  # a file per image shard and bucket its images went to
     assert (latents["samples"], latents["left_out"]) == (5, {"too small for 128": 1})
+    longest = sdq_json(env, "encode", "longest", "--model", "tiny", "--buckets", "128",
+                       "--wait", cwd=tmp_path)["latents"][0]  # fmt: skip
+    assert (longest["buckets"], longest["left_out"]) == (latents["buckets"], latents["left_out"])
 
     # Each bucket's latents are a plain loop's over the image placed so; its original
     # size (as found) and crop are kept beside them.

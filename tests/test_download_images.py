@@ -51,6 +51,7 @@ def test_sixteen_bit_grey_keeps_its_range_in_eight_bits() -> None:
     [
         ("center_crop", (64, 64)),
         ("keep_ratio", (114, 64)),
+        ("keep_ratio_largest", (64, 36)),
         ("border", (64, 64)),
         ("no", (640, 360)),
     ],

@@ -6,7 +6,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-RESIZE_MODES = ("center_crop", "keep_ratio", "border", "no")
+RESIZE_MODES = ("center_crop", "keep_ratio", "keep_ratio_largest", "border", "no")
 IMAGE_FORMATS = ("jpg", "webp", "png")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SPEC_VERSION = 1

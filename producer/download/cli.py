@@ -61,7 +61,8 @@ if TYPE_CHECKING:
     show_default=True,
     help="center_crop: the centre square; border: the whole "
     "image, padded to a square; keep_ratio: the shorter side at --resolution; "
-    "no: as downloaded.",
+    "keep_ratio_largest: the longer side at it (what aspect-ratio buckets need, with no "
+    "image larger than it); no: as downloaded.",
 )
 @click.option(
     "--format",

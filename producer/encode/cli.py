@@ -51,7 +51,7 @@ DEFAULT_RESOLUTION = 256
     help="Aspect-ratio buckets instead of squares, e.g. 256,512 (areas 256² and 512²): each "
     "image in the bucket of the nearest shape (SDXL's list, sides multiples of 64), resized "
     "to cover it and cropped least, never upscaled. Needs a dataset downloaded with "
-    "--resize-mode keep_ratio (or no).",
+    "--resize-mode keep_ratio or keep_ratio_largest (or no).",
 )
 @click.option(
     "--batch-size",

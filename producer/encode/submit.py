@@ -118,7 +118,8 @@ def record_encode(
 
 
 def _stored_at(dataset: Dataset) -> int | None:
-    """The shorter side every image of the dataset was stored at (None: as it came)."""
+    """The side every image of the dataset was stored at, the shorter (keep_ratio_largest:
+    the longer, and the shorter at most it; None: as it came)."""
     if dataset.options.get("resize_mode", "center_crop") == "no":
         return None
     return dataset.options["resolution"]
@@ -140,21 +141,25 @@ def _check_buckets(name: str, dataset: Dataset, areas: list[int]) -> None:
     """Buckets need each image's own shape, which a square download cut away, and images
     large enough for some bucket of each area: refused otherwise, with what to do."""
     mode = dataset.options.get("resize_mode", "center_crop")
-    if mode not in ("keep_ratio", "no"):
+    if mode not in ("keep_ratio", "keep_ratio_largest", "no"):
         raise NothingToEncode(
             f"dataset {name!r} was downloaded with --resize-mode {mode}: its images are "
             f"squares, and buckets need each image's own shape; download it again with "
-            f"--resize-mode keep_ratio (or encode squares with --resolution)"
+            f"--resize-mode keep_ratio or keep_ratio_largest (or encode squares with "
+            f"--resolution)"
         )
     stored_at = _stored_at(dataset)
+    # keep_ratio stored every image's shorter side at the resolution, keep_ratio_largest
+    # its longer one: an image fits no bucket whose same side is longer.
+    side, which = (min, "shorter") if mode == "keep_ratio" else (max, "longer")
     for area in areas:
-        shortest = min(min(bucket.width, bucket.height) for bucket in buckets_for(area))
-        if stored_at is not None and stored_at < shortest:
+        needed = min(side(bucket.width, bucket.height) for bucket in buckets_for(area))
+        if stored_at is not None and stored_at < needed:
             raise TooSmall(
-                f"dataset {name!r} holds images {stored_at} px on their shorter side "
+                f"dataset {name!r} holds images {stored_at} px on their {which} side "
                 f"(downloaded with --resolution {stored_at}): every one is too small for the "
-                f"buckets of {area}x{area} px, whose shortest side is {shortest}; download it "
-                f"again with --resolution {area}, or leave {area} out"
+                f"buckets of {area}x{area} px, whose {which} side is {needed} at least; "
+                f"download it again with --resolution {area}, or leave {area} out"
             )
 
 

@@ -6,7 +6,7 @@ for this."""
 
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -97,12 +97,19 @@ class LoadedEncoders:
         if device.type == "cuda":
             # Convolutions in channels-last layout run on tensor cores without transposes.
             vae = vae.to(memory_format=torch.channels_last)
-        text_encoders = [
-            None if encoder is None else encoder.to(device, dtype).eval().requires_grad_(False)
-            for encoder in (loaded.text_encoder, loaded.text_encoder_2)
-        ]
-        return Encoders(vae, text_encoders[0], loaded.tokenizer, device, dtype,
-                        text_encoders[1], loaded.tokenizer_2)  # fmt: skip
+
+        def placed(encoder):  # a text encoder; None: the second of a model with one
+            if encoder is None:
+                return None
+            return encoder.to(device, dtype).eval().requires_grad_(False)
+
+        return replace(
+            loaded,
+            vae=vae,
+            text_encoder=placed(loaded.text_encoder),
+            text_encoder_2=placed(loaded.text_encoder_2),
+            device=device,
+        )
 
 
 # Where encoders are built or loaded, before they go to the device.
@@ -118,18 +125,20 @@ def _from_pretrained(files: ModelFiles, spec: EncodeSpec, dtype: torch.dtype) ->
     def load(kind, subfolder: str, **typed):
         return kind.from_pretrained(where.path, subfolder=subfolder, **typed, **found)
 
-    second = DiffusionPipeline.load_config(where.path, **found).get("text_encoder_2")
-    sdxl = second is not None and second[0] is not None
+    second: dict = {}
+    listed = DiffusionPipeline.load_config(where.path, **found).get("text_encoder_2")
+    if listed is not None and listed[0] is not None:  # SDXL's model_index names it
+        second = {
+            "text_encoder_2": load(CLIPTextModelWithProjection, "text_encoder_2", dtype=dtype),
+            "tokenizer_2": load(CLIPTokenizer, "tokenizer_2"),
+        }
     return Encoders(
         vae=load(AutoencoderKL, "vae"),  # as stored: it goes to its own dtype on the device
         text_encoder=load(CLIPTextModel, "text_encoder", dtype=dtype),
         tokenizer=load(CLIPTokenizer, "tokenizer"),
         device=DEVICE,
         dtype=dtype,
-        text_encoder_2=load(CLIPTextModelWithProjection, "text_encoder_2", dtype=dtype)
-        if sdxl
-        else None,
-        tokenizer_2=load(CLIPTokenizer, "tokenizer_2") if sdxl else None,
+        **second,
     )
 
 

@@ -32,8 +32,9 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 def resize(image: Image.Image, options: ImageOptions) -> Image.Image:
     """img2dataset's modes. center_crop: the short side to the resolution, then the middle
-    square; keep_ratio: the short side to the resolution; border: the long side to the
-    resolution, padded to a square with black; no: as it came."""
+    square; keep_ratio: the short side to the resolution; keep_ratio_largest: the long side
+    to it; border: the long side to the resolution, padded to a square with black; no: as
+    it came."""
     size = options.resolution
     width, height = image.size
     if options.resize_mode == "no":
@@ -45,6 +46,8 @@ def resize(image: Image.Image, options: ImageOptions) -> Image.Image:
         return square
     if options.resize_mode == "keep_ratio":
         return _scaled(image, size / min(width, height))
+    if options.resize_mode == "keep_ratio_largest":
+        return _scaled(image, size / max(width, height))
     # Only the middle square is resampled, straight to the resolution: the same picture as
     # resizing all of it and cropping, without the work on the sides that are cut off.
     side = min(width, height)
