@@ -15,18 +15,22 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from diffusers import DDPMScheduler
 from PIL import Image
 from sqlalchemy import text
 
 from sdq.migrations import upgrade
+from sdq.models import tiny
 from sdq.models.datasets import latent_seed
 from sdq.models.datasets.buckets import SDXL_BUCKETS, Bucket, buckets_for, nearest_bucket, place
 from sdq.models.db import make_engine, session_factory
 from sdq.models.encode.specs import EncodeSpec
 from sdq.models.train.specs import LatentInput
 from sdq.workers.encode.work import _forget_other_buckets
+from sdq.workers.evaluate.held_out import HeldOutSamples
+from sdq.workers.evaluate.metrics import heldout_loss
 from sdq.workers.shards.latents import CONDITIONS, read_tensor
-from sdq.workers.tiny import build_vae
+from sdq.workers.tiny import build_unet, build_vae
 from sdq.workers.train.loop.data import BucketedStream, bucket_schedule
 from tests.conftest import ROOT, sdq_json
 from tests.hostile_server import HostileServer
@@ -191,10 +195,12 @@ def test_encode_buckets_places_each_image_in_one_latent_shard_per_bucket(tmp_pat
         assert "steps per bucket: " + ", ".join(f"{b} {n}" for b, n in mix.items()) in page
         revisions.append(trained["checkpoints"][-1]["model_revision"])
     assert revisions[0] == revisions[1]
-    evaluated = run(env, tmp_path, "train", "shapes", "--base", "tiny", "--resolution", "128",
-                    "--buckets", "--steps", "2", "--holdout", "0.2",
-                    "--eval-metrics", "heldout_loss")  # fmt: skip
-    assert evaluated.returncode == 2 and "--buckets" in evaluated.stderr, evaluated.stderr
+    # Its checkpoints scored on held-out samples of several buckets, a batch a shape.
+    evaluated = sdq_json(env, "train", "shapes", "--base", "tiny", "--resolution", "128",
+                         "--buckets", "--batch-size", "2", "--steps", "2", "--holdout", "0.5",
+                         "--eval-metrics", "heldout_loss", cwd=tmp_path)  # fmt: skip
+    [(step, loss)] = evaluated["scores"]["heldout_loss"]
+    assert step == 2 and np.isfinite(loss)
 
 
 # Twelve shards in three buckets, their sizes, and the bucket of each.
@@ -272,3 +278,25 @@ def test_a_shard_encoded_again_into_other_buckets_keeps_no_row_of_the_old_ones(
     with engine.begin() as connection:
         left = connection.execute(text("SELECT width, height, bucketed FROM latent_shards"))
         assert sorted(left.all()) == [(64, 64, False), (192, 128, True)]
+
+
+@torch.inference_mode()
+def test_held_out_samples_of_several_buckets_are_scored_a_shape_at_a_time() -> None:
+    """A run on buckets holds out samples of several shapes: its held-out loss is the mean
+    over every sample, each scored as it would be alone."""
+    unet = build_unet()
+    scheduler = DDPMScheduler.from_config(tiny.SCHEDULER_CONFIG)
+    rng = np.random.default_rng(0)
+    width = tiny.UNET_CONFIG["cross_attention_dim"]
+    tensors = [
+        {"latents": rng.standard_normal((4, height, width_)).astype(np.float32),
+         "text_embeddings": rng.standard_normal((7, width)).astype(np.float32)}
+        for height, width_ in [(8, 8), (8, 16), (8, 8), (16, 8)]
+    ]  # fmt: skip
+    keys = ["a", "b", "c", "d"]
+    mixed = heldout_loss(unet, scheduler, HeldOutSamples(keys, [""] * 4, tensors), timesteps=3)
+    alone = [
+        heldout_loss(unet, scheduler, HeldOutSamples([key], [""], [sample]), timesteps=3)
+        for key, sample in zip(keys, tensors, strict=True)
+    ]
+    assert mixed == pytest.approx(float(np.mean(alone)), rel=1e-5)

@@ -42,14 +42,8 @@ def checked_options(
 
 
 def check_evaluation(options: TrainOptions, evaluation: EvaluationRequest | None) -> None:
-    """Evaluation scores a checkpoint's whole pipeline on held-out samples of one shape; a
-    LoRA run's models are LoRA files, and a run on buckets holds out samples of many."""
-    if evaluation is not None and options.buckets:
-        raise click.UsageError(
-            "--eval-metrics scores held-out samples of one shape, and a run on --buckets "
-            "holds out samples of many: leave --eval-metrics out, or score its checkpoints "
-            "on square latents with `sdq evaluate`"
-        )
+    """Evaluation scores a checkpoint's whole pipeline, and a LoRA run's models are LoRA
+    files."""
     if evaluation is not None and options.lora:
         raise click.UsageError(
             "--eval-metrics scores a checkpoint's whole model, and a LoRA run's models are "

@@ -21,9 +21,9 @@ class HeldOutSamples:
 
     keys: list[str]
     captions: list[str]
-    latents: np.ndarray  # samples x channels x height x width, as stored
-    text_embeddings: np.ndarray  # samples x tokens x hidden size, as stored
-    added: dict[str, np.ndarray]  # an SDXL U-Net's added conditions, by name (none for SD)
+    # Each sample's tensors by name, as training reads them (read_training_tensors): a run
+    # on aspect-ratio buckets holds out samples of several shapes.
+    tensors: list[dict[str, np.ndarray]]
 
 
 def _manifest(store: ObjectStore, held_out: HeldOut) -> dict[str, list]:
@@ -36,19 +36,12 @@ def read_held_out(store: ObjectStore, held_out: HeldOut) -> HeldOutSamples:
     places = defaultdict(list)  # latent shard -> [(place in the manifest, row)]
     for place, (key, row) in enumerate(zip(manifest["latent_key"], manifest["row"], strict=True)):
         places[key].append((place, row))
-    samples: list[dict[str, np.ndarray]] = [{}] * len(manifest["row"])
+    tensors: list[dict[str, np.ndarray]] = [{} for _ in manifest["row"]]
     for key, wanted in places.items():
-        tensors = read_training_tensors(store.get_large(key))
+        shard = read_training_tensors(store.get_large(key))
         for place, row in wanted:
-            samples[place] = {name: array[row] for name, array in tensors.items()}
-    stacked = {name: np.stack([sample[name] for sample in samples]) for name in samples[0]}
-    return HeldOutSamples(
-        keys=manifest["key"],
-        captions=manifest["caption"],
-        latents=stacked.pop("latents"),
-        text_embeddings=stacked.pop("text_embeddings"),
-        added=stacked,
-    )
+            tensors[place] = {name: array[row] for name, array in shard.items()}
+    return HeldOutSamples(keys=manifest["key"], captions=manifest["caption"], tensors=tensors)
 
 
 def real_images(store: ObjectStore, held_out: HeldOut) -> list[bytes]:

@@ -8,6 +8,7 @@ embeddings, as torchmetrics computes FID and KID from its features.
 
 import hashlib
 import io
+import itertools
 import pickle
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -72,11 +73,11 @@ def heldout_loss(
     pairs = [(index, int(t)) for index in range(len(samples.keys))
              for t in fixed_timesteps(scheduler, timesteps)]  # fmt: skip
     total = 0.0
-    for start in range(0, len(pairs), UNET_BATCH):
-        part = pairs[start : start + UNET_BATCH]
-        rows = [index for index, _ in part]
-        latents = torch.from_numpy(samples.latents[rows]).float()
-        embeddings = torch.from_numpy(samples.text_embeddings[rows]).to(device, dtype)
+    for part in _of_one_shape(pairs, samples):
+        stacked = _stacked(samples, [index for index, _ in part])
+        latents = stacked.pop("latents").float()
+        embeddings = stacked.pop("text_embeddings").to(device, dtype)
+        added = {name: tensor.to(device, dtype) for name, tensor in stacked.items()}
         noise = torch.stack([sample_noise(samples.keys[i], t, latents.shape[1:]) for i, t in part])
         steps = torch.tensor([t for _, t in part])
         noisy = scheduler.add_noise(latents, noise, steps)
@@ -84,14 +85,36 @@ def heldout_loss(
             target = scheduler.get_velocity(latents, noise, steps)
         else:
             target = noise
-        added = {name: torch.from_numpy(array[rows]).to(device, dtype)
-                 for name, array in samples.added.items()}  # fmt: skip
         prediction = unet(
             noisy.to(device, dtype), steps.to(device), embeddings, added_cond_kwargs=added or None
         ).sample
         errors = F.mse_loss(prediction.float().cpu(), target, reduction="none")
         total += float(errors.mean(dim=[1, 2, 3]).sum())
     return total / len(pairs)
+
+
+def _of_one_shape(
+    pairs: list[tuple[int, int]], samples: HeldOutSamples
+) -> Iterator[list[tuple[int, int]]]:
+    """(sample, timestep) pairs in batches of at most UNET_BATCH whose samples have one
+    shape (a run on buckets holds out several); one shape's in their order."""
+
+    def shape(pair: tuple[int, int]) -> tuple[int, ...]:
+        return samples.tensors[pair[0]]["latents"].shape
+
+    for _, group in itertools.groupby(sorted(pairs, key=shape), key=shape):
+        alike = list(group)
+        for start in range(0, len(alike), UNET_BATCH):
+            yield alike[start : start + UNET_BATCH]
+
+
+def _stacked(samples: HeldOutSamples, rows: list[int]) -> dict[str, torch.Tensor]:
+    """The rows' tensors, each stacked into a batch."""
+    names = samples.tensors[rows[0]]
+    return {
+        name: torch.from_numpy(np.stack([samples.tensors[row][name] for row in rows]))
+        for name in names
+    }
 
 
 def _decoded(
