@@ -546,10 +546,7 @@ def encode(check: Check, compiled: bool = False) -> None:
     def sdq(shard) -> None:
         """The worker's encode of a shard (workers/encode/work.py), short of the store."""
         with ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="sdq-decode") as decoders:
-            batches = prepare_batches(
-                shard, [spec], encoders.tokenizer, batch_size=batch, decoders=decoders,
-                pin=encoders.device.type == "cuda",
-            )  # fmt: skip
+            batches = prepare_batches(shard, [spec], encoders, batch_size=batch, decoders=decoders)
             batches = ahead_of_device(batches, BATCHES_AHEAD, encoders.device)
             target = square(spec.resolution)
             parts = [encode_batch(encoders, each)[target] for each in batches]

@@ -26,6 +26,7 @@ from sdq.models.datasets.buckets import SDXL_BUCKETS, Bucket, buckets_for, neare
 from sdq.models.db import make_engine, session_factory
 from sdq.models.encode.specs import EncodeSpec
 from sdq.models.train.specs import LatentInput
+from sdq.workers.encode.encoders import Batch, Encoders, Target, by_bucket
 from sdq.workers.encode.work import _forget_other_buckets
 from sdq.workers.evaluate.held_out import HeldOutSamples
 from sdq.workers.evaluate.metrics import heldout_loss
@@ -300,3 +301,44 @@ def test_held_out_samples_of_several_buckets_are_scored_a_shape_at_a_time() -> N
         for key, sample in zip(keys, tensors, strict=True)
     ]
     assert mixed == pytest.approx(float(np.mean(alone)), rel=1e-5)
+
+
+def test_a_bucket_s_images_wait_for_a_full_vae_batch() -> None:
+    """Encoding buckets, each VAE batch is one bucket's, full but for the last, its rows in
+    the shard's order with their own token ids, seeds and conditions, and the images too
+    small for it counted: not a bucket's few images of each batch the CPU decoded."""
+    wide, tall, square_ = ((128, Bucket(w, h)) for w, h in [(192, 128), (128, 192), (128, 128)])
+    # Five batches of four images: the bucket of each (the square's images too small for it).
+    goes = [wide, tall, wide, square_] * 5
+    chunks = []
+    for start in range(0, len(goes), 4):
+        rows = list(range(start, start + 4))
+        targets = {}
+        for key in dict.fromkeys(goes[row] for row in rows):
+            placed = [n for n, row in enumerate(rows) if goes[row] == key]
+            kept = [] if key == square_ else placed
+            bucket = key[1]
+            # Each image's pixels and its first condition say its row.
+            pixels = torch.tensor([rows[n] for n in kept], dtype=torch.uint8)
+            pixels = pixels[:, None, None, None].expand(-1, bucket.height, bucket.width, 3)
+            conditions = np.array([[rows[n], 0, 0, 0] for n in kept], np.int32).reshape(-1, 4)
+            targets[key] = Target(pixels, kept, len(placed) - len(kept), conditions)
+        chunks.append(Batch(rows, targets, [torch.tensor([[row, 0] for row in rows])],
+                            seeds=[1000 + row for row in rows]))  # fmt: skip
+    encoders = Encoders(build_vae(), None, None, torch.device("cpu"), torch.float32)
+    regrouped = list(by_bucket(chunks, encoders, batch_size=4))
+
+    made = {key: [batch for batch in regrouped if key in batch.targets]
+            for key in (wide, tall, square_)}  # fmt: skip
+    assert {key: [len(batch.rows) for batch in batches] for key, batches in made.items()} == {
+        wide: [4, 4, 2], tall: [4, 1], square_: [0]
+    }  # fmt: skip
+    assert made[square_][0].targets[square_].left_out == 5
+    for batch in regrouped:
+        [(key, target)] = batch.targets.items()
+        assert all(goes[row] == key for row in batch.rows)
+        assert batch.rows == sorted(batch.rows) and batch.seeds == [1000 + r for r in batch.rows]
+        assert batch.token_ids[0][:, 0].tolist() == batch.rows
+        assert target.pixels[:, 0, 0, 0].tolist() == batch.rows
+        assert target.kept == list(range(len(batch.rows)))
+        assert target.conditions[:, 0].tolist() == batch.rows

@@ -9,6 +9,7 @@ import io
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import psycopg
@@ -20,6 +21,7 @@ from diffusers import DDPMScheduler, StableDiffusionXLPipeline
 from PIL import Image
 from safetensors.torch import load_file
 
+from sdq.models.encode.specs import EncodeSpec
 from sdq.models.train.architectures import (
     UNET_ARCHITECTURES,
     InvalidArchitecture,
@@ -27,6 +29,16 @@ from sdq.models.train.architectures import (
     pooled_width,
 )
 from sdq.models.train.specs import LORA_FILE
+from sdq.workers.encode.encoders import (
+    Batch,
+    Encoders,
+    Target,
+    _decoder,
+    encode_batch,
+    join,
+    square,
+    token_ids_of,
+)
 from sdq.workers.shards.latents import Encoded, latent_shard_bytes, read_training_tensors
 from sdq.workers.train.loop.build import new_state
 from sdq.workers.train.loop.step import step_inputs, train_step
@@ -117,6 +129,44 @@ def test_an_architecture_takes_pooled_embeddings_exactly_where_the_dataset_has_t
                    pooled=1280)  # fmt: skip
     with pytest.raises(InvalidArchitecture, match="takes 1280-wide pooled text embeddings; the"):
         check_fits(sdxl, latent_channels=4, text_width=2048, pooled=16)
+    with pytest.raises(InvalidArchitecture, match="needs addition_time_embed_dim"):
+        pooled_width({**sdxl, "addition_time_embed_dim": None})
+
+
+def _encoders(pipeline: StableDiffusionXLPipeline) -> Encoders:
+    parts = ("vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
+    named = {part: getattr(pipeline, part) for part in parts}
+    return Encoders(**named, device=torch.device("cpu"), dtype=torch.float32)
+
+
+def test_an_sdxl_shard_of_no_image_still_reads_as_one() -> None:
+    """A target no image of a shard was kept for (all too small) makes a shard of none,
+    whose columns training and evaluation read as an SDXL shard's."""
+    encoders = _encoders(build_sdxl())
+    empty = Target(torch.empty(0, 64, 64, 3, dtype=torch.uint8), [], left_out=3, conditions=None)
+    key = square(64)
+    batch = Batch(rows=[0, 1, 2], targets={key: empty}, seeds=[1, 2, 3], token_ids=[
+        token_ids_of(["a", "b", "c"], tokenizer) for tokenizer in encoders.tokenizers
+    ])  # fmt: skip
+    joined = join(encoders, [encode_batch(encoders, batch)[key]], key[1])
+    tensors = read_training_tensors(latent_shard_bytes({"key": []}, joined, {"resolution": 64}))
+    shapes = {name: array.shape for name, array in tensors.items()}
+    assert shapes == {"latents": (0, 4, 8, 8), "text_embeddings": (0, 77, SDXL_WIDTH),
+                      "text_embeds": (0, POOLED), "time_ids": (0, 6)}  # fmt: skip
+
+
+def test_a_padded_square_keeps_its_original_size_and_no_crop() -> None:
+    """Downloaded with `--resize-mode border`, an image was padded to its square, not
+    cropped: its time ids say so."""
+    image = io.BytesIO()
+    Image.new("RGB", (64, 64)).save(image, "PNG")
+    spec = EncodeSpec(dataset="d", shard=0, shard_sha256="", image_format="png",
+                      model_name="m", model_source="m", model_revision="r", resolution=64,
+                      dtype="float32")  # fmt: skip
+    for padded, crop in ((True, (0, 0)), (None, (0, 16))):
+        decode = _decoder([replace(spec, padded=padded)], conditioned=True)
+        [decoded] = decode(image.getvalue(), (96, 64)).values()
+        assert decoded.conditions == (96, 64, *crop)
 
 
 def _crop(width: int, height: int, side: int = 64) -> tuple[int, int]:

@@ -33,7 +33,8 @@ def test_a_shard_s_tensors_read_back_as_views_in_their_dtype_and_old_shards_stil
     tensors = encoded(5)
     lineage = {"key": [f"{n:04d}" for n in range(5)], "url": ["u"] * 5}
     data = latent_shard_bytes(lineage, tensors, {"dataset": "d"})
-    latents, embeddings = read_training_tensors(data).values()
+    tensors_read = read_training_tensors(data)
+    latents, embeddings = tensors_read["latents"], tensors_read["text_embeddings"]
     np.testing.assert_array_equal(latents, tensors.latents)
     np.testing.assert_array_equal(embeddings, tensors.text_embeddings)
     assert latents.dtype == embeddings.dtype == np.float16
@@ -43,7 +44,8 @@ def test_a_shard_s_tensors_read_back_as_views_in_their_dtype_and_old_shards_stil
     compression = {columns.column(i).path_in_schema: columns.column(i).compression
                    for i in range(columns.num_columns)}  # fmt: skip
     assert compression["latents"] == "UNCOMPRESSED" and compression["key"] == "ZSTD"
-    old_latents, old_embeddings = read_training_tensors(list_layout_bytes(tensors)).values()
+    old = read_training_tensors(list_layout_bytes(tensors))
+    old_latents, old_embeddings = old["latents"], old["text_embeddings"]
     np.testing.assert_array_equal(old_latents, tensors.latents)
     np.testing.assert_array_equal(old_embeddings, tensors.text_embeddings)
 

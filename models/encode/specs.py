@@ -38,6 +38,8 @@ class EncodeSpec:
     # In aspect-ratio buckets of the area resolution x resolution (`--buckets`): each image
     # in the bucket of the nearest shape, covered and cropped least, never upscaled.
     buckets: bool | None = None
+    # Downloaded with `--resize-mode border`: each image padded to its square, not cropped.
+    padded: bool | None = None
 
     @property
     def source(self) -> "EncodeSpec":

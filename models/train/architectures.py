@@ -99,6 +99,10 @@ def pooled_width(config: dict[str, Any]) -> int | None:
     timestep's embedding; None for a U-Net without it."""
     if config.get("addition_embed_type") != "text_time":
         return None
+    widths = ("addition_time_embed_dim", "projection_class_embeddings_input_dim")
+    missing = [name for name in widths if not isinstance(config.get(name), int)]
+    if missing:
+        raise InvalidArchitecture(f"a text_time U-Net config needs {' and '.join(missing)}")
     times = TIME_IDS * config["addition_time_embed_dim"]
     return config["projection_class_embeddings_input_dim"] - times
 

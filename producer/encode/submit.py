@@ -246,4 +246,5 @@ def _spec(
         keys=keys,
         leave_out_smaller=way.leave_out_smaller or None,
         buckets=way.buckets or None,
+        padded=dataset.options.get("resize_mode") == "border" or None,
     )

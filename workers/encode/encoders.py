@@ -4,7 +4,7 @@ CLIP hidden states (for SDXL, both encoders' side by side and the second's poole
 embedding, as its pipeline makes them). GPU-side: imports torch. The U-Net is never loaded
 for this."""
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -89,7 +89,9 @@ class LoadedEncoders:
         dtype = torch_dtype(spec.dtype)
         if spec.model_source == tiny.TINY_NAME:
             check_tiny_revision(spec.model_revision)
-            loaded = Encoders(build_vae(), build_text_encoder(), build_tokenizer(), DEVICE, dtype)
+            loaded = Encoders(
+                build_vae(), build_text_encoder(), build_tokenizer(), LOADED_ON, dtype
+            )
         else:
             loaded = _from_pretrained(self.files, spec, dtype)
         device = torch.device(device_name())
@@ -113,7 +115,7 @@ class LoadedEncoders:
 
 
 # Where encoders are built or loaded, before they go to the device.
-DEVICE = torch.device("cpu")
+LOADED_ON = torch.device("cpu")
 
 
 def _from_pretrained(files: ModelFiles, spec: EncodeSpec, dtype: torch.dtype) -> Encoders:
@@ -136,7 +138,7 @@ def _from_pretrained(files: ModelFiles, spec: EncodeSpec, dtype: torch.dtype) ->
         vae=load(AutoencoderKL, "vae"),  # as stored: it goes to its own dtype on the device
         text_encoder=load(CLIPTextModel, "text_encoder", dtype=dtype),
         tokenizer=load(CLIPTokenizer, "tokenizer"),
-        device=DEVICE,
+        device=LOADED_ON,
         dtype=dtype,
         **second,
     )
@@ -172,14 +174,14 @@ class Batch:
     """One batch as the CPU prepared it, each image decoded once for every target: its
     pixels at each, token ids, and each sample's latent seed."""
 
-    start: int  # the shard's row of its first sample
+    rows: list[int]  # the shard's row of each of its samples
     targets: dict[TargetKey, Target]
     token_ids: list[torch.Tensor]  # batch x tokens, by each of the model's tokenizers
     seeds: list[int]
 
     def kept_rows(self, key: TargetKey) -> list[int]:
         """The shard's rows the target keeps of this batch."""
-        return [self.start + row for row in self.targets[key].kept]
+        return [self.rows[row] for row in self.targets[key].kept]
 
 
 def square(resolution: int) -> TargetKey:
@@ -196,16 +198,22 @@ def prepare_batches(
 ) -> Iterator[Batch]:
     """The CPU work of encoding one image shard for the specs' targets, batch by batch:
     decoding and cropping (on `decoders`, since Pillow decodes without the GIL),
-    tokenizing and pinning for a fast copy."""
+    tokenizing and pinning for a fast copy. On buckets, batches of a bucket's images."""
+    if specs[0].buckets:  # pinned once regrouped
+        batches = _decoded(shard, specs, encoders, batch_size, decoders, pinned=_unpinned)
+        return by_bucket(batches, encoders, batch_size)
+    return _decoded(shard, specs, encoders, batch_size, decoders, pinned=_pinning(encoders))
+
+
+def _decoded(shard, specs, encoders, batch_size, decoders, *, pinned) -> Iterator[Batch]:
+    """The shard's images `batch_size` at a time, each decoded once for every target."""
     decode = _decoder(specs, conditioned=encoders.sdxl)
-    pin = encoders.device.type == "cuda"
-    pinned = (lambda tensor: tensor.pin_memory()) if pin else (lambda tensor: tensor)
     for start in range(0, len(shard), batch_size):
         stop = start + batch_size
         images, sizes = shard.images[start:stop], shard.found_sizes[start:stop]
         decoded = list(decoders.map(decode, images, sizes))
         yield Batch(
-            start=start,
+            rows=list(range(start, min(stop, len(shard)))),
             targets=_targets(decoded, pinned),
             token_ids=[
                 pinned(token_ids_of(shard.captions[start:stop], tokenizer))
@@ -226,6 +234,84 @@ def token_ids_of(texts: list[str], tokenizer: CLIPTokenizer) -> torch.Tensor:
     ).input_ids
 
 
+def _pinning(encoders: Encoders) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Pins a host tensor bound for a GPU: its copy then runs without the host waiting."""
+    return (lambda tensor: tensor.pin_memory()) if encoders.device.type == "cuda" else _unpinned
+
+
+def _unpinned(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def by_bucket(batches: Iterable[Batch], encoders: Encoders, batch_size: int) -> Iterator[Batch]:
+    """Bucketed batches regrouped so that the VAE encodes full batches: a batch of images
+    spreads over many buckets, a few images each, so each bucket's images wait until it
+    has `batch_size` (or the images waiting reach WAITING_BATCHES batches' worth: then
+    the bucket with the most goes), and the rest go at the end. Each regrouped batch is
+    one target's, its rows in the shard's order."""
+    waiting: dict[TargetKey, list[Batch]] = {}
+    pinned = _pinning(encoders)
+    for batch in batches:
+        for key in batch.targets:
+            waiting.setdefault(key, []).append(_alone(batch, key))
+        for key in _full(waiting, batch_size):
+            yield _joined(waiting.pop(key), key, pinned)
+    for key, parts in waiting.items():
+        yield _joined(parts, key, pinned)
+
+
+# The images that may wait for their bucket to fill, in batches: bounds the host memory
+# regrouping takes (a batch of 1,024 px images in uint8 is ~100 MB).
+WAITING_BATCHES = 4
+
+
+def _full(waiting: dict[TargetKey, list[Batch]], batch_size: int) -> list[TargetKey]:
+    """The targets whose images go now: those with a batch of them, and while too many
+    wait, those with the most."""
+
+    def kept(key: TargetKey) -> int:
+        return sum(len(part.rows) for part in waiting[key])
+
+    full = [key for key in waiting if kept(key) >= batch_size]
+    left = sorted((key for key in waiting if key not in full), key=kept, reverse=True)
+    while left and sum(map(kept, left)) > WAITING_BATCHES * batch_size:
+        full.append(left.pop(0))
+    return full
+
+
+def _alone(batch: Batch, key: TargetKey) -> Batch:
+    """The batch's kept images of one target, with their rows' token ids and seeds."""
+    target = batch.targets[key]
+    kept = target.kept
+    alone = Target(target.pixels, list(range(len(kept))), target.left_out, target.conditions)
+    return Batch(
+        rows=[batch.rows[row] for row in kept],
+        targets={key: alone},
+        token_ids=[ids[kept] for ids in batch.token_ids],
+        seeds=[batch.seeds[row] for row in kept],
+    )
+
+
+def _joined(parts: list[Batch], key: TargetKey, pinned) -> Batch:
+    """One target's images of several batches as one batch."""
+    targets = [part.targets[key] for part in parts]
+    conditions = [target.conditions for target in targets if target.conditions is not None]
+    rows = [row for part in parts for row in part.rows]
+    joined = Target(
+        pinned(torch.cat([target.pixels for target in targets])),
+        list(range(len(rows))),
+        left_out=sum(target.left_out for target in targets),
+        conditions=np.concatenate(conditions) if conditions else None,
+    )
+    tokenizers = zip(*(part.token_ids for part in parts), strict=True)
+    return Batch(
+        rows=rows,
+        targets={key: joined},
+        token_ids=[pinned(torch.cat(ids)) for ids in tokenizers],
+        seeds=[seed for part in parts for seed in part.seeds],
+    )
+
+
 Decode = Callable[[bytes, tuple[int, int] | None], dict[TargetKey, Decoded | None]]
 
 
@@ -237,21 +323,30 @@ def _decoder(specs: Sequence[EncodeSpec], *, conditioned: bool) -> Decode:
         return lambda data, size: _bucketed(pixels_in_buckets(data, sides, found_size=size))
     upscale = not specs[0].leave_out_smaller
 
+    padded = bool(specs[0].padded)
+
     def squares(data: bytes, size: tuple[int, int] | None) -> dict[TargetKey, Decoded | None]:
         at = pixels_at(data, sides, found_size=size, upscale=upscale)
         original = (size or stored_size(data)) if conditioned else None
         return {
-            square(side): None if pixels is None else Decoded(pixels, _cropped(original, side))
+            square(side): None
+            if pixels is None
+            else Decoded(pixels, _cropped(original, side, padded=padded))
             for side, pixels in at.items()
         }
 
     return squares
 
 
-def _cropped(original: tuple[int, int] | None, side: int) -> tuple[int, int, int, int] | None:
-    """The conditions of an image of the `original` size center-cropped to a square."""
+def _cropped(
+    original: tuple[int, int] | None, side: int, *, padded: bool
+) -> tuple[int, int, int, int] | None:
+    """The conditions of an image of the `original` size center-cropped to a square, or
+    `padded` to one (a `border` download): nothing cropped."""
     if original is None:
         return None
+    if padded:
+        return (*original, 0, 0)
     placement = place((Bucket(side, side),), *original)
     return (*original, placement.top, placement.left)
 
@@ -293,6 +388,8 @@ def _target(decoded: list[dict[TargetKey, Decoded | None]], key: TargetKey, pinn
 def encode_batch(encoders: Encoders, batch: Batch) -> dict[TargetKey, Encoded]:
     """The batch at each of its targets: its captions encoded once, its images by the VAE
     at each."""
+    if not batch.rows:  # a bucket whose images were all too small for it
+        return {key: _nothing(encoders, key[1]) for key in batch.targets}
     device = encoders.device
     with torch.inference_mode():
         token_ids = [ids.to(device, non_blocking=True) for ids in batch.token_ids]
@@ -355,7 +452,9 @@ def empty_prompt(encoders: Encoders) -> tuple[np.ndarray, np.ndarray | None]:
 
 
 def join(encoders: Encoders, parts: list[Encoded], shape: Bucket) -> Encoded:
-    """A shard's batches as one; a shard with no kept image still says what it would hold."""
+    """A shard's batches as one; a shard with no kept image still says what it would hold
+    (a batch that kept none has no conditions to say it)."""
+    parts = [part for part in parts if part.seeds]
     if parts:
         conditions = [part.conditions for part in parts if part.conditions is not None]
         pooled = [part.pooled_embeddings for part in parts if part.pooled_embeddings is not None]

@@ -197,7 +197,7 @@ class EncodeWork(Work):
 
         if spec.empty_prompt_key not in self.encoders.stored:
             embedding, pooled = empty_prompt(encoders)
-            if pooled is not None:  # first: its presence says the embedding is complete
+            if pooled is not None:  # first: where the embedding is, its pooled one is too
                 pooled_key = empty_pooled_key(spec.empty_prompt_key)
                 self.store.put_bytes(pooled_key, npy_bytes(pooled), content_type=NPY)
             self.store.put_bytes(spec.empty_prompt_key, npy_bytes(embedding), content_type=NPY)

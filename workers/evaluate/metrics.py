@@ -110,10 +110,9 @@ def _of_one_shape(
 
 def _stacked(samples: HeldOutSamples, rows: list[int]) -> dict[str, torch.Tensor]:
     """The rows' tensors, each stacked into a batch."""
-    names = samples.tensors[rows[0]]
     return {
         name: torch.from_numpy(np.stack([samples.tensors[row][name] for row in rows]))
-        for name in names
+        for name in samples.tensors[rows[0]]
     }
 
 

@@ -24,8 +24,11 @@ from sdq.models.datasets import POOLED_EMBEDDINGS as POOLED
 METADATA_KEY = b"sdq"
 # The columns of a sample's original size and crop (see Encoded.conditions).
 CONDITIONS = ("original_width", "original_height", "crop_top", "crop_left")
-# What training reads of a shard (and of an SDXL model's, its pooled embeddings too).
+# What training reads of every shard.
 TRAINING_TENSORS = ("latents", "text_embeddings")
+# What it reads of an SDXL model's besides: the U-Net's added conditions, by diffusers' names
+# (UNet2DConditionModel's added_cond_kwargs), the pooled embeddings and the time ids.
+POOLED_CONDITION, TIME_IDS_CONDITION = "text_embeds", "time_ids"
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,8 @@ def read_training_tensors(data: bytes | memoryview) -> dict[str, np.ndarray]:
     table = file.read(columns=[*TRAINING_TENSORS, *((POOLED, *CONDITIONS) if sdxl else ())])
     tensors = {name: read_tensor(table, name) for name in TRAINING_TENSORS}
     if sdxl:
-        tensors.update(text_embeds=read_tensor(table, POOLED), time_ids=time_ids(table))
+        tensors[POOLED_CONDITION] = read_tensor(table, POOLED)
+        tensors[TIME_IDS_CONDITION] = time_ids(table)
     return tensors
 
 

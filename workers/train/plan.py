@@ -35,6 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from sdq.models.datasets.buckets import buckets_for
 from sdq.models.train.architectures import TIME_IDS, pooled_width
+from sdq.workers.shards.latents import POOLED_CONDITION, TIME_IDS_CONDITION
 from sdq.workers.train.loop.lora import lora_config, training_passes
 from sdq.workers.train.loop.sharding import shard_units
 
@@ -193,8 +194,8 @@ def _traced(unet: UNet2DConditionModel, request: PlanRequest) -> tuple[int, floa
     added = None
     if pooled is not None:  # SDXL's pooled embedding and time ids
         added = {
-            "text_embeds": torch.zeros((batch, pooled), device="meta", dtype=dtype),
-            "time_ids": torch.zeros((batch, TIME_IDS), device="meta", dtype=dtype),
+            POOLED_CONDITION: torch.zeros((batch, pooled), device="meta", dtype=dtype),
+            TIME_IDS_CONDITION: torch.zeros((batch, TIME_IDS), device="meta", dtype=dtype),
         }
     kept = _KeptForBackward({id(parameter) for parameter in model.parameters()})
     counter = FlopCounterMode(display=False)

@@ -305,7 +305,8 @@ def _download(store: ObjectStore, prefix: str, folder: Path) -> None:
 
 
 def empty_prompt(store: ObjectStore, key: str | None) -> torch.Tensor:
-    """The text encoder's output for "" (tokens x hidden size), as the encode run stored it."""
+    """The text encoder's output for "" (tokens x hidden size; or beside it, SDXL's pooled
+    embedding), as the encode run stored it."""
     if key is None:
         raise ValueError("caption dropout needs the empty prompt's embedding; the spec has none")
     return torch.from_numpy(np.load(io.BytesIO(store.get_bytes(key))).astype(np.float32))

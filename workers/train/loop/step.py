@@ -25,12 +25,10 @@ from diffusers.training_utils import compute_snr
 
 from sdq.models.ahead import run_ahead
 from sdq.models.train.specs import TrainShardSpec
+from sdq.workers.shards.latents import POOLED_CONDITION
 from sdq.workers.train.loop.data import Batch
 from sdq.workers.train.loop.lora import training_passes
 from sdq.workers.train.loop.state import TrainState
-
-# The added condition caption dropout replaces beside the text embeddings (SDXL's pooled).
-POOLED = "text_embeds"
 
 
 @dataclass(frozen=True)
@@ -179,8 +177,10 @@ def train_step(state: TrainState, spec: TrainShardSpec, inputs: StepInputs) -> t
     if draws.dropped is not None:
         embeddings = torch.where(draws.dropped[:, None, None], state.empty_prompt, embeddings)
         if added:  # SDXL: the empty prompt's pooled embedding too
-            pooled = torch.where(draws.dropped[:, None], state.empty_pooled, added[POOLED])
-            added[POOLED] = pooled
+            pooled = added[POOLED_CONDITION]
+            added[POOLED_CONDITION] = torch.where(
+                draws.dropped[:, None], state.empty_pooled, pooled
+            )
     micro = options.micro_batch
     total = torch.zeros((), device=state.device)
     state.optimizer.zero_grad(set_to_none=True)
