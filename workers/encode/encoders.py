@@ -248,7 +248,8 @@ def by_bucket(batches: Iterable[Batch], encoders: Encoders, batch_size: int) -> 
     spreads over many buckets, a few images each, so each bucket's images wait until it
     has `batch_size` (or the images waiting reach WAITING_BATCHES batches' worth: then
     the bucket with the most goes), and the rest go at the end. Each regrouped batch is
-    one target's, its rows in the shard's order."""
+    one target's, its rows in the shard's order, its captions encoded with it (once per
+    area an image is bucketed at)."""
     waiting: dict[TargetKey, list[Batch]] = {}
     pinned = _pinning(encoders)
     for batch in batches:
@@ -322,7 +323,6 @@ def _decoder(specs: Sequence[EncodeSpec], *, conditioned: bool) -> Decode:
     if specs[0].buckets:
         return lambda data, size: _bucketed(pixels_in_buckets(data, sides, found_size=size))
     upscale = not specs[0].leave_out_smaller
-
     padded = bool(specs[0].padded)
 
     def squares(data: bytes, size: tuple[int, int] | None) -> dict[TargetKey, Decoded | None]:
