@@ -504,13 +504,8 @@ def encode(check: Check, compiled: bool = False) -> None:
     from sdq.models.store import LocalStore
     from sdq.models.train.architectures import SD15_VAE
     from sdq.workers.ahead import ahead_of_device
-    from sdq.workers.encode.encoders import (
-        LoadedEncoders,
-        encode_batch,
-        join,
-        prepare_batches,
-        square,
-    )
+    from sdq.workers.encode.batches import prepare_batches, square
+    from sdq.workers.encode.encoders import LoadedEncoders, encode_batch, join
     from sdq.workers.encode.work import BATCHES_AHEAD, DECODE_THREADS
     from sdq.workers.shards.latents import latent_shard_bytes
     from sdq.workers.tiny import build_text_encoder, build_tokenizer, build_vae
@@ -546,7 +541,9 @@ def encode(check: Check, compiled: bool = False) -> None:
     def sdq(shard) -> None:
         """The worker's encode of a shard (workers/encode/work.py), short of the store."""
         with ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="sdq-decode") as decoders:
-            batches = prepare_batches(shard, [spec], encoders, batch_size=batch, decoders=decoders)
+            batches = prepare_batches(shard, [spec], encoders.tokenizers, batch_size=batch,
+                                      decoders=decoders, conditioned=False,
+                                      pin=encoders.pins)  # fmt: skip
             batches = ahead_of_device(batches, BATCHES_AHEAD, encoders.device)
             target = square(spec.resolution)
             parts = [encode_batch(encoders, each)[target] for each in batches]

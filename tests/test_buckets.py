@@ -26,7 +26,7 @@ from sdq.models.datasets.buckets import SDXL_BUCKETS, Bucket, buckets_for, neare
 from sdq.models.db import make_engine, session_factory
 from sdq.models.encode.specs import EncodeSpec
 from sdq.models.train.specs import LatentInput
-from sdq.workers.encode.encoders import Batch, Encoders, Target, by_bucket
+from sdq.workers.encode.batches import Batch, Target, by_bucket
 from sdq.workers.encode.work import _forget_other_buckets
 from sdq.workers.evaluate.held_out import HeldOutSamples
 from sdq.workers.evaluate.metrics import heldout_loss
@@ -325,8 +325,7 @@ def test_a_bucket_s_images_wait_for_a_full_vae_batch() -> None:
             targets[key] = Target(pixels, kept, len(placed) - len(kept), conditions)
         chunks.append(Batch(rows, targets, [torch.tensor([[row, 0] for row in rows])],
                             seeds=[1000 + row for row in rows]))  # fmt: skip
-    encoders = Encoders(build_vae(), None, None, torch.device("cpu"), torch.float32)
-    regrouped = list(by_bucket(chunks, encoders, batch_size=4))
+    regrouped = list(by_bucket(chunks, batch_size=4, pin=False))
 
     made = {key: [batch for batch in regrouped if key in batch.targets]
             for key in (wide, tall, square_)}  # fmt: skip

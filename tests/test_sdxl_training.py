@@ -29,16 +29,8 @@ from sdq.models.train.architectures import (
     pooled_width,
 )
 from sdq.models.train.specs import LORA_FILE
-from sdq.workers.encode.encoders import (
-    Batch,
-    Encoders,
-    Target,
-    _decoder,
-    encode_batch,
-    join,
-    square,
-    token_ids_of,
-)
+from sdq.workers.encode.batches import Batch, Target, _decoder, square, token_ids_of
+from sdq.workers.encode.encoders import Encoders, encode_batch, join
 from sdq.workers.shards.latents import Encoded, latent_shard_bytes, read_training_tensors
 from sdq.workers.train.loop.build import new_state
 from sdq.workers.train.loop.step import step_inputs, train_step

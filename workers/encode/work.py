@@ -37,7 +37,8 @@ from sdq.workers.shards.latents import Encoded, describe, latent_shard_bytes
 from sdq.workers.weights import ModelUnavailable
 
 if TYPE_CHECKING:
-    from sdq.workers.encode.encoders import Batch, Encoders, LoadedEncoders, TargetKey
+    from sdq.workers.encode.batches import Batch, TargetKey
+    from sdq.workers.encode.encoders import Encoders, LoadedEncoders
 
 NPY = "application/octet-stream"
 JSON = "application/json"
@@ -117,15 +118,16 @@ class EncodeWork(Work):
     ) -> Iterator[Output]:
         """One image shard's latents at each target, and its text embeddings, stored and
         recorded: each image decoded and each caption encoded once for all."""
-        from sdq.workers.encode.encoders import encode_batch, prepare_batches, square
+        from sdq.workers.encode.batches import prepare_batches, square
+        from sdq.workers.encode.encoders import encode_batch
 
         started = perf_counter()
         # 1. The shard's batches, decoded and tokenized ahead of the device, then encoded.
         specs = [spec for _, spec in targets]
         encoders = self.encoders.get(specs[0])
-        batches = prepare_batches(
-            shard, specs, encoders, batch_size=self.batch_size, decoders=decoders
-        )
+        batches = prepare_batches(shard, specs, encoders.tokenizers, batch_size=self.batch_size,
+                                  decoders=decoders, conditioned=encoders.sdxl,
+                                  pin=encoders.pins)  # fmt: skip
         # A square target has its latent shard though no image is kept; a bucket has one
         # once an image goes to it.
         made = {square(spec.resolution): Made() for spec in specs if not spec.buckets}
