@@ -73,28 +73,11 @@ def record_encode(
     with sessions.begin() as session:
         # 1. The dataset's downloaded shards, or why there is nothing to encode.
         dataset, downloaded, waiting = _readable(session, name)
-        stored_at = _stored_at(dataset)
-        if way.buckets:
-            _check_buckets(name, dataset, resolutions)
-        elif way.leave_out_smaller:
-            _check_targets(name, stored_at, resolutions)
-        _check_same_way(session, name, model, resolutions, way)
+        _check_way(session, dataset, model, resolutions, way)
         kept = _kept(session, dataset)
         # 2. The run and its jobs; a shard encoded already by this model is done as written.
         record_model(session, model)
-        run = open_run(
-            session,
-            ENCODE,
-            source=name,
-            options={
-                **_described(name, model),
-                "resolutions": resolutions,
-                **asdict(way),
-            },
-            # A shard is a minute of GPU work: one per message, with all its targets.
-            jobs_per_message=len(resolutions),
-            task_options={"batch_size": batch_size},
-        )
+        run = _encode_run(session, name, model, resolutions, way, batch_size=batch_size)
         specs = [
             _spec(dataset, shard, model, resolution, kept(shard.id), way)
             for shard in downloaded
@@ -102,7 +85,6 @@ def record_encode(
         ]
         cached = add_jobs(session, run, ENCODE, specs)
     # 3. What was submitted, and whether the images are smaller than the resolution.
-    upscaled = stored_at is not None and stored_at < max(resolutions) and way == Way()
     return EncodeSubmission(
         run_id=run.id,
         dataset=name,
@@ -113,7 +95,47 @@ def record_encode(
         jobs=len(specs),
         cached=cached,
         waiting=waiting,
-        images_at=stored_at if upscaled else None,
+        images_at=_upscaled_from(dataset, resolutions, way),
+    )
+
+
+def _upscaled_from(dataset: Dataset, resolutions: list[int], way: Way) -> int | None:
+    """The side the dataset's images were stored at, where a square target above it
+    upscales them (`--resolution`: the others leave smaller images out)."""
+    stored_at = _stored_at(dataset)
+    upscaled = stored_at is not None and stored_at < max(resolutions) and way == Way()
+    return stored_at if upscaled else None
+
+
+def _check_way(
+    session: Session, dataset: Dataset, model: ModelIdentity, resolutions: list[int], way: Way
+) -> None:
+    """The targets refused where no image could meet them, or where the dataset's latents
+    at one were made the other way."""
+    if way.buckets:
+        _check_buckets(dataset.name, dataset, resolutions)
+    elif way.leave_out_smaller:
+        _check_targets(dataset.name, _stored_at(dataset), resolutions)
+    _check_same_way(session, dataset.name, model, resolutions, way)
+
+
+def _encode_run(
+    session: Session,
+    name: str,
+    model: ModelIdentity,
+    resolutions: list[int],
+    way: Way,
+    *,
+    batch_size: int,
+) -> Run:
+    return open_run(
+        session,
+        ENCODE,
+        source=name,
+        options={**_described(name, model), "resolutions": resolutions, **asdict(way)},
+        # A shard is a minute of GPU work: one per message, with all its targets.
+        jobs_per_message=len(resolutions),
+        task_options={"batch_size": batch_size},
     )
 
 

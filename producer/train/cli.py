@@ -175,14 +175,10 @@ def start(
 
     Without a broker (SDQ_BROKER_URL unset) the work runs here, in this process."""
     # 1. Refused before anything is written: options that do not go together or fit.
-    evaluation_asked = pop_evaluation_options(options)
-    train_options = checked_options(app, base, resume_from, into, options)
+    train_options, evaluation = _checked(app, options, base=base, resume_from=resume_from,
+                                         into=into, resolution=resolution,
+                                         gpu_memory=gpu_memory)  # fmt: skip
     prompts = read_validation_prompts(validation_prompts) if validation_prompts else ()
-    evaluation = train_evaluation_request(evaluation_asked, holdout=train_options.holdout)
-    check_evaluation(train_options, evaluation)
-    if train_options.unet_config is not None and can_plan():
-        check_fits(train_options, resolution, gpu_memory)
-    check_job_length(train_options, app.settings.time_limits[TRAIN.queue].soft)
     check_trackers(app, report_to)
     # 2. The run and its first job.
     ready_to_submit(app)
@@ -199,6 +195,28 @@ def start(
         _watch(app, submission.run_id, train_options.steps, show=not as_json)
     report_status(app, submission.run_id, as_json)
     exit_if_dead(app, submission.run_id)
+
+
+def _checked(
+    app: SdqCelery,
+    options: dict[str, Any],
+    *,
+    base: str | None,
+    resume_from: tuple[int, int | str | None] | None,
+    into: str | None,
+    resolution: int,
+    gpu_memory: int,
+) -> tuple[TrainOptions, EvaluationRequest | None]:
+    """The run's options and what scores its checkpoints, refused where they do not go
+    together, do not fit the GPU or its jobs would outlast the worker's time limit."""
+    evaluation_asked = pop_evaluation_options(options)
+    train_options = checked_options(app, base, resume_from, into, options)
+    evaluation = train_evaluation_request(evaluation_asked, holdout=train_options.holdout)
+    check_evaluation(train_options, evaluation)
+    if train_options.unet_config is not None and can_plan():
+        check_fits(train_options, resolution, gpu_memory)
+    check_job_length(train_options, app.settings.time_limits[TRAIN.queue].soft)
+    return train_options, evaluation
 
 
 def train_here(app: SdqCelery, run_id: int, jobs: int) -> None:

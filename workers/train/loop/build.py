@@ -119,12 +119,7 @@ def new_state(spec: TrainShardSpec, unet: UNet2DConditionModel, ranks: Ranks = A
         unet=unet,
         model=model,
         optimizer=optimizer,
-        lr_scheduler=get_scheduler(
-            LR_SCHEDULERS[options.lr_schedule],
-            optimizer,
-            num_warmup_steps=options.lr_warmup,
-            num_training_steps=options.steps,
-        ),
+        lr_scheduler=_lr_schedule(optimizer, options),
         ema=ema,
         scaler=torch.amp.GradScaler(device.type) if options.mixed_precision == "fp16" else None,
         noise_scheduler=DDPMScheduler.from_config(
@@ -134,6 +129,16 @@ def new_state(spec: TrainShardSpec, unet: UNet2DConditionModel, ranks: Ranks = A
         ranks=ranks,
         checkpoint_group=state_group() if sharded else None,
         lora=options.lora,
+    )
+
+
+def _lr_schedule(optimizer: torch.optim.Optimizer, options: TrainOptions):
+    """--lr-schedule after --lr-warmup steps, over the run's steps."""
+    return get_scheduler(
+        LR_SCHEDULERS[options.lr_schedule],
+        optimizer,
+        num_warmup_steps=options.lr_warmup,
+        num_training_steps=options.steps,
     )
 
 
