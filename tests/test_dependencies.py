@@ -25,6 +25,7 @@ GPU_MODULES = {
     "workers/generate/loras.py",
     "workers/generate/conditioning.py",
     "workers/generate/shared_prompts.py",
+    "workers/encode/batches.py",
     "workers/encode/encoders.py",
     "workers/curate/heads.py",
     "workers/curate/scoring.py",

@@ -2,7 +2,8 @@
 its images decoded once for every target (squares, or aspect-ratio buckets, with the
 original size and crop SDXL is conditioned on), its captions tokenized by each of the
 model's tokenizers, each sample's latent seed; on buckets, regrouped so that the VAE sees
-full batches. Host tensors only: nothing here runs on the device."""
+full batches. GPU-side: imports torch, for host tensors (nothing here runs on the
+device)."""
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
