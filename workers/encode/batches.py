@@ -31,8 +31,9 @@ TargetKey = tuple[int, Bucket]
 
 @dataclass(frozen=True)
 class Decoded:
-    """An image at one target: its pixels, and for a bucket what SDXL's micro-conditioning
-    needs (its original width and height, and the crop's top and left offsets)."""
+    """An image at one target: its pixels, and for a bucket or an SDXL model what SDXL's
+    micro-conditioning needs (its original width and height, and the crop's top and left
+    offsets)."""
 
     pixels: np.ndarray
     conditions: tuple[int, int, int, int] | None = None
@@ -46,7 +47,7 @@ class Target:
     pixels: torch.Tensor  # kept x height x width x 3
     kept: list[int]  # the batch's rows they are
     left_out: int  # the batch's images too small for it
-    conditions: np.ndarray | None  # kept x 4, bucketed (see Decoded)
+    conditions: np.ndarray | None  # kept x 4, bucketed or for SDXL (see Decoded)
 
 
 @dataclass(frozen=True)
