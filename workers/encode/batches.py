@@ -21,7 +21,6 @@ from sdq.workers.shards.images import (
     InBucket,
     pixels_at,
     pixels_in_buckets,
-    stored_size,
 )
 
 # What a shard's images are encoded into: (a job's resolution, a shape), where the shape
@@ -211,8 +210,8 @@ def _decoder(specs: Sequence[EncodeSpec], *, conditioned: bool) -> Decode:
     padded = bool(specs[0].padded)
 
     def squares(data: bytes, size: tuple[int, int] | None) -> dict[TargetKey, Decoded | None]:
-        at = pixels_at(data, sides, found_size=size, upscale=upscale)
-        original = (size or stored_size(data)) if conditioned else None
+        at, found = pixels_at(data, sides, found_size=size, upscale=upscale)
+        original = found if conditioned else None
         return {
             square(side): None
             if pixels is None

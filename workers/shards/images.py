@@ -112,33 +112,29 @@ def pixels_at(
     *,
     found_size: tuple[int, int] | None,
     upscale: bool,
-) -> dict[int, np.ndarray | None]:
+) -> tuple[dict[int, np.ndarray | None], tuple[int, int]]:
     """An image decoded once, center-cropped to each resolution: uint8 RGB, height x width
     x 3 (a no-op for a dataset already made at it). Unless `upscale`, None for each
     resolution the image is too small for: its shorter side, as found (`found_size`) or as
-    stored, under it.
+    stored, under it. Beside them, its original size: as found, else as stored.
 
     A JPEG at least twice the largest resolution is decoded at half its size (DCT scaling)
     where upscaling is allowed (`--resolution`, one target); never where it is not
     (`--resolutions`), so that a target's pixels do not depend on the others asked with it."""
     with Image.open(io.BytesIO(data)) as image:
+        original = found_size or image.size
         stored = min(image.size)
         if upscale and image.format == "JPEG" and stored >= 2 * max(resolutions):
             image.draft("RGB", (image.width // 2, image.height // 2))
         rgb = to_rgb(image)
         side = stored if found_size is None else min(stored, *found_size)
-        return {
+        pixels = {
             resolution: np.asarray(resize(rgb, ImageOptions(resolution=resolution)))
             if upscale or side >= resolution
             else None
             for resolution in resolutions
         }
-
-
-def stored_size(data: bytes) -> tuple[int, int]:
-    """An image's width and height as stored, from its header (nothing is decoded)."""
-    with Image.open(io.BytesIO(data)) as image:
-        return image.size
+        return pixels, original
 
 
 @dataclass(frozen=True)
