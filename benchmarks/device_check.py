@@ -9,7 +9,7 @@ written as users write it (diffusers, transformers and torch; nothing of sdq's):
             both torch.compiled, each side's compile time (its first step) apart.
   generate: SD 1.5's shape at 512 px, 50 steps, batches 1 and 8, fp16: the worker's render()
             against the pipeline called as a script calls it (benchmarks/gpu.py); eager (and
-            the worker with SDQ_CHANNELS_LAST=0 beside it: channels_last_over_contiguous), then
+            the worker with SDQ_CHANNELS_LAST=1 beside it: channels_last_over_contiguous), then
             compiled as SDQ_COMPILE compiles (`--compile-mode`; reduce-overhead and
             max-autotune replay CUDA graphs), the buckets' warm-up apart, and the graphs
             compiled after it counted (recompilations).
@@ -21,8 +21,9 @@ written as users write it (diffusers, transformers and torch; nothing of sdq's):
 
 Each finished measurement is one JSON line: images or samples per second of each side,
 `sdq_vs_plain`, peak device memory, MFU where FLOPs are counted (torch's counter against
-the GPU's dense bf16/fp16 peak), and the seconds it took. The first line names the device,
-torch and the budget; the last sums up. Eager measurements of every part come first and the
+the GPU's dense bf16/fp16 peak), and the seconds it took; training's sdq side has a line of
+its own first (`"side": "sdq"`), out before its plain side starts. The first line names the
+device, torch and the budget; the last sums up. Eager measurements of every part come first and the
 compiled ones last (they cost the most). Before each, the check estimates its time from
 what it has seen (a prior per measurement, scaled by how the ones done so far compared
 with theirs; a compiled one from its eager one), and skips one that would not fit the
@@ -72,13 +73,16 @@ SCHEDULE = (
 # Seconds each step takes on the reference machines, setup included, what the first
 # estimates go by: an H100 (guessed from the parts' earlier runs: the compiles are the least
 # sure) and, for --small, a 2-core CPU. "generate compile" is the compiles of both sides at
-# both batch sizes (sdq's warm-up, the plain side's first calls); "train compile" is one
-# side's first compiled step.
+# both batch sizes (sdq's warm-up, the plain side's first calls); "train compile" is sdq's
+# first compiled step (by region: 28 s on an H200), "train whole compile" the plain side's
+# (the whole U-Net: 141 s there).
 PRIORS = {
     "gpu": {"imports": 25, "train eager": 65, "generate eager": 45, "encode eager": 25,
-            "curate eager": 25, "generate compile": 190, "train compile": 100},
+            "curate eager": 25, "generate compile": 190, "train compile": 30,
+            "train whole compile": 140},
     "small": {"imports": 10, "train eager": 30, "generate eager": 10, "encode eager": 3,
-              "curate eager": 4, "generate compile": 15, "train compile": 8},
+              "curate eager": 4, "generate compile": 15, "train compile": 8,
+              "train whole compile": 8},
 }  # fmt: skip
 # The modules each part needs beyond torch (beside this script, or sdq's).
 MODULES = {
@@ -132,8 +136,9 @@ class Check:
             seconds = self.priors[f"{part} eager"] * pace
         elif part == "generate":  # a compiled pipeline's warm-up, then calls as eager
             seconds = self.priors["generate compile"] * pace + eager
-        else:  # each side compiles, then trains as eager
-            seconds = 2 * self.priors["train compile"] * pace + eager
+        else:  # each side compiles (sdq by region, the plain side whole), then trains as eager
+            compiles = self.priors["train compile"] + self.priors["train whole compile"]
+            seconds = compiles * pace + eager
         return seconds + (0 if self.imported else self.priors["imports"])
 
     def fits(self, seconds: float, **where) -> bool:
@@ -304,12 +309,14 @@ def train(check: Check, compiled: bool) -> None:
         line |= {"sdq_compile_s": round(sdq.first_step_s, 1),
                  "sdq_recompiles_after_warm": recompiled}  # fmt: skip
     sdq_seconds = time.monotonic() - started
+    # sdq's side on its own line now: a plain side cut off by the budget loses nothing of it.
+    check.emit(line | {"side": "sdq", "seconds": round(sdq_seconds, 1)})
     sdq.training.close()
     del sdq
     free()
     plain_estimate = check.seen.get("train eager", {}).get("plain_seconds", sdq_seconds)
-    if compiled:
-        plain_estimate += line["sdq_compile_s"]
+    if compiled:  # the plain side compiles the whole U-Net
+        plain_estimate += check.priors["train whole compile"] * check.pace()
     if plain_estimate > check.left():
         line["plain_skipped"] = f"would take ~{plain_estimate:.0f} s, {check.left():.0f} s left"
     else:
@@ -363,9 +370,9 @@ def generate(check: Check, compiled: bool) -> None:
         pipeline = gpu.built(args, make)
         flops = gpu.flops_per_image(pipeline, args)
         sides = gpu.eager_sides(pipeline)
-        # The worker with SDQ_CHANNELS_LAST=0, measured in the same turns.
-        contiguous = gpu.eager_sides(gpu.built(args, make, channels_last=False))
-        sides["sdq_contiguous"] = contiguous["sdq"]
+        # The worker with SDQ_CHANNELS_LAST=1, measured in the same turns.
+        channels_last = gpu.eager_sides(gpu.built(args, make, channels_last=True))
+        sides["sdq_channels_last"] = channels_last["sdq"]
     eager = check.seen.get("generate eager", {}).get("calls_s", {})
     calls_s: dict[int, float] = {}  # each batch size's calls (the compiles left out)
     plain_warm_s = 0.0
@@ -399,9 +406,9 @@ def generate(check: Check, compiled: bool) -> None:
                      f"{name}_mfu": row[name]["mfu"]}  # fmt: skip
             if compiled:
                 line[f"{name}_recompiles_after_warm"] = sum(done.recompiled[name][counts[name] :])
-        if "sdq_contiguous" in row:
-            line["sdq_contiguous_images_per_s"] = row["sdq_contiguous"]["images_per_s"]
-            line["channels_last_over_contiguous"] = gpu.ratio(row, "sdq", "sdq_contiguous")
+        if "sdq_channels_last" in row:
+            line["sdq_channels_last_images_per_s"] = row["sdq_channels_last"]["images_per_s"]
+            line["channels_last_over_contiguous"] = gpu.ratio(row, "sdq_channels_last", "sdq")
         seconds = time.monotonic() - measured
         line |= {"sdq_vs_plain": gpu.ratio(row, "sdq", "plain"), "seconds": round(seconds, 1)}
         check.emit(line)
