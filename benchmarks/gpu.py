@@ -154,7 +154,7 @@ def built(
     args: argparse.Namespace,
     make: Callable[[], object] = sd15_pipeline,
     *,
-    channels_last: bool = True,
+    channels_last: bool = False,
 ):
     """The pipeline built in code (SD 1.5's shape, or what `make` builds), on the device, as
     a worker lays it out there (SDQ_CHANNELS_LAST)."""

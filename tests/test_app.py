@@ -77,8 +77,8 @@ def test_settings_default_to_the_embedded_deployment() -> None:
     with pytest.raises(ValueError, match="above 0"):
         Settings.from_env({"SDQ_DOWNLOAD_TIMEOUT": "0"})
     # On or off.
-    assert Settings.from_env({}).group(GenerateSettings).channels_last
-    assert not Settings.from_env({"SDQ_CHANNELS_LAST": "off"}).group(GenerateSettings).channels_last
+    assert not Settings.from_env({}).group(GenerateSettings).channels_last
+    assert Settings.from_env({"SDQ_CHANNELS_LAST": "on"}).group(GenerateSettings).channels_last
     refused = r"SDQ_CHANNELS_LAST must be on or off \(1 or 0\), got 'maybe'"
     with pytest.raises(ValueError, match=refused):
         Settings.from_env({"SDQ_CHANNELS_LAST": "maybe"})

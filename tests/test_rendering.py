@@ -558,10 +558,10 @@ def test_large_images_decode_in_tiles_and_their_spec_says_so(pipelines: Pipeline
 
 def test_a_compiling_worker_compiles_its_pipeline_once_with_fused_attention(tmp_path) -> None:
     """SDQ_COMPILE: the U-Net and the VAE decoder wrapped by torch.compile (it compiles on
-    the first call of each shape: minutes on a CPU, so not called here), channels-last,
-    Q, K and V fused."""
+    the first call of each shape: minutes on a CPU, so not called here), channels-last
+    where asked, Q, K and V fused."""
     cache = PipelineCache(files=ModelFiles(LocalStore(tmp_path / "store"), tmp_path / "cache"),
-                          size=1, compile_mode="default")  # fmt: skip
+                          size=1, compile_mode="default", channels_last=True)  # fmt: skip
     loaded, _ = cache.get(specs("x")[0])
     pipeline = loaded.pipeline
     assert type(pipeline.unet).__name__ == "OptimizedModule"
@@ -571,9 +571,8 @@ def test_a_compiling_worker_compiles_its_pipeline_once_with_fused_attention(tmp_
     conv = next(m for m in pipeline.unet.modules() if isinstance(m, torch.nn.Conv2d))
     assert conv.weight.is_contiguous(memory_format=torch.channels_last)
     assert cache.get(specs("y")[0]) == (loaded, None)  # once per process
-    # SDQ_CHANNELS_LAST=0: the weights as they were made.
-    contiguous = PipelineCache(files=cache.files, size=1, compile_mode="default",
-                               channels_last=False)  # fmt: skip
+    # SDQ_CHANNELS_LAST=0, the default: the weights as they were made.
+    contiguous = PipelineCache(files=cache.files, size=1, compile_mode="default")
     unet = contiguous.get(specs("x")[0])[0].pipeline.unet
     conv = next(m for m in unet.modules() if isinstance(m, torch.nn.Conv2d))
     assert not conv.weight.is_contiguous(memory_format=torch.channels_last)

@@ -99,9 +99,10 @@ class GenerateSettings:
     # in seconds on a CPU, at uncompiled speed.
     compile_backend: str = setting("SDQ_COMPILE_BACKEND", "inductor", read=_compile_backend)
     # The U-Net's and the VAE's weights in channels-last layout where there is a GPU or
-    # compiling (convolutions run on tensor cores without transposes): the device check
-    # measures a worker both ways (`channels_last_over_contiguous`).
-    channels_last: bool = setting("SDQ_CHANNELS_LAST", True)
+    # compiling. Off by default, by what the device check measured a worker both ways
+    # (`channels_last_over_contiguous`): 0.834 on an NVIDIA H200 at batch 1, eager (the
+    # layout's conversions cost more kernel launches than its convolutions save).
+    channels_last: bool = setting("SDQ_CHANNELS_LAST", False)
     # A compiled worker's LoRAs: swapped into one compiled pipeline per model, an adapter
     # of this rank on its U-Net's transformer blocks (a LoRA set's ranks must add up to at
     # most this), with nothing loaded or compiled again from set to set; its U-Net works

@@ -69,7 +69,7 @@ class PipelineCache:
         warm_shapes: tuple[tuple[int, int], ...] = (),
         compile_backend: str = "inductor",
         lora_swap_rank: int = 0,
-        channels_last: bool = True,
+        channels_last: bool = False,
     ) -> None:
         self.files = files
         self.size = size
