@@ -23,8 +23,8 @@ Each finished measurement is one JSON line: images or samples per second of each
 `sdq_vs_plain`, peak device memory, MFU where FLOPs are counted (torch's counter against
 the GPU's dense bf16/fp16 peak), and the seconds it took; training's sdq side has a line of
 its own first (`"side": "sdq"`), out before its plain side starts. The first line names the
-device, torch and the budget; the last sums up. Eager measurements of every part come first and the
-compiled ones last (they cost the most). Before each, the check estimates its time from
+device, torch and the budget; the last sums up. Eager measurements of every part come first
+and the compiled ones last (they cost the most). Before each, the check estimates its time from
 what it has seen (a prior per measurement, scaled by how the ones done so far compared
 with theirs; a compiled one from its eager one), and skips one that would not fit the
 budget left, with a line saying so. Whatever runs at the budget's end (a compile slower
