@@ -108,6 +108,16 @@ def side(name: str, args: argparse.Namespace) -> dict:
         seconds.append(time.perf_counter() - started)
         if step == 0:
             graphs_after_first = counters["stats"]["unique_graphs"]
+    return figures(name, seconds, graphs_after_first)
+
+
+def figures(name: str, seconds: list[float], graphs_after_first: int) -> dict:
+    """A side's line: its first step's seconds, a later step's, and the graphs and kernels
+    this process compiled or found."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    on_gpu = torch.cuda.is_available()
     return {
         "side": name,
         "device": torch.cuda.get_device_name() if on_gpu else "cpu",
@@ -153,17 +163,7 @@ def generate_side(name: str, args: argparse.Namespace) -> dict:
             graphs_at_warm = counters["stats"]["unique_graphs"]
         render(loaded, call)
         seconds.append(time.perf_counter() - started)
-    return {
-        "side": name,
-        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
-        "first_step_s": round(seconds[0], 3),
-        "step_s": round(statistics.median(seconds[1:]), 4),
-        "graphs": counters["stats"]["unique_graphs"],
-        "graphs_after_first_step": graphs_at_warm,
-        "kernels_compiled": counters["inductor"]["fxgraph_cache_miss"],
-        "kernels_found": counters["inductor"]["fxgraph_cache_hit"],
-        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if on_gpu else None,
-    }
+    return figures(name, seconds, graphs_at_warm)
 
 
 def saved_model(folder: Path) -> None:
