@@ -30,8 +30,8 @@ as it ends, then the summary.
     python benchmarks/compile_cache.py [--architecture tiny|sd2-narrow|sd2-base]
                                        [--steps 4] [--batch-size 4] [--sides eager,cold,warm,whole]
 
-On a GPU: `--architecture sd2-base --batch-size 64 --steps 8` is the device check's training
-shape (SD 2's full U-Net at 256 px).
+On a GPU: `--architecture sd2-base --batch-size 64 --steps 6` trains SD 2's full U-Net at its
+config's sample size (64 latents: 512 px).
 """
 
 import argparse

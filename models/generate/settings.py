@@ -80,7 +80,7 @@ class GenerateSettings:
     prompt_cache_url: str | None = setting("SDQ_PROMPT_CACHE_URL", None)
     shared_prompt_cache_size: int = setting("SDQ_SHARED_PROMPT_CACHE_SIZE", 10_000)
     # torch.compile's mode for the U-Net and the VAE decoder, compiled once per process
-    # (with fused QKV projections, channels-last, static shapes; "max-autotune" and
+    # (with fused QKV projections, static shapes; "max-autotune" and
     # "reduce-overhead" replay CUDA graphs); None: not compiled. Each new shape compiles
     # on first use (minutes): calls are padded up to the next of compile_batches, and
     # every one of them at each of warm_shapes (width, height) compiles when the pipeline
