@@ -239,11 +239,17 @@ def main() -> None:
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    asked = set(args.sides.split(","))
+    if unknown := asked - set(SIDES):
+        parser.error(f"unknown sides: {', '.join(sorted(unknown))}")
+    if args.steps < 2:
+        parser.error("--steps must be 2 or more: a step after the first is timed")
     if args.side:
         run = side if args.kind == "train" else generate_side
         print(json.dumps(run(args.side, args)))
         return
-    names = ["eager", *(name for name in args.sides.split(",") if name in SIDES[1:])]
+    # In SIDES' order whatever the order asked: cold saves what warm loads.
+    names = ["eager", *(name for name in SIDES[1:] if name in asked)]
     if args.kind == "generate" and "whole" in names:
         names.remove("whole")
     sides = {}
