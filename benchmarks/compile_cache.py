@@ -14,8 +14,9 @@ autotuner):
 
 `--kind generate`: a generate worker's pipeline cache (workers/generate/pipelines.py) loading
 a saved model (the tiny one on a CPU, SD 1.5's shape in fp16 on a GPU) and warming its batch
-buckets at one size: eager (not compiled), cold (SDQ_COMPILE's compile, `--compile-mode`,
-the artifacts saved to the store), warm (a second process, which loads them); no whole
+buckets at one size: eager (not compiled), cold (SDQ_COMPILE's compile in `--compile-mode`,
+reduce-overhead by default as in the device check, where a worker's default is
+max-autotune; the artifacts saved to the store), warm (a second process, which loads them); no whole
 side (a worker's U-Net is one graph already). Its first step is the model's load and warm-up;
 its steps after it are renders at the smallest bucket, whose graphs made count as
 recompilations.
@@ -27,8 +28,10 @@ after the warm side's first step; goal 0), `whole_seconds` and `regional_over_wh
 `regional_over_whole`'s speed twin `regional_speed_over_whole`). Prints one JSON line per side
 as it ends, then the summary.
 
-    python benchmarks/compile_cache.py [--architecture tiny|sd2-narrow|sd2-base]
-                                       [--steps 4] [--batch-size 4] [--sides eager,cold,warm,whole]
+    python benchmarks/compile_cache.py [--kind train|generate] [--steps 4]
+        [--sides eager,cold,warm,whole]
+        [--architecture tiny|sd2-narrow|sd2-base] [--batch-size 4]    # train
+        [--compile-mode reduce-overhead]                              # generate
 
 On a GPU: `--architecture sd2-base --batch-size 64 --steps 6` trains SD 2's full U-Net at its
 config's sample size (64 latents: 512 px).

@@ -314,8 +314,11 @@ def train(check: Check, compiled: bool) -> None:
     sdq.training.close()
     del sdq
     free()
-    plain_estimate = check.seen.get("train eager", {}).get("plain_seconds", sdq_seconds)
-    if compiled:  # the plain side compiles the whole U-Net
+    # The plain side trains as sdq's did (its eager line, else sdq's seconds less its own
+    # compile), and compiled, compiles the whole U-Net first.
+    trains = sdq_seconds - line.get("sdq_compile_s", 0.0)
+    plain_estimate = check.seen.get("train eager", {}).get("plain_seconds", trains)
+    if compiled:
         plain_estimate += check.priors["train whole compile"] * check.pace()
     if plain_estimate > check.left():
         line["plain_skipped"] = f"would take ~{plain_estimate:.0f} s, {check.left():.0f} s left"
