@@ -97,7 +97,7 @@ def side(name: str, args: argparse.Namespace) -> dict:
     seconds, graphs_after_first = [], 0
     for step in range(args.steps):
         started = time.perf_counter()
-        first = shared.first_step(spec, unet, inputs, saves=True, took=lambda _: None) \
+        first = shared.first_of_shape(spec, unet, inputs, saves=True, took=lambda _: None) \
             if name in ("cold", "warm") else nullcontext()  # fmt: skip
         with first:
             timesteps = torch.randint(0, 1000, (batch,), device=device)

@@ -97,6 +97,19 @@ def expected_pixels(stored: Image.Image, bucket: Bucket) -> tuple[np.ndarray, in
     return np.array(resized.crop((left, top, left + bucket.width, top + bucket.height))), top, left
 
 
+def download_found(env: dict[str, str], cwd: Path, downloads: list[tuple[str, str, str]]) -> None:
+    """The FOUND images downloaded as each (dataset, resize mode, side) of `downloads`."""
+    with HostileServer() as server:
+        listing = cwd / "shapes.csv"
+        listing.write_text("url,caption\n" + "".join(
+            f"{server.base}/sized/{size}/{n}.jpg,picture {n}\n" for n, size in enumerate(FOUND)
+        ))  # fmt: skip
+        for name, mode, side in downloads:
+            sdq_json(env, "download", str(listing), "--dataset", name, "--resolution", side,
+                     "--resize-mode", mode, "--min-size", "32", "--rows-per-shard", "4",
+                     "--wait", cwd=cwd)  # fmt: skip
+
+
 def run(env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "sdq.producer.cli", *args],
                           env=env, cwd=cwd, capture_output=True, text=True)  # fmt: skip
@@ -105,18 +118,10 @@ def run(env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProce
 @torch.inference_mode()
 def test_encode_buckets_places_each_image_in_one_latent_shard_per_bucket(tmp_path: Path) -> None:
     env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT)}
-    with HostileServer() as server:
-        listing = tmp_path / "shapes.csv"
-        listing.write_text("url,caption\n" + "".join(
-            f"{server.base}/sized/{size}/{n}.jpg,picture {n}\n" for n, size in enumerate(FOUND)
-        ))  # fmt: skip
-        # The longer side at twice the area's side keeps what the area's buckets need.
-        downloads = [("shapes", "keep_ratio", "128"), ("squares", "center_crop", "128"),
-                     ("longest", "keep_ratio_largest", "256")]  # fmt: skip
-        for name, mode, side in downloads:
-            sdq_json(env, "download", str(listing), "--dataset", name, "--resolution", side,
-                     "--resize-mode", mode, "--min-size", "32", "--rows-per-shard", "4",
-                     "--wait", cwd=tmp_path)  # fmt: skip
+    # The longer side at twice the area's side keeps what the area's buckets need.
+    download_found(env, tmp_path, [("shapes", "keep_ratio", "128"),
+                                   ("squares", "center_crop", "128"),
+                                   ("longest", "keep_ratio_largest", "256")])  # fmt: skip
 
     # What cannot work is refused before anything is written, saying what to do.
     cropped = run(env, tmp_path, "encode", "squares", "--model", "tiny", "--buckets", "128")

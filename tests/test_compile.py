@@ -12,20 +12,23 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, sdq_json
 from tests.netns_download import DOWNLOAD_ENV
 from tests.services import clean_env
+from tests.test_buckets import download_found
 from tests.test_train import TRAIN, encoded_dataset
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 MARK = "compiled regions "
 
 
-def _compiled(env: dict[str, str], cwd: Path, cache: Path) -> tuple[list[dict], str]:
-    """A compiled run of two jobs in a process of its own whose inductor cache is `cache`:
-    what it logged of each compile, and its output."""
+def _compiled(
+    env: dict[str, str], cwd: Path, cache: Path, *, run: tuple[str, ...] = ("toy", *TRAIN)
+) -> tuple[list[dict], str]:
+    """A compiled `run` (by default, of two jobs) in a process of its own whose inductor
+    cache is `cache`: what it logged of each compile, and its output."""
     done = subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", "--verbose", "train", "toy", *TRAIN,
+        [sys.executable, "-m", "sdq.producer.cli", "--verbose", "train", *run,
          "--steps", "4", "--checkpoint-every", "2", "--compile", "--json"],
         env={**env, "TORCHINDUCTOR_CACHE_DIR": str(cache)}, cwd=cwd, capture_output=True,
         text=True, check=False,
@@ -56,6 +59,29 @@ def test_a_compiled_run_compiles_once_and_another_machine_loads_what_it_made(
     assert warm["kernels_compiled"] == 0 and warm["kernels_found"] == cold["kernels_compiled"]
     assert warm["graphs"] == cold["graphs"]
     # The same kernels: the same losses, step for step.
+    assert json.loads(first)["losses"] == json.loads(second)["losses"]
+
+
+def test_a_compiled_run_on_buckets_shares_each_bucket_s_kernels(tmp_path: Path) -> None:
+    """Steps of several shapes (one bucket's batch each): each shape's first step compiles
+    and saves under its own key, and another machine loads every one of them, compiling no
+    kernel for any bucket, with the same losses."""
+    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT)}
+    download_found(env, tmp_path, [("shapes", "keep_ratio", "128")])
+    sdq_json(env, "encode", "shapes", "--model", "tiny", "--buckets", "128", "--wait",
+             cwd=tmp_path)  # fmt: skip
+    run = ("shapes", "--base", "tiny", "--resolution", "128", "--buckets", "--batch-size", "1")
+    cold, first = _compiled(env, tmp_path, tmp_path / "machine-1", run=run)
+    buckets = json.loads(first)["buckets"]
+    assert len(buckets) >= 2 and len(cold) == len(buckets), (buckets, cold)
+    assert len({shape["key"] for shape in cold}) == len(cold)
+    assert not any(shape["loaded"] for shape in cold)
+    warm, second = _compiled(env, tmp_path, tmp_path / "machine-2", run=run)
+    assert [shape["key"] for shape in warm] == [shape["key"] for shape in cold]
+    # A shape's kernels may be made already (a graph of dynamic shapes serves the rest):
+    # its step then saved nothing, and its key loads nothing.
+    assert warm[0]["loaded"] and warm[-1]["kernels_compiled"] == 0
+    assert warm[-1]["kernels_found"] == cold[-1]["kernels_compiled"]
     assert json.loads(first)["losses"] == json.loads(second)["losses"]
 
 

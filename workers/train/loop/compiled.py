@@ -5,11 +5,13 @@ Compiled by region: each repeated block (diffusers' `compile_repeated_blocks`, t
 transformer blocks) is one graph, compiled once and reused by every block of its shapes,
 where a whole-model graph compiles everything at once, anew for each process.
 
-Shared: after a process's first step that compiled anything, rank 0 saves the artifacts to
-the store (workers/compiled.py) under a key of everything that decides them (the U-Net's
-architecture, the step's shapes and dtypes, the precision, checkpointing, sharding), and
-every later process with the same key loads them before its first step. Within a process a
-run's jobs reuse the graphs: nothing compiles again."""
+Shared: after a process's first step of a shape that compiled anything, rank 0 saves the
+artifacts to the store (workers/compiled.py) under a key of everything that decides them
+(the U-Net's architecture, the step's shapes and dtypes, the precision, checkpointing,
+sharding), and every later process loads them before its first step of that shape. A run
+on aspect-ratio buckets steps in several shapes: each has its key, so another machine finds
+every bucket's kernels made, not the first bucket's alone. Within a process a run's jobs
+reuse the graphs: nothing compiles again."""
 
 import logging
 from collections.abc import Callable
@@ -49,16 +51,17 @@ def train_key(spec: TrainShardSpec, unet: UNet2DConditionModel, shapes: dict) ->
 
 @dataclass
 class SharedCompile:
-    """A compiled state's artifacts, loaded from the store before its first step and saved
-    there after it when they were not."""
+    """A compiled state's artifacts, loaded from the store before its first step of each
+    shape and saved there after it when they were not."""
 
     store: ObjectStore
-    stepped: bool = False
-    # What the first step compiled and found made, for the log and the tests.
+    # The (latents, embeddings) shapes stepped in this process: each compiled, or found.
+    stepped: set[tuple[tuple[int, ...], ...]] = field(default_factory=set)
+    # What the last first step of a shape compiled and found made, for the log and the tests.
     figures: dict[str, Any] = field(default_factory=dict)
 
     @contextmanager
-    def first_step(
+    def first_of_shape(
         self,
         spec: TrainShardSpec,
         unet: UNet2DConditionModel,
@@ -67,18 +70,17 @@ class SharedCompile:
         saves: bool,
         took: Callable[[float], None],
     ):
-        """Around the state's first step, which compiles: `took` is told its seconds."""
-        if self.stepped:
+        """Around a step; where it is the state's first of its shape, which compiles, `took`
+        is told its seconds."""
+        shape = (tuple(inputs.latents.shape), tuple(inputs.embeddings.shape))
+        if shape in self.stepped:
             yield
             return
-        shapes = {
-            "latents": list(inputs.latents.shape),
-            "embeddings": list(inputs.embeddings.shape),
-        }
+        shapes = {"latents": list(shape[0]), "embeddings": list(shape[1])}
         started = perf_counter()
         with shared_through(self.store, train_key(spec, unet, shapes), saves=saves) as figures:
             yield
-        self.stepped = True
+        self.stepped.add(shape)
         self.figures = figures
         # Loading, compiling and saving: all of it the run's start.
         self.figures["seconds"] = round(perf_counter() - started, 3)

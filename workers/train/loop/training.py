@@ -129,14 +129,16 @@ class Training:
         return window.steps
 
     def _first_compiled(self, spec: TrainShardSpec, inputs, window: "StepWindow"):
-        """Around a compiled state's first step (and its FLOP count): the store's artifacts
-        loaded before it, this rank 0's saved after it where there were none, and all of
-        it set aside from the window's speed (it is the run's start, not its training)."""
+        """Around a compiled state's first step of each shape (and its FLOP count): the
+        store's artifacts loaded before it, this rank 0's saved after it where there were
+        none, and all of it set aside from the window's speed (it is the run's start, not
+        its training)."""
         state = self.state
         if state.compiled is None:
             return nullcontext()
-        return state.compiled.first_step(spec, state.unet, inputs, saves=state.ranks.writes,
-                                         took=window.compiled_in)  # fmt: skip
+        return state.compiled.first_of_shape(
+            spec, state.unet, inputs, saves=state.ranks.writes, took=window.compiled_in
+        )
 
     def checkpoint(self, spec: TrainShardSpec) -> Snapshot | ShardedSnapshot | None:
         """The state to write as the checkpoint at its step, on the rank that writes it (on
@@ -186,7 +188,7 @@ class StepWindow:
         self._losses: list[tuple[int, float, torch.Tensor]] = []
         self._opened, self._opened_at = perf_counter(), time()
         self._waited = 0.0
-        self._compiled_in: float | None = None
+        self._compiled_in: list[float] = []  # the seconds of each step that compiled
         self._peak = peak_flops(state.device)
 
     def __len__(self) -> int:
@@ -211,17 +213,18 @@ class StepWindow:
             )
 
     def compiled_in(self, seconds: float) -> None:
-        """The window's first step compiled the model, taking `seconds` with its own work."""
-        self._compiled_in = seconds
+        """A step of the window (the first of its shape) compiled the model, taking
+        `seconds` with its own work."""
+        self._compiled_in.append(seconds)
 
     def _compiling(self, elapsed: float, steps: int) -> float:
-        """Of the window's `elapsed` seconds, those its first step spent compiling: that
-        step's time less one step's (the others' mean). A window of one step has no other
-        step to tell them apart by: its compile stays in its speed."""
-        first = self._compiled_in
-        if first is None or steps < 2:
+        """Of the window's `elapsed` seconds, those its steps spent compiling: those steps'
+        time less one step's each (the others' mean). A window whose every step compiled
+        has no other step to tell them apart by: its compiles stay in its speed."""
+        compiled, others = sum(self._compiled_in), steps - len(self._compiled_in)
+        if not self._compiled_in or others < 1:
             return 0.0
-        return max(0.0, first - (elapsed - first) / (steps - 1))
+        return max(0.0, compiled - len(self._compiled_in) * (elapsed - compiled) / others)
 
     def add(self, loss: torch.Tensor, bucket: str | None) -> None:
         lr = self.state.lr_scheduler.get_last_lr()[0]
@@ -261,6 +264,6 @@ class StepWindow:
                     "at": began + n * each,
                 }
             )
-        self._losses, self._waited, self._compiled_in = [], 0.0, None
+        self._losses, self._waited, self._compiled_in = [], 0.0, []
         self._opened, self._opened_at = closed, closed_at
         return self.steps[read_before:]
