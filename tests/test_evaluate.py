@@ -217,9 +217,10 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
     database = tmp_path / "sdq-data/sdq.db"
 
     # Bad input: refused by name, exit 2, no run written.
-    empty, binary = tmp_path / "empty.txt", tmp_path / "binary.txt"
+    empty, binary, one = tmp_path / "empty.txt", tmp_path / "binary.txt", tmp_path / "one.txt"
     empty.write_text("\n\n")
     binary.write_bytes(b"a prompt\n\xff\xfe\n")
+    one.write_text("a lone prompt\n")
     refusals = [
         (["--holdout", "0", "--eval-metrics", "heldout_loss"], "give --holdout FRACTION above 0"),
         (["--eval-metrics", "fid_clip"], "metrics are heldout_loss, clip_score, fd_clip, kid, fid"),
@@ -233,6 +234,10 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
          "no prompts (one prompt a line)"),
         (["--eval-metrics", "clip_score", "--eval-clip", clip, "--eval-prompts", str(binary)],
          "binary.txt:2: not UTF-8 text"),
+        # One render: no covariance, no pair of renders to average over.
+        (["--eval-metrics", "kid", "--eval-clip", clip, "--eval-prompts", str(one)],
+         "kid compare at least 2 renders with at least 2 real images, and this evaluation "
+         "has 1 and"),
     ]  # fmt: skip
     for options, message in refusals:
         refused = _sdq(env, tmp_path, "train", "toy", *TRAIN, *options)
@@ -332,6 +337,11 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
     }  # fmt: skip
     assert referenced["fd_clip"]["value"] >= 0
     assert referenced["fd_clip"]["value"] != dict(scores["fd_clip"])[20]
+    lone = _sdq(env, tmp_path, "evaluate", f"{run}@20", "--reference", "toy", "--samples", "6",
+                "--metrics", "fd_clip,kid", "--prompts", str(one))  # fmt: skip
+    said = ("fd_clip, kid compare at least 2 renders with at least 2 real images, and this "
+            "evaluation has 1 and 6")  # fmt: skip
+    assert lone.returncode == 2 and said in " ".join(lone.stderr.split()), lone.stderr
     no_latents = _sdq(env, tmp_path, "evaluate", "tiny", "--reference", "toy", "--metrics",
                       "heldout_loss,fd_clip", "--clip", "tiny")  # fmt: skip
     assert no_latents.returncode == 2 and "not on --reference's images" in no_latents.stderr

@@ -78,6 +78,18 @@ class Evaluation:
     # The trackers the scores go to besides SQL (the run's `--report-to`).
     report_to: tuple[str, ...] = ()
 
+    def too_few_to_compare(self) -> str | None:
+        """Why its distances from real images cannot be taken, or None. FID's and fd_clip's
+        covariances, and KID's unbiased mean over pairs, need two features a side at least:
+        with one, they are not numbers."""
+        compared = sorted(AGAINST_REAL & set(self.metrics))
+        real = self.held_out.samples if self.held_out else 0
+        renders = len(self.rendering.prompts) if self.rendering else 0
+        if not compared or min(real, renders) >= 2:
+            return None
+        return (f"{', '.join(compared)} compare at least 2 renders with at least 2 real "
+                f"images, and this evaluation has {renders} and {real}")  # fmt: skip
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Evaluation":
         rendering, held_out, clip = data.get("rendering"), data.get("held_out"), data.get("clip")

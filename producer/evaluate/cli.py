@@ -187,8 +187,11 @@ def _evaluation(
             rendering = replace(like, prompts=prompts)
         elif rendering is None:
             raise click.UsageError("renders need prompts: give --prompts FILE")
-    return Evaluation(metrics=request.metrics, held_out=held_out, rendering=rendering,
-                      clip=request.clip, fid_weights=request.fid_weights)  # fmt: skip
+    evaluation = Evaluation(metrics=request.metrics, held_out=held_out, rendering=rendering,
+                            clip=request.clip, fid_weights=request.fid_weights)  # fmt: skip
+    if too_few := evaluation.too_few_to_compare():
+        raise click.UsageError(f"{too_few}: score on more samples (--samples, --prompts)")
+    return evaluation
 
 
 def _report_sent(run_id: int, scored: ScoredModel, as_json: bool) -> None:

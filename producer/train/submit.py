@@ -121,6 +121,8 @@ def _scored_by(
                                     **made)  # fmt: skip
     except NothingHeldOut as error:
         raise CannotTrain(str(error)) from None
+    if too_few := evaluation.too_few_to_compare():
+        raise CannotTrain(f"{too_few}: hold out more samples (--holdout, --eval-samples)")
     run.options = {**run.options, "evaluation": asdict(evaluation)}
     return replace(first, evaluation=evaluation)
 
