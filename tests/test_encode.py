@@ -4,6 +4,8 @@ the same tiny VAE, text encoder and seeds, and SQL leads from each latent shard 
 the URLs it was made of."""
 
 import io
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -278,3 +280,30 @@ def test_a_dataset_with_no_usable_samples_is_named_so_by_encode_and_train(
     assert said in refused("encode", "gone")
     trained = refused("train", "gone", "--steps", "4")
     assert said in trained and "sdq encode" not in trained
+
+
+def test_a_dead_encode_job_is_found_where_its_run_s_status_says(tmp_path: Path) -> None:
+    """An image shard changed in the store since it was recorded cannot be encoded: its job
+    is dead, and the command `sdq status` names for a run's dead jobs lists it, an encode
+    job as a generation job."""
+    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT)}
+    with HostileServer() as server:
+        listing = write_list(tmp_path / "toy.csv", server.base, 4)
+        sdq_json(env, "download", str(listing), "--dataset", "toy", "--resolution", "64",
+                 "--wait", cwd=tmp_path)  # fmt: skip
+    [shard] = (tmp_path / "sdq-data/store/datasets/toy/images").glob("*.parquet")
+    shard.write_bytes(shard.read_bytes()[:-100])
+
+    def sdq(*args: str, exit_code: int = 0) -> str:
+        done = subprocess.run([sys.executable, "-m", "sdq.producer.cli", *args],
+                              env=env, cwd=tmp_path, capture_output=True, text=True)  # fmt: skip
+        assert done.returncode == exit_code, done.stderr
+        return done.stdout + " ".join(done.stderr.split())
+
+    encoded = sdq("encode", "toy", "--model", "tiny", "--resolution", "64", exit_code=1)
+    run_id = int(re.search(r"run (\d+): 1 job dead", encoded)[1])
+    listing_command = f"sdq find --run {run_id} --status dead"
+    said = " ".join(sdq("status", str(run_id)).split())
+    assert f"1 failed for good: `{listing_command}` lists them" in said, said
+    [job] = json.loads(sdq(*listing_command.split()[1:], "--json"))
+    assert (job["run_id"], job["kind"], job["status"]) == (run_id, "encode", "dead")

@@ -380,9 +380,9 @@ def export(app: SdqCelery, run_id: int, folder: Path, format_: str, as_json: boo
 @json_option
 @pass_app
 def find(app: SdqCelery, as_json: bool, **filters: Any) -> None:
-    """Find generation jobs by prompt, style, model, run or status."""
-    lookup(app, lambda session: generate_lookups.find_jobs(session, **filters),
-           as_json=as_json, show=table(["id", "run_id", "status", "seed", "prompt"]))  # fmt: skip
+    """Find jobs by run or status (of any kind), or images by prompt, style or model."""
+    lookup(app, lambda session: generate_lookups.find_jobs(session, **filters), as_json=as_json,
+           show=table(["id", "run_id", "kind", "status", "seed", "prompt"]))  # fmt: skip
 
 
 COMMANDS = (submit, run, find, get, gallery, export)

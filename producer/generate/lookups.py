@@ -36,10 +36,13 @@ def find_jobs(
     status: str | None = None,
     limit: int = 50,
 ) -> list[dict[str, Any]]:
-    """Substring matches, case-insensitive; the trigram index serves them on Postgres."""
+    """Substring matches, case-insensitive; the trigram index serves them on Postgres. By run
+    or status alone, jobs of every kind (a run's dead ones, whatever it does); by prompt,
+    style or model, generation jobs."""
+    columns = (Job.id, Job.run_id, Job.kind, Job.status, Job.cached, Job.output_uri.label("uri"))
     query = (
-        select(Job.id, Job.run_id, Job.status, Job.cached, Job.output_uri.label("uri"), *FIELDS)
-        .join(Generation, Generation.job_id == Job.id)
+        select(*columns, *FIELDS)
+        .outerjoin(Generation, Generation.job_id == Job.id)
         .order_by(Job.id.desc())
         .limit(limit)
     )
