@@ -63,6 +63,12 @@ def test_sd2_at_the_seed_s_sizes_per_gpu_fits_an_80gb_gpu(tmp_path: Path) -> Non
     assert 4 < at_512["flops_per_sample"] / at_256["flops_per_sample"] < 5
     # SD 2's U-Net forward at 256 px is ~180 GFLOPs; training counts it three times.
     assert 500e9 < at_256["flops_per_sample"] < 600e9
+    # The screen says what GPU it planned for: the default, with the option that sets it.
+    shown = sdq("train", "plan", "--unet-config", "sd2-base", "--resolution", "256",
+                "--batch-size", "4096", "--world-size", "32", cwd=tmp_path)  # fmt: skip
+    usable = at_256["usable_bytes"] / GIB
+    said = f"fits within {usable:.1f} GiB usable of each GPU's 74.5 GiB (--gpu-memory)"
+    assert said in " ".join(shown.stdout.split()), shown.stdout
 
 
 def test_sdxl_s_u_net_is_planned_with_its_added_conditions(tmp_path: Path) -> None:

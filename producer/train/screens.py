@@ -95,8 +95,9 @@ def show_plan(plan: dict[str, Any], refusal: str | None) -> None:
     stdout.print(rows_table(rows, ["part", "GiB"], title=f"micro-batch {plan['micro_batch']}"))
     stdout.print(f"{plan['flops_per_sample'] / 1e9:,.0f} GFLOPs per sample (training)")
     if refusal is None:
-        usable = plan["usable_bytes"] / gib
-        stdout.print(f"[green]fits[/green] within {usable:.1f} GiB usable of each GPU")
+        usable, whole = plan["usable_bytes"] / gib, plan["gpu_memory"] / gib
+        stdout.print(f"[green]fits[/green] within {usable:.1f} GiB usable of each GPU's "
+                     f"{whole:.1f} GiB (--gpu-memory)")  # fmt: skip
     else:
         stdout.print(f"[red]does not fit[/red]: {refusal}")
 
