@@ -80,7 +80,7 @@ def side(name: str, args: argparse.Namespace) -> dict:
         unet = unet.to(memory_format=torch.channels_last)
     model = unet
     if name in ("cold", "warm"):
-        compile_regions(unet)
+        compile_regions(unet, buckets=False)
     elif name == "whole":
         model = torch.compile(unet)
     optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4, fused=on_gpu)
@@ -97,7 +97,7 @@ def side(name: str, args: argparse.Namespace) -> dict:
     seconds, graphs_after_first = [], 0
     for step in range(args.steps):
         started = time.perf_counter()
-        first = shared.first_of_shape(spec, unet, inputs, saves=True, took=lambda _: None) \
+        first = shared.first_of_shape(spec, unet, inputs, saves=True, took=lambda *_: None) \
             if name in ("cold", "warm") else nullcontext()  # fmt: skip
         with first:
             timesteps = torch.randint(0, 1000, (batch,), device=device)

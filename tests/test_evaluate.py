@@ -236,7 +236,7 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
          "binary.txt:2: not UTF-8 text"),
         # One render: no covariance, no pair of renders to average over.
         (["--eval-metrics", "kid", "--eval-clip", clip, "--eval-prompts", str(one)],
-         "kid compare at least 2 renders with at least 2 real images, and this evaluation "
+         "kid need at least 2 renders and 2 real images to compare, and this evaluation "
          "has 1 and"),
     ]  # fmt: skip
     for options, message in refusals:
@@ -339,8 +339,8 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
     assert referenced["fd_clip"]["value"] != dict(scores["fd_clip"])[20]
     lone = _sdq(env, tmp_path, "evaluate", f"{run}@20", "--reference", "toy", "--samples", "6",
                 "--metrics", "fd_clip,kid", "--prompts", str(one))  # fmt: skip
-    said = ("fd_clip, kid compare at least 2 renders with at least 2 real images, and this "
-            "evaluation has 1 and 6")  # fmt: skip
+    said = ("fd_clip, kid need at least 2 renders and 2 real images to compare, and this "
+            "evaluation has 1 and 6: give more prompts (--prompts)")  # fmt: skip
     assert lone.returncode == 2 and said in " ".join(lone.stderr.split()), lone.stderr
     no_latents = _sdq(env, tmp_path, "evaluate", "tiny", "--reference", "toy", "--metrics",
                       "heldout_loss,fd_clip", "--clip", "tiny")  # fmt: skip

@@ -46,11 +46,13 @@ def compile_counts() -> dict[str, int]:
 
 
 @contextmanager
-def shared_through(store: ObjectStore, key: str, *, saves: bool = True) -> Iterator[dict]:
-    """Around a compile: the store's artifacts for `key` loaded before it; after it, the
-    figures of what it found and compiled (the yielded dict), and what it compiled saved
-    (where it compiled anything, and `saves`)."""
-    figures: dict[str, Any] = {"key": key, "loaded": _load(store, key)}
+def shared_through(
+    store: ObjectStore, key: str, *, loads: bool = True, saves: bool = True
+) -> Iterator[dict]:
+    """Around a compile: the store's artifacts for `key` loaded before it (where `loads`);
+    after it, the figures of what it found and compiled (the yielded dict), and what it
+    compiled saved (where it compiled anything, and `saves`)."""
+    figures: dict[str, Any] = {"key": key, "loaded": loads and _load(store, key)}
     compiled_before = compile_counts()["kernels_compiled"]
     yield figures
     figures.update(compile_counts())

@@ -78,8 +78,9 @@ class Evaluation:
     # The trackers the scores go to besides SQL (the run's `--report-to`).
     report_to: tuple[str, ...] = ()
 
-    def too_few_to_compare(self) -> str | None:
-        """Why its distances from real images cannot be taken, or None. FID's and fd_clip's
+    def too_few_to_compare(self, *, more_renders: str, more_real: str) -> str | None:
+        """Why its distances from real images cannot be taken, with the advice for the side
+        that is short; None where they can, or none is asked. FID's and fd_clip's
         covariances, and KID's unbiased mean over pairs, need two features a side at least:
         with one, they are not numbers."""
         compared = sorted(AGAINST_REAL & set(self.metrics))
@@ -87,8 +88,9 @@ class Evaluation:
         renders = len(self.rendering.prompts) if self.rendering else 0
         if not compared or min(real, renders) >= 2:
             return None
-        return (f"{', '.join(compared)} compare at least 2 renders with at least 2 real "
-                f"images, and this evaluation has {renders} and {real}")  # fmt: skip
+        advice = [more for more, few in ((more_renders, renders < 2), (more_real, real < 2)) if few]
+        return (f"{', '.join(compared)} need at least 2 renders and 2 real images to compare, "
+                f"and this evaluation has {renders} and {real}: {'; '.join(advice)}")  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Evaluation":

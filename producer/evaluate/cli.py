@@ -189,8 +189,11 @@ def _evaluation(
             raise click.UsageError("renders need prompts: give --prompts FILE")
     evaluation = Evaluation(metrics=request.metrics, held_out=held_out, rendering=rendering,
                             clip=request.clip, fid_weights=request.fid_weights)  # fmt: skip
-    if too_few := evaluation.too_few_to_compare():
-        raise click.UsageError(f"{too_few}: score on more samples (--samples, --prompts)")
+    if too_few := evaluation.too_few_to_compare(
+        more_renders="give more prompts (--prompts)",
+        more_real="compare with more real images (--reference DATASET --samples N)",
+    ):
+        raise click.UsageError(too_few)
     return evaluation
 
 

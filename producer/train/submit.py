@@ -121,8 +121,11 @@ def _scored_by(
                                     **made)  # fmt: skip
     except NothingHeldOut as error:
         raise CannotTrain(str(error)) from None
-    if too_few := evaluation.too_few_to_compare():
-        raise CannotTrain(f"{too_few}: hold out more samples (--holdout, --eval-samples)")
+    if too_few := evaluation.too_few_to_compare(
+        more_renders="give more prompts (--eval-prompts)",
+        more_real="score on more samples (--holdout, --eval-samples, --eval-dataset)",
+    ):
+        raise CannotTrain(too_few)
     run.options = {**run.options, "evaluation": asdict(evaluation)}
     return replace(first, evaluation=evaluation)
 

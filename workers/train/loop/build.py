@@ -111,7 +111,7 @@ def new_state(spec: TrainShardSpec, unet: UNet2DConditionModel, ranks: Ranks = A
     # 3. What the steps call: the U-Net, its blocks compiled if asked, in DDP's wrapper over
     # several unsharded ranks.
     if options.compile:
-        compile_regions(unet)
+        compile_regions(unet, buckets=options.buckets)
     model = unet if sharded or not ranks.distributed else _data_parallel(unet, options, device)
     return TrainState(
         run=spec.run,

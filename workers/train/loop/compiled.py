@@ -5,16 +5,17 @@ Compiled by region: each repeated block (diffusers' `compile_repeated_blocks`, t
 transformer blocks) is one graph, compiled once and reused by every block of its shapes,
 where a whole-model graph compiles everything at once, anew for each process.
 
-Shared: after a process's first step of a shape that compiled anything, rank 0 saves the
-artifacts to the store (workers/compiled.py) under a key of everything that decides them
-(the U-Net's architecture, the step's shapes and dtypes, the precision, checkpointing,
-sharding), and every later process loads them before its first step of that shape. A run
-on aspect-ratio buckets steps in several shapes: each has its key, so another machine finds
-every bucket's kernels made, not the first bucket's alone. Within a process a run's jobs
-reuse the graphs: nothing compiles again."""
+Shared: after a process's first step of each shape, where it compiled anything, rank 0
+saves the artifacts to the store (workers/compiled.py) under a key of everything that
+decides them (the U-Net's architecture, the step's shapes and dtypes, the precision,
+checkpointing, sharding), and every later process loads them before its first step. A run
+on aspect-ratio buckets steps in several shapes through graphs of dynamic sizes: its key
+holds all of its buckets, so a process that meets them in another order (a job resumed
+mid-run) finds what the first made. Within a process a run's jobs reuse the graphs: nothing
+compiles again."""
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -29,10 +30,21 @@ from sdq.workers.compiled import artifacts_key, model_architecture, shared_throu
 logger = logging.getLogger(__name__)
 
 
-def compile_regions(unet: UNet2DConditionModel) -> None:
+def compile_regions(unet: UNet2DConditionModel, *, buckets: bool) -> None:
     """Each repeated block compiled in place, on its first call (fullgraph: a block that
-    would break into pieces fails at once instead of running slowly)."""
-    unet.compile_repeated_blocks(fullgraph=True)
+    would break into pieces fails at once instead of running slowly). On `buckets`, with
+    dynamic sizes from the start: one graph for every bucket's shape, whatever order they
+    come in, where static ones would compile again as the sizes change (and which graphs a
+    process made would depend on the order it met the buckets in)."""
+    unet.compile_repeated_blocks(fullgraph=True, dynamic=True if buckets else None)
+
+
+def step_shapes(inputs, buckets: Sequence[str]) -> dict[str, Any]:
+    """The shapes that decide a state's graphs: its step's, or on `buckets`, all of them."""
+    if buckets:
+        return {"buckets": sorted(buckets), "micro_batch": inputs.latents.shape[0],
+                "embeddings": list(inputs.embeddings.shape)}  # fmt: skip
+    return {"latents": list(inputs.latents.shape), "embeddings": list(inputs.embeddings.shape)}
 
 
 def train_key(spec: TrainShardSpec, unet: UNet2DConditionModel, shapes: dict) -> str:
@@ -51,8 +63,8 @@ def train_key(spec: TrainShardSpec, unet: UNet2DConditionModel, shapes: dict) ->
 
 @dataclass
 class SharedCompile:
-    """A compiled state's artifacts, loaded from the store before its first step of each
-    shape and saved there after it when they were not."""
+    """A compiled state's artifacts, loaded from the store before its first step and saved
+    there after its first step of each shape where that compiled anything."""
 
     store: ObjectStore
     # The (latents, embeddings) shapes stepped in this process: each compiled, or found.
@@ -67,22 +79,24 @@ class SharedCompile:
         unet: UNet2DConditionModel,
         inputs,
         *,
+        buckets: Sequence[str] = (),
         saves: bool,
-        took: Callable[[float], None],
+        took: Callable[[float, bool], None],
     ):
-        """Around a step; where it is the state's first of its shape, which compiles, `took`
-        is told its seconds."""
+        """Around a step; where it is the state's first of its shape, `took` is told its
+        seconds, and whether it was the state's first step (the run's start)."""
         shape = (tuple(inputs.latents.shape), tuple(inputs.embeddings.shape))
         if shape in self.stepped:
             yield
             return
-        shapes = {"latents": list(shape[0]), "embeddings": list(shape[1])}
+        starting = not self.stepped
+        key = train_key(spec, unet, step_shapes(inputs, buckets))
         started = perf_counter()
-        with shared_through(self.store, train_key(spec, unet, shapes), saves=saves) as figures:
+        with shared_through(self.store, key, loads=starting, saves=saves) as figures:
             yield
         self.stepped.add(shape)
         self.figures = figures
-        # Loading, compiling and saving: all of it the run's start.
+        # Loading, compiling and saving: all of it set aside from the training's speed.
         self.figures["seconds"] = round(perf_counter() - started, 3)
-        took(self.figures["seconds"])
+        took(self.figures["seconds"], starting)
         logger.info("run %s: compiled regions %s", spec.run, self.figures)

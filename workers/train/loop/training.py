@@ -73,6 +73,8 @@ class Training:
         self.ahead: list[dict] = []
         self._writing: ShardedSnapshot | None = None
         shards = run_inputs(spec, store)
+        # The shapes its steps come in, on buckets: a compiled state's key holds them all.
+        self._buckets = sorted({shard.bucket for shard in shards if shard.bucket})
         stream = (BucketedStream if spec.options.buckets else LatentStream)(
             shards,
             seed=spec.options.seed,
@@ -136,9 +138,9 @@ class Training:
         state = self.state
         if state.compiled is None:
             return nullcontext()
-        return state.compiled.first_of_shape(
-            spec, state.unet, inputs, saves=state.ranks.writes, took=window.compiled_in
-        )
+        return state.compiled.first_of_shape(spec, state.unet, inputs, buckets=self._buckets,
+                                             saves=state.ranks.writes,
+                                             took=window.compiled_in)  # fmt: skip
 
     def checkpoint(self, spec: TrainShardSpec) -> Snapshot | ShardedSnapshot | None:
         """The state to write as the checkpoint at its step, on the rank that writes it (on
@@ -189,6 +191,7 @@ class StepWindow:
         self._opened, self._opened_at = perf_counter(), time()
         self._waited = 0.0
         self._compiled_in: list[float] = []  # the seconds of each step that compiled
+        self._starting: float | None = None  # of those, the state's first step's
         self._peak = peak_flops(state.device)
 
     def __len__(self) -> int:
@@ -212,19 +215,24 @@ class StepWindow:
                 {name: tensor.float() for name, tensor in inputs.added.items()},
             )
 
-    def compiled_in(self, seconds: float) -> None:
+    def compiled_in(self, seconds: float, starting: bool) -> None:
         """A step of the window (the first of its shape) compiled the model, taking
-        `seconds` with its own work."""
+        `seconds` with its own work; `starting`: the state's first step."""
         self._compiled_in.append(seconds)
+        if starting:
+            self._starting = seconds
 
-    def _compiling(self, elapsed: float, steps: int) -> float:
-        """Of the window's `elapsed` seconds, those its steps spent compiling: those steps'
-        time less one step's each (the others' mean). A window whose every step compiled
-        has no other step to tell them apart by: its compiles stay in its speed."""
-        compiled, others = sum(self._compiled_in), steps - len(self._compiled_in)
+    def _compiling(self, elapsed: float, steps: int) -> tuple[float, float]:
+        """Of the window's `elapsed` seconds, those its steps spent compiling (each such
+        step's time less one step's: the others' mean), and of those, the state's first
+        step's. A window whose every step compiled has no other step to tell them apart
+        by: its compiles stay in its speed."""
+        others = steps - len(self._compiled_in)
         if not self._compiled_in or others < 1:
-            return 0.0
-        return max(0.0, compiled - len(self._compiled_in) * (elapsed - compiled) / others)
+            return 0.0, 0.0
+        step = (elapsed - sum(self._compiled_in)) / others
+        compiling = sum(max(0.0, seconds - step) for seconds in self._compiled_in)
+        return compiling, max(0.0, self._starting - step) if self._starting else 0.0
 
     def add(self, loss: torch.Tensor, bucket: str | None) -> None:
         lr = self.state.lr_scheduler.get_last_lr()[0]
@@ -238,13 +246,14 @@ class StepWindow:
         losses = torch.stack([loss for _, _, loss, _ in self._losses]).tolist()
         closed, closed_at = perf_counter(), time()
         options = self.spec.options
-        # A compile is set aside: the steps' time and speed are the training's alone, and
-        # the first step begins once the compile is done (in the run's start share).
-        compiling = self._compiling(closed - self._opened, len(losses))
+        # Compiles are set aside from the speed. The state's first is the run's start too:
+        # the first step begins once it is done (in the start share). A later shape's stays
+        # in its step's time (the training share).
+        compiling, starting = self._compiling(closed - self._opened, len(losses))
         speed = len(losses) * options.batch_size / (closed - self._opened - compiling)
         peak, flops = self._peak, self.state.flops_per_sample
         waited = self._waited / len(losses)
-        began = self._opened_at + compiling
+        began = self._opened_at + starting
         each = (closed_at - began) / len(losses)
         for n, ((step, lr, _, bucket), loss) in enumerate(
             zip(self._losses, losses, strict=True), 1
@@ -264,6 +273,6 @@ class StepWindow:
                     "at": began + n * each,
                 }
             )
-        self._losses, self._waited, self._compiled_in = [], 0.0, []
+        self._losses, self._waited, self._compiled_in, self._starting = [], 0.0, [], None
         self._opened, self._opened_at = closed, closed_at
         return self.steps[read_before:]
