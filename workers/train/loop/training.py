@@ -74,7 +74,7 @@ class Training:
         self._writing: ShardedSnapshot | None = None
         shards = run_inputs(spec, store)
         # The shapes its steps come in, on buckets: a compiled state's key holds them all.
-        self._buckets = sorted({shard.bucket for shard in shards if shard.bucket})
+        self._buckets = sorted({shard.bucket for shard in shards}) if spec.options.buckets else []
         stream = (BucketedStream if spec.options.buckets else LatentStream)(
             shards,
             seed=spec.options.seed,
@@ -132,9 +132,9 @@ class Training:
 
     def _first_compiled(self, spec: TrainShardSpec, inputs, window: "StepWindow"):
         """Around a compiled state's first step of each shape (and its FLOP count): the
-        store's artifacts loaded before it, this rank 0's saved after it where there were
-        none, and all of it set aside from the window's speed (it is the run's start, not
-        its training)."""
+        store's artifacts loaded before the first, this rank 0's saved after each that
+        compiled anything, and their time set aside from the window's speed (the first's is
+        the run's start)."""
         state = self.state
         if state.compiled is None:
             return nullcontext()
@@ -232,7 +232,8 @@ class StepWindow:
             return 0.0, 0.0
         step = (elapsed - sum(self._compiled_in)) / others
         compiling = sum(max(0.0, seconds - step) for seconds in self._compiled_in)
-        return compiling, max(0.0, self._starting - step) if self._starting else 0.0
+        starting = 0.0 if self._starting is None else max(0.0, self._starting - step)
+        return compiling, starting
 
     def add(self, loss: torch.Tensor, bucket: str | None) -> None:
         lr = self.state.lr_scheduler.get_last_lr()[0]
