@@ -1,4 +1,5 @@
-"""Questions only generation answers: prompts, styles, seeds, images."""
+"""Questions generation answers: prompts, styles, seeds, images; and `sdq find`, whose
+listing by run or status alone holds jobs of every kind (a run's dead ones, whatever it does)."""
 
 from collections.abc import Iterable, Sequence
 from typing import Any
