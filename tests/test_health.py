@@ -3,6 +3,7 @@ and the command exits 1."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -95,10 +96,12 @@ def test_a_database_that_cannot_be_reached_is_one_line_saying_why(
 def test_a_worker_whose_device_keeps_failing_is_taken_out_of_rotation(
     own_deployment: dict[str, str], tmp_path
 ) -> None:
-    """Two GPU workers, as on two machines; one's device runs out of memory on every call
-    (tests/sick_device). Its failures give the jobs back without spending attempts, the
-    healthy one does them, and once two of its failed tasks' jobs are done there it takes
-    no more jobs, says why in its log, in `sdq health` and in the metrics, until cleared."""
+    """A GPU worker whose device runs out of memory on every call (tests/sick_device) fails
+    both jobs of a run, alone, again and again: its failures give them back without
+    spending attempts. A healthy worker then starts and does them, and the sick one gets no
+    more jobs to fail: it still finds that two of its failed tasks' jobs were done elsewhere
+    (it looks again after its last failure), takes no more jobs, and says why in its log,
+    in `sdq health` and in the metrics, until cleared."""
     from sqlalchemy import select
 
     from sdq.models.db import make_engine, session_factory
@@ -108,7 +111,12 @@ def test_a_worker_whose_device_keeps_failing_is_taken_out_of_rotation(
     from sdq.workers.app import create_app
     from tests.conftest import sdq_json, wait_for_run, write
 
-    env = {**own_deployment, "SDQ_SICK_AFTER": "2", "SDQ_CALLS_PER_TASK": "1"}
+    env = {
+        **own_deployment,
+        "SDQ_SICK_AFTER": "2",
+        "SDQ_CALLS_PER_TASK": "1",
+        "SDQ_RETRY_BACKOFF_MAX_SECONDS": "2",  # the given-back jobs come round quickly
+    }
     sick_env = {
         **env,
         "PYTHONPATH": os.pathsep.join(
@@ -123,9 +131,13 @@ def test_a_worker_whose_device_keeps_failing_is_taken_out_of_rotation(
          "-m", "sdq.producer.cli", "worker", "gpu", "--loglevel", "info"],
         env=sick_env, stdout=sick_log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
-    healthy = WorkerProcess(env, tmp_path / "healthy.log").start()
+    healthy = WorkerProcess(env, tmp_path / "healthy.log")
     sessions = session_factory(make_engine(env["SDQ_DATABASE_URL"]))
     app = create_app(Settings.from_env(env))
+
+    def tasks_failed_by_sickbox() -> set[str]:
+        retried = re.findall(r"Task sdq\.generate\[([0-9a-f-]+)\] retry", sick_log.read_text())
+        return set(retried)
 
     def consumed_by_sickbox() -> list[str]:
         answers = app.control.inspect(timeout=2).active_queues() or {}
@@ -133,12 +145,15 @@ def test_a_worker_whose_device_keeps_failing_is_taken_out_of_rotation(
 
     try:
         wait_for(lambda: "ready." in sick_log.read_text(), what="the sick worker", timeout=90)
-        prompts = "".join(f"a sick device {n},{n}\n" for n in range(12))
-        listing = write(tmp_path / "p.csv", "prompt,seed\n" + prompts)
+        listing = write(tmp_path / "p.csv", "prompt,seed\na sick device 1,1\na sick device 2,2\n")
         run_id = sdq_json(env, "submit", str(listing), "--steps", "2", "--batch-size", "1")[
             "run_id"
         ]
-        assert wait_for_run(env["SDQ_DATABASE_URL"], run_id) == {"succeeded": 12}
+        wait_for(lambda: len(tasks_failed_by_sickbox()) == 2, what="both jobs failed", timeout=60)
+        healthy.start()
+        assert wait_for_run(env["SDQ_DATABASE_URL"], run_id) == {"succeeded": 2}
+        wait_for(lambda: "sick, taking no more jobs from" in sick_log.read_text(),
+                 what="the sick worker taken out", timeout=30)  # fmt: skip
         with sessions() as session:
             [taken_out] = session.scalars(select(SickWorker)).all()
             attempts = set(session.scalars(select(Job.attempts).where(Job.run_id == run_id)))
@@ -146,7 +161,6 @@ def test_a_worker_whose_device_keeps_failing_is_taken_out_of_rotation(
         assert taken_out.worker == "cpu-render@sickbox" and "CUDA out of memory" in taken_out.reason
         assert attempts == {1}  # the sick device's failures spent none
         assert not any(worker.startswith("sickbox:") for worker in workers)
-        assert "sick, taking no more jobs from" in sick_log.read_text()
         wait_for(lambda: consumed_by_sickbox() == [], what="the sick worker to stop", timeout=30)
         code, checks = health(env)
         assert code == 1 and "cpu-render@sickbox out of rotation" in checks["devices"]["detail"]

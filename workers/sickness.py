@@ -9,16 +9,18 @@ consuming its queues. `sdq health` and the metrics show it; a restart, or
 `sdq worker clear NAME`, puts it back."""
 
 import logging
+import threading
 from collections import deque
+from dataclasses import dataclass
 
-from celery import Task
+from celery import Celery, Task
 from sqlalchemy import delete, select
 
 from sdq.models.db import make_engine, session_factory, upsert
 from sdq.models.faults import device_failure
 from sdq.models.jobs.delivery import Outcome
 from sdq.models.jobs.lifecycle import utcnow
-from sdq.models.tables import Job, JobStatus, SickWorker
+from sdq.models.tables import FINISHED, Job, JobStatus, SickWorker
 from sdq.workers.routing import queues_of
 
 logger = logging.getLogger(__name__)
@@ -26,41 +28,81 @@ logger = logging.getLogger(__name__)
 # This process's tasks that failed on the device since its last success, their job ids:
 # the last few dozen, enough to judge by, however long a lone worker keeps failing.
 _failed_in_a_row: deque[list[int]] = deque(maxlen=64)
+# Other workers do the given-back jobs after the failure that gave them back, and a worker
+# may take no more jobs after it (another took every retry): it looks again this often
+# until it is judged, works again, or every failed job is finished.
+LOOK_AGAIN_SECONDS = 5.0
+_looking_again: threading.Timer | None = None
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """The worker whose device failed, as a judgement outside its task needs it."""
+
+    app: Celery
+    node: str  # its Celery node, whose queues it stops consuming
+    host: str  # its jobs' worker_host
+    queues: list[str]  # what it consumes if it does not answer for itself
+    error: str
 
 
 def after_task(task: Task, job_ids: list[int], outcome: Outcome, *, me: str) -> None:
     """Counts the task's outcome; takes the worker out once its device is seen sick."""
     if outcome.outage is not None and device_failure(outcome.outage):
         _failed_in_a_row.append(job_ids)
-        if _done_elsewhere(task, me) >= task.app.settings.jobs.sick_after:
-            take_out(task, f"{len(_failed_in_a_row)} tasks in a row failed on the device, "
-                           f"on jobs other workers then did: {outcome.error}")  # fmt: skip
-    elif outcome.done or outcome.reused:
+        consumed = task.app.amqp.queues.consume_from or [task.request.delivery_info["routing_key"]]
+        judge(Suspect(task.app, task.request.hostname, me, sorted(consumed), str(outcome.error)))
+    elif outcome.done:  # rendered on the device; outputs reused from the store never touch it
         _failed_in_a_row.clear()
 
 
-def _done_elsewhere(task: Task, me: str) -> int:
-    """How many of the failed tasks had a job that another worker has since done."""
-    with task.app.sessions() as session:
-        done = set(
-            session.scalars(
-                select(Job.id).where(
-                    Job.id.in_([i for ids in _failed_in_a_row for i in ids]),
-                    Job.status == JobStatus.succeeded,
-                    Job.worker_host != me,
-                )
+def judge(suspect: Suspect) -> None:
+    """Takes the worker out if enough of its failed tasks' jobs were done elsewhere, else
+    looks again in a few seconds while any of those jobs is unfinished."""
+    global _looking_again
+    if _looking_again is not None:
+        _looking_again.cancel()
+    failed = list(_failed_in_a_row)
+    if not failed:
+        return
+    done_elsewhere, unfinished = _fates(suspect, failed)
+    if done_elsewhere >= suspect.app.settings.jobs.sick_after:
+        take_out(suspect, f"{len(failed)} tasks in a row failed on the device, "
+                          f"on jobs other workers then did: {suspect.error}")  # fmt: skip
+    elif unfinished:
+        _looking_again = threading.Timer(LOOK_AGAIN_SECONDS, _judge_again, args=[suspect])
+        _looking_again.daemon = True
+        _looking_again.start()
+
+
+def _judge_again(suspect: Suspect) -> None:
+    try:
+        judge(suspect)
+    except Exception:  # the database away: the next failure judges again
+        logger.exception("%s: its failed device was not judged again", suspect.node)
+
+
+def _fates(suspect: Suspect, failed: list[list[int]]) -> tuple[int, bool]:
+    """How many of the failed tasks had a job that another worker has since done (each
+    task once, however often it failed here), and whether any of their jobs is unfinished."""
+    with suspect.app.sessions() as session:
+        rows = session.execute(
+            select(Job.id, Job.status, Job.worker_host).where(
+                Job.id.in_([i for ids in failed for i in ids])
             )
-        )
-    return sum(1 for ids in _failed_in_a_row if done & set(ids))
+        ).all()
+    done = {
+        job for job, status, host in rows if status == JobStatus.succeeded and host != suspect.host
+    }
+    unfinished = any(status not in FINISHED for _, status, _ in rows)
+    return len({tuple(ids) for ids in failed if done & set(ids)}), unfinished
 
 
-def take_out(task: Task, reason: str) -> None:
-    app, name = task.app, task.request.hostname
+def take_out(suspect: Suspect, reason: str) -> None:
+    app, name = suspect.app, suspect.node
     # As the worker answers: its warm queues (workers/routing.py) came after this process
     # forked, and its copy of the queues it consumes has none of them.
-    queues = queues_of(app.control, name) or sorted(
-        app.amqp.queues.consume_from or [task.request.delivery_info["routing_key"]]
-    )
+    queues = queues_of(app.control, name) or suspect.queues
     with app.sessions.begin() as session:
         row = {"worker": name, "queues": queues, "reason": reason, "since": utcnow()}
         statement = upsert(session, SickWorker).values(row)
