@@ -27,14 +27,18 @@ from torchmetrics.image.fid import FrechetInceptionDistance
 from torchmetrics.image.kid import KernelInceptionDistance
 from transformers import CLIPModel, CLIPProcessor
 
+from sdq.migrations import upgrade
 from sdq.models.curate.clip import ClipIdentity, ScorerRef, resolve_clip
 from sdq.models.db import make_engine, session_factory
+from sdq.models.evaluate.scores import NoScores, best_step, run_scores, score_text
 from sdq.models.evaluate.specs import METRICS, EvaluateSpec, Evaluation, FidWeights, HeldOut
 from sdq.models.generate.specs import FixedRenders, image_key
+from sdq.models.jobs.kinds import EVALUATE
 from sdq.models.jobs.lifecycle import OUTAGE
 from sdq.models.specs import canonical_sha256
 from sdq.models.store import LocalStore
 from sdq.models.tables import Job, JobStatus
+from sdq.models.train.page import curve_svg
 from sdq.models.train.specs import TrainOptions, TrainShardSpec
 from sdq.producer.cli.common import DEAD_JOBS
 from sdq.workers.curate.scoring import LoadedScorers
@@ -44,7 +48,13 @@ from sdq.workers.evaluate.metrics import (
     image_embeddings,
     kernel_distance,
 )
-from sdq.workers.evaluate.work import EvaluateWork, RendersFailed, RendersPending
+from sdq.workers.evaluate.work import (
+    EvaluateWork,
+    RendersFailed,
+    RendersPending,
+    finite,
+    record_scores,
+)
 from sdq.workers.weights import ModelFiles
 from tests.conftest import (
     BUCKET,
@@ -130,6 +140,48 @@ def test_an_evaluation_waits_for_renders_to_come_and_ends_when_one_never_will(
         session.get_one(Job, coming_job).status = JobStatus.dead
     with pytest.raises(RendersFailed, match="1 of the evaluation's 2 renders will not be made"):
         work._renders(spec)
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgres"])
+def test_a_diverged_checkpoint_s_scores_are_kept_as_not_finite_and_never_best(
+    database: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """A diverged checkpoint's held-out loss is NaN (and its distances infinite). They are
+    recorded as no number beside its other scores (SQLite, which holds no NaN, refused the
+    row and lost them all), shown as not finite on the screens and the run's page, and
+    never chosen as a best step: the best finite one is; a metric with no finite score at
+    all is refused by name."""
+    url = (request.getfixturevalue("migrated_postgres") if database == "postgres"
+           else f"sqlite:///{tmp_path / 'sdq.db'}")  # fmt: skip
+    if database == "sqlite":
+        upgrade(make_engine(url))
+    sessions = session_factory(make_engine(url))
+    jobs = new_run(sessions, {"step": 10}, {"step": 20}, kind=EVALUATE)
+    with sessions() as session:
+        run = session.get_one(Job, jobs[0]).run_id
+    nan, inf = float("nan"), float("inf")
+    scored = {10: {"heldout_loss": (0.31, 4), "clip_score": (20.5, 4), "kid": (nan, 4)},
+              20: {"heldout_loss": (nan, 4), "clip_score": (21.0, 4), "kid": (inf, 4)}}  # fmt: skip
+    for job, (step, scores) in zip(jobs, scored.items(), strict=True):
+        spec = EvaluateSpec(model_name=f"{run}@{step}", model_source="s", model_revision="r",
+                            evaluation=Evaluation(metrics=("heldout_loss", "clip_score", "kid")),
+                            run=run, step=step)  # fmt: skip
+        with sessions.begin() as session:
+            record_scores(session, job, spec, finite(scores))
+    with sessions() as session:
+        curves = run_scores(session, run)
+        assert curves == {"heldout_loss": [(10, 0.31), (20, None)],
+                          "clip_score": [(10, 20.5), (20, 21.0)],
+                          "kid": [(10, None), (20, None)]}  # fmt: skip
+        assert best_step(session, run, "heldout_loss", among={10, 20}) == 10
+        assert best_step(session, run, "clip_score", among={10, 20}) == 20
+        with pytest.raises(NoScores, match="kid is not finite at every checkpoint still there"):
+            best_step(session, run, "kid", among={10, 20})
+    assert (score_text(None), score_text(0.31)) == ("not finite", "0.3100")
+    # The run's page plots the finite values and names the steps that are not.
+    plotted = curve_svg(curves["heldout_loss"])
+    assert "<polyline" in plotted and "not finite at steps 20" in plotted
+    assert curve_svg(curves["kid"]) == "<p>not finite at steps 10, 20</p>"
 
 
 def test_the_distances_and_the_clip_score_are_torchmetrics_own(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ class NoScores(Exception):
     pass
 
 
-def run_scores(session: Session, run_id: int) -> dict[str, list[tuple[int, float]]]:
+def run_scores(session: Session, run_id: int) -> dict[str, list[tuple[int, float | None]]]:
     """{metric: [(step, value), ...]} of the train run's checkpoints, in step order (a
     step scored again, by a later evaluation of the same checkpoint, by its latest)."""
     rows = session.execute(
@@ -23,10 +23,15 @@ def run_scores(session: Session, run_id: int) -> dict[str, list[tuple[int, float
         .where(CheckpointScore.run_id == run_id)
         .order_by(CheckpointScore.step, CheckpointScore.id)
     ).all()
-    curves: dict[str, dict[int, float]] = defaultdict(dict)
+    curves: dict[str, dict[int, float | None]] = defaultdict(dict)
     for metric, step, value in rows:
         curves[metric][step] = value
     return {metric: sorted(curve.items()) for metric, curve in curves.items()}
+
+
+def score_text(value: float | None) -> str:
+    """A score as the screens print it; None is one that was not a finite number."""
+    return "not finite" if value is None else f"{value:.4f}"
 
 
 def best_step(session: Session, run_id: int, metric: str, among: Collection[int]) -> int:
@@ -42,4 +47,10 @@ def best_step(session: Session, run_id: int, metric: str, among: Collection[int]
             f"train run {run_id} has no {metric} score for a checkpoint that is still there "
             f"(steps scored: {scored}; with checkpoints at: {', '.join(map(str, among)) or 'none'})"
         )
-    return best_of(metric, usable)
+    best = best_of(metric, usable)
+    if best is None:
+        raise NoScores(
+            f"train run {run_id}'s {metric} is not finite at every checkpoint still there "
+            f"(steps {', '.join(map(str, usable))}): the model diverged; pick a step by hand"
+        )
+    return best

@@ -33,11 +33,13 @@ AGAINST_REAL = frozenset({"fd_clip", "kid", "fid"})
 SPEC_VERSION = 1
 
 
-def best_of(metric: str, values: dict[int, float]) -> int:
+def best_of(metric: str, values: dict[int, float | None]) -> int | None:
     """The step whose value of `metric` is best: lowest for losses and distances, highest
-    for clip_score (the earliest of equals)."""
+    for clip_score (the earliest of equals). Values that are no number (None, a diverged
+    model's) are never best; None where no value is a number."""
     sign = -1 if metric in HIGHER_IS_BETTER else 1
-    return min(sorted(values), key=lambda step: sign * values[step])
+    numbers = {step: value for step, value in values.items() if value is not None}
+    return min(sorted(numbers), key=lambda step: sign * numbers[step], default=None)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,7 +33,8 @@ class CheckpointScore(Base):
     model_revision: Mapped[str] = mapped_column(String(64))
     spec_hash: Mapped[str] = mapped_column(String(64))
     metric: Mapped[str] = mapped_column(String(32))
-    value: Mapped[float] = mapped_column(Float)
+    # None: not a finite number (a diverged model's loss; distances over its NaN images).
+    value: Mapped[float | None] = mapped_column(Float)
     samples: Mapped[int] = mapped_column(Integer)  # images or held-out samples it is over
     # The revisions of what scored it (the CLIP model), by role.
     scorers: Mapped[dict[str, str]] = mapped_column(JsonDocument)

@@ -71,10 +71,10 @@ def training_html(
         ),
         speed=html.escape(speed_text(status)),
         buckets=f"<p>{html.escape(buckets_text(status))}</p>" if status["buckets"] else "",
-        curve=_curve(status["losses"]),
-        learning_rate=_curve(status["learning_rates"]),
+        curve=curve_svg(status["losses"]),
+        learning_rate=curve_svg(status["learning_rates"]),
         scores="".join(
-            f"<h2>{html.escape(metric)}</h2>{_curve(curve)}"
+            f"<h2>{html.escape(metric)}</h2>{curve_svg(curve)}"
             for metric, curve in status["scores"].items()
         ),
         checkpoints=_checkpoints(status["checkpoints"]) if status["checkpoints"] else "",
@@ -138,11 +138,15 @@ def _validation(images: list[dict[str, Any]], image_link: ImageLink) -> str:
     )
 
 
-def _curve(values: list[tuple[int, float]]) -> str:
+def curve_svg(curve: list[tuple[int, float | None]]) -> str:
     """Values against their steps (the loss at every step, a score at each checkpoint
-    scored) as an SVG polyline, scaled to the box."""
+    scored) as an SVG polyline, scaled to the box; the steps whose value is not finite
+    (None: a diverged checkpoint's score) named under it."""
+    values = [(step, value) for step, value in curve if value is not None]
+    not_finite = [str(step) for step, value in curve if value is None]
+    said = f"<p>not finite at steps {', '.join(not_finite)}</p>" if not_finite else ""
     if not values:
-        return "<p>no steps yet</p>"
+        return said or "<p>no steps yet</p>"
     steps, ys = [step for step, _ in values], [value for _, value in values]
     low, high = min(ys), max(ys)
     span, first = (high - low) or 1.0, steps[0]
@@ -154,7 +158,7 @@ def _curve(values: list[tuple[int, float]]) -> str:
     return (
         f'<svg width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}">'
         f'<polyline fill="none" stroke="#36c" points="{points}"/></svg>'
-        f"<p>{high:.4f} (top) to {low:.4f} (bottom), steps {first} to {steps[-1]}</p>"
+        f"<p>{high:.4f} (top) to {low:.4f} (bottom), steps {first} to {steps[-1]}</p>{said}"
     )
 
 

@@ -12,6 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from sdq.models.evaluate.runs import ScoredModel, open_evaluation
+from sdq.models.evaluate.scores import score_text
 from sdq.models.evaluate.specs import (
     AGAINST_REAL,
     RENDERED,
@@ -229,7 +230,8 @@ def _report_scores(app: SdqCelery, run_id: int, as_json: bool) -> None:
         click.echo(json.dumps(result))
         return
     table = [
-        {"metric": m, "value": f"{s['value']:.4f}", "over": s["samples"]} for m, s in scores.items()
+        {"metric": m, "value": score_text(s["value"]), "over": s["samples"]}
+        for m, s in scores.items()
     ]
     stdout.print(
         rows_table(table, ["metric", "value", "over"], title=f"{spec.model_name} ({status})")

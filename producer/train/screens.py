@@ -7,6 +7,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from sdq.models.evaluate.scores import score_text
 from sdq.models.evaluate.specs import best_of
 from sdq.models.store import LINK_SECONDS
 from sdq.models.train.page import (
@@ -75,15 +76,15 @@ def _goes_on_from(status: dict[str, Any]) -> str:
     return f" (goes on from {f'its checkpoint at step {last}' if last else 'the start'})"
 
 
-def _score_rows(scores: dict[str, list[list[float]]]) -> list[dict[str, str]]:
+def _score_rows(scores: dict[str, list[list[float | None]]]) -> list[dict[str, str]]:
     """Each metric's latest value and its best, with their steps."""
     rows = []
     for metric, curve in scores.items():
         values = {step: value for step, value in curve}
-        best = best_of(metric, values)
-        latest = curve[-1][0]
-        rows.append({"metric": metric, "latest": f"{values[latest]:.4f} at step {latest}",
-                     "best": f"{values[best]:.4f} at step {best}"})  # fmt: skip
+        best, latest = best_of(metric, values), curve[-1][0]
+        at = {step: f"{score_text(values[step])} at step {step}"
+              for step in (best, latest) if step is not None}  # fmt: skip
+        rows.append({"metric": metric, "latest": at[latest], "best": at.get(best, "none")})
     return rows
 
 

@@ -5,6 +5,7 @@ checkpoint_scores. Plain code, no Celery; torch loads with the metrics."""
 import hashlib
 import io
 import json
+import math
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from time import perf_counter
@@ -41,8 +42,9 @@ NUMPY = "application/x-npy"
 # Renders of a checkpoint the trackers show (each prompt a tag), as diffusers' scripts log
 # a few validation images: a run scored on hundreds of prompts would fill TensorBoard.
 TRACKED_RENDERS = 8
-# Scores by metric: (value, how many samples or images it is over).
-Scores = dict[str, tuple[float, int]]
+# Scores by metric: (value, None where it is not finite; how many samples or images it is
+# over).
+Scores = dict[str, tuple[float | None, int]]
 
 
 class RendersPending(Exception):
@@ -109,7 +111,7 @@ class EvaluateWork(Work):
             scores["heldout_loss"] = (loss, len(samples.keys))
         if renders:
             scores.update(self._image_scores(spec, metrics, renders))
-        return scores
+        return finite(scores)
 
     def _image_scores(self, spec: EvaluateSpec, metrics, renders: list[bytes]) -> Scores:
         """The renders' CLIP score against their prompts, and their distances from the real
@@ -185,7 +187,8 @@ class EvaluateWork(Work):
 def _report(store: ObjectStore, spec: EvaluateSpec, scores: Scores, renders: list[bytes]) -> None:
     """A checkpoint's scores and its first renders (the run's validation images, one tag a
     prompt), to the run's trackers."""
-    figures = [(f"evaluate/{metric}", spec.step, value) for metric, (value, _) in scores.items()]
+    figures = [(f"evaluate/{metric}", spec.step, value)
+               for metric, (value, _) in scores.items() if value is not None]  # fmt: skip
     pictures = [(f"renders/{number}", spec.step, png)
                 for number, png in enumerate(renders[:TRACKED_RENDERS])]  # fmt: skip
     report(store, spec.run, f"scores-{spec.step:08d}", figures, spec.evaluation.report_to,
@@ -211,6 +214,13 @@ def scorers_of(spec: EvaluateSpec) -> dict[str, str]:
         **({"clip": clip.revision} if clip is not None else {}),
         **({"inception": inception.sha256} if inception is not None else {}),
     }
+
+
+def finite(scores: Scores) -> Scores:
+    """A diverged model's NaN (or infinite) scores as None: SQLite holds no NaN, JSON
+    writes none, and no best step is chosen by one."""
+    return {metric: (value if value is not None and math.isfinite(value) else None, n)
+            for metric, (value, n) in scores.items()}  # fmt: skip
 
 
 def record_scores(session: Session, job_id: int, spec: EvaluateSpec, scores: Scores) -> None:
