@@ -28,6 +28,7 @@ from sdq.workers.train.loop.checkpoints import snapshot
 from sdq.workers.train.loop.training import Training
 from sdq.workers.train.ranks.live import LiveStates
 from sdq.workers.train.ranks.processes import DONE_FILE, Node
+from tests.services import wait_for
 from tests.test_train_data import encoded
 
 SETTINGS = TrainSettings(loss_every=2)
@@ -138,7 +139,7 @@ def test_a_training_kept_in_the_worker_s_process_is_let_go_before_ranks_take_the
     ranked = replace(run, run=run.run + 1, options=replace(run.options, world_size=2))
     try:
         group = live.group(ranked)
-        assert len(group.processes) == 2 and len(rank_processes()) == 2
+        assert len(group.processes) == 2 and len(rank_processes_seen(2)) == 2
         assert live.warm_keys() == {f"run-{ranked.run}"}
         assert live.take(following) is None  # the kept training went first
     finally:
@@ -191,7 +192,7 @@ def test_a_gang_node_keeps_its_ranks_from_job_to_job_and_starts_spares_once_they
     gang_run = replace(run, options=replace(run.options, nodes=2, world_size=2))
     live = LiveStates()
     live.spare(1)  # what the worker started
-    [waiting] = rank_processes()
+    [waiting] = rank_processes_seen(1)
     folder = Path(waiting.cmdline()[-1])
     during: list[list[int]] = []
 
@@ -216,11 +217,19 @@ def test_a_gang_node_keeps_its_ranks_from_job_to_job_and_starts_spares_once_they
         with pytest.raises(NodeLost):
             live.run_gang_node(gang_run, node, node_lost, None, True)
         assert live.kept_gang_node(gang_run) is None and live.warm_keys() == set()
-        [spare] = rank_processes()  # the kept rank stopped, the next job's spare waits
+        [spare] = rank_processes_seen(1)  # the kept rank stopped, the next job's spare waits
         assert spare.pid != waiting.pid
     finally:
         live.close()
     assert rank_processes() == []
+
+
+def rank_processes_seen(count: int) -> list[psutil.Process]:
+    """This process's rank processes, once `count` of them show their command line: Popen
+    returns as the kernel starts a child's program, and on a busy machine its command line
+    is unreadable (empty) for a moment after."""
+    wait_for(lambda: len(rank_processes()) == count, what=f"{count} rank processes", timeout=30)
+    return rank_processes()
 
 
 def rank_processes() -> list[psutil.Process]:
