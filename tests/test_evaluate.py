@@ -275,6 +275,9 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
     one.write_text("a lone prompt\n")
     refusals = [
         (["--holdout", "0", "--eval-metrics", "heldout_loss"], "give --holdout FRACTION above 0"),
+        # Nothing left to train on: the data lanes would wait for ever.
+        (["--holdout", "0.9999999", "--eval-metrics", "heldout_loss"],
+         "--holdout 0.9999999 holds out all 16 samples of toy: none is left to train on"),
         (["--eval-metrics", "fid_clip"], "metrics are heldout_loss, clip_score, fd_clip, kid, fid"),
         (["--eval-metrics", "clip_score"], "give --eval-clip MODEL"),
         (["--eval-metrics", "fid"], "give --fid-weights FILE|s3://"),
@@ -397,6 +400,8 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
     no_latents = _sdq(env, tmp_path, "evaluate", "tiny", "--reference", "toy", "--metrics",
                       "heldout_loss,fd_clip", "--clip", "tiny")  # fmt: skip
     assert no_latents.returncode == 2 and "not on --reference's images" in no_latents.stderr
+    no_clip = _sdq(env, tmp_path, "evaluate", "tiny", "--reference", "toy", "--metrics", "kid")
+    assert no_clip.returncode == 2 and "give --clip MODEL" in no_clip.stderr  # its own flag
 
     # Choosing by score: the lowest held-out loss, the highest CLIP score.
     losses = dict(scores["heldout_loss"])

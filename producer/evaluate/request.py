@@ -60,15 +60,18 @@ def evaluation_request(
     fid_weights: str | FidWeights | None = None,
     samples: int = DEFAULT_SAMPLES,
     every: int = 1,
+    clip_flag: str = "--clip",
 ) -> EvaluationRequest:
     """The request, or a usage error naming what is missing (`holdout` None: the held-out
-    samples come from elsewhere; `fid_weights` as given, or as a run recorded them)."""
+    samples come from elsewhere; `fid_weights` as given, or as a run recorded them), the
+    CLIP model by the command's own `clip_flag`."""
     names = {name.strip() for name in metrics.split(",") if name.strip()}
     if not names or names - set(METRICS):
         raise click.UsageError(f"metrics {metrics!r}: the metrics are {', '.join(METRICS)}")
     # In one order, whatever order they were asked in: the same spec, scored once.
     asked = tuple(metric for metric in METRICS if metric in names)
-    _check_needs(set(asked), holdout=holdout, clip=clip, fid_weights=fid_weights)
+    _check_needs(set(asked), holdout=holdout, clip=clip, fid_weights=fid_weights,
+                 clip_flag=clip_flag)  # fmt: skip
     return EvaluationRequest(
         metrics=asked,
         prompts=read_prompt_lines(prompts) if prompts else (),
@@ -82,8 +85,9 @@ def evaluation_request(
 
 
 def _check_needs(
-    asked: set[str], *, holdout: float | None, clip: str | None, fid_weights: object
-) -> None:
+    asked: set[str], *, holdout: float | None, clip: str | None, fid_weights: object,
+    clip_flag: str,
+) -> None:  # fmt: skip
     """Refuses metrics without what they are computed from."""
     if holdout == 0 and (wanting := sorted(({"heldout_loss"} | AGAINST_REAL) & asked)):
         raise click.UsageError(
@@ -94,7 +98,7 @@ def _check_needs(
     if CLIP_SCORED & asked and clip is None:
         raise click.UsageError(
             f"{', '.join(sorted(CLIP_SCORED & asked))} score renders with a CLIP model: "
-            f"give --eval-clip MODEL (a hub id like openai/clip-vit-large-patch14, a folder or "
+            f"give {clip_flag} MODEL (a hub id like openai/clip-vit-large-patch14, a folder or "
             f"s3://)"
         )
     if ("fid" in asked) != (fid_weights is not None):
@@ -158,7 +162,8 @@ def train_evaluation_request(asked: dict[str, Any], holdout: float) -> Evaluatio
     request = evaluation_request(asked["metrics"], prompts=asked["prompts"], clip=asked["clip"],
                                  holdout=None if asked["dataset"] else holdout,
                                  fid_weights=asked["fid_weights"], samples=asked["samples"],
-                                 every=asked["every_checkpoints"])  # fmt: skip
+                                 every=asked["every_checkpoints"],
+                                 clip_flag="--eval-clip")  # fmt: skip
     return replace(request, dataset=asked["dataset"])
 
 

@@ -25,6 +25,7 @@ from sdq.models.specs import ModelIdentity
 from sdq.models.store import PARQUET, ObjectStore
 from sdq.models.tables import Run
 from sdq.models.train.architectures import check_fits
+from sdq.models.train.holdout import kept_rows
 from sdq.models.train.inputs import inputs_key, inputs_manifest
 from sdq.models.train.models import encoders_lineage
 from sdq.models.train.specs import LatentInput, TrainOptions, TrainShardSpec, checkpoint_prefix
@@ -87,6 +88,7 @@ def record_train(
         #    (before the run is committed: a run never names a manifest that is not there).
         session.add_all(TrainInput(run_id=run.id, latent_shard_id=shard.id) for shard, _ in shards)
         inputs = [_input(name, shard, number) for shard, number in shards]
+        _check_left_to_train(name, inputs, options)
         store.put_bytes(inputs_key(run.id), inputs_manifest(inputs), content_type=PARQUET)
         # 4. Its first job, with what its checkpoints are scored by; the others follow.
         first = _first_job(run.id, base, options, into, validation, empty_prompt, start_from)
@@ -98,6 +100,17 @@ def record_train(
         run.job_count = -(-options.steps // options.checkpoint_every)
     samples = sum(shard.samples for shard, _ in shards)
     return TrainSubmission(run.id, name, first.model_name, run.job_count, samples)
+
+
+def _check_left_to_train(name: str, inputs: list[LatentInput], options: TrainOptions) -> None:
+    """A held-out fraction that leaves no sample to train on is refused: the data lanes
+    would wait for ever on shards with no row to read."""
+    kept = sum(len(kept_rows(item.key, item.samples, options.holdout, options.seed))
+               for item in inputs)  # fmt: skip
+    if not kept:
+        samples = sum(item.samples for item in inputs)
+        raise CannotTrain(f"--holdout {options.holdout} holds out all {samples} samples of "
+                          f"{name}: none is left to train on; give a smaller fraction")  # fmt: skip
 
 
 def _scored_by(
