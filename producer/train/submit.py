@@ -25,7 +25,6 @@ from sdq.models.specs import ModelIdentity
 from sdq.models.store import PARQUET, ObjectStore
 from sdq.models.tables import Run
 from sdq.models.train.architectures import check_fits
-from sdq.models.train.holdout import kept_rows
 from sdq.models.train.inputs import inputs_key, inputs_manifest
 from sdq.models.train.models import encoders_lineage
 from sdq.models.train.specs import LatentInput, TrainOptions, TrainShardSpec, checkpoint_prefix
@@ -105,6 +104,8 @@ def record_train(
 def _check_left_to_train(name: str, inputs: list[LatentInput], options: TrainOptions) -> None:
     """A held-out fraction that leaves no sample to train on is refused: the data lanes
     would wait for ever on shards with no row to read."""
+    from sdq.models.train.holdout import kept_rows  # numpy: not at every command's start
+
     kept = sum(len(kept_rows(item.key, item.samples, options.holdout, options.seed))
                for item in inputs)  # fmt: skip
     if not kept:
