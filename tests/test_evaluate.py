@@ -52,7 +52,6 @@ from sdq.workers.evaluate.work import (
     EvaluateWork,
     RendersFailed,
     RendersPending,
-    finite,
     record_scores,
 )
 from sdq.workers.weights import ModelFiles
@@ -167,7 +166,7 @@ def test_a_diverged_checkpoint_s_scores_are_kept_as_not_finite_and_never_best(
                             evaluation=Evaluation(metrics=("heldout_loss", "clip_score", "kid")),
                             run=run, step=step)  # fmt: skip
         with sessions.begin() as session:
-            record_scores(session, job, spec, finite(scores))
+            record_scores(session, job, spec, scores)
     with sessions() as session:
         curves = run_scores(session, run)
         assert curves == {"heldout_loss": [(10, 0.31), (20, None)],

@@ -236,3 +236,34 @@ def test_every_command_on_a_database_without_tables_says_to_upgrade(tmp_path: Pa
             assert result.exit_code == 1, (command, result.output)
             assert "no sdq tables yet: run `sdq db upgrade`" in result.output, command
             assert "Traceback" not in result.output
+
+
+def test_scores_stored_as_not_finite_become_null(empty_database: str) -> None:
+    """0027: what a diverged checkpoint left before (NaN and infinities on Postgres, an
+    infinity on SQLite, which refused NaN) becomes NULL, never a best step; finite values
+    stay as they were."""
+    not_finite = (
+        ["'NaN'::float8", "'Infinity'::float8", "'-Infinity'::float8"]
+        if empty_database.startswith("postgresql")
+        else ["9e999", "-9e999"]
+    )
+    scores = [
+        "INSERT INTO checkpoint_scores (job_id, run_id, step, model_name, model_revision, "
+        f"spec_hash, metric, value, samples, scorers) VALUES (7, 2, {step}, 'm', 'r', 'h', "
+        f"'metric{step}', {value}, 4, '{{}}')"
+        for step, value in enumerate(["0.25", *not_finite])
+    ]
+    rows = [
+        "INSERT INTO runs (id, kind, source, options, job_count) VALUES (2, 'evaluate', 's', "
+        "'{}', 1)",
+        "INSERT INTO jobs (id, run_id, kind, spec, spec_hash, status, attempts, cached, units) "
+        "VALUES (7, 2, 'evaluate', '{}', 'h', 'succeeded', 1, false, 1)",
+        *scores,
+    ]
+    engine = at_revision_with_rows(empty_database, "0026", rows)
+    upgrade(engine)
+    with engine.begin() as connection:
+        values = connection.execute(text("SELECT value FROM checkpoint_scores ORDER BY step"))
+        assert values.scalars().all() == [0.25] + [None] * len(not_finite)
+    downgrade(engine, "base")
+    upgrade(engine)

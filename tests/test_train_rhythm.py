@@ -228,14 +228,23 @@ def rank_processes_seen(count: int) -> list[psutil.Process]:
     """This process's rank processes, once `count` of them show their command line: Popen
     returns as the kernel starts a child's program, and on a busy machine its command line
     is unreadable (empty) for a moment after."""
-    wait_for(lambda: len(rank_processes()) == count, what=f"{count} rank processes", timeout=30)
-    return rank_processes()
+    seen: list[psutil.Process] = []
+
+    def all_seen() -> bool:
+        seen[:] = rank_processes()
+        return len(seen) == count
+
+    wait_for(all_seen, what=f"{count} rank processes", timeout=30)
+    return seen
 
 
 def rank_processes() -> list[psutil.Process]:
     """This process's rank processes."""
-    return [
-        child
-        for child in psutil.Process().children()
-        if "sdq.workers.train.ranks" in child.cmdline()
-    ]
+    found = []
+    for child in psutil.Process().children():
+        try:
+            if "sdq.workers.train.ranks" in child.cmdline():
+                found.append(child)
+        except psutil.NoSuchProcess:  # a rank that ended as it was looked at (zombies too)
+            pass
+    return found

@@ -10,7 +10,7 @@ consuming its queues. `sdq health` and the metrics show it; a restart, or
 
 import logging
 import threading
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from celery import Celery, Task
@@ -25,14 +25,18 @@ from sdq.workers.routing import queues_of
 
 logger = logging.getLogger(__name__)
 
-# This process's tasks that failed on the device since its last success, their job ids:
-# the last few dozen, enough to judge by, however long a lone worker keeps failing.
-_failed_in_a_row: deque[list[int]] = deque(maxlen=64)
+# This process's tasks that failed on the device since its last success, by task id (a
+# retry keeps it: a task failed ten times is one): their job ids, the last few dozen tasks,
+# enough to judge by, however long a lone worker keeps failing.
+REMEMBERED_TASKS = 64
+_failed_in_a_row: OrderedDict[str, list[int]] = OrderedDict()
 # Other workers do the given-back jobs after the failure that gave them back, and a worker
 # may take no more jobs after it (another took every retry): it looks again this often
 # until it is judged, works again, or every failed job is finished.
 LOOK_AGAIN_SECONDS = 5.0
 _looking_again: threading.Timer | None = None
+# The task's thread and the looking-again timer judge one at a time, on what is then known.
+_judging = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -49,42 +53,50 @@ class Suspect:
 def after_task(task: Task, job_ids: list[int], outcome: Outcome, *, me: str) -> None:
     """Counts the task's outcome; takes the worker out once its device is seen sick."""
     if outcome.outage is not None and device_failure(outcome.outage):
-        _failed_in_a_row.append(job_ids)
+        with _judging:
+            _failed_in_a_row[task.request.id] = job_ids
+            _failed_in_a_row.move_to_end(task.request.id)
+            if len(_failed_in_a_row) > REMEMBERED_TASKS:
+                _failed_in_a_row.popitem(last=False)
         consumed = task.app.amqp.queues.consume_from or [task.request.delivery_info["routing_key"]]
         judge(Suspect(task.app, task.request.hostname, me, sorted(consumed), str(outcome.error)))
     elif outcome.done:  # rendered on the device; outputs reused from the store never touch it
-        _failed_in_a_row.clear()
+        with _judging:
+            _failed_in_a_row.clear()
 
 
 def judge(suspect: Suspect) -> None:
     """Takes the worker out if enough of its failed tasks' jobs were done elsewhere, else
     looks again in a few seconds while any of those jobs is unfinished."""
+    with _judging:
+        if _looking_again is not None:
+            _looking_again.cancel()
+        failed = list(_failed_in_a_row.values())
+        if not failed:
+            return
+        try:
+            done_elsewhere, unfinished = _fates(suspect, failed)
+        except Exception:  # the database away: looked at again in a few seconds
+            logger.exception("%s: its failed device was not judged", suspect.node)
+            _look_again(suspect)
+            return
+        if done_elsewhere >= suspect.app.settings.jobs.sick_after:
+            take_out(suspect, f"{len(failed)} tasks in a row failed on the device, "
+                              f"on jobs other workers then did: {suspect.error}")  # fmt: skip
+        elif unfinished:
+            _look_again(suspect)
+
+
+def _look_again(suspect: Suspect) -> None:
     global _looking_again
-    if _looking_again is not None:
-        _looking_again.cancel()
-    failed = list(_failed_in_a_row)
-    if not failed:
-        return
-    done_elsewhere, unfinished = _fates(suspect, failed)
-    if done_elsewhere >= suspect.app.settings.jobs.sick_after:
-        take_out(suspect, f"{len(failed)} tasks in a row failed on the device, "
-                          f"on jobs other workers then did: {suspect.error}")  # fmt: skip
-    elif unfinished:
-        _looking_again = threading.Timer(LOOK_AGAIN_SECONDS, _judge_again, args=[suspect])
-        _looking_again.daemon = True
-        _looking_again.start()
-
-
-def _judge_again(suspect: Suspect) -> None:
-    try:
-        judge(suspect)
-    except Exception:  # the database away: the next failure judges again
-        logger.exception("%s: its failed device was not judged again", suspect.node)
+    _looking_again = threading.Timer(LOOK_AGAIN_SECONDS, judge, args=[suspect])
+    _looking_again.daemon = True
+    _looking_again.start()
 
 
 def _fates(suspect: Suspect, failed: list[list[int]]) -> tuple[int, bool]:
-    """How many of the failed tasks had a job that another worker has since done (each
-    task once, however often it failed here), and whether any of their jobs is unfinished."""
+    """How many of the failed tasks had a job that another worker has since done, and
+    whether any of their jobs is unfinished."""
     with suspect.app.sessions() as session:
         rows = session.execute(
             select(Job.id, Job.status, Job.worker_host).where(
@@ -95,7 +107,7 @@ def _fates(suspect: Suspect, failed: list[list[int]]) -> tuple[int, bool]:
         job for job, status, host in rows if status == JobStatus.succeeded and host != suspect.host
     }
     unfinished = any(status not in FINISHED for _, status, _ in rows)
-    return len({tuple(ids) for ids in failed if done & set(ids)}), unfinished
+    return sum(1 for ids in failed if done & set(ids)), unfinished
 
 
 def take_out(suspect: Suspect, reason: str) -> None:

@@ -18,9 +18,19 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 
+# Scores stored before as what they were not: NaN and infinities on Postgres, infinities on
+# SQLite (its REAL holds them; NaN it refused).
+NOT_FINITE = {
+    "postgresql": "value IN ('NaN'::float8, 'Infinity'::float8, '-Infinity'::float8)",
+    "sqlite": "value > 1.7976931348623157e308 OR value < -1.7976931348623157e308",
+}
+
+
 def upgrade() -> None:
     with op.batch_alter_table("checkpoint_scores") as batch:
         batch.alter_column("value", existing_type=sa.Float(), nullable=True)
+    where = NOT_FINITE[op.get_bind().dialect.name]
+    op.execute(f"UPDATE checkpoint_scores SET value = NULL WHERE {where}")
 
 
 def downgrade() -> None:

@@ -224,7 +224,8 @@ def finite(scores: Scores) -> Scores:
 
 
 def record_scores(session: Session, job_id: int, spec: EvaluateSpec, scores: Scores) -> None:
-    """The scores as rows; an attempt that scores again writes the same."""
+    """The scores as rows (those not finite as NULL); an attempt that scores again writes
+    the same."""
     rows = [
         {
             "job_id": job_id,
@@ -238,7 +239,7 @@ def record_scores(session: Session, job_id: int, spec: EvaluateSpec, scores: Sco
             "samples": samples,
             "scorers": scorers_of(spec),
         }
-        for metric, (value, samples) in scores.items()
+        for metric, (value, samples) in finite(scores).items()
     ]
     insert = upsert(session, CheckpointScore).values(rows)
     session.execute(
