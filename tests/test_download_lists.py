@@ -105,6 +105,38 @@ def test_unusable_lists_are_refused_with_the_file_named(tmp_path: Path) -> None:
         ("empty.csv", b"", "Empty CSV file"),
         ("header-only.csv", b"url,caption,n\n", "the list has no rows"),
         ("empty.jsonl", b"", "Empty JSON stream"),
+        # A bad line is named by its number in the file, whatever block Arrow read it in.
+        (
+            "extra.csv",
+            b'url,caption,n\nhttp://a,"x",1\n\nhttp://b,"y",2,more\n',
+            "line 4: 4 fields where the header has 3 \\(url, caption, n\\)",
+        ),
+        (
+            "short.tsv",
+            b"url\tcaption\tn\nhttp://a\tx\t1\nhttp://b\n",
+            "line 3: 1 fields where the header has 3",
+        ),
+        (
+            "open-quote.csv",
+            b'url,caption,n\nhttp://a,"two\nlines",1\nhttp://b,"open,2\nhttp://c,z,3\n',
+            "line 4: unexpected end of data \\(a quoted field that is never closed\\?\\)",
+        ),
+        (
+            "broken.jsonl",
+            b'{"url": "a", "caption": "b", "n": 1}\n{"url": "a", caption}\n',
+            "line 2: not JSON",
+        ),
+        (
+            "array.jsonl",
+            b'{"url": "a", "caption": "b", "n": 1}\n\n[1, 2]\n',
+            "line 3: a JSON array where each line holds an object",
+        ),
+        (
+            "retyped.jsonl",
+            b'{"url": null, "caption": "b"}\n{"url": "a", "caption": "b"}\n'
+            b'{"url": 7, "caption": "b"}\n',
+            "line 3: field 'url' is a number where line 2 has a string",
+        ),
     ]:
         path = tmp_path / name
         if content is not None:

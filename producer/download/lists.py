@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from sdq.models.datasets import ListColumns
 from sdq.models.registry import file_sha256
 from sdq.models.store import ObjectStore
+from sdq.producer.download.bad_lines import first_bad_line
 
 DELIMITERS = {".csv": ",", ".tsv": "\t"}
 JSON_LINES = (".jsonl", ".json", ".ndjson")
@@ -129,7 +130,8 @@ def _text_to_parquet(source: Path, target: Path, columns: ListColumns, group_row
                 rows += batch.num_rows
         return rows
     except (OSError, UnicodeDecodeError, pa.ArrowException) as error:
-        raise ListError(f"{source}: {error}") from None
+        where = first_bad_line(source, DELIMITERS.get(source.suffix.lower()))
+        raise ListError(f"{source}: {where or error}") from None
 
 
 def _open_text(source: Path, keep: list[str] | None):
