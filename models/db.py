@@ -1,5 +1,6 @@
 """Engines and sessions; nothing connects until first use."""
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 from enum import Enum
 from functools import partial
@@ -99,6 +100,12 @@ def upsert(session: Session, table: Any) -> Any:
     shard's 256 score rows: 62 ms to record against 17 ms)."""
     dialect = session.get_bind().dialect.name
     return (postgresql.insert if dialect == "postgresql" else sqlite.insert)(table)
+
+
+def finite_or_null(value: float | None) -> float | None:
+    """A number as both databases can hold it: NaN and infinities (a diverged model's loss
+    or scores) as NULL. SQLite refuses NaN, and Postgres's NaN sorts above every number."""
+    return value if value is not None and math.isfinite(value) else None
 
 
 def chunked(values: Iterable[T], size: int = IN_LIST_LIMIT) -> Iterator[list[T]]:

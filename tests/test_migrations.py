@@ -238,10 +238,10 @@ def test_every_command_on_a_database_without_tables_says_to_upgrade(tmp_path: Pa
             assert "Traceback" not in result.output
 
 
-def test_scores_stored_as_not_finite_become_null(empty_database: str) -> None:
-    """0027: what a diverged checkpoint left before (NaN and infinities on Postgres, an
-    infinity on SQLite, which refused NaN) becomes NULL, never a best step; finite values
-    stay as they were."""
+def test_scores_and_losses_stored_as_not_finite_become_null(empty_database: str) -> None:
+    """0027 and 0028: what a diverged checkpoint or run left before (NaN and infinities on
+    Postgres, an infinity on SQLite, which refused NaN) becomes NULL, never a best step;
+    finite values stay as they were."""
     not_finite = (
         ["'NaN'::float8", "'Infinity'::float8", "'-Infinity'::float8"]
         if empty_database.startswith("postgresql")
@@ -253,9 +253,16 @@ def test_scores_stored_as_not_finite_become_null(empty_database: str) -> None:
         f"'metric{step}', {value}, 4, '{{}}')"
         for step, value in enumerate(["0.25", *not_finite])
     ]
+    losses = [
+        "INSERT INTO train_steps (run_id, step, loss, lr, samples_per_second) "
+        f"VALUES (3, {step}, {value}, 0.001, 8)"
+        for step, value in enumerate(["0.25", *not_finite])
+    ]
     rows = [
         "INSERT INTO runs (id, kind, source, options, job_count) VALUES (2, 'evaluate', 's', "
         "'{}', 1)",
+        "INSERT INTO runs (id, kind, source, options, job_count) VALUES (3, 'train', 's', '{}', 1)",
+        *losses,
         "INSERT INTO jobs (id, run_id, kind, spec, spec_hash, status, attempts, cached, units) "
         "VALUES (7, 2, 'evaluate', '{}', 'h', 'succeeded', 1, false, 1)",
         *scores,
@@ -264,6 +271,8 @@ def test_scores_stored_as_not_finite_become_null(empty_database: str) -> None:
     upgrade(engine)
     with engine.begin() as connection:
         values = connection.execute(text("SELECT value FROM checkpoint_scores ORDER BY step"))
+        assert values.scalars().all() == [0.25] + [None] * len(not_finite)
+        values = connection.execute(text("SELECT loss FROM train_steps ORDER BY step"))
         assert values.scalars().all() == [0.25] + [None] * len(not_finite)
     downgrade(engine, "base")
     upgrade(engine)

@@ -241,6 +241,47 @@ def test_steps_reach_the_database_as_they_are_taken(tmp_path: Path) -> None:
     assert [step for step, _ in status["losses"]] == list(range(1, status["step"] + 1))
 
 
+def test_a_diverged_run_ends_dead_at_once_naming_the_step_it_went_at(tmp_path: Path) -> None:
+    """Embedded (SQLite, which refused a NaN loss: the job failed on its own records), on two
+    ranks: a learning rate that blows the weights up ends the job dead on its first
+    attempt, not retried from a checkpoint that would diverge the same way, saying from
+    which step the loss is not finite; those steps are NULL in SQL, and `sdq train status`
+    shows them as such."""
+    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT), "SDQ_TRAIN_LOSS_EVERY": "2",
+           "SDQ_TRAIN_LIVE_STEPS_SECONDS": "0.01"}  # fmt: skip
+    encoded_dataset(env, "toy", 8, tmp_path)
+    diverging = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", "train", "toy", *TRAIN, "--steps", "40",
+         "--checkpoint-every", "20", "--world-size", "2", "--lr", "1e30"],
+        env=env, cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    said = " ".join(diverging.stderr.split())
+    went = re.search(
+        r"Diverged: the loss is (?:nan|inf|-inf) from step (\d+) on: the run diverged", said
+    )
+    assert diverging.returncode != 0 and went, said[-3000:]
+    with sqlite3.connect(tmp_path / "sdq-data/sdq.db") as db:
+        [run_id] = db.execute("SELECT id FROM runs WHERE kind = 'train'").fetchone()
+        jobs = db.execute(
+            "SELECT status, attempts FROM jobs WHERE run_id = ?", (run_id,)
+        ).fetchall()
+        losses = db.execute("SELECT step, loss FROM train_steps WHERE run_id = ? ORDER BY step",
+                            (run_id,)).fetchall()  # fmt: skip
+    assert jobs == [("dead", 1)]
+    first_not_finite = int(went[1])
+    assert first_not_finite >= 2  # the first step's loss is before any update
+    assert all(loss is not None for step, loss in losses if step < first_not_finite)
+    assert [loss for step, loss in losses if step >= first_not_finite][:3] == [None] * 3
+    status = sdq_json(env, "train", "status", str(run_id), cwd=tmp_path)
+    assert [loss for _, loss in status["losses"]] == [loss for _, loss in losses]
+    shown = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", "train", "status", str(run_id)],
+        env=env, cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    # The curve's end, every loss of it NaN: "!" where no loss is finite.
+    assert re.search(r"loss [\d.]+ \S*! not finite", " ".join(shown.stdout.split())), shown
+
+
 def test_a_run_s_wall_time_splits_into_its_shares(migrated_postgres: str) -> None:
     """A run's timeline written as its jobs would (Postgres keeps the microseconds): 1 s of
     start, four 0.5 s steps with 0.1 s of data wait, a checkpoint after step 2 that held the

@@ -37,7 +37,8 @@ class TrainStep(Base):
 
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     step: Mapped[int] = mapped_column(Integer, primary_key=True)
-    loss: Mapped[float] = mapped_column(Float)
+    # None: not a finite number (a diverged run's, see workers/train/loop/diverged.py).
+    loss: Mapped[float | None] = mapped_column(Float)
     lr: Mapped[float] = mapped_column(Float)
     samples_per_second: Mapped[float] = mapped_column(Float)  # of the whole global batch
     world_size: Mapped[int] = mapped_column(Integer, server_default="1")

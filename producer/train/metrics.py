@@ -1,6 +1,7 @@
 """What `sdq metrics` shows of training (the kind's ProducerHooks.metrics): each train run's
 latest step, speed and loss, while it runs and for a while after."""
 
+import math
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -46,6 +47,8 @@ def train_gauges(session: Session, _app: Any = None) -> Iterator["Metric"]:
         )
     )
     for run_id, step, speed, loss in rows:
+        # A loss that is not finite (NULL) is the exposition format's NaN: a diverged run.
+        loss = math.nan if loss is None else loss
         for key, value in (("step", step), ("samples_per_second", speed), ("loss", loss)):
             families[key].add_metric([str(run_id)], value)
     yield from families.values()

@@ -103,17 +103,25 @@ def show_plan(plan: dict[str, Any], refusal: str | None) -> None:
         stdout.print(f"[red]does not fit[/red]: {refusal}")
 
 
-def loss_curve(losses: list[float], width: int = 60) -> str:
-    """The loss as a line of block characters, averaged into `width` buckets."""
+def loss_curve(losses: list[float | None], width: int = 60) -> str:
+    """The loss as a line of block characters, averaged into `width` buckets; a bucket
+    whose every loss is not finite (None: a diverged run's) is a "!"."""
     size = max(1, -(-len(losses) // width))
-    buckets = [
-        sum(losses[i : i + size]) / len(losses[i : i + size]) for i in range(0, len(losses), size)
-    ]
-    low, high = min(buckets), max(buckets)
+    buckets = [_finite_mean(losses[i : i + size]) for i in range(0, len(losses), size)]
+    finite = [value for value in buckets if value is not None]
+    low, high = (min(finite), max(finite)) if finite else (0.0, 0.0)
     bars = "▁▂▃▄▅▆▇█"
     span = (high - low) or 1.0
-    line = "".join(bars[int((value - low) / span * (len(bars) - 1))] for value in buckets)
-    return f"{buckets[0]:.4f} {line} {buckets[-1]:.4f}"
+    line = "".join(
+        "!" if value is None else bars[int((value - low) / span * (len(bars) - 1))]
+        for value in buckets
+    )
+    return f"{score_text(buckets[0])} {line} {score_text(buckets[-1])}"
+
+
+def _finite_mean(values: list[float | None]) -> float | None:
+    finite = [value for value in values if value is not None]
+    return sum(finite) / len(finite) if finite else None
 
 
 def report_status(app: SdqCelery, run_id: int, as_json: bool) -> None:

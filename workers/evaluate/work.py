@@ -5,7 +5,6 @@ checkpoint_scores. Plain code, no Celery; torch loads with the metrics."""
 import hashlib
 import io
 import json
-import math
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from time import perf_counter
@@ -15,7 +14,7 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.db import upsert
+from sdq.models.db import finite_or_null, upsert
 from sdq.models.evaluate.specs import (
     AGAINST_REAL,
     CLIP_SCORED,
@@ -219,8 +218,7 @@ def scorers_of(spec: EvaluateSpec) -> dict[str, str]:
 def finite(scores: Scores) -> Scores:
     """A diverged model's NaN (or infinite) scores as None: SQLite holds no NaN, JSON
     writes none, and no best step is chosen by one."""
-    return {metric: (value if value is not None and math.isfinite(value) else None, n)
-            for metric, (value, n) in scores.items()}  # fmt: skip
+    return {metric: (finite_or_null(value), n) for metric, (value, n) in scores.items()}
 
 
 def record_scores(session: Session, job_id: int, spec: EvaluateSpec, scores: Scores) -> None:

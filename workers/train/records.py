@@ -12,7 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.db import upsert
+from sdq.models.db import finite_or_null, upsert
 from sdq.models.evaluate.runs import ScoredModel, open_evaluation
 from sdq.models.generate.generations import open_render_run
 from sdq.models.jobs.kinds import TRAIN
@@ -63,7 +63,7 @@ def record_steps(session: Session, steps: list[dict[str, Any]]) -> None:
     """The steps' figures. A step written again (by the job's end after its live record, or
     by a later attempt after a killed worker) has the same numbers."""
     if steps:
-        rows = [{**step, "at": datetime.fromtimestamp(step["at"], UTC)} for step in steps]
+        rows = [_step_row(step) for step in steps]
         # One multi-row statement, unlike `upsert`'s other callers: given as an executemany,
         # a job stopped at its time limit ended its run without a checkpoint
         # (tests/test_train.py::test_a_job_runs_under_its_worker_s_time_limit_not_its_sender_s).
@@ -74,6 +74,11 @@ def record_steps(session: Session, steps: list[dict[str, Any]]) -> None:
                 set_={name: insert.excluded[name] for name in STEP_FIGURES},
             )
         )
+
+
+def _step_row(step: dict[str, Any]) -> dict[str, Any]:
+    at = datetime.fromtimestamp(step["at"], UTC)
+    return {**step, "loss": finite_or_null(step["loss"]), "at": at}
 
 
 class LiveSteps:

@@ -29,6 +29,7 @@ from sdq.models.train.specs import TrainShardSpec, training_seconds
 from sdq.workers.tracking import Scalar, report
 from sdq.workers.train.gang.gathering import GangIncomplete
 from sdq.workers.train.gang.leader import GangCalls, run_as_leader
+from sdq.workers.train.loop.diverged import Diverged
 from sdq.workers.train.ranks.live import LiveStates
 from sdq.workers.train.ranks.processes import too_many_here
 from sdq.workers.train.records import (
@@ -61,7 +62,7 @@ class TooManyRanks(Exception):
 
 
 class TrainWork(Work):
-    permanent_errors = (ModelUnavailable, NoGangHere, TooManyRanks)
+    permanent_errors = (ModelUnavailable, Diverged, NoGangHere, TooManyRanks)
     outage_errors = (*Work.outage_errors, GangIncomplete)
 
     def __init__(

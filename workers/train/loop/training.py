@@ -27,6 +27,7 @@ from sdq.models.train.specs import LatentInput, TrainShardSpec
 from sdq.workers.gpu import peak_flops
 from sdq.workers.train.loop.checkpoints import Snapshot, snapshot
 from sdq.workers.train.loop.data import BucketedStream, LatentStream, load_shards
+from sdq.workers.train.loop.diverged import DivergenceWatch
 from sdq.workers.train.loop.sharding import ShardedSnapshot, sharded_snapshot
 from sdq.workers.train.loop.state import TrainState
 from sdq.workers.train.loop.step import (
@@ -69,6 +70,7 @@ class Training:
         # Told each window's steps as their losses are read (LiveSteps writes them).
         self.on_steps = on_steps
         self.loss_every = settings.loss_every
+        self._divergence = DivergenceWatch()
         self.checkpointed = state.step  # the step of the checkpoint the state is past
         self.ahead: list[dict] = []
         self._writing: ShardedSnapshot | None = None
@@ -124,11 +126,18 @@ class Training:
                 window.flops_from(spec, inputs)
                 window.add(train_step(state, spec, inputs), inputs.bucket)
             if len(window) == self.loss_every:
-                self.on_steps(window.read())
+                self._read(window)
                 if stop():
                     break
-        self.on_steps(window.read())
+        self._read(window)
         return window.steps
+
+    def _read(self, window: "StepWindow") -> None:
+        """The window's losses read, told on, and watched for a divergence (all ranks read
+        the same global batch's losses, so all of them raise it at the same step)."""
+        steps = window.read()
+        self.on_steps(steps)
+        self._divergence.see(steps)
 
     def _first_compiled(self, spec: TrainShardSpec, inputs, window: "StepWindow"):
         """Around a compiled state's first step of each shape (and its FLOP count): the

@@ -30,6 +30,7 @@ from sdq.models.store import StoreUnavailable
 from sdq.models.train.routing import node_key, run_key
 from sdq.models.train.settings import TrainSettings
 from sdq.models.train.specs import TrainOptions, TrainShardSpec
+from sdq.workers.train.loop.diverged import Diverged
 from sdq.workers.weights import ModelUnavailable
 
 RANK_MODULE = "sdq.workers.train.ranks"
@@ -44,9 +45,9 @@ WATCH_SECONDS = 1.0
 STOP_GRACE_SECONDS = 10
 LOG_LINES = 20
 # Errors a rank reports by name that keep their meaning for the job: a model that cannot
-# be had is permanent, an object store that is down is an outage.
+# be had and a diverged run are permanent, an object store that is down is an outage.
 KNOWN_ERRORS: dict[str, type[Exception]] = {
-    error.__name__: error for error in (ModelUnavailable, StoreUnavailable)
+    error.__name__: error for error in (ModelUnavailable, Diverged, StoreUnavailable)
 }
 
 
