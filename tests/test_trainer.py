@@ -29,6 +29,7 @@ from sdq.workers.train.loop.build import (
     use_fast_kernels,
 )
 from sdq.workers.train.loop.checkpoints import save_checkpoint, snapshot
+from sdq.workers.train.loop.diverged import Diverged, DivergenceWatch
 from sdq.workers.train.loop.files import save_unet
 from sdq.workers.train.loop.state import Ranks, TrainState
 from sdq.workers.train.loop.step import (
@@ -416,3 +417,18 @@ def test_ddp_keeps_gradients_in_its_buckets_and_a_static_graph_where_it_can(
         assert (model.gradient_as_bucket_view, model.static_graph) == (True, static)
     finally:
         dist.destroy_process_group()
+
+
+def test_one_loss_not_finite_is_no_divergence_three_in_a_row_are() -> None:
+    """An fp16 forward that overflowed once (its update skipped by the gradient scaler) goes
+    on; a loss not finite three steps in a row, across windows of losses, is a divergence
+    from its first."""
+    nan, inf = float("nan"), float("inf")
+
+    def steps(first: int, *losses: float) -> list[dict]:
+        return [{"step": first + n, "loss": loss} for n, loss in enumerate(losses)]
+
+    watch = DivergenceWatch()
+    watch.see(steps(1, 1.0, nan, 0.9, inf, nan))
+    with pytest.raises(Diverged, match="the loss is nan from step 4 on"):
+        watch.see(steps(6, nan))
