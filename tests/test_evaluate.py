@@ -176,6 +176,9 @@ def test_a_diverged_checkpoint_s_scores_are_kept_as_not_finite_and_never_best(
         assert best_step(session, run, "clip_score", among={10, 20}) == 20
         with pytest.raises(NoScores, match="kid is not finite at every checkpoint still there"):
             best_step(session, run, "kid", among={10, 20})
+        said = "no fid score at any step (the metrics it was scored on: clip_score, heldout_loss,"
+        with pytest.raises(NoScores, match=re.escape(said)):
+            best_step(session, run, "fid", among={10, 20})
     assert (score_text(None), score_text(0.31)) == ("not finite", "0.3100")
     # The run's page plots the finite values and names the steps that are not.
     plotted = curve_svg(curves["heldout_loss"])
@@ -411,7 +414,12 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
     assert resumed["resumed_from"] == {"run": run, "step": best}
     none_yet = _sdq(env, tmp_path, "train", "toy", "--resume-from", f"{resumed['run_id']}"
                     "@best:clip_score", "--resolution", "64", "--steps", "2")  # fmt: skip
-    assert none_yet.returncode == 2 and "has no clip_score score" in none_yet.stderr
+    said = (f"train run {resumed['run_id']} has no clip_score score at any step (the metrics it "
+            "was scored on: none)")  # fmt: skip
+    assert none_yet.returncode == 2 and said in " ".join(none_yet.stderr.split()), none_yet.stderr
+    nowhere = _sdq(env, tmp_path, "model", "push", "9999@best:kid", "nowhere")
+    assert nowhere.returncode == 2, nowhere.stderr
+    assert "9999@best:kid: run 9999 is not a train run" in nowhere.stderr
 
     # The best by CLIP score pushed as a model of its own: the checkpoint's files, copied
     # within the store, its revision (so its lineage), and the same held-out loss.

@@ -39,13 +39,19 @@ def best_step(session: Session, run_id: int, metric: str, among: Collection[int]
     holds what the caller needs: a state to resume from, a model to render with)."""
     if metric not in METRICS:
         raise NoScores(f"no metric {metric!r}; the metrics are {', '.join(METRICS)}")
-    curve = dict(run_scores(session, run_id).get(metric, []))
+    scores = run_scores(session, run_id)
+    curve = dict(scores.get(metric, []))
     usable = {step: value for step, value in curve.items() if step in among}
+    if not curve:
+        raise NoScores(
+            f"train run {run_id} has no {metric} score at any step (the metrics it was scored "
+            f"on: {', '.join(sorted(scores)) or 'none'})"
+        )
     if not usable:
-        scored = ", ".join(str(step) for step in curve) or "none"
         raise NoScores(
             f"train run {run_id} has no {metric} score for a checkpoint that is still there "
-            f"(steps scored: {scored}; with checkpoints at: {', '.join(map(str, among)) or 'none'})"
+            f"(steps scored: {', '.join(map(str, curve))}; with checkpoints at: "
+            f"{', '.join(map(str, among)) or 'none'})"
         )
     best = best_of(metric, usable)
     if best is None:

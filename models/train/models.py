@@ -43,11 +43,13 @@ def checkpoint_named(session: Session, ref: str) -> Checkpoint | None:
         runs = runs.where(Run.id == int(owner))
     else:
         runs = runs.where(Run.options["into"].as_string() == owner)
+    run_id = session.scalar(runs.order_by(Run.id.desc()).limit(1))
     checkpoints = session.scalars(
-        select(Checkpoint)
-        .where(Checkpoint.run_id == session.scalar(runs.order_by(Run.id.desc()).limit(1)))
-        .order_by(Checkpoint.step)
+        select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.step)
     ).all()
+    if not checkpoints and owner.isdigit():  # a NAME may still be another kind of model's
+        held = "has no checkpoint yet" if run_id else "is not a train run (`sdq runs` lists them)"
+        raise ModelNotFound(f"{ref}: run {owner} {held}")
     if not checkpoints:
         return None
     models = [c for c in checkpoints if c.model_prefix is not None and c.deleted_at is None]
