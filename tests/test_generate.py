@@ -20,8 +20,8 @@ from sqlalchemy import func, select
 from sdq.models.db import make_engine, session_factory
 from sdq.models.generate.specs import GenerationSpec
 from sdq.models.generate.tables import Generation
+from sdq.models.jobs.claims import cancel_jobs
 from sdq.models.jobs.kinds import GENERATE
-from sdq.models.jobs.lifecycle import cancel_jobs
 from sdq.models.registry import tiny_identity
 from sdq.models.settings import Settings
 from sdq.models.tables import Job, JobEvent, JobStatus

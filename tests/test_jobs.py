@@ -18,10 +18,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from sdq.migrations import upgrade
 from sdq.models.db import make_engine, session_factory
 from sdq.models.jobs import lifecycle, outbox
-from sdq.models.jobs.claims import claim, extend_leases, held_until
+from sdq.models.jobs.claims import cancel_jobs, claim, extend_leases, held_until
 from sdq.models.jobs.delivery import Outcome, Work, deliver
 from sdq.models.jobs.kinds import GENERATE, TRAIN, Kind
-from sdq.models.jobs.lifecycle import Output, Worker, as_utc, cancel_jobs, fail, succeed, utcnow
+from sdq.models.jobs.lifecycle import Output, Worker, as_utc, fail, succeed, utcnow
 from sdq.models.jobs.maintenance import EXPIRED, finish_runs, relay, sweep_leases
 from sdq.models.jobs.outbox import EnqueueFailed, enqueue
 from sdq.models.rollups import roll_up
@@ -410,6 +410,28 @@ def test_maintenance_expires_dead_leases_and_sends_again_only_what_is_lost(sessi
     assert run_of(sessions, dropped).finished_at is None
     assert finish_runs(sessions) >= 1
     assert run_of(sessions, dropped).finished_at is not None
+
+
+def test_cancel_takes_what_no_worker_holds_and_leaves_live_work_to_finish(sessions) -> None:
+    """A job left running by a killed process (an embedded run's, which no beat takes
+    back) is cancelled once its lease has run out; one a live worker holds finishes; a
+    queued one is cancelled."""
+    killed, live, waiting = new_run(sessions, *({"text": str(n)} for n in range(3)),
+                                    status=JobStatus.queued)  # fmt: skip
+    with sessions.begin() as session:
+        claim(session, [killed, live], kind=GENERATE.name, worker=WORKER, lease_seconds=60,
+              max_attempts=2)  # fmt: skip
+        lapsed = utcnow() - timedelta(seconds=1)
+        session.execute(update(Job).where(Job.id == killed).values(lease_expires_at=lapsed))
+        run_id = session.get_one(Job, killed).run_id
+    with sessions.begin() as session:
+        assert cancel_jobs(session, run_id) == [killed, waiting]
+    assert statuses(sessions, [killed, live, waiting]) == [
+        (JobStatus.cancelled, 1),
+        (JobStatus.running, 1),
+        (JobStatus.cancelled, 0),
+    ]
+    assert run_of(sessions, live).finished_at is None  # its live job is still to finish
 
 
 def test_a_job_whose_twin_is_being_made_waits_and_is_served_its_output(

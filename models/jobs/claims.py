@@ -36,6 +36,22 @@ def abandoned_at(now: datetime) -> ColumnElement[bool]:
     return and_(Job.status == JobStatus.running, Job.lease_expires_at < now)
 
 
+def cancel_jobs(session: Session, run_id: int) -> list[int]:
+    """Cancels the run's jobs that no worker holds: not started, or running on a lease that
+    ran out (a killed embedded run's, whose job no beat takes back); a worker that gets one
+    finds nothing, and one that comes back to its lapsed job finds it taken."""
+    now = database_now(session)
+    cancelled = session.scalars(
+        update(Job)
+        .where(Job.run_id == run_id, or_(Job.status.in_(CLAIMABLE), abandoned_at(now)))
+        .values(status=JobStatus.cancelled, finished_at=now, lease_expires_at=None)
+        .returning(Job.id)
+    ).all()
+    record_events(session, cancelled, JobStatus.cancelled, detail="cancelled by the user", at=now)
+    close_finished_runs(session, cancelled)
+    return sorted(cancelled)  # RETURNING gives no order
+
+
 def bury_exhausted(
     session: Session,
     jobs: ColumnElement[bool],

@@ -265,20 +265,6 @@ def _within_outage_budget(
     return {job.id for job in jobs if now - as_utc(first_failed.get(job.id, now)) < budget}
 
 
-def cancel_jobs(session: Session, run_id: int) -> list[int]:
-    """Cancels the run's jobs that no worker holds; a worker that gets one finds nothing."""
-    now = utcnow()
-    cancelled = session.scalars(
-        update(Job)
-        .where(Job.run_id == run_id, Job.status.in_(CLAIMABLE))
-        .values(status=JobStatus.cancelled, finished_at=now, lease_expires_at=None)
-        .returning(Job.id)
-    ).all()
-    record_events(session, cancelled, JobStatus.cancelled, detail="cancelled by the user", at=now)
-    close_finished_runs(session, cancelled)
-    return sorted(cancelled)  # RETURNING gives no order
-
-
 def retry_jobs(
     session: Session, run_id: int, statuses: Iterable[JobStatus], *, asked_by: str
 ) -> list[int]:

@@ -5,8 +5,9 @@ import socket
 
 import click
 
+from sdq.models.jobs.claims import cancel_jobs
 from sdq.models.jobs.kinds import kind_named
-from sdq.models.jobs.lifecycle import cancel_jobs, retry_jobs
+from sdq.models.jobs.lifecycle import retry_jobs
 from sdq.models.tables import JobStatus
 from sdq.producer import display, lookups
 from sdq.producer.cli.common import (
@@ -141,7 +142,8 @@ def retry(app: SdqCelery, run_id: int, statuses: tuple[str, ...], as_json: bool)
 @json_option
 @pass_app
 def cancel(app: SdqCelery, run_id: int, as_json: bool) -> None:
-    """Cancel every job of RUN that no worker has started; running jobs finish."""
+    """Cancel every job of RUN that no worker holds: not started, or left running by a
+    worker that stopped renewing its lease (killed); jobs running on live workers finish."""
     with app.sessions.begin() as session, found():
         lookups.get_run(session, run_id)
         cancelled = cancel_jobs(session, run_id)

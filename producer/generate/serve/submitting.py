@@ -13,8 +13,8 @@ from sqlalchemy import select
 
 from sdq.models.generate.settings import GenerateSettings
 from sdq.models.generate.specs import image_key
+from sdq.models.jobs.claims import cancel_jobs
 from sdq.models.jobs.kinds import GENERATE
-from sdq.models.jobs.lifecycle import cancel_jobs
 from sdq.models.jobs.outbox import EnqueueFailed, enqueue
 from sdq.models.loras import parse_lora, resolve_lora
 from sdq.models.registry import ModelNotFound, resolve_model
