@@ -180,3 +180,37 @@ def test_a_worker_whose_device_keeps_failing_is_taken_out_of_rotation(
         os.killpg(sick.pid, 15)
         sick.wait(60)
         healthy.stop()
+
+
+def test_a_worker_put_back_in_rotation_is_judged_afresh(own_deployment: dict[str, str]) -> None:
+    """Taken out, a worker forgets the failures it was judged on: once `sdq worker clear`
+    puts it back, one more failed task whose job another worker does is not SICK_AFTER of
+    them (it was taken out again at once, on the old ones)."""
+    from sqlalchemy import delete, select, update
+
+    from sdq.models.settings import Settings
+    from sdq.models.tables import Job, JobStatus, SickWorker
+    from sdq.workers import sickness
+    from sdq.workers.app import create_app
+    from tests.test_jobs import new_run
+
+    app = create_app(Settings.from_env({**own_deployment, "SDQ_SICK_AFTER": "2"}))
+    first, second, third = new_run(app.sessions, *({"n": n} for n in range(3)))
+    with app.sessions.begin() as session:
+        session.execute(update(Job).values(status=JobStatus.succeeded, worker_host="other:1"))
+    suspect = sickness.Suspect(app, "gpu@sickbox", "sickbox:7", ["generate"], "out of memory")
+
+    def judged_after(task: str, job: int) -> list[str]:
+        sickness._failed_in_a_row[task] = [job]  # as after_task records a failed task
+        sickness.judge(suspect)
+        with app.sessions() as session:
+            return session.scalars(select(SickWorker.worker)).all()
+
+    try:
+        assert judged_after("task-1", first) == []
+        assert judged_after("task-2", second) == ["gpu@sickbox"]
+        with app.sessions.begin() as session:  # what `sdq worker clear` does to the record
+            session.execute(delete(SickWorker))
+        assert judged_after("task-3", third) == []
+    finally:
+        sickness._failed_in_a_row.clear()

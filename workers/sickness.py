@@ -76,14 +76,17 @@ def judge(suspect: Suspect) -> None:
             return
         try:
             done_elsewhere, unfinished = _fates(suspect, failed)
-        except Exception:  # the database away: looked at again in a few seconds
+            if done_elsewhere >= suspect.app.settings.jobs.sick_after:
+                take_out(suspect, f"{len(failed)} tasks in a row failed on the device, "
+                                  f"on jobs other workers then did: {suspect.error}")  # fmt: skip
+                # Judged: put back in rotation (`sdq worker clear`), it is judged afresh.
+                _failed_in_a_row.clear()
+                return
+        except Exception:  # the database or the broker away: judged again in a few seconds
             logger.exception("%s: its failed device was not judged", suspect.node)
             _look_again(suspect)
             return
-        if done_elsewhere >= suspect.app.settings.jobs.sick_after:
-            take_out(suspect, f"{len(failed)} tasks in a row failed on the device, "
-                              f"on jobs other workers then did: {suspect.error}")  # fmt: skip
-        elif unfinished:
+        if unfinished:
             _look_again(suspect)
 
 
