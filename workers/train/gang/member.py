@@ -9,6 +9,7 @@ from sdq.models.tables import Job
 from sdq.models.train.settings import TrainSettings
 from sdq.models.train.specs import TrainShardSpec
 from sdq.workers.train.gang.gathering import AttemptOver, NodeLost, Sightings, join
+from sdq.workers.train.loop.diverged import Diverged
 from sdq.workers.train.ranks.live import LiveStates
 from sdq.workers.train.ranks.processes import RankFailed, too_many_here
 
@@ -60,7 +61,7 @@ def take_part(
     try:
         watch = member_watch(sessions, job_id, gathering, node.index, settings)
         ranks.run_gang_node(spec, node, watch, None, goes_on)
-    except (RankFailed, AttemptOver) as error:
+    except (RankFailed, AttemptOver, Diverged) as error:  # the leader records the job's end
         return f"node {node.index} of job {job_id} stopped: {error}"
     if spec.last_step == spec.options.steps:
         ranks.run_ended(settings.ranks or spec.options.ranks_per_node)
