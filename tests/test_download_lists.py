@@ -111,15 +111,20 @@ def test_unusable_lists_are_refused_with_the_file_named(tmp_path: Path) -> None:
             b'url,caption,n\nhttp://a,"x",1\n\nhttp://b,"y",2,more\n',
             "line 4: 4 fields where the header has 3 \\(url, caption, n\\)",
         ),
+        (  # a byte-order mark, as spreadsheets write one, is no part of the first column's name
+            "bom.csv",
+            b"\xef\xbb\xbfurl,caption,n\nhttp://a,x,1,more\n",
+            "line 2: 4 fields where the header has 3 \\(url, caption, n\\)",
+        ),
         (
             "short.tsv",
             b"url\tcaption\tn\nhttp://a\tx\t1\nhttp://b\n",
-            "line 3: 1 fields where the header has 3",
+            "line 3: 1 field where the header has 3",
         ),
         (
             "open-quote.csv",
             b'url,caption,n\nhttp://a,"two\nlines",1\nhttp://b,"open,2\nhttp://c,z,3\n',
-            "line 4: unexpected end of data \\(a quoted field that is never closed\\?\\)",
+            "line 4: a quoted field opens here and is never closed",
         ),
         (
             "broken.jsonl",

@@ -28,6 +28,7 @@ from sdq.models.train.inputs import read_inputs_manifest
 from sdq.models.train.status import time_shares
 from sdq.models.train.tables import Checkpoint, TrainStep
 from sdq.producer.train.lookups import latest_step
+from sdq.producer.train.screens import loss_curve
 from sdq.workers.tiny import build_pipeline
 from tests.browser import chromium, open_page, texts
 from tests.conftest import BUCKET, ROOT, BeatProcess, WorkerProcess, sdq_json
@@ -243,31 +244,34 @@ def test_steps_reach_the_database_as_they_are_taken(tmp_path: Path) -> None:
 
 def test_a_diverged_run_ends_dead_at_once_naming_the_step_it_went_at(tmp_path: Path) -> None:
     """Embedded (SQLite, which refused a NaN loss: the job failed on its own records), on two
-    ranks: a learning rate that blows the weights up ends the job dead on its first
-    attempt, not retried from a checkpoint that would diverge the same way, saying from
-    which step the loss is not finite; those steps are NULL in SQL, and `sdq train status`
-    shows them as such."""
-    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT), "SDQ_TRAIN_LOSS_EVERY": "2",
-           "SDQ_TRAIN_LIVE_STEPS_SECONDS": "0.01"}  # fmt: skip
+    ranks: a learning rate that blows the weights up ends the job it diverges in dead on its
+    first attempt, not retried from a checkpoint that would diverge the same way, saying from
+    which step the loss is not finite; those steps are NULL in SQL (written at once, not
+    after the live steps' usual 5 s), and `sdq train status` shows them as such."""
+    env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT), "SDQ_TRAIN_LOSS_EVERY": "2"}
     encoded_dataset(env, "toy", 8, tmp_path)
     diverging = subprocess.run(
         [sys.executable, "-m", "sdq.producer.cli", "train", "toy", *TRAIN, "--steps", "40",
-         "--checkpoint-every", "20", "--world-size", "2", "--lr", "1e30"],
+         "--checkpoint-every", "2", "--world-size", "2", "--lr", "1e30"],
         env=env, cwd=tmp_path, capture_output=True, text=True,
     )  # fmt: skip
     said = " ".join(diverging.stderr.split())
     went = re.search(
-        r"Diverged: the loss is (?:nan|inf|-inf) from step (\d+) on: the run diverged", said
+        r"Diverged: rank \d: the loss is (?:nan|inf|-inf) at step (\d+) and not finite since: "
+        r"the run diverged",
+        said,
     )
     assert diverging.returncode != 0 and went, said[-3000:]
     with sqlite3.connect(tmp_path / "sdq-data/sdq.db") as db:
         [run_id] = db.execute("SELECT id FROM runs WHERE kind = 'train'").fetchone()
         jobs = db.execute(
-            "SELECT status, attempts FROM jobs WHERE run_id = ?", (run_id,)
+            "SELECT status, attempts FROM jobs WHERE run_id = ? ORDER BY id", (run_id,)
         ).fetchall()
         losses = db.execute("SELECT step, loss FROM train_steps WHERE run_id = ? ORDER BY step",
                             (run_id,)).fetchall()  # fmt: skip
-    assert jobs == [("dead", 1)]
+    # The steps ahead of the second job (taken while the first one's checkpoint was written)
+    # diverged: that job ends dead, the first one's checkpoint is written and it succeeds.
+    assert jobs == [("succeeded", 1), ("dead", 1)]
     first_not_finite = int(went[1])
     assert first_not_finite >= 2  # the first step's loss is before any update
     assert all(loss is not None for step, loss in losses if step < first_not_finite)
@@ -280,6 +284,15 @@ def test_a_diverged_run_ends_dead_at_once_naming_the_step_it_went_at(tmp_path: P
     )  # fmt: skip
     # The curve's end, every loss of it NaN: "!" where no loss is finite.
     assert re.search(r"loss [\d.]+ \S*! not finite", " ".join(shown.stdout.split())), shown
+    # However long the run, the few steps a diverged job ends with show.
+    assert loss_curve([1.0] * 10_000 + [None] * 3).endswith("▁! not finite")
+    # Going on from a run that is not a train run (run 1 downloaded the dataset) is refused.
+    elsewhere = subprocess.run(
+        [sys.executable, "-m", "sdq.producer.cli", "train", "toy", "--resume-from",
+         "1@best:kid", "--resolution", "64", "--steps", "2"],
+        env=env, cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    assert elsewhere.returncode == 2 and "run 1 is not a train run" in elsewhere.stderr
 
 
 def test_a_run_s_wall_time_splits_into_its_shares(migrated_postgres: str) -> None:

@@ -430,5 +430,5 @@ def test_one_loss_not_finite_is_no_divergence_three_in_a_row_are() -> None:
 
     watch = DivergenceWatch()
     watch.see(steps(1, 1.0, nan, 0.9, inf, nan))
-    with pytest.raises(Diverged, match="the loss is nan from step 4 on"):
+    with pytest.raises(Diverged, match="the loss is inf at step 4 and not finite since"):
         watch.see(steps(6, nan))

@@ -12,7 +12,8 @@ from pathlib import Path
 def first_bad_line(source: Path, delimiter: str | None) -> str | None:
     """`line N: what is wrong there` for the first bad line of a CSV/TSV (`delimiter`) or
     JSON lines (None) file, or None where these readers find nothing wrong."""
-    with source.open(newline="", encoding="utf-8", errors="replace") as text:
+    # utf-8-sig: a byte-order mark, as spreadsheets write one, is not part of the header.
+    with source.open(newline="", encoding="utf-8-sig", errors="replace") as text:
         found = _bad_csv_row(text, delimiter) if delimiter else _bad_json_line(text)
         return next(found, None)
 
@@ -27,11 +28,14 @@ def _bad_csv_row(text, delimiter: str) -> Iterator[str]:
         except StopIteration:
             return
         except csv.Error as error:
-            yield f"line {starts_on}: {error} (a quoted field that is never closed?)"
+            unclosed = "unexpected end of data" in str(error)
+            yield f"line {starts_on}: " + ("a quoted field opens here and is never closed"
+                                            if unclosed else str(error))  # fmt: skip
             return
         if row and len(row) != len(header):
+            fields = f"{len(row)} field{'s' if len(row) != 1 else ''}"
             yield (
-                f"line {starts_on}: {len(row)} fields where the header has {len(header)}"
+                f"line {starts_on}: {fields} where the header has {len(header)}"
                 f" ({', '.join(header)})"
             )
             return

@@ -105,9 +105,10 @@ def show_plan(plan: dict[str, Any], refusal: str | None) -> None:
 
 def loss_curve(losses: list[float | None], width: int = 60) -> str:
     """The loss as a line of block characters, averaged into `width` buckets; a bucket
-    whose every loss is not finite (None: a diverged run's) is a "!"."""
+    holding a loss that is not finite (None: a diverged run's) is a "!", however long the
+    run (a diverged job ends within a few dozen steps)."""
     size = max(1, -(-len(losses) // width))
-    buckets = [_finite_mean(losses[i : i + size]) for i in range(0, len(losses), size)]
+    buckets = [_mean(losses[i : i + size]) for i in range(0, len(losses), size)]
     finite = [value for value in buckets if value is not None]
     low, high = (min(finite), max(finite)) if finite else (0.0, 0.0)
     bars = "▁▂▃▄▅▆▇█"
@@ -119,9 +120,8 @@ def loss_curve(losses: list[float | None], width: int = 60) -> str:
     return f"{score_text(buckets[0])} {line} {score_text(buckets[-1])}"
 
 
-def _finite_mean(values: list[float | None]) -> float | None:
-    finite = [value for value in values if value is not None]
-    return sum(finite) / len(finite) if finite else None
+def _mean(values: list[float | None]) -> float | None:
+    return None if None in values else sum(values) / len(values)
 
 
 def report_status(app: SdqCelery, run_id: int, as_json: bool) -> None:

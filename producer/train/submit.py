@@ -277,7 +277,10 @@ def start_checkpoint(session: Session, run_id: int, step: int | str | None) -> S
     )
     steps = session.scalars(query.order_by(Checkpoint.step)).all()
     run = session.get(Run, run_id)
-    if run is not None and run.options.get("lora_rank") is not None:
+    if run is None or run.kind != TRAIN.name:
+        raise CannotTrain(f"--resume-from {run_id}: run {run_id} is not a train run "
+                          "(`sdq runs` lists them)")  # fmt: skip
+    if run.options.get("lora_rank") is not None:
         raise CannotTrain(f"--resume-from {run_id}: train run {run_id} trained a LoRA; its "
                           f"checkpoints hold adapters, not a U-Net to go on from")  # fmt: skip
     if isinstance(step, str):

@@ -3,6 +3,7 @@ the steps' losses, the checkpoint's row, the model's registration, the run's nex
 the checkpoint's validation renders."""
 
 import logging
+import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from time import monotonic
@@ -93,7 +94,10 @@ class LiveSteps:
 
     def __call__(self, steps: list[dict[str, Any]]) -> None:
         self._pending += steps
-        if monotonic() - self._written >= self.every_seconds:
+        # A loss that is not finite may end the job dead (loop/diverged.py) before the next
+        # write, and no checkpoint writes its steps: they go now.
+        diverging = any(not math.isfinite(step["loss"]) for step in steps)
+        if diverging or monotonic() - self._written >= self.every_seconds:
             self.write()
 
     def write(self) -> None:

@@ -20,7 +20,7 @@ class DivergenceWatch:
     """Follows the losses as their windows are read (no read of the device of its own)."""
 
     def __init__(self) -> None:
-        self._since: int | None = None  # the first step of the current not-finite streak
+        self._since: tuple[int, float] | None = None  # the streak's first step, and its loss
         self._streak = 0
 
     def see(self, steps: list[dict[str, Any]]) -> None:
@@ -29,12 +29,13 @@ class DivergenceWatch:
             if math.isfinite(step["loss"]):
                 self._since, self._streak = None, 0
                 continue
-            self._since = step["step"] if self._since is None else self._since
+            self._since = self._since or (step["step"], step["loss"])
             self._streak += 1
             if self._streak == NOT_FINITE_IN_A_ROW:
+                first, loss = self._since
                 raise Diverged(
-                    f"the loss is {step['loss']} from step {self._since} on: the run diverged;"
-                    " a retry from its last checkpoint would too. Start again from a"
-                    f" checkpoint before step {self._since} (--resume-from RUN@STEP) with a"
-                    " lower --lr, a longer --lr-warmup or --max-grad-norm"
+                    f"the loss is {loss} at step {first} and not finite since: the run"
+                    " diverged; a retry from its last checkpoint would too. Start again from"
+                    f" a checkpoint before step {first} (--resume-from RUN@STEP) with a lower"
+                    " --lr, a longer --lr-warmup or --max-grad-norm"
                 )

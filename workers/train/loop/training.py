@@ -27,7 +27,7 @@ from sdq.models.train.specs import LatentInput, TrainShardSpec
 from sdq.workers.gpu import peak_flops
 from sdq.workers.train.loop.checkpoints import Snapshot, snapshot
 from sdq.workers.train.loop.data import BucketedStream, LatentStream, load_shards
-from sdq.workers.train.loop.diverged import DivergenceWatch
+from sdq.workers.train.loop.diverged import Diverged, DivergenceWatch
 from sdq.workers.train.loop.sharding import ShardedSnapshot, sharded_snapshot
 from sdq.workers.train.loop.state import TrainState
 from sdq.workers.train.loop.step import (
@@ -71,6 +71,7 @@ class Training:
         self.on_steps = on_steps
         self.loss_every = settings.loss_every
         self._divergence = DivergenceWatch()
+        self._diverged_ahead: Diverged | None = None
         self.checkpointed = state.step  # the step of the checkpoint the state is past
         self.ahead: list[dict] = []
         self._writing: ShardedSnapshot | None = None
@@ -105,12 +106,19 @@ class Training:
     def steps(self, spec: TrainShardSpec, stop: "Stop") -> list[dict]:
         """The job's steps: those taken ahead for it, then more up to its last (see
         `take_steps`)."""
+        if self._diverged_ahead is not None:
+            raise self._diverged_ahead
         steps, self.ahead = [*self.ahead, *self.take_steps(spec, stop)], []
         return steps
 
     def train_ahead(self, spec: TrainShardSpec, stop: "Stop") -> None:
-        """Steps of the run's next job, before it comes (the same steps it would take)."""
-        self.ahead += self.take_steps(spec, stop)
+        """Steps of the run's next job, before it comes (the same steps it would take). A
+        divergence among them is that job's end, not the end of the one whose checkpoint
+        is being written meanwhile."""
+        try:
+            self.ahead += self.take_steps(spec, stop)
+        except Diverged as diverged:
+            self._diverged_ahead = diverged
 
     def take_steps(self, spec: TrainShardSpec, stop: "Stop") -> list[dict]:
         """Steps up to the job's last, each one's loss, learning rate and speed noted (the

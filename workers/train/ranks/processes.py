@@ -257,8 +257,9 @@ def rank_error(folder: Path, rank: int, code: int) -> Exception:
     report = folder / f"error-{rank}.json"
     if report.is_file():
         error = json.loads(report.read_text())
-        kind = KNOWN_ERRORS.get(error["type"], RankFailed)
-        return kind(f"rank {rank}: {error['type']}: {error['message']}")
+        if (known := KNOWN_ERRORS.get(error["type"])) is not None:
+            return known(f"rank {rank}: {error['message']}")  # the job's error names its kind
+        return RankFailed(f"rank {rank}: {error['type']}: {error['message']}")
     log = (folder / f"rank{rank}.log").read_text(errors="replace").splitlines()
     tail = "\n".join(log[-LOG_LINES:])
     return RankFailed(f"rank {rank} exited with code {code}:\n{tail}")
