@@ -10,12 +10,13 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import UTC, timedelta
 from pathlib import Path
 from urllib.request import urlopen
 
 import pytest
 from PIL import Image
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from sdq.models.db import make_engine, session_factory
 from sdq.models.generate.specs import GenerationSpec
@@ -198,14 +199,29 @@ def test_requeue_sends_what_never_reached_the_broker(
 
 
 def test_cancel_stops_what_has_not_started(sdq, sessions, tmp_path) -> None:
-    prompts = write(tmp_path / "p.csv", "prompt,seed\ne2e cancelled moth,3\n")
+    """What no worker holds is cancelled; a job on a lease not run out is left to finish,
+    and cancel says until when; once the lease has run out (its worker gone), it is taken."""
+    prompts = write(tmp_path / "p.csv", "prompt,seed\ne2e cancelled moth,3\ne2e held moth,4\n")
     down = sdq("submit", str(prompts), env={"SDQ_BROKER_URL": "redis://127.0.0.1:1/0"})
     assert down.exit_code != 0
-    with sessions() as session:
+    with sessions.begin() as session:
         run_id = session.scalar(select(func.max(Job.run_id)))
-    assert sdq("cancel", str(run_id)).output.strip() == f"run {run_id}: cancelled 1 jobs"
+        held = session.scalar(select(func.max(Job.id)).where(Job.run_id == run_id))
+        lease = update(Job).where(Job.id == held)
+        ahead = func.now() + timedelta(minutes=5)
+        session.execute(lease.values(status=JobStatus.running, lease_expires_at=ahead))
+        until = session.scalar(select(Job.lease_expires_at).where(Job.id == held))
+    said = sdq("cancel", str(run_id)).output.split("\n")
+    assert said[0] == f"run {run_id}: cancelled 1 jobs"
+    until_utc = until.astimezone(UTC)
+    told = f"1 running on their workers' leases, the last until {until_utc:%H:%M:%S} UTC"
+    assert said[1].startswith(told), said
+    with sessions.begin() as session:  # its worker gone, the lease runs out
+        session.execute(lease.values(lease_expires_at=func.now() - timedelta(seconds=1)))
+    gone = json.loads(sdq("cancel", str(run_id), "--json").stdout)
+    assert gone == {"run_id": run_id, "cancelled": 1, "running": 0}
     status = json.loads(sdq("status", str(run_id), "--json").stdout)
-    assert status["counts"] == {"cancelled": 1} and status["finished_at"]
+    assert status["counts"] == {"cancelled": 2} and status["finished_at"]
     assert json.loads(sdq("requeue", str(run_id), "--json").stdout)["jobs"] == 0
 
 

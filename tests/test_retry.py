@@ -18,7 +18,7 @@ def test_cancelled_jobs_are_retried_and_done(
     database_url = env["SDQ_DATABASE_URL"]
     prompts = write(tmp_path / "p.csv", "prompt,seed\nretried owl,1\nretried fox,2\n")
     run_id = sdq_json(env, "submit", str(prompts), "--steps", "2")["run_id"]
-    assert sdq_json(env, "cancel", str(run_id)) == {"run_id": run_id, "cancelled": 2}
+    assert sdq_json(env, "cancel", str(run_id)) == {"run_id": run_id, "cancelled": 2, "running": 0}
     # Nothing to do for statuses that have no jobs.
     assert sdq_json(env, "retry", str(run_id), "--status", "dead")["retried"] == 0
     assert sdq_json(env, "retry", str(run_id))["retried"] == 2

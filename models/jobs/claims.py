@@ -52,6 +52,19 @@ def cancel_jobs(session: Session, run_id: int) -> list[int]:
     return sorted(cancelled)  # RETURNING gives no order
 
 
+def leases_held(session: Session, run_id: int) -> tuple[int, datetime | None]:
+    """How many of the run's jobs run on a lease not yet run out, and when the last of those
+    leases does: cancel takes a job whose worker is gone once its lease has."""
+    count, until = session.execute(
+        select(func.count(), func.max(Job.lease_expires_at)).where(
+            Job.run_id == run_id,
+            Job.status == JobStatus.running,
+            Job.lease_expires_at >= database_now(session),
+        )
+    ).one()
+    return count, until
+
+
 def bury_exhausted(
     session: Session,
     jobs: ColumnElement[bool],

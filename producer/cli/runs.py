@@ -2,12 +2,13 @@
 
 import getpass
 import socket
+from datetime import UTC
 
 import click
 
-from sdq.models.jobs.claims import cancel_jobs
+from sdq.models.jobs.claims import cancel_jobs, leases_held
 from sdq.models.jobs.kinds import kind_named
-from sdq.models.jobs.lifecycle import retry_jobs
+from sdq.models.jobs.lifecycle import as_utc, retry_jobs
 from sdq.models.tables import JobStatus
 from sdq.producer import display, lookups
 from sdq.producer.cli.common import (
@@ -147,10 +148,18 @@ def cancel(app: SdqCelery, run_id: int, as_json: bool) -> None:
     with app.sessions.begin() as session, found():
         lookups.get_run(session, run_id)
         cancelled = cancel_jobs(session, run_id)
+        running, until = leases_held(session, run_id)
     if as_json:
-        display.print_json({"run_id": run_id, "cancelled": len(cancelled)})
-    else:
-        click.echo(f"run {run_id}: cancelled {len(cancelled)} jobs")
+        display.print_json({"run_id": run_id, "cancelled": len(cancelled), "running": running})
+        return
+    click.echo(f"run {run_id}: cancelled {len(cancelled)} jobs")
+    if running:
+        last = as_utc(until).astimezone(UTC)
+        click.echo(
+            f"{running} running on their workers' leases, the last until {last:%H:%M:%S} UTC: "
+            f"they finish, or, where the worker is gone, `sdq cancel {run_id}` takes them once "
+            "the lease has run out"
+        )
 
 
 COMMANDS = (runs, status, show, resume, requeue, retry, cancel)
