@@ -5,8 +5,8 @@ Only the refused file is read this way, once, with the standard library's reader
 
 import csv
 import json
-from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 
 def first_bad_line(source: Path, delimiter: str | None) -> str | None:
@@ -14,11 +14,10 @@ def first_bad_line(source: Path, delimiter: str | None) -> str | None:
     JSON lines (None) file, or None where these readers find nothing wrong."""
     # utf-8-sig: a byte-order mark, as spreadsheets write one, is not part of the header.
     with source.open(newline="", encoding="utf-8-sig", errors="replace") as text:
-        found = _bad_csv_row(text, delimiter) if delimiter else _bad_json_line(text)
-        return next(found, None)
+        return _bad_csv_row(text, delimiter) if delimiter else _bad_json_line(text)
 
 
-def _bad_csv_row(text, delimiter: str) -> Iterator[str]:
+def _bad_csv_row(text: TextIO, delimiter: str) -> str | None:
     reader = csv.reader(text, delimiter=delimiter, strict=True)
     header = next(reader, [])
     while True:
@@ -26,22 +25,18 @@ def _bad_csv_row(text, delimiter: str) -> Iterator[str]:
         try:
             row = next(reader)
         except StopIteration:
-            return
+            return None
         except csv.Error as error:
-            unclosed = "unexpected end of data" in str(error)
-            yield f"line {starts_on}: " + ("a quoted field opens here and is never closed"
-                                            if unclosed else str(error))  # fmt: skip
-            return
+            if "unexpected end of data" in str(error):
+                return f"line {starts_on}: a quoted field opens here and is never closed"
+            return f"line {starts_on}: {error}"
         if row and len(row) != len(header):
             fields = f"{len(row)} field{'s' if len(row) != 1 else ''}"
-            yield (
-                f"line {starts_on}: {fields} where the header has {len(header)}"
-                f" ({', '.join(header)})"
-            )
-            return
+            header_says = f"the header has {len(header)} ({', '.join(header)})"
+            return f"line {starts_on}: {fields} where {header_says}"
 
 
-def _bad_json_line(text) -> Iterator[str]:
+def _bad_json_line(text: TextIO) -> str | None:
     kinds: dict[str, tuple[str, int]] = {}  # field -> (JSON type, line it was first seen on)
     for number, line in enumerate(text, start=1):
         if not line.strip():
@@ -49,21 +44,17 @@ def _bad_json_line(text) -> Iterator[str]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as error:
-            yield f"line {number}: not JSON ({error.msg} at column {error.colno})"
-            return
+            return f"line {number}: not JSON ({error.msg} at column {error.colno})"
         if not isinstance(row, dict):
-            yield f"line {number}: a JSON {_json_type(row)} where each line holds an object"
-            return
+            return f"line {number}: a JSON {_json_type(row)} where each line holds an object"
         for field, value in row.items():
             kind, first = kinds.setdefault(field, (_json_type(value), number))
-            if value is not None and kind != "null" and _json_type(value) != kind:
-                yield (
-                    f"line {number}: field {field!r} is a {_json_type(value)}"
-                    f" where line {first} has a {kind}"
-                )
-                return
-            if kind == "null":
+            if kind == "null":  # a null says nothing of the field's type yet
                 kinds[field] = (_json_type(value), number)
+            elif value is not None and _json_type(value) != kind:
+                return (f"line {number}: field {field!r} is a {_json_type(value)} where line "
+                        f"{first} has a {kind}")  # fmt: skip
+    return None
 
 
 def _json_type(value: object) -> str:

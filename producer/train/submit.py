@@ -106,9 +106,9 @@ def _check_left_to_train(name: str, inputs: list[LatentInput], options: TrainOpt
     would wait for ever on shards with no row to read."""
     from sdq.models.train.holdout import kept_rows  # numpy: not at every command's start
 
-    kept = sum(len(kept_rows(item.key, item.samples, options.holdout, options.seed))
-               for item in inputs)  # fmt: skip
-    if not kept:
+    # The first shard with a row left settles it: a large dataset is not drawn whole here.
+    if not any(len(kept_rows(item.key, item.samples, options.holdout, options.seed))
+               for item in inputs):  # fmt: skip
         samples = sum(item.samples for item in inputs)
         raise CannotTrain(f"--holdout {options.holdout} holds out all {samples} samples of "
                           f"{name}: none is left to train on; give a smaller fraction")  # fmt: skip
