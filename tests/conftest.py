@@ -14,6 +14,7 @@ from click.testing import CliRunner, Result
 from sdq.models.db import make_engine
 from sdq.producer.cli.main import main
 from tests.netns_download import DOWNLOAD_ENV
+from tests.preloaded import preloaded
 from tests.services import (
     MotoServer,
     OutageProxy,
@@ -222,19 +223,21 @@ def sdq(service_env: dict[str, str]):
     return run
 
 
+def run_sdq(
+    env: dict[str, str], *args: str, cwd: Path = ROOT, timeout: float = 240,
+    input: str | None = None,
+) -> subprocess.CompletedProcess:  # fmt: skip
+    """Runs an sdq command as a user does, in a process of its own (tests/preloaded.py), and
+    gives what it printed, as subprocess.run(..., capture_output=True, text=True) would."""
+    return preloaded().run(list(args), env=env, cwd=cwd, timeout=timeout, input=input)
+
+
 def sdq_json(
     env: dict[str, str], *args: str, cwd: Path = ROOT, timeout: float = 240, exit_code: int = 0
 ) -> dict:
-    """Runs an sdq command as a user does, in a process of its own, and reads its JSON
-    (printed also when it fails, with `exit_code`)."""
-    result = subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", *args, "--json"],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """Runs an sdq command as a user does (run_sdq) and reads its JSON (printed also when it
+    fails, with `exit_code`)."""
+    result = run_sdq(env, *args, "--json", cwd=cwd, timeout=timeout)
     assert result.returncode == exit_code, result.stderr[-3000:]
     return json.loads(result.stdout)
 

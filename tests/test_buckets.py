@@ -7,7 +7,6 @@ their bucket left out and counted, and what cannot work refused before anything 
 import io
 import json
 import subprocess
-import sys
 from itertools import islice
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from sdq.workers.evaluate.metrics import heldout_loss
 from sdq.workers.shards.latents import CONDITIONS, read_tensor
 from sdq.workers.tiny import build_unet, build_vae
 from sdq.workers.train.loop.data import BucketedStream, bucket_schedule
-from tests.conftest import ROOT, sdq_json
+from tests.conftest import ROOT, run_sdq, sdq_json
 from tests.hostile_server import HostileServer
 from tests.netns_download import DOWNLOAD_ENV
 from tests.services import clean_env
@@ -111,8 +110,7 @@ def download_found(env: dict[str, str], cwd: Path, downloads: list[tuple[str, st
 
 
 def run(env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sdq.producer.cli", *args],
-                          env=env, cwd=cwd, capture_output=True, text=True)  # fmt: skip
+    return run_sdq(env, *args, cwd=cwd)
 
 
 @torch.inference_mode()

@@ -9,7 +9,6 @@ import io
 import itertools
 import sqlite3
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,7 @@ from sdq.models.curate.specs import head_key
 from sdq.workers.curate.scoring import Pixels
 from sdq.workers.shards.embeddings import read_embeddings
 from sdq.workers.tiny import build_clip
-from tests.conftest import BUCKET, ROOT, WorkerProcess, sdq_json
+from tests.conftest import BUCKET, ROOT, WorkerProcess, run_sdq, sdq_json
 from tests.hostile_server import HostileServer
 from tests.netns_download import DOWNLOAD_ENV
 from tests.services import clean_env
@@ -123,10 +122,7 @@ def test_curate_embedded_scores_as_a_plain_clip_loop_and_refuses_bad_inputs(
                  "--rows-per-shard", "4", cwd=tmp_path)  # fmt: skip
 
     def curate(*options: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "sdq.producer.cli", "curate", *options, "--json"],
-            env=env, cwd=tmp_path, capture_output=True, text=True,
-        )  # fmt: skip
+        return run_sdq(env, "curate", *options, "--json", cwd=tmp_path)
 
     # Bad inputs: refused by name, exit 2, nothing written.
     narrow = head_state([WIDTH * 2, 8, 1], [0, 2], seed=3)

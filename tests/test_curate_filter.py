@@ -7,7 +7,6 @@ import os
 import signal
 import sqlite3
 import subprocess
-import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from tests.conftest import (
     BeatProcess,
     WorkerProcess,
     job_history,
+    run_sdq,
     sdq_json,
     store_behind_a_proxy,
     wait_for_run,
@@ -48,8 +48,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def sdq(env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sdq.producer.cli", *args],
-                          env=env, cwd=cwd, capture_output=True, text=True)  # fmt: skip
+    return run_sdq(env, *args, cwd=cwd)
 
 
 def test_a_filtered_dataset_is_encoded_trained_on_and_traced_to_the_urls_it_kept(

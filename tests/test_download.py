@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import BUCKET, ROOT, WorkerProcess, sdq_json
+from tests.conftest import BUCKET, ROOT, WorkerProcess, run_sdq, sdq_json
 from tests.hostile_server import CASES, HostileServer, case_rows, many_pixels
 from tests.netns_download import write_list
 
@@ -76,11 +76,16 @@ def test_download_on_services_records_every_row_in_sql_and_shards(
     with HostileServer() as server:
         expected = case_rows(server.base, server.port, CASES)
         write_list(tmp_path / "hostile.csv", expected)
-        done = subprocess.run(
-            [sys.executable, "-m", "sdq.producer.cli", "download", "--wait", "--json",
-             str(tmp_path / "hostile.csv"), "--dataset", "web"],
-            env=submitting, capture_output=True, text=True, timeout=240,
-        )  # fmt: skip
+        done = run_sdq(
+            submitting,
+            "download",
+            "--wait",
+            "--json",
+            str(tmp_path / "hostile.csv"),
+            "--dataset",
+            "web",
+            timeout=240,
+        )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout)
     assert summary["blocked_by"] == ["127.0.0.1/32"]
@@ -160,10 +165,7 @@ def test_laion_parquet_is_sliced_into_shards_resumed_and_redone_once(
                 "AND spec->>'shard' = '1'",
                 (run_id,),
             )
-        requeue = subprocess.run(
-            [sys.executable, "-m", "sdq.producer.cli", "requeue", str(run_id)],
-            env=download_env, cwd=ROOT, capture_output=True, text=True,
-        )  # fmt: skip
+        requeue = run_sdq(download_env, "requeue", str(run_id), cwd=ROOT)
         assert requeue.returncode == 0, requeue.stderr
         _wait_finished(database_url, run_id)
     assert _samples(database_url, "laion") == samples
@@ -188,10 +190,7 @@ def test_a_list_without_the_named_column_is_refused_by_name(
 ) -> None:
     listing = tmp_path / "list.tsv"
     listing.write_text("URL\tTEXT\nhttp://example.invalid/a.jpg\ta cat\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", "download", str(listing), "--dataset", "x"],
-        env=download_env, cwd=ROOT, capture_output=True, text=True,
-    )  # fmt: skip
+    result = run_sdq(download_env, "download", str(listing), "--dataset", "x", cwd=ROOT)
     assert result.returncode == 2
     assert f"{listing}: no column 'url' (it has URL, TEXT); did you mean 'URL'?" in result.stderr
     with psycopg.connect(download_env["SDQ_DATABASE_URL"]) as connection:

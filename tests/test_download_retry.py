@@ -3,8 +3,6 @@
 transient reason (or for the reasons named), keeping every other row as it was."""
 
 import sqlite3
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import pytest
 from sdq.models.datasets import is_transient
 from sdq.models.download.settings import DownloadSettings
 from sdq.workers.download.fetch import Fetcher, FetchFailed
-from tests.conftest import ROOT, sdq_json
+from tests.conftest import ROOT, run_sdq, sdq_json
 from tests.hostile_server import HostileServer
 from tests.netns_download import DOWNLOAD_ENV, write_list
 from tests.services import clean_env
@@ -129,11 +127,15 @@ def test_blocked_hosts_are_explained_and_fetched_once_their_network_is_allowed(
     with HostileServer(host="127.0.0.2") as server:
         rows = [{"url": f"{server.base}/img/{n}.jpg", "caption": f"row {n}"} for n in range(3)]
         write_list(tmp_path / "mirror.csv", rows)
-        blocked = subprocess.run(
-            [sys.executable, "-m", "sdq.producer.cli", "download", str(tmp_path / "mirror.csv"),
-             "--dataset", "mirror", "--json"],
-            env=env, cwd=tmp_path, capture_output=True, text=True,
-        )  # fmt: skip
+        blocked = run_sdq(
+            env,
+            "download",
+            str(tmp_path / "mirror.csv"),
+            "--dataset",
+            "mirror",
+            "--json",
+            cwd=tmp_path,
+        )
         assert blocked.returncode == 1, blocked.stderr
         hint = " ".join(blocked.stderr.split())
         assert "3 of 3 samples were not fetched" in hint
@@ -148,11 +150,9 @@ def test_blocked_hosts_are_explained_and_fetched_once_their_network_is_allowed(
         untouched = sdq_json(env, "download", "--retry-failed", "mirror", cwd=tmp_path)
         assert untouched["by_status"] == {"failed": 3}
         # A reason no sample failed for is a typo: the ones there are, not an empty run.
-        typo = subprocess.run(
-            [sys.executable, "-m", "sdq.producer.cli", "download", "--retry-failed", "mirror",
-             "--reason", "blocked"],
-            env=env, cwd=tmp_path, capture_output=True, text=True,
-        )  # fmt: skip
+        typo = run_sdq(
+            env, "download", "--retry-failed", "mirror", "--reason", "blocked", cwd=tmp_path
+        )
         assert typo.returncode == 2
         said = " ".join(typo.stderr.split())
         assert "no sample of dataset 'mirror' failed for 'blocked'" in said

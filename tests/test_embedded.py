@@ -18,19 +18,12 @@ from PIL import Image
 
 from sdq.models.generate.galleries import describe_settings
 from tests.browser import chromium, open_page, texts
-from tests.conftest import ROOT, sdq_json
+from tests.conftest import ROOT, run_sdq, sdq_json
 from tests.services import clean_env, said_after, wait_for
 
 
 def sdq_run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", "run", *args],
-        cwd=cwd,
-        env={**clean_env(), "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_sdq({**clean_env(), "PYTHONPATH": str(ROOT)}, "run", *args, cwd=cwd, timeout=300)
 
 
 def test_a_gallery_says_what_an_auto_dtype_meant() -> None:
@@ -155,14 +148,7 @@ def test_run_does_the_whole_job_in_one_process(tmp_path: Path) -> None:
 def test_commands_that_send_refuse_without_a_broker(tmp_path: Path) -> None:
     # Sending into an in-memory broker nobody reads would mark jobs queued for ever.
     for command in (["requeue", "1"], ["submit", str(ROOT / "examples/subjects.csv")]):
-        done = subprocess.run(
-            [sys.executable, "-m", "sdq.producer.cli", *command],
-            cwd=tmp_path,
-            env={**clean_env(), "PYTHONPATH": str(ROOT)},
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        done = run_sdq({**clean_env(), "PYTHONPATH": str(ROOT)}, *command, cwd=tmp_path, timeout=60)
         assert done.returncode == 2 and "needs a broker" in done.stderr, done.stderr
     assert not (tmp_path / "sdq-data").exists()
 
@@ -243,10 +229,7 @@ def test_a_full_disk_stops_the_run_clearly_and_one_resume_finishes_it(
     subprocess.run(make_database, env=env, check=True, capture_output=True)
     ballast = small_disk / "ballast"  # what the user deletes to free space
     ballast.write_bytes(b"\0" * (shutil.disk_usage(small_disk).free - room))
-    stopped = subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", "run", "p.csv", "--steps", "2"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    stopped = run_sdq(env, "run", "p.csv", "--steps", "2", cwd=tmp_path, timeout=300)
     said = " ".join(stopped.stderr.split())
     assert stopped.returncode == 1, stopped.stderr
     assert "Traceback" not in stopped.stderr

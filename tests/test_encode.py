@@ -7,7 +7,6 @@ import io
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,7 @@ from sdq.models.datasets import latent_seed
 from sdq.models.tiny import content_hash
 from sdq.workers.shards.latents import read_tensor
 from sdq.workers.tiny import build_pipeline, build_text_encoder, build_tokenizer, build_vae
-from tests.conftest import BUCKET, ROOT, WorkerProcess, sdq_json
+from tests.conftest import BUCKET, ROOT, WorkerProcess, run_sdq, sdq_json
 from tests.hostile_server import HostileServer
 from tests.netns_download import DOWNLOAD_ENV
 from tests.services import clean_env
@@ -153,22 +152,18 @@ def test_one_pass_encodes_several_resolutions_and_leaves_out_what_is_too_small(
         ))  # fmt: skip
         sdq_json(env, "download", str(listing), "--dataset", "sized", "--resolution", "64",
                  "--min-size", "32", "--rows-per-shard", "4", "--wait", cwd=tmp_path)  # fmt: skip
-    refused = subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", "encode", "sized", "--model", "tiny",
-         "--resolutions", "32,128"],
-        env=env, cwd=tmp_path, capture_output=True, text=True,
-    )  # fmt: skip
+    refused = run_sdq(
+        env, "encode", "sized", "--model", "tiny", "--resolutions", "32,128", cwd=tmp_path
+    )
     assert refused.returncode == 2 and "too small for 128" in refused.stderr, refused.stderr
     shown = sdq_json(env, "encode", "sized", "--model", "tiny", "--resolutions", "64,32",
                      "--batch-size", "3", "--wait", cwd=tmp_path)  # fmt: skip
     latents = {entry["resolution"]: entry for entry in shown["latents"]}
     assert (latents[32]["samples"], latents[32]["left_out"]) == (6, {})
     # The other way at a resolution encoded (upscaling) would replace those latents.
-    other_way = subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", "encode", "sized", "--model", "tiny",
-         "--resolution", "64"],
-        env=env, cwd=tmp_path, capture_output=True, text=True,
-    )  # fmt: skip
+    other_way = run_sdq(
+        env, "encode", "sized", "--model", "tiny", "--resolution", "64", cwd=tmp_path
+    )
     assert other_way.returncode == 2, other_way.stderr
     assert "made with --resolutions (smaller images left out)" in " ".join(other_way.stderr.split())
     assert (latents[64]["samples"], latents[64]["left_out"]) == (3, {"too small for 64": 3})
@@ -236,10 +231,7 @@ def test_encode_on_services_writes_latents_to_s3_with_lineage_to_the_urls(
 
 def test_encode_refuses_what_it_cannot_do_by_name(download_env: dict[str, str]) -> None:
     def encode(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "sdq.producer.cli", "encode", *args],
-            env=download_env, cwd=ROOT, capture_output=True, text=True,
-        )  # fmt: skip
+        return run_sdq(download_env, "encode", *args, cwd=ROOT)
 
     unknown = encode("no-such-dataset", "--model", "tiny")
     assert unknown.returncode == 2
@@ -268,11 +260,15 @@ def test_a_dataset_with_no_usable_samples_is_named_so_by_encode_and_train(
         sdq_json(env, "download", str(listing), "--dataset", "gone", cwd=tmp_path, exit_code=1)
 
     def refused(*args: str) -> str:
-        result = subprocess.run(
-            [sys.executable, "-m", "sdq.producer.cli", *args, "--model" if args[0] == "encode"
-             else "--base", "tiny", "--resolution", str(RESOLUTION)],
-            env=env, cwd=tmp_path, capture_output=True, text=True,
-        )  # fmt: skip
+        result = run_sdq(
+            env,
+            *args,
+            "--model" if args[0] == "encode" else "--base",
+            "tiny",
+            "--resolution",
+            str(RESOLUTION),
+            cwd=tmp_path,
+        )
         assert result.returncode == 2, result.stderr
         return " ".join(result.stderr.split())
 
@@ -295,8 +291,7 @@ def test_a_dead_encode_job_is_found_where_its_run_s_status_says(tmp_path: Path) 
     shard.write_bytes(shard.read_bytes()[:-100])
 
     def sdq(*args: str, exit_code: int = 0) -> str:
-        done = subprocess.run([sys.executable, "-m", "sdq.producer.cli", *args],
-                              env=env, cwd=tmp_path, capture_output=True, text=True)  # fmt: skip
+        done = run_sdq(env, *args, cwd=tmp_path)
         assert done.returncode == exit_code, done.stderr
         return done.stdout + " ".join(done.stderr.split())
 

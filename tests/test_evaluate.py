@@ -61,6 +61,7 @@ from tests.conftest import (
     BeatProcess,
     WorkerProcess,
     job_history,
+    run_sdq,
     sdq_json,
     store_behind_a_proxy,
     wait_for_run,
@@ -256,8 +257,7 @@ def _png(pixels: np.ndarray) -> bytes:
 
 
 def _sdq(env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sdq.producer.cli", *args, "--json"], env=env,
-                          cwd=cwd, capture_output=True, text=True)  # fmt: skip
+    return run_sdq(env, *args, "--json", cwd=cwd)
 
 
 def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:

@@ -9,17 +9,14 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, BeatProcess, WorkerProcess
+from tests.conftest import ROOT, BeatProcess, WorkerProcess, run_sdq
 from tests.services import free_port, scratch_database, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def health(env: dict[str, str]) -> tuple[int, dict[str, dict]]:
-    done = subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", "health", "--json"],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = run_sdq(env, "health", "--json", cwd=ROOT, timeout=120)
     report = json.loads(done.stdout)
     assert report["ok"] == (done.returncode == 0)
     return done.returncode, {check["name"]: check for check in report["checks"]}
@@ -79,9 +76,7 @@ def test_a_database_that_cannot_be_reached_is_one_line_saying_why(
     server = postgres_url.rsplit("/", 1)[0]
 
     def said(url: str, *command: str) -> str:
-        done = subprocess.run([sys.executable, "-m", "sdq.producer.cli", *command],
-                              env={**service_env, "SDQ_DATABASE_URL": url}, cwd=ROOT,
-                              capture_output=True, text=True)  # fmt: skip
+        done = run_sdq({**service_env, "SDQ_DATABASE_URL": url}, *command, cwd=ROOT)
         assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
         [line] = done.stderr.strip().splitlines()
         return line

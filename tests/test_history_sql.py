@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, sdq_json, write
+from tests.conftest import ROOT, run_sdq, sdq_json, write
 from tests.services import clean_env
 
 # Its tests share a module-wide fixture: in one test process when run in parallel.
@@ -31,10 +31,7 @@ def readme_queries() -> list[tuple[str, str]]:
 
 
 def sql(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", "sql", *args],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    return run_sdq(env, "sql", *args, cwd=ROOT, timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from sdq.producer.launch import (
     cpu_workers,
     gpu_workers,
 )
-from tests.conftest import WorkerProcess
+from tests.conftest import WorkerProcess, run_sdq
 from tests.services import wait_for
 
 GPU_QUEUES = POOL_QUEUES[Pool.gpu]
@@ -266,10 +266,7 @@ def test_a_second_worker_of_a_name_already_alive_refuses_to_start(
     stops at once, says why, and its launcher does not start it again."""
     first = WorkerProcess(own_deployment, tmp_path / "first.log").start()
     try:
-        second = subprocess.run(
-            [sys.executable, "-m", "sdq.producer.cli", "worker", "gpu", "--loglevel", "info"],
-            env=own_deployment, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+        second = run_sdq(own_deployment, "worker", "gpu", "--loglevel", "info", timeout=120)
         assert second.returncode == 78, second.stderr[-2000:]
         assert "already alive" in second.stderr and "not started again" in second.stderr
         assert first.ready() and first.process.poll() is None  # the first works on

@@ -23,7 +23,7 @@ from sdq.workers.train.loop.build import new_state
 from sdq.workers.train.loop.checkpoints import snapshot
 from sdq.workers.train.loop.lora import save_lora_file
 from sdq.workers.train.loop.step import training_flops_per_sample
-from tests.conftest import ROOT, sdq_json
+from tests.conftest import ROOT, run_sdq, sdq_json
 from tests.netns_download import DOWNLOAD_ENV
 from tests.services import clean_env
 from tests.test_train import TRAIN, encoded_dataset
@@ -152,10 +152,7 @@ SHORT = ("train", "toy", *TRAIN, "--steps", "4")
 
 def _refused(env: dict[str, str], cwd: Path, *command: str) -> str:
     """What a command that is refused says."""
-    refused = subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", *command],
-        env=env, cwd=cwd, capture_output=True, text=True,
-    )  # fmt: skip
+    refused = run_sdq(env, *command, cwd=cwd)
     assert refused.returncode == 2, refused.stderr
     return " ".join(refused.stderr.split())
 

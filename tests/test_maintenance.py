@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -16,7 +15,16 @@ import redis
 
 from sdq.models.generate.galleries import gallery_key
 from sdq.models.jobs.maintenance import EXPIRED
-from tests.conftest import BUCKET, ROOT, BeatProcess, WorkerProcess, sdq_json, wait_for_run, write
+from tests.conftest import (
+    BUCKET,
+    ROOT,
+    BeatProcess,
+    WorkerProcess,
+    run_sdq,
+    sdq_json,
+    wait_for_run,
+    write,
+)
 from tests.services import free_port, listening, wait_for
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
@@ -166,19 +174,7 @@ def test_jobs_submitted_while_the_broker_is_down_are_sent_when_it_is_back(
     port = free_port()
     env = {**heal_env, "SDQ_BROKER_URL": f"redis://127.0.0.1:{port}/0"}
     database_url = env["SDQ_DATABASE_URL"]
-    refused = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sdq.producer.cli",
-            "submit",
-            str(prompts(tmp_path, 5, "no broker")),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    refused = run_sdq(env, "submit", str(prompts(tmp_path, 5, "no broker")), timeout=120)
     assert refused.returncode == 1, refused.stderr
     assert "saved as pending" in refused.stderr
     with psycopg.connect(database_url) as connection:

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sdq.models.jobs.kinds import KINDS, POOL_QUEUES, QUEUES, Pool
-from tests.conftest import ROOT, sdq_json
+from tests.conftest import ROOT, run_sdq, sdq_json
 from tests.services import free_port, listening, wait_for
 
 CREDENTIALS = "ops:correct-horse"
@@ -84,10 +84,7 @@ def test_flower_lists_the_gpu_worker_and_its_queues(worker, flower: str) -> None
 
 
 def test_flower_will_not_start_open_by_accident(service_env: dict[str, str]) -> None:
-    refused = subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", "flower", "--port", str(free_port())],
-        env=service_env, cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    refused = run_sdq(service_env, "flower", "--port", str(free_port()), cwd=ROOT, timeout=60)
     assert refused.returncode == 2
     assert "--basic-auth USER:PASSWORD (or set FLOWER_BASIC_AUTH), or --no-auth" in refused.stderr
 

@@ -7,8 +7,6 @@ LoRA, renders through the workers. A tiny SDXL built in code (tests/test_sdxl_lo
 import copy
 import io
 import json
-import subprocess
-import sys
 from dataclasses import replace
 
 import numpy as np
@@ -34,7 +32,7 @@ from sdq.workers.encode.encoders import Encoders, encode_batch, join
 from sdq.workers.shards.latents import Encoded, latent_shard_bytes, read_training_tensors
 from sdq.workers.train.loop.build import new_state
 from sdq.workers.train.loop.step import step_inputs, train_step
-from tests.conftest import BUCKET, WorkerProcess, sdq_json
+from tests.conftest import BUCKET, WorkerProcess, run_sdq, sdq_json
 from tests.hostile_server import HostileServer
 from tests.services import wait_for
 from tests.test_sdxl_lora import POOLED, build_sdxl
@@ -289,7 +287,6 @@ def test_an_sdxl_model_encodes_trains_and_renders_through_the_workers(
 
     # 4. An architecture that cannot take the dataset is refused before anything is queued.
     scratch = [*train, "--steps", "2", "--from-scratch", "--unet-config", "sd15"]
-    refused = subprocess.run([sys.executable, "-m", "sdq.producer.cli", *scratch], env=env,
-                             cwd=tmp_path, capture_output=True, text=True)  # fmt: skip
+    refused = run_sdq(env, *scratch, cwd=tmp_path)
     assert refused.returncode == 2
     assert "768-wide text embeddings; the dataset's latents" in " ".join(refused.stderr.split())

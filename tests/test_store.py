@@ -22,7 +22,7 @@ from sdq.models.store import (
     StoreUnavailable,
     open_store,
 )
-from tests.conftest import BUCKET, ROOT
+from tests.conftest import BUCKET, ROOT, run_sdq
 from tests.services import aws_env, free_port
 
 
@@ -151,8 +151,7 @@ def test_db_upgrade_makes_a_missing_bucket_and_every_command_names_it(
     env = {**service_env, "SDQ_STORE_URL": f"s3://{bucket}/sdq"}
 
     def sdq(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "sdq.producer.cli", *args], env=env,
-                              cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+        return run_sdq(env, *args, cwd=ROOT)
 
     def runs() -> int:
         with psycopg.connect(env["SDQ_DATABASE_URL"]) as connection:

@@ -31,7 +31,7 @@ from sdq.producer.train.lookups import latest_step
 from sdq.producer.train.screens import loss_curve
 from sdq.workers.tiny import build_pipeline
 from tests.browser import chromium, open_page, texts
-from tests.conftest import BUCKET, ROOT, BeatProcess, WorkerProcess, sdq_json
+from tests.conftest import BUCKET, ROOT, BeatProcess, WorkerProcess, run_sdq, sdq_json
 from tests.hostile_server import HostileServer
 from tests.netns_download import DOWNLOAD_ENV
 from tests.services import OutageProxy, clean_env, said_after, wait_for
@@ -75,10 +75,7 @@ def test_the_whole_chain_on_one_machine(tmp_path: Path) -> None:
         assert texts(browser, "table.status td") == ["success", "20"]
         captions = texts(browser, "figcaption")
     assert len(captions) == 20 and all(": " in caption for caption in captions)
-    missing = subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", "train", "toy", *TRAIN, "--steps", "4"],
-        env=env, cwd=tmp_path, capture_output=True, text=True,
-    )  # fmt: skip
+    missing = run_sdq(env, "train", "toy", *TRAIN, "--steps", "4", cwd=tmp_path)
     assert missing.returncode == 2
     assert "dataset 'toy' has no latents made with tiny" in missing.stderr
     assert "`sdq encode toy --model tiny --resolution 64` makes them" in missing.stderr
@@ -181,11 +178,13 @@ def test_a_job_too_long_for_its_time_limit_checkpoints_early_and_the_run_ends_th
     if world_size == "1":
         timed = sdq_json(env, *run, "--checkpoint-minutes", "0.025", cwd=tmp_path)
         ended_the_same(tmp_path, whole, timed)
-        refused = subprocess.run(
-            [sys.executable, "-m", "sdq.producer.cli", *run, "--checkpoint-minutes", "1"],
-            env={**env, "SDQ_TRAIN_TASK_SOFT_TIME_LIMIT": "60"}, cwd=tmp_path,
-            capture_output=True, text=True,
-        )  # fmt: skip
+        refused = run_sdq(
+            {**env, "SDQ_TRAIN_TASK_SOFT_TIME_LIMIT": "60"},
+            *run,
+            "--checkpoint-minutes",
+            "1",
+            cwd=tmp_path,
+        )
         said = " ".join(refused.stderr.split())
         assert refused.returncode == 2
         assert "--checkpoint-minutes 1 does not fit the train queue's time limit of 1 " in said
@@ -250,11 +249,21 @@ def test_a_diverged_run_ends_dead_at_once_naming_the_step_it_went_at(tmp_path: P
     after the live steps' usual 5 s), and `sdq train status` shows them as such."""
     env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT), "SDQ_TRAIN_LOSS_EVERY": "2"}
     encoded_dataset(env, "toy", 8, tmp_path)
-    diverging = subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", "train", "toy", *TRAIN, "--steps", "40",
-         "--checkpoint-every", "2", "--world-size", "2", "--lr", "1e30"],
-        env=env, cwd=tmp_path, capture_output=True, text=True,
-    )  # fmt: skip
+    diverging = run_sdq(
+        env,
+        "train",
+        "toy",
+        *TRAIN,
+        "--steps",
+        "40",
+        "--checkpoint-every",
+        "2",
+        "--world-size",
+        "2",
+        "--lr",
+        "1e30",
+        cwd=tmp_path,
+    )
     said = " ".join(diverging.stderr.split())
     went = re.search(
         r"Diverged: rank \d: the loss is (?:nan|inf|-inf) at step (\d+) and not finite since: "
@@ -278,20 +287,24 @@ def test_a_diverged_run_ends_dead_at_once_naming_the_step_it_went_at(tmp_path: P
     assert [loss for step, loss in losses if step >= first_not_finite][:3] == [None] * 3
     status = sdq_json(env, "train", "status", str(run_id), cwd=tmp_path)
     assert [loss for _, loss in status["losses"]] == [loss for _, loss in losses]
-    shown = subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", "train", "status", str(run_id)],
-        env=env, cwd=tmp_path, capture_output=True, text=True,
-    )  # fmt: skip
+    shown = run_sdq(env, "train", "status", str(run_id), cwd=tmp_path)
     # The curve's end, every loss of it NaN: "!" where no loss is finite.
     assert re.search(r"loss [\d.]+ \S*! not finite", " ".join(shown.stdout.split())), shown
     # However long the run, the few steps a diverged job ends with show.
     assert loss_curve([1.0] * 10_000 + [None] * 3).endswith("▁! not finite")
     # Going on from a run that is not a train run (run 1 downloaded the dataset) is refused.
-    elsewhere = subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", "train", "toy", "--resume-from",
-         "1@best:kid", "--resolution", "64", "--steps", "2"],
-        env=env, cwd=tmp_path, capture_output=True, text=True,
-    )  # fmt: skip
+    elsewhere = run_sdq(
+        env,
+        "train",
+        "toy",
+        "--resume-from",
+        "1@best:kid",
+        "--resolution",
+        "64",
+        "--steps",
+        "2",
+        cwd=tmp_path,
+    )
     assert elsewhere.returncode == 2 and "run 1 is not a train run" in elsewhere.stderr
 
 
@@ -410,10 +423,7 @@ def test_a_killed_train_worker_resumes_to_the_same_weights(
     ]
     assert "succeeded: step 120 of 120" in drawn
     # `sdq resume --wait` of a train run on the workers follows its steps, not its jobs.
-    watched = subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", "resume", str(run_id), "--wait"],
-        env=download_env, cwd=ROOT, capture_output=True, text=True,
-    )  # fmt: skip
+    watched = run_sdq(download_env, "resume", str(run_id), "--wait", cwd=ROOT)
     assert watched.returncode == 0, watched.stderr
     assert re.search(rf"train run {run_id} \S+ 120/120", watched.stderr), watched.stderr
     resumed = sdq_json(download_env, "train", "status", str(run_id))
@@ -432,10 +442,7 @@ def test_a_killed_train_worker_resumes_to_the_same_weights(
     # The second job delivered again (a lost acknowledgement): it finds its step done.
     with psycopg.connect(database_url) as connection:
         connection.execute("UPDATE jobs SET status = 'queued' WHERE id = %s", (jobs[1][0],))
-    requeue = subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", "requeue", str(run_id)],
-        env=download_env, cwd=ROOT, capture_output=True, text=True,
-    )  # fmt: skip
+    requeue = run_sdq(download_env, "requeue", str(run_id), cwd=ROOT)
     assert requeue.returncode == 0, requeue.stderr
     wait_for(finished, what="the redelivered job", timeout=120)
     assert len(_jobs(database_url, run_id)) == 3  # no second successor
@@ -475,11 +482,9 @@ def test_phases_checkpoints_and_the_recipe_on_one_machine(tmp_path: Path) -> Non
             "--rows-per-shard", "6", cwd=tmp_path,
         )  # fmt: skip
     for resolution in ("64", "128"):
-        encoded = subprocess.run(
-            [sys.executable, "-m", "sdq.producer.cli", "encode", "toy", "--model", "tiny",
-             "--resolution", resolution],
-            env=env, cwd=tmp_path, capture_output=True, text=True,
-        )  # fmt: skip
+        encoded = run_sdq(
+            env, "encode", "toy", "--model", "tiny", "--resolution", resolution, cwd=tmp_path
+        )
         assert encoded.returncode == 0, encoded.stderr
     assert "holds 64 px images: encoding them at 128 px upscales them" in encoded.stderr
 
@@ -512,11 +517,7 @@ def test_phases_checkpoints_and_the_recipe_on_one_machine(tmp_path: Path) -> Non
     prompts = tmp_path / "prompts.csv"
     prompts.write_text("prompt,seed\na picture,1\n")
     render = ["--steps", "2", "--dtype", "float32", "--size", "64x64"]
-    no_model = subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", "run", str(prompts), "--model", "phase1@2",
-         *render],
-        env=env, cwd=tmp_path, capture_output=True, text=True,
-    )  # fmt: skip
+    no_model = run_sdq(env, "run", str(prompts), "--model", "phase1@2", *render, cwd=tmp_path)
     assert no_model.returncode == 2
     assert "phase1@2: no model at step 2" in no_model.stderr
     assert "models at steps: 4, 6" in no_model.stderr
@@ -544,11 +545,18 @@ def test_phases_checkpoints_and_the_recipe_on_one_machine(tmp_path: Path) -> Non
         "--batch-size", "4", "--steps", "2", "--checkpoint-every", "2", cwd=tmp_path,
     )  # fmt: skip
     assert twin["status"] == "succeeded"
-    other = subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", "train", "toy", "--base",
-         str(tmp_path / "vae-c"), "--resolution", "64", "--steps", "2"],
-        env=env, cwd=tmp_path, capture_output=True, text=True,
-    )  # fmt: skip
+    other = run_sdq(
+        env,
+        "train",
+        "toy",
+        "--base",
+        str(tmp_path / "vae-c"),
+        "--resolution",
+        "64",
+        "--steps",
+        "2",
+        cwd=tmp_path,
+    )
     assert other.returncode == 2 and "dataset 'toy' has no latents made with vae-c" in other.stderr
 
     phase2 = sdq_json(
@@ -590,11 +598,21 @@ def test_phases_checkpoints_and_the_recipe_on_one_machine(tmp_path: Path) -> Non
         ).read_text()
     )
     assert config["block_out_channels"] == [32, 64, 64, 64] and config["use_linear_projection"]
-    unfit = subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", "train", "toy", "--base", "tiny",
-         "--resolution", "64", "--steps", "2", "--from-scratch", "--unet-config", "sd2-base"],
-        env=env, cwd=tmp_path, capture_output=True, text=True,
-    )  # fmt: skip
+    unfit = run_sdq(
+        env,
+        "train",
+        "toy",
+        "--base",
+        "tiny",
+        "--resolution",
+        "64",
+        "--steps",
+        "2",
+        "--from-scratch",
+        "--unet-config",
+        "sd2-base",
+        cwd=tmp_path,
+    )
     assert unfit.returncode == 2
     assert "1024-wide text embeddings; the dataset's latents have 4 channels" in unfit.stderr
 
@@ -819,11 +837,19 @@ def test_a_job_runs_under_its_worker_s_limits_not_its_sender_s(
         # Jobs of 6 s and their starts: minutes on a machine busy with other tests.
         run = sdq_json(env, "train", "limit-birds", *TRAIN, "--steps", "300",
                        "--checkpoint-every", "300", "--wait", timeout=540)  # fmt: skip
-        refused = subprocess.run(
-            [sys.executable, "-m", "sdq.producer.cli", "train", "limit-birds", *TRAIN,
-             "--steps", "2", "--world-size", "2", "--wait"],
-            env=env, cwd=ROOT, capture_output=True, text=True, timeout=240,
-        )  # fmt: skip
+        refused = run_sdq(
+            env,
+            "train",
+            "limit-birds",
+            *TRAIN,
+            "--steps",
+            "2",
+            "--world-size",
+            "2",
+            "--wait",
+            cwd=ROOT,
+            timeout=240,
+        )
     finally:
         for worker in workers:
             worker.stop()
@@ -941,10 +967,7 @@ def test_on_one_machine_the_bar_counts_steps_and_a_stopped_run_promises_nothing(
     stopped = sdq_json(env, "train", "status", str(run_id), cwd=tmp_path)
     # Its job in hand went back to the queue, which only `sdq resume` works on here.
     assert (stopped["status"], stopped["eta_seconds"]) == ("queued", None)
-    shown = subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", "train", "status", str(run_id)],
-        env=env, cwd=tmp_path, capture_output=True, text=True,
-    )  # fmt: skip
+    shown = run_sdq(env, "train", "status", str(run_id), cwd=tmp_path)
     # The steps taken past its last checkpoint are taken again: it says from where.
     last = stopped["checkpoint_step"]
     assert stopped["step"] > last and last >= 40
@@ -958,8 +981,7 @@ def test_on_one_machine_the_bar_counts_steps_and_a_stopped_run_promises_nothing(
     assert sum(counted["counts"].values()) == counted["total"] == 10
     assert counted["counts"]["planned"] > 0 and counted["eta_seconds"] is None
     # `sdq resume` trains the rest here, its bar counting steps as `sdq train`'s does.
-    resumed = subprocess.run([sys.executable, "-m", "sdq.producer.cli", "resume", str(run_id)],
-                             env=env, cwd=tmp_path, capture_output=True, text=True)  # fmt: skip
+    resumed = run_sdq(env, "resume", str(run_id), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert "400/400" in resumed.stderr and "10/10" not in resumed.stderr
     assert f"train run {run_id} (succeeded): step 400 of 400" in resumed.stdout

@@ -7,7 +7,6 @@ process); the configurations it compares it plans with the planner itself, in th
 
 import json
 import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from peft import LoraConfig
 
 from sdq.models.train.architectures import UNET_ARCHITECTURES
 from sdq.workers.train import plan as planner
+from tests.conftest import run_sdq
 from tests.services import clean_env
 
 # diffusers' stabilityai/stable-diffusion-2-base U-Net holds this many parameters.
@@ -29,10 +29,7 @@ GIB = 2**30
 
 def sdq(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**clean_env(), "SDQ_HOME": str(cwd / "home")}
-    return subprocess.run(
-        [sys.executable, "-m", "sdq.producer.cli", *args],
-        env=env, cwd=cwd, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+    return run_sdq(env, *args, cwd=cwd, timeout=240)
 
 
 def planned(tmp_path: Path, *args: str) -> dict:

@@ -1,0 +1,223 @@
+"""`sdq` commands as a user runs them, each in a process of its own, without paying for the
+libraries' imports each time.
+
+An embedded command imports torch, diffusers, transformers and the rest before it does
+anything: ~8 s of CPU per command, which was most of what the suite's hundreds of commands
+cost. This module, run as a program, imports those libraries once and then forks a child
+per request: a process of its own (its own pid, session, environment, working folder and
+standard streams, its exit code or the signal that ended it), which imports sdq itself as
+a fresh process would and runs `python -m sdq.producer.cli ARGS` in it. Nothing of sdq is
+imported before the fork, so no setting or cache of sdq's is shared between commands.
+
+Commands whose imports or startup are what a test looks at run as plain subprocesses."""
+
+import atexit
+import importlib
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import traceback
+from functools import cache
+from pathlib import Path
+from typing import IO
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMAND_MODULE = "sdq.producer.cli"
+# What an embedded command imports that costs seconds; each only imported, never used: a
+# fork after torch has run an op with threads would leave the child's thread pool broken.
+LIBRARIES = (
+    "numpy", "PIL.Image", "torch", "diffusers", "transformers", "peft", "safetensors.torch",
+    "pyarrow.parquet", "sqlalchemy.dialects.postgresql", "sqlalchemy.dialects.sqlite",
+    "psycopg", "celery", "kombu", "redis", "boto3", "rich.console", "click", "faiss",
+    "torchmetrics",
+)  # fmt: skip
+# The classes diffusers and transformers import lazily, on first use: most of their cost.
+LAZY_NAMES = {
+    "diffusers": ("AutoPipelineForText2Image", "StableDiffusionPipeline", "UNet2DConditionModel",
+                  "AutoencoderKL", "StableDiffusionXLPipeline"),
+    "transformers": ("CLIPModel", "CLIPTextModel", "CLIPTextModelWithProjection",
+                     "CLIPTokenizer", "CLIPImageProcessor"),
+}  # fmt: skip
+REQUEST_BYTES = 1 << 20
+POLL_SECONDS = 0.02
+
+
+# -- the preloaded process -------------------------------------------------------------------
+
+
+def preload() -> None:
+    # As sdq's entry points do (workers/app.py::quiet_libraries): set before transformers
+    # reads them, at import.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    for name in LIBRARIES:
+        importlib.import_module(name)
+    for module, names in LAZY_NAMES.items():
+        for name in names:
+            getattr(sys.modules[module], name)
+
+
+def serve(path: str) -> None:
+    """Forks a command per connection and tells each client its command's pid, then its
+    exit code; ends when the process that started it does."""
+    parent = os.getppid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(16)
+    print("ready", flush=True)
+    waiting: dict[int, socket.socket] = {}
+    while os.getppid() == parent:
+        readable, _, _ = select.select([listener], [], [], POLL_SECONDS)
+        if readable:
+            connection, _ = listener.accept()
+            pid = _fork_command(listener, connection)
+            connection.send(json.dumps({"pid": pid}).encode())
+            waiting[pid] = connection
+        _report_ended(waiting)
+
+
+def _fork_command(listener: socket.socket, connection: socket.socket) -> int:
+    message, fds, _, _ = socket.recv_fds(connection, REQUEST_BYTES, 3)
+    request = json.loads(message)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        listener.close()
+        connection.close()
+        os._exit(_run_command(request, fds))
+    for fd in fds:
+        os.close(fd)
+    return pid
+
+
+def _report_ended(waiting: dict[int, socket.socket]) -> None:
+    for pid in list(waiting):
+        ended, status = os.waitpid(pid, os.WNOHANG)
+        if ended:
+            connection = waiting.pop(pid)
+            connection.send(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
+            connection.close()
+
+
+def _run_command(request: dict, fds: list[int]) -> int:
+    """In the child: what `python -m sdq.producer.cli ARGS` would be, started with the
+    request's environment, folder and standard streams, in a session of its own."""
+    os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    for number in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
+        signal.signal(number, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    extra = [entry for entry in request["env"].get("PYTHONPATH", "").split(os.pathsep) if entry]
+    sys.path[:1] = [os.getcwd(), *extra]
+    sys.argv = [COMMAND_MODULE, *request["args"]]
+    try:
+        runpy.run_module(COMMAND_MODULE, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exit:
+        code = _exit_code(exit.code)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = 128 + signal.SIGINT
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
+
+
+def _exit_code(code: object) -> int:
+    """What Python's own exit makes of SystemExit's argument."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+# -- the tests' side -------------------------------------------------------------------------
+
+
+class Preloaded:
+    """The preloaded process of this test process, and the commands it runs."""
+
+    def __init__(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="sdq-preloaded-"))
+        self.path = str(self.folder / "socket")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.preloaded", self.path],
+            cwd=ROOT, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        if self.process.stdout.readline() != b"ready\n":
+            raise RuntimeError(f"the preloaded process exited with {self.process.wait()}")
+        atexit.register(self.stop)
+
+    def run(
+        self, args: list[str], *, env: dict[str, str], cwd: Path, timeout: float,
+        input: str | None = None,
+    ) -> subprocess.CompletedProcess:  # fmt: skip
+        """As subprocess.run([python, -m, sdq.producer.cli, *args], capture_output=True,
+        text=True, ...) would."""
+        with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as stdout, \
+                tempfile.TemporaryFile() as stderr:  # fmt: skip
+            stdin.write((input or "").encode())
+            stdin.seek(0)
+            code = self._wait(args, env, cwd, timeout, (stdin, stdout, stderr))
+            output, errors = (_text(stream) for stream in (stdout, stderr))
+        if code is None:
+            raise subprocess.TimeoutExpired(args, timeout, output, errors)
+        return subprocess.CompletedProcess(args, code, output, errors)
+
+    def _wait(
+        self, args: list[str], env: dict[str, str], cwd: Path, timeout: float,
+        streams: tuple[IO[bytes], ...],
+    ) -> int | None:  # fmt: skip
+        request = {"args": list(args), "env": env, "cwd": str(Path(cwd).resolve())}
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as connection:
+            connection.connect(self.path)
+            socket.send_fds(connection, [json.dumps(request).encode()],
+                            [stream.fileno() for stream in streams])  # fmt: skip
+            pid = json.loads(connection.recv(REQUEST_BYTES))["pid"]
+            connection.settimeout(timeout)
+            try:
+                return json.loads(connection.recv(REQUEST_BYTES))["exit"]
+            except TimeoutError:
+                os.killpg(pid, signal.SIGKILL)
+                connection.settimeout(None)
+                connection.recv(REQUEST_BYTES)
+                return None
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def _text(stream: IO[bytes]) -> str:
+    """As subprocess's text mode reads a stream: universal newlines."""
+    stream.seek(0)
+    return stream.read().decode().replace("\r\n", "\n").replace("\r", "\n")
+
+
+@cache
+def preloaded() -> Preloaded:
+    return Preloaded()
+
+
+if __name__ == "__main__":
+    preload()
+    serve(sys.argv[1])
