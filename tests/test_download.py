@@ -76,16 +76,8 @@ def test_download_on_services_records_every_row_in_sql_and_shards(
     with HostileServer() as server:
         expected = case_rows(server.base, server.port, CASES)
         write_list(tmp_path / "hostile.csv", expected)
-        done = run_sdq(
-            submitting,
-            "download",
-            "--wait",
-            "--json",
-            str(tmp_path / "hostile.csv"),
-            "--dataset",
-            "web",
-            timeout=240,
-        )
+        done = run_sdq(submitting, "download", "--wait", "--json", str(tmp_path / "hostile.csv"),
+                       "--dataset", "web", timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout)
     assert summary["blocked_by"] == ["127.0.0.1/32"]

@@ -127,15 +127,8 @@ def test_blocked_hosts_are_explained_and_fetched_once_their_network_is_allowed(
     with HostileServer(host="127.0.0.2") as server:
         rows = [{"url": f"{server.base}/img/{n}.jpg", "caption": f"row {n}"} for n in range(3)]
         write_list(tmp_path / "mirror.csv", rows)
-        blocked = run_sdq(
-            env,
-            "download",
-            str(tmp_path / "mirror.csv"),
-            "--dataset",
-            "mirror",
-            "--json",
-            cwd=tmp_path,
-        )
+        blocked = run_sdq(env, "download", str(tmp_path / "mirror.csv"), "--dataset", "mirror",
+                          "--json", cwd=tmp_path)  # fmt: skip
         assert blocked.returncode == 1, blocked.stderr
         hint = " ".join(blocked.stderr.split())
         assert "3 of 3 samples were not fetched" in hint

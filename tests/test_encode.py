@@ -260,15 +260,8 @@ def test_a_dataset_with_no_usable_samples_is_named_so_by_encode_and_train(
         sdq_json(env, "download", str(listing), "--dataset", "gone", cwd=tmp_path, exit_code=1)
 
     def refused(*args: str) -> str:
-        result = run_sdq(
-            env,
-            *args,
-            "--model" if args[0] == "encode" else "--base",
-            "tiny",
-            "--resolution",
-            str(RESOLUTION),
-            cwd=tmp_path,
-        )
+        result = run_sdq(env, *args, "--model" if args[0] == "encode" else "--base", "tiny",
+                         "--resolution", str(RESOLUTION), cwd=tmp_path)  # fmt: skip
         assert result.returncode == 2, result.stderr
         return " ".join(result.stderr.split())
 

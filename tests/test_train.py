@@ -178,13 +178,8 @@ def test_a_job_too_long_for_its_time_limit_checkpoints_early_and_the_run_ends_th
     if world_size == "1":
         timed = sdq_json(env, *run, "--checkpoint-minutes", "0.025", cwd=tmp_path)
         ended_the_same(tmp_path, whole, timed)
-        refused = run_sdq(
-            {**env, "SDQ_TRAIN_TASK_SOFT_TIME_LIMIT": "60"},
-            *run,
-            "--checkpoint-minutes",
-            "1",
-            cwd=tmp_path,
-        )
+        refused = run_sdq({**env, "SDQ_TRAIN_TASK_SOFT_TIME_LIMIT": "60"}, *run,
+                          "--checkpoint-minutes", "1", cwd=tmp_path)  # fmt: skip
         said = " ".join(refused.stderr.split())
         assert refused.returncode == 2
         assert "--checkpoint-minutes 1 does not fit the train queue's time limit of 1 " in said
@@ -249,21 +244,8 @@ def test_a_diverged_run_ends_dead_at_once_naming_the_step_it_went_at(tmp_path: P
     after the live steps' usual 5 s), and `sdq train status` shows them as such."""
     env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT), "SDQ_TRAIN_LOSS_EVERY": "2"}
     encoded_dataset(env, "toy", 8, tmp_path)
-    diverging = run_sdq(
-        env,
-        "train",
-        "toy",
-        *TRAIN,
-        "--steps",
-        "40",
-        "--checkpoint-every",
-        "2",
-        "--world-size",
-        "2",
-        "--lr",
-        "1e30",
-        cwd=tmp_path,
-    )
+    diverging = run_sdq(env, "train", "toy", *TRAIN, "--steps", "40", "--checkpoint-every", "2",
+                        "--world-size", "2", "--lr", "1e30", cwd=tmp_path)  # fmt: skip
     said = " ".join(diverging.stderr.split())
     went = re.search(
         r"Diverged: rank \d: the loss is (?:nan|inf|-inf) at step (\d+) and not finite since: "
@@ -293,18 +275,8 @@ def test_a_diverged_run_ends_dead_at_once_naming_the_step_it_went_at(tmp_path: P
     # However long the run, the few steps a diverged job ends with show.
     assert loss_curve([1.0] * 10_000 + [None] * 3).endswith("▁! not finite")
     # Going on from a run that is not a train run (run 1 downloaded the dataset) is refused.
-    elsewhere = run_sdq(
-        env,
-        "train",
-        "toy",
-        "--resume-from",
-        "1@best:kid",
-        "--resolution",
-        "64",
-        "--steps",
-        "2",
-        cwd=tmp_path,
-    )
+    elsewhere = run_sdq(env, "train", "toy", "--resume-from", "1@best:kid", "--resolution", "64",
+                        "--steps", "2", cwd=tmp_path)  # fmt: skip
     assert elsewhere.returncode == 2 and "run 1 is not a train run" in elsewhere.stderr
 
 
@@ -545,18 +517,8 @@ def test_phases_checkpoints_and_the_recipe_on_one_machine(tmp_path: Path) -> Non
         "--batch-size", "4", "--steps", "2", "--checkpoint-every", "2", cwd=tmp_path,
     )  # fmt: skip
     assert twin["status"] == "succeeded"
-    other = run_sdq(
-        env,
-        "train",
-        "toy",
-        "--base",
-        str(tmp_path / "vae-c"),
-        "--resolution",
-        "64",
-        "--steps",
-        "2",
-        cwd=tmp_path,
-    )
+    other = run_sdq(env, "train", "toy", "--base", str(tmp_path / "vae-c"), "--resolution", "64",
+                    "--steps", "2", cwd=tmp_path)  # fmt: skip
     assert other.returncode == 2 and "dataset 'toy' has no latents made with vae-c" in other.stderr
 
     phase2 = sdq_json(
@@ -598,21 +560,8 @@ def test_phases_checkpoints_and_the_recipe_on_one_machine(tmp_path: Path) -> Non
         ).read_text()
     )
     assert config["block_out_channels"] == [32, 64, 64, 64] and config["use_linear_projection"]
-    unfit = run_sdq(
-        env,
-        "train",
-        "toy",
-        "--base",
-        "tiny",
-        "--resolution",
-        "64",
-        "--steps",
-        "2",
-        "--from-scratch",
-        "--unet-config",
-        "sd2-base",
-        cwd=tmp_path,
-    )
+    unfit = run_sdq(env, "train", "toy", "--base", "tiny", "--resolution", "64", "--steps", "2",
+                    "--from-scratch", "--unet-config", "sd2-base", cwd=tmp_path)  # fmt: skip
     assert unfit.returncode == 2
     assert "1024-wide text embeddings; the dataset's latents have 4 channels" in unfit.stderr
 
@@ -837,19 +786,8 @@ def test_a_job_runs_under_its_worker_s_limits_not_its_sender_s(
         # Jobs of 6 s and their starts: minutes on a machine busy with other tests.
         run = sdq_json(env, "train", "limit-birds", *TRAIN, "--steps", "300",
                        "--checkpoint-every", "300", "--wait", timeout=540)  # fmt: skip
-        refused = run_sdq(
-            env,
-            "train",
-            "limit-birds",
-            *TRAIN,
-            "--steps",
-            "2",
-            "--world-size",
-            "2",
-            "--wait",
-            cwd=ROOT,
-            timeout=240,
-        )
+        refused = run_sdq(env, "train", "limit-birds", *TRAIN, "--steps", "2", "--world-size", "2",
+                          "--wait", cwd=ROOT, timeout=240)  # fmt: skip
     finally:
         for worker in workers:
             worker.stop()
