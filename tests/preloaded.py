@@ -76,21 +76,23 @@ def serve(path: str) -> None:
         readable, _, _ = select.select([listener], [], [], POLL_SECONDS)
         if readable:
             connection, _ = listener.accept()
-            pid = _fork_command(listener, connection)
+            pid = _fork_command(connection, [listener, *waiting.values()])
             connection.send(json.dumps({"pid": pid}).encode())
             waiting[pid] = connection
         _report_ended(waiting)
 
 
-def _fork_command(listener: socket.socket, connection: socket.socket) -> int:
+def _fork_command(connection: socket.socket, others: list[socket.socket]) -> int:
+    """Forks the connection's command; the child keeps none of this process's sockets (a
+    client's connection held open by another's command would never see it close)."""
     message, fds, _, _ = socket.recv_fds(connection, REQUEST_BYTES, 3)
     request = json.loads(message)
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        listener.close()
-        connection.close()
+        for held in (connection, *others):
+            held.close()
         os._exit(_run_command(request, fds))
     for fd in fds:
         os.close(fd)
