@@ -224,12 +224,11 @@ def sdq(service_env: dict[str, str]):
 
 
 def run_sdq(
-    env: dict[str, str], *args: str, cwd: Path = ROOT, timeout: float = 240,
-    input: str | None = None,
-) -> subprocess.CompletedProcess:  # fmt: skip
+    env: dict[str, str], *args: str, cwd: Path = ROOT, timeout: float | None = None
+) -> subprocess.CompletedProcess[str]:
     """Runs an sdq command as a user does, in a process of its own (tests/preloaded.py), and
     gives what it printed, as subprocess.run(..., capture_output=True, text=True) would."""
-    return preloaded().run(list(args), env=env, cwd=cwd, timeout=timeout, input=input)
+    return preloaded().run(list(args), env=env, cwd=cwd, timeout=timeout)
 
 
 def sdq_json(

@@ -9,7 +9,11 @@ standard streams, its exit code or the signal that ended it), which imports sdq 
 a fresh process would and runs `python -m sdq.producer.cli ARGS` in it. Nothing of sdq is
 imported before the fork, so no setting or cache of sdq's is shared between commands.
 
-Commands whose imports or startup are what a test looks at run as plain subprocesses."""
+What a library reads from the environment as it loads comes from the tests' environment,
+not the command's: the verbosity of transformers and diffusers (set here as sdq's entry
+points set it, so `--verbose` shows no more of theirs), OpenMP's and BLAS's thread counts
+(sdq sets torch's threads itself), locale and warning filters. Commands where those, or
+imports and start-up, are what a test looks at run as plain subprocesses."""
 
 import atexit
 import importlib
@@ -17,15 +21,15 @@ import json
 import os
 import runpy
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import traceback
-from functools import cache
+from contextlib import suppress
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND_MODULE = "sdq.producer.cli"
@@ -35,7 +39,6 @@ LIBRARIES = (
     "numpy", "PIL.Image", "torch", "diffusers", "transformers", "peft", "safetensors.torch",
     "pyarrow.parquet", "sqlalchemy.dialects.postgresql", "sqlalchemy.dialects.sqlite",
     "psycopg", "celery", "kombu", "redis", "boto3", "rich.console", "click", "faiss",
-    "torchmetrics",
 )  # fmt: skip
 # The classes diffusers and transformers import lazily, on first use: most of their cost.
 LAZY_NAMES = {
@@ -76,24 +79,35 @@ def serve(path: str) -> None:
         readable, _, _ = select.select([listener], [], [], POLL_SECONDS)
         if readable:
             connection, _ = listener.accept()
-            pid = _fork_command(connection, [listener, *waiting.values()])
-            connection.send(json.dumps({"pid": pid}).encode())
-            waiting[pid] = connection
+            if (received := _receive(connection)) is not None:
+                pid = _fork_command(*received, held=[connection, listener, *waiting.values()])
+                waiting[pid] = connection
+                # A client gone (a test interrupted) is no reason to stop serving the others.
+                with suppress(OSError):
+                    connection.send(json.dumps({"pid": pid}).encode())
         _report_ended(waiting)
 
 
-def _fork_command(connection: socket.socket, others: list[socket.socket]) -> int:
-    """Forks the connection's command; the child keeps none of this process's sockets (a
+def _receive(connection: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
+    """A request and its three standard streams; None from a client gone before it asked."""
+    with suppress(OSError, ValueError):
+        message, fds, _, _ = socket.recv_fds(connection, REQUEST_BYTES, 3)
+        if len(fds) == 3:
+            return json.loads(message), fds
+    connection.close()
+    return None
+
+
+def _fork_command(request: dict[str, Any], fds: list[int], held: list[socket.socket]) -> int:
+    """Forks the request's command; the child keeps none of this process's sockets (a
     client's connection held open by another's command would never see it close)."""
-    message, fds, _, _ = socket.recv_fds(connection, REQUEST_BYTES, 3)
-    request = json.loads(message)
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        for held in (connection, *others):
-            held.close()
-        os._exit(_run_command(request, fds))
+        for sock in held:
+            sock.close()
+        _run_command(request, fds)
     for fd in fds:
         os.close(fd)
     return pid
@@ -103,14 +117,16 @@ def _report_ended(waiting: dict[int, socket.socket]) -> None:
     for pid in list(waiting):
         ended, status = os.waitpid(pid, os.WNOHANG)
         if ended:
-            connection = waiting.pop(pid)
-            connection.send(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
-            connection.close()
+            with waiting.pop(pid) as connection, suppress(OSError):
+                connection.send(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
 
 
-def _run_command(request: dict, fds: list[int]) -> int:
+def _run_command(request: dict[str, Any], fds: list[int]) -> NoReturn:
     """In the child: what `python -m sdq.producer.cli ARGS` would be, started with the
-    request's environment, folder and standard streams, in a session of its own."""
+    request's environment, folder and standard streams, in a session of its own. It ends
+    as that process would: through the interpreter's own exit (threads joined, exit
+    handlers run, files flushed; an uncaught exception's traceback and code, an uncaught
+    Ctrl-C's signal), never back into this process's loop."""
     os.setsid()
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
@@ -118,37 +134,11 @@ def _run_command(request: dict, fds: list[int]) -> int:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    for number in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
-        signal.signal(number, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     extra = [entry for entry in request["env"].get("PYTHONPATH", "").split(os.pathsep) if entry]
     sys.path[:1] = [os.getcwd(), *extra]
     sys.argv = [COMMAND_MODULE, *request["args"]]
-    try:
-        runpy.run_module(COMMAND_MODULE, run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as exit:
-        code = _exit_code(exit.code)
-    except KeyboardInterrupt:
-        traceback.print_exc()
-        code = 128 + signal.SIGINT
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    return code
-
-
-def _exit_code(code: object) -> int:
-    """What Python's own exit makes of SystemExit's argument."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)
-    return 1
+    runpy.run_module(COMMAND_MODULE, run_name="__main__", alter_sys=True)
+    sys.exit(0)
 
 
 # -- the tests' side -------------------------------------------------------------------------
@@ -164,20 +154,19 @@ class Preloaded:
             [sys.executable, "-m", "tests.preloaded", self.path],
             cwd=ROOT, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
         )  # fmt: skip
-        if self.process.stdout.readline() != b"ready\n":
-            raise RuntimeError(f"the preloaded process exited with {self.process.wait()}")
+        said = self.process.stdout.readline()
+        if said != b"ready\n":
+            self.process.kill()
+            raise RuntimeError(f"the preloaded process said {said!r}, exit {self.process.wait()}")
         atexit.register(self.stop)
 
     def run(
-        self, args: list[str], *, env: dict[str, str], cwd: Path, timeout: float,
-        input: str | None = None,
-    ) -> subprocess.CompletedProcess:  # fmt: skip
+        self, args: list[str], *, env: dict[str, str], cwd: Path, timeout: float | None
+    ) -> subprocess.CompletedProcess[str]:
         """As subprocess.run([python, -m, sdq.producer.cli, *args], capture_output=True,
-        text=True, ...) would."""
-        with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as stdout, \
+        text=True, ...) would (its standard input empty)."""
+        with open(os.devnull, "rb") as stdin, tempfile.TemporaryFile() as stdout, \
                 tempfile.TemporaryFile() as stderr:  # fmt: skip
-            stdin.write((input or "").encode())
-            stdin.seek(0)
             code = self._wait(args, env, cwd, timeout, (stdin, stdout, stderr))
             output, errors = (_text(stream) for stream in (stdout, stderr))
         if code is None:
@@ -185,7 +174,7 @@ class Preloaded:
         return subprocess.CompletedProcess(args, code, output, errors)
 
     def _wait(
-        self, args: list[str], env: dict[str, str], cwd: Path, timeout: float,
+        self, args: list[str], env: dict[str, str], cwd: Path, timeout: float | None,
         streams: tuple[IO[bytes], ...],
     ) -> int | None:  # fmt: skip
         request = {"args": list(args), "env": env, "cwd": str(Path(cwd).resolve())}
@@ -198,15 +187,26 @@ class Preloaded:
             try:
                 return json.loads(connection.recv(REQUEST_BYTES))["exit"]
             except TimeoutError:
-                os.killpg(pid, signal.SIGKILL)
+                _kill_group(pid)
                 connection.settimeout(None)
                 connection.recv(REQUEST_BYTES)
                 return None
+            except BaseException:
+                # As subprocess.run does: an interrupted wait leaves no command running.
+                _kill_group(pid)
+                raise
 
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+        self.process.stdout.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _kill_group(pid: int) -> None:
+    with suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def _text(stream: IO[bytes]) -> str:
@@ -215,9 +215,14 @@ def _text(stream: IO[bytes]) -> str:
     return stream.read().decode().replace("\r\n", "\n").replace("\r", "\n")
 
 
-@cache
+_running: list[Preloaded] = []
+
+
 def preloaded() -> Preloaded:
-    return Preloaded()
+    """This test process's preloaded process, started again if it has ended."""
+    if not _running or _running[0].process.poll() is not None:
+        _running[:] = [Preloaded()]
+    return _running[0]
 
 
 if __name__ == "__main__":
