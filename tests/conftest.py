@@ -14,7 +14,7 @@ from click.testing import CliRunner, Result
 from sdq.models.db import make_engine
 from sdq.producer.cli.main import main
 from tests.netns_download import DOWNLOAD_ENV
-from tests.preloaded import preloaded
+from tests.preloaded import ROOT, preloaded
 from tests.services import (
     MotoServer,
     OutageProxy,
@@ -26,7 +26,6 @@ from tests.services import (
 )
 from tests.services import s3_client as s3_client_for
 
-ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "sdq-test"
 
 # A shell without job control starts a background command with SIGINT ignored, and every

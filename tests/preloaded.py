@@ -31,6 +31,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
+# The project root: where `python -m tests.preloaded` starts, and the tests' default folder.
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND_MODULE = "sdq.producer.cli"
 # What an embedded command imports that costs seconds; each only imported, never used: a
@@ -94,6 +95,8 @@ def _receive(connection: socket.socket) -> tuple[dict[str, Any], list[int]] | No
         message, fds, _, _ = socket.recv_fds(connection, REQUEST_BYTES, 3)
         if len(fds) == 3:
             return json.loads(message), fds
+        for fd in fds:
+            os.close(fd)
     connection.close()
     return None
 
