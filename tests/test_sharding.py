@@ -24,22 +24,32 @@ from tests.services import clean_env
 from tests.sharded.train_two_ranks import spec
 
 SCRIPT = Path(__file__).parent / "sharded" / "train_two_ranks.py"
-RUNS = {}
+# What the tests compare (sharding, gradient communication), trained by one pair of ranks
+# for all of them: a pair of rank processes costs ~15 s of CPU in imports alone. The tests
+# share it in one test process.
+CONFIGURATIONS = [("none", "fp32"), ("grad-op", "fp32"), ("full", "fp32"), ("none", "bf16"),
+                  ("full", "bf16")]  # fmt: skip
+pytestmark = pytest.mark.xdist_group("sharded-ranks")
 
 
-def two_ranks(tmp_path_factory, sharding: str, grad_comm: str = "fp32") -> Path:
-    """The script's output folder for this configuration, run once per session."""
-    if (sharding, grad_comm) not in RUNS:
-        out = tmp_path_factory.mktemp(f"{sharding}-{grad_comm}")
-        env = {**clean_env(), "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-        done = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             "--nproc-per-node", "2", str(SCRIPT), str(out), sharding, grad_comm],
-            env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        RUNS[sharding, grad_comm] = out
-    return RUNS[sharding, grad_comm]
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """The script's output folder, a folder in it per configuration."""
+    out = tmp_path_factory.mktemp("sharded")
+    env = {**clean_env(), "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(SCRIPT), str(out), *(f"{sharding}:{grad}" for sharding, grad in CONFIGURATIONS)],
+        env=env, capture_output=True, text=True, timeout=500,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+def two_ranks(trained: Path, sharding: str, grad_comm: str = "fp32") -> Path:
+    """This configuration's output folder."""
+    assert (sharding, grad_comm) in CONFIGURATIONS
+    return trained / f"{sharding}-{grad_comm}"
 
 
 def losses(out: Path) -> dict[str, list[float]]:
@@ -56,9 +66,9 @@ def state_folder(out: Path, step: int) -> Path:
 
 @pytest.mark.parametrize("sharding", ["grad-op", "full"])
 def test_sharded_ranks_follow_ddp_and_resume_exactly_from_their_parts(
-    tmp_path_factory, sharding: str
+    trained: Path, sharding: str
 ) -> None:
-    ddp, sharded = two_ranks(tmp_path_factory, "none"), two_ranks(tmp_path_factory, sharding)
+    ddp, sharded = two_ranks(trained, "none"), two_ranks(trained, sharding)
     assert losses(sharded)["straight"] == pytest.approx(losses(ddp)["straight"], rel=1e-5)
     for name, tensor in weights(ddp, "straight").items():
         torch.testing.assert_close(weights(sharded, "straight")[name], tensor, rtol=0, atol=1e-6)
@@ -79,8 +89,8 @@ def test_sharded_ranks_follow_ddp_and_resume_exactly_from_their_parts(
     assert not (state_folder(ddp, 2) / "sharded").exists()
 
 
-def test_a_sharded_checkpoint_loads_whole_at_another_world_size(tmp_path_factory) -> None:
-    out = two_ranks(tmp_path_factory, "full")
+def test_a_sharded_checkpoint_loads_whole_at_another_world_size(trained: Path) -> None:
+    out = two_ranks(trained, "full")
     folder = state_folder(out, 4)
     assert is_sharded(folder)
     # One process, no process group, no sharding: DCP reshards the two ranks' parts.
@@ -112,10 +122,10 @@ def store_model(out: Path, step: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("sharding", ["none", "full"])
 def test_bf16_gradient_communication_rounds_what_crosses_and_still_resumes_exactly(
-    tmp_path_factory, sharding: str
+    trained: Path, sharding: str
 ) -> None:
-    fp32 = losses(two_ranks(tmp_path_factory, sharding))["straight"]
-    bf16 = losses(two_ranks(tmp_path_factory, sharding, "bf16"))
+    fp32 = losses(two_ranks(trained, sharding))["straight"]
+    bf16 = losses(two_ranks(trained, sharding, "bf16"))
     # Step 1 has a learning rate of 0 (warmup): the steps after it see the rounding.
     assert bf16["straight"][:2] == fp32[:2] and bf16["straight"][2:] != fp32[2:]
     assert bf16["straight"] == pytest.approx(fp32, rel=1e-4)

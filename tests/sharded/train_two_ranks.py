@@ -1,9 +1,12 @@
-"""Run under torchrun (2 gloo ranks): four steps of the tiny U-Net on fixed batches, with
-checkpoints written through sdq's own writer into a local store at steps 2 and 4; then a
-state restored from step 2's checkpoint takes steps 3 and 4 again. Rank 0 leaves the
-losses and the whole weights of both (gathered) in OUT for the test to compare.
+"""Run under torchrun (2 gloo ranks), for each configuration (a sharding and a gradient
+communication): four steps of the tiny U-Net on fixed batches, with checkpoints written
+through sdq's own writer into a local store at steps 2 and 4; then a state restored from
+step 2's checkpoint takes steps 3 and 4 again. Rank 0 leaves the losses and the whole
+weights of both (gathered) in OUT/SHARDING-GRAD_COMM for the test to compare. The
+configurations run one after another in the same two processes: every seed is set
+explicitly, so each trains as it would in processes of its own.
 
-    torchrun --nproc-per-node 2 tests/sharded/train_two_ranks.py OUT SHARDING GRAD_COMM
+    torchrun --nproc-per-node 2 tests/sharded/train_two_ranks.py OUT SHARDING:GRAD_COMM...
 """
 
 import json
@@ -22,6 +25,7 @@ from sdq.models.train.specs import TrainOptions, TrainShardSpec, checkpoint_pref
 from sdq.workers.tiny import build_unet
 from sdq.workers.train.loop.build import downloaded, load_checkpoint, new_state
 from sdq.workers.train.loop.checkpoints import write_checkpoint
+from sdq.workers.train.loop.state import Ranks
 from sdq.workers.train.loop.step import step_inputs, train_step
 from sdq.workers.train.loop.training import Training
 from sdq.workers.train.ranks.serve import exit_now, ranks_from_env
@@ -73,9 +77,22 @@ def whole_weights(state) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().clone().contiguous() for name, tensor in weights.items()}
 
 
-def main(out: Path, sharding: str, grad_comm: str) -> None:
+def main(out: Path, configurations: list[str]) -> None:
     ranks = ranks_from_env()
     dist.init_process_group("gloo")
+    for configuration in configurations:
+        sharding, grad_comm = configuration.split(":")
+        folder = out / f"{sharding}-{grad_comm}"
+        folder.mkdir(parents=True, exist_ok=True)
+        train(folder, sharding, grad_comm, ranks)
+        dist.barrier()
+    dist.destroy_process_group()
+    # As sdq's ranks end: gloo's threads, freed at exit, can abort the process ("terminate
+    # called without an active exception", seen once in a CI run) or deadlock it.
+    exit_now(0)
+
+
+def train(out: Path, sharding: str, grad_comm: str, ranks: Ranks) -> None:
     store = LocalStore(out / "store")
     files = ModelFiles(store, out / f"models-{ranks.rank}")
     shard = spec(sharding, grad_comm)
@@ -107,11 +124,7 @@ def main(out: Path, sharding: str, grad_comm: str) -> None:
         (out / "losses.json").write_text(
             json.dumps({"straight": losses, "resumed": resumed_losses})
         )
-    dist.destroy_process_group()
-    # As sdq's ranks end: gloo's threads, freed at exit, can abort the process ("terminate
-    # called without an active exception", seen once in a CI run) or deadlock it.
-    exit_now(0)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
+    main(Path(sys.argv[1]), sys.argv[2:])
