@@ -22,8 +22,13 @@ from tests.conftest import ROOT, run_sdq, sdq_json
 from tests.services import clean_env, said_after, wait_for
 
 
+def embedded_env() -> dict[str, str]:
+    """No service set: the embedded default, sdq importable from anywhere."""
+    return {**clean_env(), "PYTHONPATH": str(ROOT)}
+
+
 def sdq_run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return run_sdq({**clean_env(), "PYTHONPATH": str(ROOT)}, "run", *args, cwd=cwd, timeout=300)
+    return run_sdq(embedded_env(), "run", *args, cwd=cwd, timeout=300)
 
 
 def test_a_gallery_says_what_an_auto_dtype_meant() -> None:
@@ -41,8 +46,7 @@ def test_run_does_the_whole_job_in_one_process(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "sdq.producer.cli", "run", "examples/subjects.csv", "--styles",
          "examples/styles.txt", "--steps", "4", "--json"],
-        cwd=tmp_path, env={**clean_env(), "PYTHONPATH": str(ROOT)}, capture_output=True,
-        text=True, timeout=300,
+        cwd=tmp_path, env=embedded_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     # sdq's output is sdq's: no library chatter about parts it never uses.
@@ -121,7 +125,7 @@ def test_run_does_the_whole_job_in_one_process(tmp_path: Path) -> None:
         in again.stdout
     )
     assert "images: file://" in again.stdout
-    env = {**clean_env(), "PYTHONPATH": str(ROOT)}
+    env = embedded_env()
     rewritten = sdq_json(env, "gallery", str(status["run_id"]), cwd=tmp_path)
     assert rewritten == {
         "run_id": status["run_id"],
@@ -146,13 +150,13 @@ def test_run_does_the_whole_job_in_one_process(tmp_path: Path) -> None:
 def test_commands_that_send_refuse_without_a_broker(tmp_path: Path) -> None:
     # Sending into an in-memory broker nobody reads would mark jobs queued for ever.
     for command in (["requeue", "1"], ["submit", str(ROOT / "examples/subjects.csv")]):
-        done = run_sdq({**clean_env(), "PYTHONPATH": str(ROOT)}, *command, cwd=tmp_path, timeout=60)
+        done = run_sdq(embedded_env(), *command, cwd=tmp_path, timeout=60)
         assert done.returncode == 2 and "needs a broker" in done.stderr, done.stderr
     assert not (tmp_path / "sdq-data").exists()
 
 
 def test_ctrl_c_puts_the_jobs_in_hand_back_and_resume_finishes_the_run(tmp_path: Path) -> None:
-    env = {**clean_env(), "PYTHONPATH": str(ROOT)}
+    env = embedded_env()
     rows = "".join(f"interrupted {n},{n}\n" for n in range(48))
     (tmp_path / "p.csv").write_text("prompt,seed\n" + rows)
     database = tmp_path / "sdq-data/sdq.db"
@@ -218,8 +222,7 @@ def test_a_full_disk_stops_the_run_clearly_and_one_resume_finishes_it(
     even record the stop): the command says what is full and what is kept, without a
     traceback or a spent attempt, and once space is freed one `sdq resume` finishes."""
     home = small_disk / "home" if full == "home" else tmp_path / "home"
-    env = {**clean_env(), "PYTHONPATH": str(ROOT), "SDQ_HOME": str(home),
-           "SDQ_STORE_URL": str(small_disk / "store")}  # fmt: skip
+    env = {**embedded_env(), "SDQ_HOME": str(home), "SDQ_STORE_URL": str(small_disk / "store")}
     rows = "".join(f"a full disk {n},{n}\n" for n in range(64))
     (tmp_path / "p.csv").write_text("prompt,seed\n" + rows)
     # The database is made before the disk fills: it fills in the run.
