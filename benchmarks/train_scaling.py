@@ -15,9 +15,9 @@ interleaved rounds, for each world size N:
     importing nothing of it, no checkpoint.
 Both are timed from the command's start to its end, process starts included; sdq's run
 is a chain of jobs of --checkpoint-every steps, each ending in a checkpoint written to S3.
-Each starts once the worker sits idle: a long-lived train worker starts its next run's
-rank processes (spares, importing torch and the trainer) when a run ends, as it does in
-service, and plain torchrun starts its own with the command.
+Each starts once the worker sits idle: a long-lived train worker forks a run's rank
+processes from its rank fork server, which has imported torch and the trainer before, as it
+does in service, and plain torchrun starts its own with the command.
 Prints one JSON object: samples/s of each, the scaling efficiency of each (samples/s at N
 over N times samples/s at 1), `sdq_time_shares` (of sdq's run's wall time: its start up
 to the first step, training, data waits, checkpoint waits, between jobs, the run's final
@@ -63,8 +63,8 @@ from tests.services import deployment  # noqa: E402
 
 
 def settled(worker: WorkerProcess, timeout: float = 60.0) -> None:
-    """Until the worker's processes (its rank processes too) sit idle: what it does between
-    runs (spare ranks importing torch for the next one) is on neither side's clock."""
+    """Until the worker's processes (its rank fork server too) sit idle: what it does
+    between runs (the last run's ranks ending) is on neither side's clock."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         processes = []

@@ -1,5 +1,6 @@
 """A process's libraries load without Python's collector and are set aside for good: the
-`sdq` command's, a rank process's (torch and the trainer) and a GPU worker's preloads."""
+`sdq` command's, the rank fork server's (torch and the trainer, for every rank it forks) and
+a GPU worker's preloads."""
 
 import json
 import subprocess
@@ -29,9 +30,9 @@ ENTRY_POINTS = {
         "load()",
         "from sdq.producer.cli.main import main",
     ),
-    "a rank process": (
-        "from sdq.workers.train.ranks.__main__ import load_rank",
-        "load_rank()",
+    "the rank fork server": (
+        "from sdq.workers.train.ranks.server import load",
+        "load()",
         "from sdq.workers.train.ranks.serve import main",
     ),
     "a GPU worker": (

@@ -101,9 +101,10 @@ def test_the_whole_chain_on_one_machine(tmp_path: Path) -> None:
     }  # fmt: skip
     assert all(0 <= share <= 1 for share in shares.values())
     assert shares["checkpoint"] > 0 and shares["start"] > 0
-    # SQLite stamps times to the second, a few percent of this short run's wall time.
+    # SQLite stamps times to the second, a few percent of this short run's wall time: the
+    # wall time can come out shorter than the steps took.
     assert sum(shares.values()) == pytest.approx(1, abs=0.15)
-    assert 0 < trained["wall_samples_per_second"] < trained["samples_per_second"]
+    assert 0 < trained["wall_samples_per_second"] < 1.15 * trained["samples_per_second"]
     # The run's page: the loss curve, and each checkpoint's validation images.
     store = tmp_path / "sdq-data/store"
     page = (store / f"runs/{trained['run_id']}/training.html").read_text()
@@ -567,14 +568,14 @@ def test_phases_checkpoints_and_the_recipe_on_one_machine(tmp_path: Path) -> Non
 
 
 def rank_processes(*workers: WorkerProcess) -> list[int]:
-    """The rank processes of these workers: in their process groups (a worker's launcher,
-    its Celery processes and their ranks), never another test's or anything else on the
-    machine that trains."""
+    """The rank processes of these workers (named by their local rank as they start): in
+    their process groups (a worker's launcher, its Celery processes, their rank fork
+    servers and ranks), never another test's or anything else on the machine that trains."""
     return [
         int(pid)
         for worker in workers
         for pid in subprocess.run(
-            ["pgrep", "-g", str(worker.process.pid), "-f", "sdq.workers.train.ranks "],
+            ["pgrep", "-g", str(worker.process.pid), "-x", r"sdq-rank[0-9]+"],
             capture_output=True, text=True,
         ).stdout.split()
     ]  # fmt: skip
@@ -599,9 +600,8 @@ def test_two_ranks_resume_exactly_after_a_rank_or_a_worker_dies(
     assert [loss for _, loss in steady["losses"]] == pytest.approx(
         [loss for _, loss in one["losses"]], rel=1e-4
     )
-    # The run done, its ranks are gone; two spares wait for the next run.
-    wait_for(lambda: len(rank_processes(worker)) == 2, what="the spare ranks", timeout=60)
-    spares = set(rank_processes(worker))
+    # The run done, its ranks are gone; the next run's are forked for it.
+    wait_for(lambda: not rank_processes(worker), what="the run's ranks to go", timeout=60)
     run_id = sdq_json(download_env, *run, "--world-size", "2")["run_id"]
 
     def job_on_ranks(index: int, attempt: int) -> int | None:
@@ -611,12 +611,11 @@ def test_two_ranks_resume_exactly_after_a_rank_or_a_worker_dies(
         return jobs[index][0] if len(rank_processes(worker)) >= 2 else None
 
     wait_for(lambda: job_on_ranks(0, 1), what="the first job", timeout=300)
-    # The spares take the run's first job, the same processes its next: no process
-    # started, no restart, no restore.
-    assert set(rank_processes(worker)) == spares
+    # The ranks forked for the run's first job take its next: no process started, no
+    # restart, no restore.
+    first_ranks = set(rank_processes(worker))
     wait_for(lambda: job_on_ranks(1, 1), what="the second job", timeout=300)
-    assert set(rank_processes(worker)) == spares
-    first_ranks = spares
+    assert set(rank_processes(worker)) == first_ranks
     os.kill(max(first_ranks), signal.SIGKILL)  # one rank dies, mid-job
     wait_for(lambda: job_on_ranks(1, 2), what="the job sent again", timeout=120)
     time.sleep(1.0)

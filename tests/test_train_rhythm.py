@@ -3,9 +3,11 @@ while a job's checkpoint is written, the run's next job's steps are taken on a t
 the state just checkpointed; the job takes them over when it comes, and the run trains
 exactly what one uninterrupted job trains. A job that does not go on from that checkpoint
 finds nothing kept. A node's ranks restore a checkpoint with one download between them.
-And a node of a job over several nodes keeps its ranks from job to job, and starts spares
-once they fail."""
+And a node of a job over several nodes keeps its ranks from job to job, forked for its
+first job from the worker's rank fork server, until they fail."""
 
+import os
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -26,8 +28,9 @@ from sdq.workers.train.gang.gathering import NodeLost
 from sdq.workers.train.loop.build import downloaded, new_state
 from sdq.workers.train.loop.checkpoints import snapshot
 from sdq.workers.train.loop.training import Training
+from sdq.workers.train.ranks.folder import DONE_FILE
 from sdq.workers.train.ranks.live import LiveStates
-from sdq.workers.train.ranks.processes import DONE_FILE, Node
+from sdq.workers.train.ranks.processes import Node
 from tests.services import wait_for
 from tests.test_train_data import encoded
 
@@ -139,11 +142,11 @@ def test_a_training_kept_in_the_worker_s_process_is_let_go_before_ranks_take_the
     ranked = replace(run, run=run.run + 1, options=replace(run.options, world_size=2))
     try:
         group = live.group(ranked)
-        assert len(group.processes) == 2 and len(rank_processes_seen(2)) == 2
+        assert len(group.ranks) == 2 and len(rank_processes_seen(2)) == 2
         assert live.warm_keys() == {f"run-{ranked.run}"}
         assert live.take(following) is None  # the kept training went first
     finally:
-        live.close()
+        live.clear()
     assert rank_processes() == []
 
 
@@ -181,25 +184,21 @@ def enter(context: AbstractContextManager[Path]) -> Path:
         return value
 
 
-def test_a_gang_node_keeps_its_ranks_from_job_to_job_and_starts_spares_once_they_fail(
-    run,
-) -> None:
+def test_a_gang_node_keeps_its_ranks_from_job_to_job_until_they_fail(run) -> None:
     """The worker's side of a gang node's jobs, with real rank processes whose mark in the
     job's folder (normally written as they finish their part) comes from the test: the
-    first job runs on the spare that was waiting, its ranks are kept after it, where the
-    run's leader calls this node (its warm queue), and the next job the gang goes on with
-    runs on them; a job they fail stops them and starts the next spares in their place."""
+    first job forks the node's rank, which is kept after it, where the run's leader calls
+    this node (its warm queue), and the next job the gang goes on with runs on it; a job it
+    fails stops it."""
     gang_run = replace(run, options=replace(run.options, nodes=2, world_size=2))
     live = LiveStates()
-    live.spare(1)  # what the worker started
-    [waiting] = rank_processes_seen(1)
-    folder = Path(waiting.cmdline()[-1])
     during: list[list[int]] = []
 
     def done_at_every_second_look() -> None:
-        during.append([process.pid for process in rank_processes()])
+        ranks = rank_processes_seen(1)
+        during.append([process.pid for process in ranks])
         if len(during) % 2 == 0:
-            (folder / DONE_FILE.format(rank=0)).touch()
+            (folder_of(ranks[0]) / DONE_FILE.format(rank=0)).touch()
 
     def node_lost() -> None:
         raise NodeLost("node 0 is gone")
@@ -213,21 +212,24 @@ def test_a_gang_node_keeps_its_ranks_from_job_to_job_and_starts_spares_once_they
             )
             assert live.kept_gang_node(gang_run) == node
             assert live.warm_keys() == {f"run-{gang_run.run}-node-1"}
-        assert during == [[waiting.pid]] * 4  # no process started for a job, or beside it
+        [forked] = during[0]
+        assert during == [[forked]] * 4  # no process started for the second job, or beside it
         with pytest.raises(NodeLost):
             live.run_gang_node(gang_run, node, node_lost, None, True)
         assert live.kept_gang_node(gang_run) is None and live.warm_keys() == set()
-        [spare] = rank_processes_seen(1)  # the kept rank stopped, the next job's spare waits
-        assert spare.pid != waiting.pid
+        assert rank_processes() == []
     finally:
-        live.close()
-    assert rank_processes() == []
+        live.clear()
+
+
+def folder_of(rank: psutil.Process) -> Path:
+    """The job's folder, where the rank writes its log (its standard output)."""
+    return Path(os.readlink(f"/proc/{rank.pid}/fd/1")).parent
 
 
 def rank_processes_seen(count: int) -> list[psutil.Process]:
-    """This process's rank processes, once `count` of them show their command line: Popen
-    returns as the kernel starts a child's program, and on a busy machine its command line
-    is unreadable (empty) for a moment after."""
+    """This process's rank processes, once `count` of them carry their name: a rank forked
+    from the fork server names itself a moment after it starts."""
     seen: list[psutil.Process] = []
 
     def all_seen() -> bool:
@@ -239,12 +241,13 @@ def rank_processes_seen(count: int) -> list[psutil.Process]:
 
 
 def rank_processes() -> list[psutil.Process]:
-    """This process's rank processes."""
+    """This process's rank processes: forked from its rank fork server, named by their
+    local rank."""
     found = []
-    for child in psutil.Process().children():
+    for process in psutil.Process().children(recursive=True):
         try:
-            if "sdq.workers.train.ranks" in child.cmdline():
-                found.append(child)
-        except psutil.NoSuchProcess:  # a rank that ended as it was looked at (zombies too)
+            if re.fullmatch(r"sdq-rank\d+", process.name()):
+                found.append(process)
+        except psutil.NoSuchProcess:  # a rank that ended as it was looked at
             pass
     return found

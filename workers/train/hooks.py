@@ -1,5 +1,5 @@
 """What a train worker does besides its tasks (models/jobs/kinds.py WorkerHooks): it keeps
-the run it last trained, and a worker of several GPUs starts spare rank processes before
+the run it last trained, and a worker of several GPUs starts its rank fork server before
 its first job."""
 
 from sdq.models.jobs.kinds import WorkerHooks

@@ -17,6 +17,7 @@ from sdq.workers.holding import hold_for
 from sdq.workers.routing import consume_warm_queues
 from sdq.workers.train.gang.member import take_part
 from sdq.workers.train.ranks.live import LiveStates
+from sdq.workers.train.ranks.processes import warm as warm_ranks
 from sdq.workers.train.work import TrainWork
 from sdq.workers.weights import ModelFiles
 
@@ -105,16 +106,16 @@ class Calls:
 def live_states() -> LiveStates:
     live = LiveStates()
     # Steps taken ahead on a thread stop before the interpreter goes.
-    atexit.register(live.close)
+    atexit.register(live.clear)
     return live
 
 
 def warms(settings: Settings) -> bool:
     """Whether a train worker starts anything before its first job (workers/main.py): the
-    rank processes of a worker of several GPUs (`--train-ranks N`)."""
+    rank fork server of a worker of several GPUs (`--train-ranks N`)."""
     return (settings.group(TrainSettings).ranks or 1) > 1
 
 
 def warm_up(app: SdqCelery, hostname: str) -> None:
-    """Spare rank processes, importing torch and the trainer while no run needs them."""
-    live_states().spare(app.settings.group(TrainSettings).ranks)
+    """The rank fork server, importing torch and the trainer while no run needs them."""
+    warm_ranks()

@@ -130,9 +130,9 @@ class TrainWork(Work):
             steps, written = self._train_on_ranks(job, spec, stop_at)
         done = self._record(job.id, spec, steps, written, started)
         if written.step == spec.options.steps and spec.options.world_size > 1:
-            # Once the run's last checkpoint is recorded: their exits and the spares'
-            # imports are not on the run's clock.
-            self.live.run_ended(self.settings.ranks or spec.options.ranks_per_node)
+            # The run's ranks let their devices go once its last checkpoint is recorded:
+            # their exits are not on the run's clock.
+            self.live.clear()
         return done
 
     def _train_here(

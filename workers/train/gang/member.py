@@ -64,5 +64,5 @@ def take_part(
     except (RankFailed, AttemptOver, Diverged) as error:  # the leader records the job's end
         return f"node {node.index} of job {job_id} stopped: {error}"
     if spec.last_step == spec.options.steps:
-        ranks.run_ended(settings.ranks or spec.options.ranks_per_node)
+        ranks.clear()  # the run's ranks let their devices go
     return f"node {node.index} of job {job_id} done"

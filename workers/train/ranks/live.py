@@ -1,7 +1,7 @@
 """What a train worker's process keeps of the run it last trained, for that run's next
 job: the training of a run of one rank, trained in this process (which takes the next job's
 steps on a thread until that job comes), or the rank processes of a run of several
-(processes.py), kept from job to job; and spare rank processes for the next run.
+(processes.py), kept from job to job.
 
 The run's jobs are routed to the worker that holds it (models/train/routing.py), so that
 they go on in memory; any other worker restores the checkpoint from the store.
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from sdq.models.train.routing import run_key
 from sdq.models.train.specs import TrainShardSpec
-from sdq.workers.train.ranks.processes import Node, RankGroup, Spares
+from sdq.workers.train.ranks.processes import Node, RankGroup
 
 if TYPE_CHECKING:
     from sdq.workers.train.loop.training import Training
@@ -27,14 +27,12 @@ class LiveStates:
     training it checkpointed (a run of one rank, trained here), which takes the next job's
     steps on a thread until that job comes; or the rank processes holding it (a run of
     several). One at a time: a GPU that rank 0 of a group needs is never also holding a
-    state trained here. Beside them, spare rank processes for the next run (which hold no
-    device until they join one)."""
+    state trained here."""
 
     def __init__(self) -> None:
         self._training: Training | None = None
         self._ahead: Ahead | None = None
         self._group: RankGroup | None = None
-        self._spares: Spares | None = None
 
     def take(self, spec: TrainShardSpec) -> "Training | None":
         """The training to go on with in this process, if the job goes on from it."""
@@ -53,18 +51,17 @@ class LiveStates:
             self._ahead = Ahead(training, following)
 
     def group(self, spec: TrainShardSpec) -> RankGroup:
-        """The rank processes of the job's run, the spares joining it unless they serve it
+        """The rank processes of the job's run, forked for it unless they serve it
         already."""
         if self._group is None or not self._group.serves(spec):
             self._new_group(spec, Node())
         return self._group
 
     def _new_group(self, spec: TrainShardSpec, node: Node) -> None:
-        """What this process holds let go (the ranks need the devices), the spares join
-        the run as that node of it."""
+        """What this process holds let go (the ranks need the devices), and ranks forked
+        for the run as that node of it."""
         self.clear()
-        spares, self._spares = self._spares, None
-        self._group = RankGroup(spec, spares, node)
+        self._group = RankGroup(spec, node)
 
     def kept_gang_node(self, spec: TrainShardSpec) -> Node | None:
         """This node's place in the run's gang, if its ranks are kept here and can go on
@@ -82,25 +79,16 @@ class LiveStates:
         goes_on: bool,
     ) -> dict[str, Any] | None:
         """This node's ranks of a job over several nodes: those kept from the run's last job
-        where the gang `goes_on` (every node agrees: gang/), else the spares waiting here
-        (their imports done). They are kept after the job. A failure stops them, and starts
-        spares in their place: their imports overlap the job's next gathering, and take no
-        core from a training (a rank slowed by them would hold every rank of the gang at
-        its next collective)."""
+        where the gang `goes_on` (every node agrees: gang/), else ranks forked for it now
+        (the fork server's imports done). They are kept after the job; a failure stops
+        them."""
         if not goes_on:
             self._new_group(spec, node)
         try:
             return self._group.train(spec, stop_at, watch)
         except BaseException:
             self._group = None  # train() has stopped it
-            self.spare(spec.options.ranks_per_node)
             raise
-
-    def run_ended(self, local_ranks: int) -> None:
-        """The run's ranks let their devices go, and spares take their place for the next
-        run."""
-        self.clear()
-        self.spare(local_ranks)
 
     def warm_keys(self) -> set[str]:
         """Where the jobs of the run held here find this worker (models/train/routing.py)."""
@@ -108,24 +96,11 @@ class LiveStates:
             return {run_key(self._training.state.run)}
         return {self._group.warm_key} if self._group is not None else set()
 
-    def spare(self, local_ranks: int) -> None:
-        """Rank processes started for the next run (ranks.Spares), unless there are."""
-        if self._spares is None or not self._spares.fit(local_ranks):
-            if self._spares is not None:
-                self._spares.stop()
-            self._spares = Spares(local_ranks)
-
     def clear(self) -> None:
+        """All of it let go: the devices for the next run, or as the process ends."""
         self._stop_group()
         self._stop_ahead()
         self._drop_training()
-
-    def close(self) -> None:
-        """All of it let go, the spares too (the process ends)."""
-        self.clear()
-        if self._spares is not None:
-            self._spares.stop()
-            self._spares = None
 
     def _stop_ahead(self) -> None:
         if self._ahead is not None and not self._ahead.stop():

@@ -2,23 +2,24 @@
 one process per local rank as torchrun does (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT for torch.distributed's env:// rendezvous), waits for them, and stops them all
 as soon as one fails, so the job fails at once instead of hanging; it is sent again and
-goes on from its last checkpoint. Each rank dies with the worker (a parent-death signal): a
+goes on from its last checkpoint. Each rank dies with the worker (parent-death signals): a
 worker killed mid-job leaves no rank holding a GPU. No torch here.
 
-Ranks are started before a job needs them (Spares: torch and the trainer imported
-meanwhile) and join its process group when it comes, as lines on their standard input.
-They outlive the job (RankGroup): they take the run's jobs one after another and keep the
-process group, the model and the training state on the devices in between; the next job
-of the run on this worker goes on from where the last one stopped. Over several machines,
-each node's ranks are kept so, and go on together when the gang does (gang/)."""
+The ranks are forked from the worker's rank fork server (server.py, forks.py), which
+imports torch and the trainer once, before a run needs them (warm); each rank starts with
+them loaded, in a fraction of a second. The ranks outlive the job
+(RankGroup): they take the run's jobs one after another, each announced on a pipe from the
+worker, and keep the process group, the model and the training state on the devices in
+between; the next job of the run on this worker goes on from where the last one stopped.
+Over several machines, each node's ranks are kept so, and go on together when the gang
+does (gang/). A rank shows as `sdq-rank<local rank>` in ps and top, its server as
+`sdq-rank-server`."""
 
 import json
 import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,15 +32,11 @@ from sdq.models.train.routing import node_key, run_key
 from sdq.models.train.settings import TrainSettings
 from sdq.models.train.specs import TrainOptions, TrainShardSpec
 from sdq.workers.train.loop.diverged import Diverged
+from sdq.workers.train.ranks.folder import DONE_FILE, ERROR_FILE, LOG_FILE, RESULT_FILE, write_job
+from sdq.workers.train.ranks.forks import Rank, RankFailed, rank_server
 from sdq.workers.weights import ModelUnavailable
 
-RANK_MODULE = "sdq.workers.train.ranks"
-JOB_FILE = "job.json"
-RESULT_FILE = "result.json"
-# A rank writes this (by its local rank) when it has done its part of a job.
-DONE_FILE = "done-{rank}"
-# When the job should stop taking steps and write its checkpoint (a time.time()), if ever.
-STOP_FILE = "stop-at"
+NEXT_JOB = b"next\n"  # what the worker sends a rank for each job, once its spec is written
 POLL_SECONDS = 0.02  # a job's end is seen this soon: the run's last one is on its clock
 WATCH_SECONDS = 1.0
 STOP_GRACE_SECONDS = 10
@@ -49,11 +46,6 @@ LOG_LINES = 20
 KNOWN_ERRORS: dict[str, type[Exception]] = {
     error.__name__: error for error in (ModelUnavailable, Diverged, StoreUnavailable)
 }
-
-
-class RankFailed(Exception):
-    """A rank of the job's group died or failed: the job fails, and goes on from its last
-    checkpoint when it is sent again."""
 
 
 @dataclass(frozen=True)
@@ -68,14 +60,6 @@ class Node:
     def rendezvous(self) -> str:
         """host:port of rank 0's store, as a gathering records it (gang/gathering.py)."""
         return f"{self.master_address}:{self.master_port}"
-
-
-def write_job(folder: Path, spec: TrainShardSpec, stop_at: float | None) -> None:
-    (folder / JOB_FILE).write_text(json.dumps(spec.to_dict()))
-    stop = folder / STOP_FILE
-    stop.unlink(missing_ok=True)
-    if stop_at is not None:
-        stop.write_text(repr(stop_at))
 
 
 def rendezvous(options: TrainOptions, node: Node, local: int) -> dict[str, str]:
@@ -94,56 +78,33 @@ def free_port(address: str = "127.0.0.1") -> int:
         return probe.getsockname()[1]
 
 
-class Spares:
-    """A node's rank processes started before a run needs them: each imports torch and the
-    trainer, then waits on its standard input for the rendezvous of the run it is to join.
-    A run's first job starts on them without waiting for those imports (seconds a process;
-    most of the 8 s two ranks took to start on two busy cores)."""
-
-    def __init__(self, local_ranks: int) -> None:
-        self.folder = Path(tempfile.mkdtemp(prefix="sdq-ranks-"))
-        self.processes = start(local_ranks, self.folder)
-
-    def fit(self, local_ranks: int) -> bool:
-        """Whether they can serve a run of that many ranks here: enough, and all alive."""
-        alive = all(process.poll() is None for process in self.processes)
-        return alive and len(self.processes) >= local_ranks
-
-    def stop(self) -> None:
-        stop(self.processes)
-        shutil.rmtree(self.folder, ignore_errors=True)
+def warm() -> None:
+    """Starts this worker's rank fork server (forks.py) unless it runs: it imports torch
+    and the trainer while no run needs them."""
+    rank_server()
 
 
 class RankGroup:
     """A run's rank processes on this machine (node `node` of its gang), kept from one of
     its jobs to the next."""
 
-    def __init__(self, spec: TrainShardSpec, spares: Spares | None, node: Node) -> None:
-        """This node's ranks for the run: the spares, when they fit it (the ones past its
-        ranks stopped), else processes started now."""
+    def __init__(self, spec: TrainShardSpec, node: Node) -> None:
+        """This node's ranks for the run, forked now, each with its place in the run's
+        group."""
         self.run, self.world_size = spec.run, spec.options.world_size
         self.node = node
-        local_ranks = spec.options.ranks_per_node
-        if spares is None or not spares.fit(local_ranks):
-            if spares is not None:
-                spares.stop()
-            spares = Spares(local_ranks)
-        stop(spares.processes[local_ranks:])
-        self.folder, self.processes = spares.folder, spares.processes[:local_ranks]
+        self.stopped = False
+        self.folder = Path(tempfile.mkdtemp(prefix="sdq-ranks-"))
         try:
             write_job(self.folder, spec, None)
-            for local, process in enumerate(self.processes):
-                joining = {**rendezvous(spec.options, self.node, local),
-                           "threads": torch_threads(local_ranks)}  # fmt: skip
-                process.stdin.write(json.dumps(joining).encode() + b"\n")
-                process.stdin.flush()
+            self.ranks = start(self.folder, spec.options, node)
         except BaseException:
-            self.stop()
+            shutil.rmtree(self.folder, ignore_errors=True)
             raise
 
     def serves(self, spec: TrainShardSpec) -> bool:
         """Whether it can take this job: same run, same world size, every rank alive."""
-        alive = all(process.poll() is None for process in self.processes)
+        alive = not self.stopped and all(rank.exitcode is None for rank in self.ranks)
         return alive and (spec.run, spec.options.world_size) == (self.run, self.world_size)
 
     @property
@@ -167,10 +128,9 @@ class RankGroup:
             for leftover in [RESULT_FILE, *(DONE_FILE.format(rank=r) for r in self._ranks)]:
                 (self.folder / leftover).unlink(missing_ok=True)
             write_job(self.folder, spec, stop_at)
-            for process in self.processes:
-                process.stdin.write(b"next\n")
-                process.stdin.flush()
-            wait_for_job(self.processes, self.folder, watch)
+            for rank in self.ranks:
+                rank.jobs.write(NEXT_JOB)
+            wait_for_job(self.ranks, self.folder, watch)
             result = self.folder / RESULT_FILE
             return json.loads(result.read_text()) if result.is_file() else None
         except BaseException:
@@ -179,64 +139,57 @@ class RankGroup:
 
     @property
     def _ranks(self) -> range:
-        return range(len(self.processes))
+        return range(len(self.ranks))
 
     def stop(self) -> None:
-        stop(self.processes)
-        shutil.rmtree(self.folder, ignore_errors=True)
+        if not self.stopped:
+            stop(self.ranks)
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.stopped = True
 
 
-def start(local_ranks: int, folder: Path) -> list[subprocess.Popen]:
-    """This node's rank processes (Spares), which read their rendezvous, then the jobs,
-    from their standard input."""
-    processes: list[subprocess.Popen] = []
+def start(folder: Path, options: TrainOptions, node: Node) -> list[Rank]:
+    """This node's rank processes for a run, forked from the worker's rank fork server,
+    each with the worker's environment and its place in the run's group."""
+    local_ranks = options.ranks_per_node
+    threads = torch_threads(local_ranks)
+    server = rank_server()
+    ranks: list[Rank] = []
     try:
         for local in range(local_ranks):
             environment = {
                 **os.environ,
+                **rendezvous(options, node, local),
                 "LOCAL_RANK": str(local),
-                "SDQ_RANK_PARENT": str(os.getpid()),
                 # The machine's cores shared between its ranks, not each taking them all.
-                "OMP_NUM_THREADS": str(torch_threads(local_ranks)),
+                "OMP_NUM_THREADS": str(threads),
             }
-            command = [sys.executable, "-m", RANK_MODULE, str(folder)]
-            with (folder / f"rank{local}.log").open("wb") as log:
-                processes.append(
-                    subprocess.Popen(
-                        command,
-                        env=environment,
-                        stdin=subprocess.PIPE,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                    )
-                )
+            ranks.append(server.fork(folder, folder / LOG_FILE.format(rank=local), environment))
     except BaseException:
-        stop(processes)
+        stop(ranks)
         raise
-    return processes
+    return ranks
 
 
-def stop(processes: list[subprocess.Popen]) -> None:
-    running = [process for process in processes if process.poll() is None]
-    for process in running:
-        process.send_signal(signal.SIGTERM)
+def stop(ranks: list[Rank]) -> None:
+    running = [rank for rank in ranks if rank.exitcode is None]
+    for rank in running:
+        rank.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_SECONDS
-    for process in running:
-        try:
-            process.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    for rank in running:
+        if not rank.wait(max(0.0, deadline - time.monotonic())):
+            rank.send_signal(signal.SIGKILL)
+            rank.wait(None)
+    for rank in ranks:
+        rank.close()
 
 
-def wait_for_job(
-    processes: list[subprocess.Popen], folder: Path, watch: Callable[[], None] = lambda: None
-) -> None:
+def wait_for_job(ranks: list[Rank], folder: Path, watch: Callable[[], None] = lambda: None) -> None:
     """Until every rank of a group has said it did its part of the job; a rank that exits
     meanwhile, whatever its code, fails the job."""
     watched = time.monotonic()
     while True:
-        codes = [process.poll() for process in processes]
+        codes = [rank.exitcode for rank in ranks]
         ended = [(rank, code) for rank, code in enumerate(codes) if code is not None]
         if ended:
             raise rank_error(folder, *min(ended, key=lambda item: _reported(folder, item[0])))
@@ -250,17 +203,17 @@ def wait_for_job(
 
 def _reported(folder: Path, rank: int) -> bool:
     """False sorts first: a rank that said why it failed is the one to report."""
-    return not (folder / f"error-{rank}.json").is_file()
+    return not (folder / ERROR_FILE.format(rank=rank)).is_file()
 
 
 def rank_error(folder: Path, rank: int, code: int) -> Exception:
-    report = folder / f"error-{rank}.json"
+    report = folder / ERROR_FILE.format(rank=rank)
     if report.is_file():
         error = json.loads(report.read_text())
         if (known := KNOWN_ERRORS.get(error["type"])) is not None:
             return known(f"rank {rank}: {error['message']}")  # the job's error names its kind
         return RankFailed(f"rank {rank}: {error['type']}: {error['message']}")
-    log = (folder / f"rank{rank}.log").read_text(errors="replace").splitlines()
+    log = (folder / LOG_FILE.format(rank=rank)).read_text(errors="replace").splitlines()
     tail = "\n".join(log[-LOG_LINES:])
     return RankFailed(f"rank {rank} exited with code {code}:\n{tail}")
 

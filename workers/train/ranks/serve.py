@@ -1,13 +1,13 @@
-"""One rank of a data-parallel train-shard job, a process of its own that a worker starts
-(processes.py: `python -m sdq.workers.train.ranks FOLDER`, __main__.py) ahead of the run it
-serves. The first line on its standard input is that run's rendezvous; then it takes job
-after job of the run, each following line saying the next job's spec is in FOLDER; it keeps
-its process group, model and training state between them, and goes on in memory when the
-job starts where the last one stopped (it restores the job's checkpoint otherwise, once per
-node: the first local rank downloads it into FOLDER). Rank 0 writes each job's checkpoint
-on a thread and leaves what the worker records (the steps, the checkpoint) in FOLDER;
-meanwhile the ranks take the next job's steps. Each job ends with a done file in FOLDER
-(rank 0's once its checkpoint is written); the end of its input ends the process.
+"""One rank of a data-parallel train-shard job, a process of its own that the worker forks
+from its rank fork server (processes.py, server.py) when the run comes. It takes job after
+job of the run, each announced on its pipe from the worker once the job's spec is in
+FOLDER; it keeps its process group, model and training state between them, and goes on in
+memory when the job starts where the last one stopped (it restores the job's checkpoint
+otherwise, once per node: the first local rank downloads it into FOLDER). Rank 0 writes
+each job's checkpoint on a thread and leaves what the worker records (the steps, the
+checkpoint) in FOLDER; meanwhile the ranks take the next job's steps. Each job ends with a
+done file in FOLDER (rank 0's once its checkpoint is written); the pipe's end (the worker
+let the ranks go, or died) ends the process.
 GPU-side: imports torch.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn
+from typing import BinaryIO, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,13 @@ from sdq.workers.train.loop.checkpoints import Snapshot, write_checkpoint
 from sdq.workers.train.loop.sharding import ShardedSnapshot
 from sdq.workers.train.loop.state import Ranks, TrainState
 from sdq.workers.train.loop.training import Stop, Training, rank0_decides, until_time
-from sdq.workers.train.ranks.processes import DONE_FILE, JOB_FILE, RESULT_FILE, STOP_FILE
+from sdq.workers.train.ranks.folder import (
+    DONE_FILE,
+    ERROR_FILE,
+    RESULT_FILE,
+    read_job,
+    read_stop_at,
+)
 from sdq.workers.train.records import LiveSteps
 from sdq.workers.weights import ModelFiles
 
@@ -69,31 +75,19 @@ def join_group(spec: TrainShardSpec, ranks: Ranks, settings: Settings) -> None:
     )
 
 
-def join_run() -> None:
-    """The run's rendezvous and this rank's threads, read as the first line of standard
-    input, into the environment torch.distributed reads; the worker let this spare go if
-    the input ends first."""
-    line = sys.stdin.readline()
-    if not line:
-        exit_now(0)
-    joining = json.loads(line)
-    torch.set_num_threads(joining.pop("threads"))
-    os.environ.update(joining)
-
-
-def serve(folder: Path, ranks: Ranks, settings: Settings) -> NoReturn:
-    """Job after job of one run, each announced by a line on standard input. Between two,
+def serve(folder: Path, announced: BinaryIO, ranks: Ranks, settings: Settings) -> NoReturn:
+    """Job after job of one run, each announced on `announced`. Between two,
     the next job's steps are taken while rank 0 writes the last one's checkpoint on a
     thread, until the next job is announced (on rank 0's node: over several nodes, rank 0
     decides for every rank): it then takes them over."""
-    spec = _job(folder)
+    spec = read_job(folder)
     join_group(spec, ranks, settings)
     store = open_store(settings.store_url)
     files = ModelFiles(store, settings.model_cache_dir)
-    announced = announcements()
+    jobs = announcements(announced)
     training: Training | None = None
-    while announced.get():
-        spec = _job(folder)
+    while jobs.get():
+        spec = read_job(folder)
         if training is None or not training.goes_on_to(spec):
             if training is not None:
                 training.close()
@@ -102,7 +96,7 @@ def serve(folder: Path, ranks: Ranks, settings: Settings) -> NoReturn:
             training = Training(
                 spec, state, store, settings.group(TrainSettings), live_steps(ranks, settings)
             )
-        steps = training.steps(spec, until_time(_stop_at(folder), training.state))
+        steps = training.steps(spec, until_time(read_stop_at(folder), training.state))
         done = folder / DONE_FILE.format(rank=ranks.local_rank)
         snapshot = training.checkpoint(spec)
         if snapshot is None:
@@ -111,7 +105,7 @@ def serve(folder: Path, ranks: Ranks, settings: Settings) -> NoReturn:
             write_in_background(spec, snapshot, steps, store, files, ranks, folder)
         following = spec.next_after(training.state.step)
         if following is not None:
-            training.train_ahead(following, until_announced(announced, training.state))
+            training.train_ahead(following, until_announced(jobs, training.state))
     exit_now(0)  # the worker let the group go
 
 
@@ -125,23 +119,23 @@ def live_steps(ranks: Ranks, settings: Settings) -> Callable[[list[dict]], None]
     )
 
 
-def announcements() -> "queue.Queue[bool]":
-    """True for each line on standard input, then False at its end: read on a thread, so
-    that steps taken ahead can ask whether the next job has come."""
-    lines: queue.Queue[bool] = queue.Queue()
+def announcements(announced: BinaryIO) -> "queue.Queue[bool]":
+    """True for each job announced (a line), then False at the pipe's end: read on a
+    thread, so that steps taken ahead can ask whether the next job has come."""
+    jobs: queue.Queue[bool] = queue.Queue()
 
     def read() -> None:
-        while sys.stdin.readline():
-            lines.put(True)
-        lines.put(False)
+        while announced.readline():
+            jobs.put(True)
+        jobs.put(False)
 
     threading.Thread(target=read, name="sdq-announcements", daemon=True).start()
-    return lines
+    return jobs
 
 
-def until_announced(announced: "queue.Queue[bool]", state: TrainState) -> Stop:
+def until_announced(jobs: "queue.Queue[bool]", state: TrainState) -> Stop:
     """Stops once the next job has come (or the worker let the group go): rank 0's view."""
-    return lambda: rank0_decides(not announced.empty(), state)
+    return lambda: rank0_decides(not jobs.empty(), state)
 
 
 def write_in_background(
@@ -170,21 +164,11 @@ def write_in_background(
     threading.Thread(target=write, name="sdq-checkpoint-write", daemon=True).start()
 
 
-def _job(folder: Path) -> TrainShardSpec:
-    return TrainShardSpec.from_dict(json.loads((folder / JOB_FILE).read_text()))
-
-
-def _stop_at(folder: Path) -> float | None:
-    """When the job should stop taking steps (rank 0's decision: see processes.py)."""
-    stop = folder / STOP_FILE
-    return float(stop.read_text()) if stop.is_file() else None
-
-
 def fail(folder: Path, rank: int, error: Exception) -> NoReturn:
     """Ends the rank with its error reported for the worker (processes.py reads it)."""
     traceback.print_exc()
     report = {"type": type(error).__name__, "message": str(error)}
-    (folder / f"error-{rank}.json").write_text(json.dumps(report))
+    (folder / ERROR_FILE.format(rank=rank)).write_text(json.dumps(report))
     exit_now(1)
 
 
@@ -197,12 +181,14 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def main(folder: Path) -> NoReturn:
-    """The rank's work, once the run's rendezvous has come on standard input; __main__.py
-    has armed the parent-death signal first."""
-    join_run()
+def main(folder: Path, announced: BinaryIO) -> NoReturn:
+    """The rank's work, in the process forked for it with its place in the run's group in
+    its environment (server.run_rank)."""
+    # Its share of the cores: the fork server's torch read OMP_NUM_THREADS as it loaded,
+    # from the worker's environment, not this rank's.
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     ranks = ranks_from_env()
     try:
-        serve(folder, ranks, Settings.from_env())
+        serve(folder, announced, ranks, Settings.from_env())
     except Exception as error:
         fail(folder, ranks.local_rank, error)  # inside the handler: the traceback holds the state
