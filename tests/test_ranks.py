@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent(
     pids = [rank_server().process.pid]
     if len(sys.argv) > 1:
         spec = TrainShardSpec.from_dict(json.loads(Path(sys.argv[1]).read_text()))
-        pids += [rank.pid for rank in RankGroup(spec, Node()).ranks]
+        pids += [rank.pid for rank in RankGroup(spec, Node(), lambda: None).ranks]
     print(json.dumps(pids), flush=True)
     time.sleep(600)
     ''', *sys.argv[1:]], stdout=subprocess.PIPE, text=True)

@@ -141,7 +141,7 @@ def test_a_training_kept_in_the_worker_s_process_is_let_go_before_ranks_take_the
     _, _, _, live, following = first_job_kept(run, store)
     ranked = replace(run, run=run.run + 1, options=replace(run.options, world_size=2))
     try:
-        group = live.group(ranked)
+        group = live.group(ranked, lambda: None)
         assert len(group.ranks) == 2 and len(rank_processes_seen(2)) == 2
         assert live.warm_keys() == {f"run-{ranked.run}"}
         assert live.take(following) is None  # the kept training went first

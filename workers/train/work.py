@@ -165,7 +165,7 @@ class TrainWork(Work):
         self, job: Job, spec: TrainShardSpec, stop_at: float | None
     ) -> tuple[list[dict], Written]:
         if spec.options.nodes == 1:
-            result = self.live.group(spec).train(spec, stop_at, watch=check_lease)
+            result = self.live.group(spec, check_lease).train(spec, stop_at, watch=check_lease)
         else:
             result = self._lead(job, spec, stop_at)
         return result["steps"], Written(**result["written"])

@@ -10,12 +10,15 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 from sdq.workers.train.ranks import server
+
+WATCH_SECONDS = 1.0  # how often a worker waiting on its ranks calls its watch
 
 
 class RankFailed(Exception):
@@ -34,23 +37,41 @@ class RankServer:
         self.codes: dict[int, int] = {}  # how each rank ended, by process id
         self.gone = False
 
-    def fork(self, folder: Path, log: Path, environment: dict[str, str]) -> "Rank":
+    def fork(
+        self, folder: Path, log: Path, environment: dict[str, str], watch: Callable[[], None]
+    ) -> "Rank":
         """A rank for the job in `folder`, with that environment, its output in `log`: once
-        the server has done its imports, if it is still doing them."""
+        the server has done its imports, if it is still doing them. `watch` is called about
+        once a second meanwhile (a gang's member is seen alive so); should it raise, the
+        server is stopped, and the rank with it."""
         announced, announcing = os.pipe()
         try:
             request = {"folder": str(folder), "log": str(log), "environment": environment}
             socket.send_fds(self.channel, [json.dumps(request).encode()], [announced])
+        except OSError as error:  # it died since the worker last looked
+            os.close(announcing)
+            raise RankFailed(f"the rank fork server is gone: {error}") from error
         finally:
             os.close(announced)  # the rank's end: the worker holds only its own
+        try:
+            pid, pidfd = self._started(watch)
+        except BaseException:
+            os.close(announcing)
+            self.stop()
+            raise
+        return Rank(pid, pidfd, os.fdopen(announcing, "wb", buffering=0), self)
+
+    def _started(self, watch: Callable[[], None]) -> tuple[int, int]:
+        """The process id and a pidfd of the rank just asked for."""
         while True:
+            if not select.select([self.channel], [], [], WATCH_SECONDS)[0]:
+                watch()
+                continue
             message, fds = self._receive(block=True)
             if message is None:
-                os.close(announcing)
                 raise RankFailed(f"the rank fork server ended (code {self.process.wait()})")
             if "started" in message:
-                jobs = os.fdopen(announcing, "wb", buffering=0)
-                return Rank(message["started"], fds[0], jobs, self)
+                return message["started"], fds[0]
 
     def code(self, pid: int) -> int:
         """How a rank that has ended ended (what the server says once it has seen it)."""
@@ -59,8 +80,10 @@ class RankServer:
         return self.codes.get(pid, -signal.SIGKILL)  # the server died, and the rank with it
 
     def stop(self) -> None:
-        self.channel.close()  # the server ends as its input does
+        """Ends the server, and the ranks it forked with it (rank_server starts another)."""
+        self.process.kill()
         self.process.wait()
+        self.channel.close()
 
     def _receive(self, block: bool) -> tuple[dict | None, list[int]]:
         flags = 0 if block else socket.MSG_DONTWAIT

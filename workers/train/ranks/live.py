@@ -50,18 +50,18 @@ class LiveStates:
         if following is not None:
             self._ahead = Ahead(training, following)
 
-    def group(self, spec: TrainShardSpec) -> RankGroup:
+    def group(self, spec: TrainShardSpec, watch: Callable[[], None]) -> RankGroup:
         """The rank processes of the job's run, forked for it unless they serve it
         already."""
         if self._group is None or not self._group.serves(spec):
-            self._new_group(spec, Node())
+            self._new_group(spec, Node(), watch)
         return self._group
 
-    def _new_group(self, spec: TrainShardSpec, node: Node) -> None:
+    def _new_group(self, spec: TrainShardSpec, node: Node, watch: Callable[[], None]) -> None:
         """What this process holds let go (the ranks need the devices), and ranks forked
         for the run as that node of it."""
         self.clear()
-        self._group = RankGroup(spec, node)
+        self._group = RankGroup(spec, node, watch)
 
     def kept_gang_node(self, spec: TrainShardSpec) -> Node | None:
         """This node's place in the run's gang, if its ranks are kept here and can go on
@@ -83,7 +83,7 @@ class LiveStates:
         (the fork server's imports done). They are kept after the job; a failure stops
         them."""
         if not goes_on:
-            self._new_group(spec, node)
+            self._new_group(spec, node, watch)
         try:
             return self._group.train(spec, stop_at, watch)
         except BaseException:

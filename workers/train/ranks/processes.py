@@ -7,13 +7,12 @@ worker killed mid-job leaves no rank holding a GPU. No torch here.
 
 The ranks are forked from the worker's rank fork server (server.py, forks.py), which
 imports torch and the trainer once, before a run needs them (warm); each rank starts with
-them loaded, in a fraction of a second. The ranks outlive the job
-(RankGroup): they take the run's jobs one after another, each announced on a pipe from the
-worker, and keep the process group, the model and the training state on the devices in
-between; the next job of the run on this worker goes on from where the last one stopped.
-Over several machines, each node's ranks are kept so, and go on together when the gang
-does (gang/). A rank shows as `sdq-rank<local rank>` in ps and top, its server as
-`sdq-rank-server`."""
+them loaded, in a fraction of a second. The ranks outlive the job (RankGroup): they take
+the run's jobs one after another, each announced on a pipe from the worker, and keep the
+process group, the model and the training state on the devices in between; the next job of
+the run on this worker goes on from where the last one stopped. Over several machines, each
+node's ranks are kept so, and go on together when the gang does (gang/). A rank shows as
+`sdq-rank<local rank>` in ps and top, its server as `sdq-rank-server`."""
 
 import json
 import os
@@ -33,12 +32,11 @@ from sdq.models.train.settings import TrainSettings
 from sdq.models.train.specs import TrainOptions, TrainShardSpec
 from sdq.workers.train.loop.diverged import Diverged
 from sdq.workers.train.ranks.folder import DONE_FILE, ERROR_FILE, LOG_FILE, RESULT_FILE, write_job
-from sdq.workers.train.ranks.forks import Rank, RankFailed, rank_server
+from sdq.workers.train.ranks.forks import WATCH_SECONDS, Rank, RankFailed, rank_server
 from sdq.workers.weights import ModelUnavailable
 
 NEXT_JOB = b"next\n"  # what the worker sends a rank for each job, once its spec is written
 POLL_SECONDS = 0.02  # a job's end is seen this soon: the run's last one is on its clock
-WATCH_SECONDS = 1.0
 STOP_GRACE_SECONDS = 10
 LOG_LINES = 20
 # Errors a rank reports by name that keep their meaning for the job: a model that cannot
@@ -88,16 +86,16 @@ class RankGroup:
     """A run's rank processes on this machine (node `node` of its gang), kept from one of
     its jobs to the next."""
 
-    def __init__(self, spec: TrainShardSpec, node: Node) -> None:
+    def __init__(self, spec: TrainShardSpec, node: Node, watch: Callable[[], None]) -> None:
         """This node's ranks for the run, forked now, each with its place in the run's
-        group."""
+        group; `watch` is called about once a second while they start."""
         self.run, self.world_size = spec.run, spec.options.world_size
         self.node = node
         self.stopped = False
         self.folder = Path(tempfile.mkdtemp(prefix="sdq-ranks-"))
         try:
             write_job(self.folder, spec, None)
-            self.ranks = start(self.folder, spec.options, node)
+            self.ranks = start(self.folder, spec.options, node, watch)
         except BaseException:
             shutil.rmtree(self.folder, ignore_errors=True)
             raise
@@ -148,7 +146,7 @@ class RankGroup:
             self.stopped = True
 
 
-def start(folder: Path, options: TrainOptions, node: Node) -> list[Rank]:
+def start(folder: Path, options: TrainOptions, node: Node, watch: Callable[[], None]) -> list[Rank]:
     """This node's rank processes for a run, forked from the worker's rank fork server,
     each with the worker's environment and its place in the run's group."""
     local_ranks = options.ranks_per_node
@@ -164,7 +162,8 @@ def start(folder: Path, options: TrainOptions, node: Node) -> list[Rank]:
                 # The machine's cores shared between its ranks, not each taking them all.
                 "OMP_NUM_THREADS": str(threads),
             }
-            ranks.append(server.fork(folder, folder / LOG_FILE.format(rank=local), environment))
+            log = folder / LOG_FILE.format(rank=local)
+            ranks.append(server.fork(folder, log, environment, watch))
     except BaseException:
         stop(ranks)
         raise
