@@ -1,6 +1,7 @@
 """A node's rank processes die with the worker that started them at any moment: their fork
 server dies with the worker even while it still imports torch (the parent-death signal is
-armed before anything else), and the ranks it forked die with the server."""
+armed before anything else), and the ranks it forked die with the server. A job given up
+while its ranks wait on the server's imports leaves neither behind."""
 
 import json
 import os
@@ -10,6 +11,9 @@ import textwrap
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
+from sdq.workers.train.ranks.forks import RankServer
 from tests.conftest import ROOT
 from tests.test_train_rhythm import tiny_run
 
@@ -49,7 +53,8 @@ SCRIPT = textwrap.dedent(
 
 
 def signals_ending(*spec_file: Path) -> list[int | None]:
-    """The signal that ended the fork server, then each rank, once the worker was killed."""
+    """The signal that ended the fork server, then each rank (None: it exited), once the
+    worker was killed: each has ended by then."""
     ended = subprocess.run(
         [sys.executable, "-c", SCRIPT, *map(str, spec_file)],
         cwd=ROOT, env=os.environ, capture_output=True, text=True, timeout=120,
@@ -69,4 +74,31 @@ def test_ranks_die_with_the_fork_server_and_so_with_their_worker(tmp_path: Path)
     waiting = replace(run, options=replace(run.options, nodes=2, world_size=2))
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps(waiting.to_dict()))
-    assert signals_ending(spec_file) == [9, 9]
+    # The server ends with the worker, at its input's end or by the signal, whichever comes
+    # first; its rank is killed as the server dies.
+    [_, rank] = signals_ending(spec_file)
+    assert rank == 9
+
+
+class GivenUp(Exception):
+    pass
+
+
+def test_a_job_given_up_while_the_server_imports_stops_it_and_its_rank(tmp_path: Path) -> None:
+    """The job's watch is called while the rank waits on the server's imports (a gang's
+    member is seen alive so); once it raises, the server is stopped, and the rank it was
+    about to fork never runs."""
+    server = RankServer()
+    looks: list[float] = []
+
+    def watch() -> None:
+        looks.append(1.0)
+        if len(looks) == 2:
+            raise GivenUp
+
+    environment = {**os.environ, "LOCAL_RANK": "0"}
+    with pytest.raises(GivenUp):
+        server.fork(tmp_path, tmp_path / "rank0.log", environment, watch)
+    assert len(looks) == 2  # about a second apart, its imports not done
+    assert server.process.poll() is not None and server.gone
+    assert not (tmp_path / "rank0.log").exists()  # no rank started

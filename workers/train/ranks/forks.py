@@ -84,6 +84,7 @@ class RankServer:
         self.process.kill()
         self.process.wait()
         self.channel.close()
+        self.gone = True
 
     def _receive(self, block: bool) -> tuple[dict | None, list[int]]:
         flags = 0 if block else socket.MSG_DONTWAIT

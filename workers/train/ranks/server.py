@@ -37,6 +37,7 @@ PR_SET_NAME = 15
 
 
 def main() -> NoReturn:
+    """The server's life: dying with the worker, named, its imports done, then serving."""
     die_with_parent()
     name_process("sdq-rank-server")
     # torch.cuda.is_available() run by an import asks NVML, which a fork survives, instead of
