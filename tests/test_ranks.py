@@ -1,7 +1,8 @@
 """A node's rank processes die with the worker that started them at any moment: their fork
 server dies with the worker even while it still imports torch (the parent-death signal is
 armed before anything else), and the ranks it forked die with the server. A job given up
-while its ranks wait on the server's imports leaves neither behind."""
+while its ranks wait on the server's imports leaves neither behind. And a process doing
+device work takes its share of the machine's cores."""
 
 import json
 import os
@@ -102,3 +103,27 @@ def test_a_job_given_up_while_the_server_imports_stops_it_and_its_rank(tmp_path:
     assert len(looks) == 2  # about a second apart, its imports not done
     assert server.process.poll() is not None and server.gone
     assert not (tmp_path / "rank0.log").exists()  # no rank started
+
+
+def threads_when_working_here(omp: str | None) -> int:
+    """torch's threads in a fresh process once it does device work, as a worker does."""
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    if omp:
+        env["OMP_NUM_THREADS"] = omp
+    script = (
+        "import torch; from sdq.workers.cores import share_cores; "
+        "share_cores(); print(torch.get_num_threads())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], env={**env, "PYTHONPATH": str(ROOT.parent)},
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return int(done.stdout)
+
+
+def test_device_work_in_a_process_takes_its_share_of_the_cores() -> None:
+    """Not torch's default (every core), which a busy CPU turns into threads waiting on one
+    another; OMP_NUM_THREADS, when set, decides."""
+    cores = len(os.sched_getaffinity(0))
+    assert threads_when_working_here(None) == max(1, cores // 2)
+    assert threads_when_working_here(str(cores)) == cores
