@@ -16,8 +16,8 @@ from sdq.workers.delivery import JobTask, deliver_task
 from sdq.workers.holding import hold_for
 from sdq.workers.routing import consume_warm_queues
 from sdq.workers.train.gang.member import take_part
+from sdq.workers.train.ranks.forks import rank_server
 from sdq.workers.train.ranks.live import LiveStates
-from sdq.workers.train.ranks.processes import warm as warm_ranks
 from sdq.workers.train.work import TrainWork
 from sdq.workers.weights import ModelFiles
 
@@ -118,4 +118,4 @@ def warms(settings: Settings) -> bool:
 
 def warm_up(app: SdqCelery, hostname: str) -> None:
     """The rank fork server, importing torch and the trainer while no run needs them."""
-    warm_ranks()
+    rank_server()

@@ -1,5 +1,5 @@
 """The worker's side of its rank fork server (server.py): the server started once, before a
-run needs it (warm), the ranks of each run forked from it, and a handle on each rank. The
+run needs it (rank_server), the ranks of each run forked from it, and a handle on each rank. The
 server says when it has forked a rank (with a pidfd of it, which no other process can come
 to stand for) and how each one ended. No torch here."""
 

@@ -6,7 +6,7 @@ goes on from its last checkpoint. Each rank dies with the worker (parent-death s
 worker killed mid-job leaves no rank holding a GPU. No torch here.
 
 The ranks are forked from the worker's rank fork server (server.py, forks.py), which
-imports torch and the trainer once, before a run needs them (warm); each rank starts with
+imports torch and the trainer once, before a run needs them (rank_server); each rank starts with
 them loaded, in a fraction of a second. The ranks outlive the job (RankGroup): they take
 the run's jobs one after another, each announced on a pipe from the worker, and keep the
 process group, the model and the training state on the devices in between; the next job of
@@ -74,12 +74,6 @@ def free_port(address: str = "127.0.0.1") -> int:
     with socket.socket() as probe:
         probe.bind((address, 0))
         return probe.getsockname()[1]
-
-
-def warm() -> None:
-    """Starts this worker's rank fork server (forks.py) unless it runs: it imports torch
-    and the trainer while no run needs them."""
-    rank_server()
 
 
 class RankGroup:
