@@ -67,7 +67,7 @@ class RankServer:
             if not select.select([self.channel], [], [], WATCH_SECONDS)[0]:
                 watch()
                 continue
-            message, fds = self._receive(block=True)
+            message, fds = self._receive()
             if message is None:
                 raise RankFailed(f"the rank fork server ended (code {self.process.wait()})")
             if "started" in message:
@@ -76,7 +76,7 @@ class RankServer:
     def code(self, pid: int) -> int:
         """How a rank that has ended ended (what the server says once it has seen it)."""
         while pid not in self.codes and not self.gone:
-            self._receive(block=True)
+            self._receive()
         return self.codes.get(pid, -signal.SIGKILL)  # the server died, and the rank with it
 
     def stop(self) -> None:
@@ -86,9 +86,9 @@ class RankServer:
         self.channel.close()
         self.gone = True
 
-    def _receive(self, block: bool) -> tuple[dict | None, list[int]]:
-        flags = 0 if block else socket.MSG_DONTWAIT
-        data, fds, _, _ = socket.recv_fds(self.channel, server.MESSAGE_BYTES, 1, flags)
+    def _receive(self) -> tuple[dict | None, list[int]]:
+        """The server's next message (None at its end) and the descriptors beside it."""
+        data, fds, _, _ = socket.recv_fds(self.channel, server.MESSAGE_BYTES, 1)
         if not data:
             self.gone = True
             return None, []
