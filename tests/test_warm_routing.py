@@ -17,7 +17,7 @@ from sdq.models.settings import Settings
 from sdq.models.tables import Job
 from sdq.workers.app import create_app
 from sdq.workers.maintenance import idle_queues
-from sdq.workers.routing import live_warm_queues
+from sdq.workers.routing import live_warm_queues, queues_of
 from tests.conftest import WorkerProcess, sdq_json, wait_for_run, write
 from tests.services import wait_for
 
@@ -124,7 +124,11 @@ def test_a_retry_goes_where_a_live_worker_will_take_it(own_deployment, tmp_path)
         # Its task done (after each, a worker's warm queues follow what it holds), the
         # worker stops consuming the queue, as one that let its pipeline go does.
         assert wait_for_run(env["SDQ_DATABASE_URL"], run_id) == {"succeeded": 1}
+        # Celery answers a cancel before it acts on it (the worker's next loop does): the
+        # worker is asked until it has stopped.
         app.control.cancel_consumer(warm, destination=[worker.node], reply=True)
+        wait_for(lambda: warm not in queues_of(app.control, worker.node),
+                 what="the warm queue let go of", timeout=30)  # fmt: skip
         assert retry_queue(app, GENERATE, job_ids) == "generate"  # let go of: the kind's
     finally:
         worker.kill()
