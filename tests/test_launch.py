@@ -42,6 +42,7 @@ def test_one_worker_per_gpu_each_with_its_own_device() -> None:
         assert option(command.argv, "--concurrency") == "1"
         assert option(command.argv, "--prefetch-multiplier") == "1"
         assert option(command.argv, "--hostname") == f"gpu{gpu}@%h"
+        assert "--without-mingle" in command.argv  # sdq revokes nothing to sync at start
 
 
 def test_without_gpus_one_cpu_process_renders() -> None:
