@@ -69,17 +69,18 @@ def session_redis() -> Iterator[int]:
     """A Redis server of this test session's own, on a free port, with nothing on disk:
     two sessions on one machine never take each other's messages. Yields its port."""
     port = free_port()
-    server = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", tempfile.mkdtemp(prefix="sdq-test-redis-")],
-        stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        wait_for(lambda: listening(port), what=f"the session's redis-server on port {port}")
-        yield port
-    finally:
-        server.terminate()
-        server.wait(30)
+    with tempfile.TemporaryDirectory(prefix="sdq-test-redis-") as folder:
+        server = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", folder],
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            wait_for(lambda: listening(port), what=f"the session's redis-server on port {port}")
+            yield port
+        finally:
+            server.terminate()
+            server.wait(30)
 
 
 def answers(url: str) -> bool:

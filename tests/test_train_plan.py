@@ -2,8 +2,8 @@
 pre-training ran per GPU, the parts that change with each option, and a configuration that
 does not fit, refused by `sdq train plan` and by `sdq train` before anything is queued.
 Each test plans once through the command line, as a user does (its options, the planner's
-process); the configurations it compares it plans with the planner itself, in this process
-(each command pays ~15 s of starting torch and diffusers twice)."""
+child process); the configurations it compares it plans with the planner itself, in this
+process."""
 
 import json
 import subprocess
@@ -175,3 +175,15 @@ def test_a_lora_plans_its_adapters_state_beside_the_frozen_u_net(tmp_path: Path)
     tight = planned_here(resolution=512, batch_size=256, world_size=8, lora_rank=16,
                          gpu_memory=16 * 10**9)  # fmt: skip
     assert not tight["fits"] and "--sharding" not in tight["would_fit_with"]
+
+
+def test_a_u_net_the_planner_cannot_build_is_refused_with_the_reason(tmp_path: Path) -> None:
+    """The planner's child fails (diffusers refuses the configuration): the command says
+    why, in the planner's own words, and exits as a usage error."""
+    config = tmp_path / "unet.json"
+    config.write_text(json.dumps({"block_out_channels": [-3]}))
+    done = sdq("train", "plan", "--unet-config", str(config), "--resolution", "64",
+               "--batch-size", "1", cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 2
+    assert "the planner failed: ValueError: Must provide the same number of `block_out_channels`" \
+        in " ".join(done.stderr.split())  # fmt: skip
