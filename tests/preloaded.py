@@ -5,9 +5,11 @@ An embedded command imports torch, diffusers, transformers and the rest before i
 anything: ~8 s of CPU per command, which was most of what the suite's hundreds of commands
 cost. This module, run as a program, imports those libraries once and then forks a child
 per request: a process of its own (its own pid, session, environment, working folder and
-standard streams, its exit code or the signal that ended it), which imports sdq itself as
-a fresh process would and runs `python -m sdq.producer.cli ARGS` in it. Nothing of sdq is
-imported before the fork, so no setting or cache of sdq's is shared between commands.
+standard streams, its exit code or the signal that ended it), which runs
+`python -m sdq.producer.cli ARGS` in it. sdq's command line is imported before the fork
+too (~0.2 s of CPU a command), but nothing of it runs: no setting is read, no cache filled.
+That holds while importing it reads no environment variable, which preload() checks: it
+refuses to start, failing every command, on the first sdq module that does.
 
 What a library reads from the environment as it loads comes from the tests' environment,
 not the command's: the verbosity of transformers and diffusers (set here as sdq's entry
@@ -27,13 +29,17 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator, MutableMapping
 from contextlib import suppress
 from pathlib import Path
 from typing import IO, Any, NoReturn
+from unittest.mock import patch
 
 # The project root: where `python -m tests.preloaded` starts, and the tests' default folder.
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND_MODULE = "sdq.producer.cli"
+# What `sdq` imports before it runs a command: its commands and options.
+COMMAND_LINE = "sdq.producer.cli.main"
 # What an embedded command imports that costs seconds; each only imported, never used: a
 # fork after torch has run an op with threads would leave the child's thread pool broken.
 LIBRARIES = (
@@ -65,6 +71,47 @@ def preload() -> None:
     for module, names in LAZY_NAMES.items():
         for name in names:
             getattr(sys.modules[module], name)
+    with patch.object(os, "environ", _ReadsBySdq(os.environ)) as watched:
+        importlib.import_module(COMMAND_LINE)
+    if watched.read:
+        raise RuntimeError(
+            f"importing {COMMAND_LINE} read {sorted(watched.read)} from the environment: a "
+            "command forked after it would see the tests' own"
+        )
+
+
+class _ReadsBySdq(MutableMapping):
+    """os.environ, noting each variable an sdq module reads or writes (what the libraries
+    it imports read is theirs, as with LIBRARIES)."""
+
+    def __init__(self, environment: MutableMapping[str, str]) -> None:
+        self.environment, self.read = environment, set()
+
+    def _note(self, name: str) -> None:
+        caller = sys._getframe(2)
+        while caller.f_globals.get("__name__") in ("os", "collections.abc"):
+            caller = caller.f_back
+        if caller.f_globals.get("__name__", "").startswith("sdq."):
+            self.read.add(name)
+
+    def __getitem__(self, name: str) -> str:
+        self._note(name)
+        return self.environment[name]
+
+    def __setitem__(self, name: str, value: str) -> None:
+        self._note(name)
+        self.environment[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        self._note(name)
+        del self.environment[name]
+
+    def __iter__(self) -> Iterator[str]:
+        self._note("(every variable)")
+        return iter(self.environment)
+
+    def __len__(self) -> int:
+        return len(self.environment)
 
 
 def serve(path: str) -> None:
