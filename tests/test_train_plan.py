@@ -187,3 +187,19 @@ def test_a_u_net_the_planner_cannot_build_is_refused_with_the_reason(tmp_path: P
     assert done.returncode == 2
     assert "the planner failed: ValueError: Must provide the same number of `block_out_channels`" \
         in " ".join(done.stderr.split())  # fmt: skip
+
+
+def test_a_planner_killed_as_it_plans_is_said_to_have_died(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The planner's child killed (the kernel's out-of-memory killer, say): the command is
+    told how it died, and is not left reading for ever."""
+    from sdq.producer.train import plan as planning
+
+    (tmp_path / "killed_planner.py").write_text(
+        "import os, signal\n\ndef answer(request):\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(planning, "PLANNER", "killed_planner")
+    with pytest.raises(planning.CannotPlan, match=r"^the planner died \(signal 9\)$"):
+        planning.plan({})

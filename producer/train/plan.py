@@ -53,29 +53,34 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
     with os.fdopen(reader, "rb") as answer:
         said = answer.read()
     ended = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
-    if not said:
-        raise CannotPlan(f"the planner died ({_death(ended)})")
-    found = json.loads(said)
+    try:
+        found = json.loads(said)
+    except ValueError:  # nothing, or half of it: the child was killed, or died writing
+        raise CannotPlan(f"the planner died ({_death(ended)})") from None
     if "error" in found:
         raise CannotPlan(f"the planner failed: {found['error']}")
-    return found
+    return found["plan"]
 
 
 def _answer(request: dict[str, Any], fd: int) -> NoReturn:
-    """In the child: the plan, or the error that stopped it, as JSON on `fd`; its own
-    output (a library's warnings) goes nowhere. It leaves by os._exit: no exit handler or
-    finalizer of the parent's (its database connections, its files) runs here."""
-    code = 0
+    """In the child: `{"plan": ...}`, or `{"error": ...}` saying what stopped it, as JSON on
+    `fd`; its own output (a library's warnings) goes nowhere. Whatever happens, it leaves
+    by os._exit, never back into the command's code, and no exit handler or finalizer of
+    the parent's (its database connections, its files) runs here."""
+    code = 1  # until the answer is out
     try:
         quiet = os.open(os.devnull, os.O_WRONLY)
         os.dup2(quiet, 1)
         os.dup2(quiet, 2)
-        answer = importlib.import_module(PLANNER).answer(request)
-    except BaseException as error:  # whatever it is (a SystemExit too), the parent says it
-        answer, code = {"error": f"{type(error).__name__}: {error}"}, 1
-    with os.fdopen(fd, "w") as out:
-        json.dump(answer, out)
-    os._exit(code)
+        try:
+            answer = {"plan": importlib.import_module(PLANNER).answer(request)}
+        except BaseException as error:  # whatever it is (a SystemExit too), the parent says it
+            answer = {"error": f"{type(error).__name__}: {error}"}
+        with os.fdopen(fd, "w") as out:
+            json.dump(answer, out)
+        code = 0 if "plan" in answer else 1
+    finally:
+        os._exit(code)
 
 
 def _death(code: int) -> str:
