@@ -241,12 +241,14 @@ def rank_processes_seen(count: int) -> list[psutil.Process]:
 
 
 def rank_processes() -> list[psutil.Process]:
-    """This process's rank processes: forked from its rank fork server, named by their
-    local rank."""
+    """This process's live rank processes: forked from its rank fork server, named by their
+    local rank. A rank that has ended is none, though its server may not have reaped it yet
+    (the worker waits on a rank's end through its pidfd; the reaping is the server's)."""
     found = []
     for process in psutil.Process().children(recursive=True):
         try:
-            if re.fullmatch(r"sdq-rank\d+", process.name()):
+            if (re.fullmatch(r"sdq-rank\d+", process.name())
+                    and process.status() != psutil.STATUS_ZOMBIE):  # fmt: skip
                 found.append(process)
         except psutil.NoSuchProcess:  # a rank that ended as it was looked at
             pass
