@@ -2,7 +2,7 @@
 pre-training ran per GPU, the parts that change with each option, and a configuration that
 does not fit, refused by `sdq train plan` and by `sdq train` before anything is queued.
 Each test plans once through the command line, as a user does (its options, the planner's
-child process); the configurations it compares it plans with the planner itself, in this
+process); the configurations it compares it plans with the planner itself, in this
 process."""
 
 import json
@@ -178,7 +178,7 @@ def test_a_lora_plans_its_adapters_state_beside_the_frozen_u_net(tmp_path: Path)
 
 
 def test_a_u_net_the_planner_cannot_build_is_refused_with_the_reason(tmp_path: Path) -> None:
-    """The planner's child fails (diffusers refuses the configuration): the command says
+    """The planner's process fails (diffusers refuses the configuration): the command says
     why, in the planner's own words, and exits as a usage error."""
     config = tmp_path / "unet.json"
     config.write_text(json.dumps({"block_out_channels": [-3]}))
@@ -192,14 +192,14 @@ def test_a_u_net_the_planner_cannot_build_is_refused_with_the_reason(tmp_path: P
 def test_a_planner_killed_as_it_plans_is_said_to_have_died(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The planner's child killed (the kernel's out-of-memory killer, say): the command is
-    told how it died, and is not left reading for ever."""
+    """The planner's process killed (the kernel's out-of-memory killer, say): the command
+    says how it died."""
     from sdq.producer.train import plan as planning
 
     (tmp_path / "killed_planner.py").write_text(
-        "import os, signal\n\ndef answer(request):\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "import os, signal\n\nos.kill(os.getpid(), signal.SIGKILL)\n"
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setattr(planning, "PLANNER", "killed_planner")
     with pytest.raises(planning.CannotPlan, match=r"^the planner died \(signal 9\)$"):
         planning.plan({})

@@ -1,14 +1,14 @@
 """A training configuration's memory and FLOPs per GPU, planned before anything runs. The
-planner builds the U-Net on torch's meta device (workers/train/plan.py); the CLI runs it in
-a child process forked for it, so `sdq` itself never loads torch, and says plainly when
-torch is not installed here."""
+planner builds the U-Net on torch's meta device (workers/train/plan.py); the CLI runs it as
+a child process, so `sdq` itself never loads torch, and says plainly when torch is not
+installed here."""
 
-import importlib
 import importlib.util
 import json
-import os
 import re
-from typing import Any, NoReturn
+import subprocess
+import sys
+from typing import Any
 
 import click
 
@@ -38,53 +38,21 @@ def can_plan() -> bool:
 
 
 def plan(request: dict[str, Any]) -> dict[str, Any]:
-    """The planner's answer for a request (workers/train/plan.py's PlanRequest fields), from
-    a child forked for it rather than a new interpreter: a process that has torch loaded
-    already (an embedded run, a program that imported it) has its child import nothing
-    again, where a fresh one spent ~4 s of CPU importing torch and diffusers."""
+    """The planner's answer for a request (workers/train/plan.py's PlanRequest fields)."""
     if not can_plan():
         raise CannotPlan("planning builds the U-Net with torch, which is not installed here")
-    reader, writer = os.pipe()
-    child = os.fork()
-    if child == 0:
-        os.close(reader)
-        _answer(request, writer)
-    os.close(writer)
-    with os.fdopen(reader, "rb") as answer:
-        said = answer.read()
-    ended = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
-    try:
-        found = json.loads(said)
-    except ValueError:  # nothing, or half of it: the child was killed, or died writing
-        raise CannotPlan(f"the planner died ({_death(ended)})") from None
-    if "error" in found:
-        raise CannotPlan(f"the planner failed: {found['error']}")
-    return found["plan"]
-
-
-def _answer(request: dict[str, Any], fd: int) -> NoReturn:
-    """In the child: `{"plan": ...}`, or `{"error": ...}` saying what stopped it, as JSON on
-    `fd`; its own output (a library's warnings) goes nowhere. Whatever happens, it leaves
-    by os._exit, never back into the command's code, and no exit handler or finalizer of
-    the parent's (its database connections, its files) runs here."""
-    code = 1  # until the answer is out
-    try:
-        quiet = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(quiet, 1)
-        os.dup2(quiet, 2)
-        try:
-            answer = {"plan": importlib.import_module(PLANNER).answer(request)}
-        except BaseException as error:  # whatever it is (a SystemExit too), the parent says it
-            answer = {"error": f"{type(error).__name__}: {error}"}
-        with os.fdopen(fd, "w") as out:
-            json.dump(answer, out)
-        code = 0 if "plan" in answer else 1
-    finally:
-        os._exit(code)
-
-
-def _death(code: int) -> str:
-    return f"signal {-code}" if code < 0 else f"exit code {code}"
+    done = subprocess.run(
+        [sys.executable, "-m", PLANNER, json.dumps(request)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode < 0:  # killed (the kernel's out-of-memory killer, say): no last words
+        raise CannotPlan(f"the planner died (signal {-done.returncode})")
+    if done.returncode != 0:
+        last = done.stderr.strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
+        raise CannotPlan(f"the planner failed: {last[0]}")
+    return json.loads(done.stdout)
 
 
 def refusal(found: dict[str, Any]) -> str:

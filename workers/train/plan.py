@@ -17,10 +17,12 @@ output and the log-sum-exp, never the attention matrix. What the
 plan leaves out (the CUDA context, kernels' workspaces, the allocator's fragmentation) is
 why a configuration fits only within USABLE of the GPU's memory.
 
-`answer(request)` is the plan of a request of PlanRequest's fields, as JSON types: the CLI
-(`sdq train plan`) has it made in a child process of its own, and never loads torch.
+    python -m sdq.workers.train.plan '{"unet_config": {...}, "resolution": 256, ...}'
+prints the plan as JSON: the CLI (`sdq train plan`) runs it so, and never loads torch.
 """
 
+import json
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
@@ -245,5 +247,9 @@ def _attention_as_on_a_gpu() -> Iterator[None]:
         F.scaled_dot_product_attention = plain
 
 
-def answer(request: dict[str, Any]) -> dict[str, Any]:
-    return asdict(plan(PlanRequest(**request)))
+def main(argument: str) -> None:
+    print(json.dumps(asdict(plan(PlanRequest(**json.loads(argument))))))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
