@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMAND_MODULE = "sdq.producer.cli"
 # What `sdq` imports before it runs a command: its commands and options.
 COMMAND_LINE = "sdq.producer.cli.main"
+STDLIB = sys.stdlib_module_names
 # What an embedded command imports that costs seconds; each only imported, never used: a
 # fork after torch has run an op with threads would leave the child's thread pool broken.
 LIBRARIES = (
@@ -88,11 +89,20 @@ class _ReadsBySdq(MutableMapping):
         self.environment, self.read = environment, set()
 
     def _note(self, name: str) -> None:
+        """Notes a variable that code of an sdq module reads, directly or through the
+        standard library (os.getenv, Path.home, ...); a read made as a module is imported
+        (an importlib frame comes first) is that module's."""
         caller = sys._getframe(2)
-        while caller.f_globals.get("__name__") in ("os", "collections.abc"):
+        while (module := caller.f_globals.get("__name__", "")).partition(".")[0] in STDLIB:
+            if module.startswith("importlib"):
+                return
             caller = caller.f_back
-        if caller.f_globals.get("__name__", "").startswith("sdq."):
+        if module.startswith("sdq."):
             self.read.add(name)
+
+    def copy(self) -> dict[str, str]:
+        self._note("(every variable)")
+        return dict(self.environment)
 
     def __getitem__(self, name: str) -> str:
         self._note(name)

@@ -17,7 +17,7 @@ from sdq.models.settings import Settings
 from sdq.models.tables import Job
 from sdq.workers.app import create_app
 from sdq.workers.maintenance import idle_queues
-from sdq.workers.routing import live_warm_queues, queues_of
+from sdq.workers.routing import live_warm_queues
 from tests.conftest import WorkerProcess, sdq_json, wait_for_run, write
 from tests.services import wait_for
 
@@ -127,8 +127,14 @@ def test_a_retry_goes_where_a_live_worker_will_take_it(own_deployment, tmp_path)
         # Celery answers a cancel before it acts on it (the worker's next loop does): the
         # worker is asked until it has stopped.
         app.control.cancel_consumer(warm, destination=[worker.node], reply=True)
-        wait_for(lambda: warm not in queues_of(app.control, worker.node),
-                 what="the warm queue let go of", timeout=30)  # fmt: skip
+
+        def let_go() -> bool:
+            """The worker answers, and consumes the queue no more."""
+            answered = app.control.inspect(destination=[worker.node], timeout=1).active_queues()
+            queues = (answered or {}).get(worker.node)
+            return queues is not None and warm not in {queue["name"] for queue in queues}
+
+        wait_for(let_go, what="the warm queue let go of", timeout=30)
         assert retry_queue(app, GENERATE, job_ids) == "generate"  # let go of: the kind's
     finally:
         worker.kill()
