@@ -90,8 +90,10 @@ def test_the_next_job_s_steps_are_taken_ahead_and_handed_to_it(run, tmp_path: Pa
     store = LocalStore(tmp_path / "store")
     whole, straight = uninterrupted(run, store)
     training, first, at_four, live, following = first_job_kept(run, store)
+    # Until the steps taken ahead are handed over (all at once, after the last of them:
+    # the state's step reaches 8 a moment before).
     deadline = time.monotonic() + 120
-    while training.state.step < 8 and time.monotonic() < deadline:
+    while not training.ahead and time.monotonic() < deadline:
         time.sleep(0.05)
     # With no job to take them, the next job's steps were all taken, and no more.
     assert training.state.step == 8 and [step["step"] for step in training.ahead] == [5, 6, 7, 8]
