@@ -4,10 +4,13 @@ the state just checkpointed; the job takes them over when it comes, and the run 
 exactly what one uninterrupted job trains. A job that does not go on from that checkpoint
 finds nothing kept. A node's ranks restore a checkpoint with one download between them.
 And a node of a job over several nodes keeps its ranks from job to job, forked for its
-first job from the worker's rank fork server, until they fail."""
+first job from the worker's rank fork server, until they fail. Ctrl-C as a job stops the
+steps taken ahead leaves none running as the process ends."""
 
 import os
 import re
+import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -132,6 +135,41 @@ def test_a_job_that_does_not_go_on_from_the_checkpoint_finds_nothing_kept(
     # The first job again (its checkpoint not recorded, say): it starts from step 0.
     assert live.take(run) is None
     assert live.take(run.next_after(4)) is None  # and the kept training is gone
+
+
+def test_ctrl_c_as_a_job_stops_the_steps_ahead_still_stops_them_before_the_exit(
+    run, tmp_path: Path
+) -> None:
+    """Ctrl-C lands while a job waits for the steps taken ahead to stop: the stop the exit
+    makes (task.py's atexit) still waits for them. A step left running as the interpreter
+    goes aborts the process instead of its exit code 130."""
+    in_window, left_window = threading.Event(), threading.Event()
+
+    def slow_write(steps: list[dict]) -> None:
+        """The first window taken ahead, written to a slow database."""
+        if threading.current_thread().name == "sdq-train-ahead" and not in_window.is_set():
+            in_window.set()
+            time.sleep(1)
+            left_window.set()
+
+    store = LocalStore(tmp_path / "store")
+    training = Training(run, new_state(run, build_unet()), store, SETTINGS, on_steps=slow_write)
+    training.steps(run, never)
+    training.checkpoint(run)
+    live = LiveStates()
+    following = run.next_after(training.state.step)
+    live.keep(training, following)
+    assert in_window.wait(120)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            live.take(following)  # waits for the window's end: the press lands in the wait
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert not left_window.is_set()
+    live.clear()  # as the process ends
+    assert left_window.is_set()
 
 
 def test_a_training_kept_in_the_worker_s_process_is_let_go_before_ranks_take_the_gpus(

@@ -48,7 +48,9 @@ class LiveStates:
         """Keeps the training, taking the steps of the job that follows meanwhile."""
         self._training = training
         if following is not None:
+            # Held before it starts: a Ctrl-C between the two would leave it running unheld.
             self._ahead = Ahead(training, following)
+            self._ahead.start()
 
     def group(self, spec: TrainShardSpec, watch: Callable[[], None]) -> RankGroup:
         """The rank processes of the job's run, forked for it unless they serve it
@@ -129,23 +131,35 @@ class Ahead:
 
     def __init__(self, training: "Training", following: TrainShardSpec) -> None:
         self._stopping = threading.Event()
+        # Waited for instead of a join. On Python 3.11 a join that Ctrl-C interrupts marks
+        # the thread ended while it runs on (CPython gh-90882): the exit's stop would then
+        # return at once, and a thread still in a step as the interpreter goes aborts the
+        # process ("terminate called without an active exception", pytorch#38228).
+        self._ended = threading.Event()
         self._failure: BaseException | None = None
         self._thread = threading.Thread(
             target=self._take_steps, args=(training, following), name="sdq-train-ahead"
         )
         # It never holds the process open: stop() ends it, and an exit stops it (task.py).
         self._thread.daemon = True
+
+    def start(self) -> None:
         self._thread.start()
 
     def _take_steps(self, training: "Training", following: TrainShardSpec) -> None:
         try:
-            training.train_ahead(following, self._stopping.is_set)
+            if not self._stopping.is_set():  # not stopped before it began
+                training.train_ahead(following, self._stopping.is_set)
         except BaseException as error:
             logger.warning("steps ahead of run %s's next job failed: %r", following.run, error)
             self._failure = error
+        finally:
+            self._ended.set()
 
     def stop(self) -> bool:
-        """Stops it at its window's end; whether the state is still a step's."""
+        """Stops it at its window's end; whether the state is still a step's. Interrupted,
+        it may be called again, and waits as long."""
         self._stopping.set()
-        self._thread.join()
+        if self._thread.ident is not None:  # set by the thread before it takes any step
+            self._ended.wait()
         return self._failure is None
