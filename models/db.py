@@ -1,7 +1,9 @@
 """Engines and sessions; nothing connects until first use."""
 
+import io
 import math
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from enum import Enum
 from functools import partial
 from itertools import islice
@@ -9,6 +11,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import orjson
+from psycopg import Cursor
+from psycopg.copy import Copy, FileWriter
 from psycopg.types.json import Jsonb
 from sqlalchemy import (
     JSON,
@@ -138,18 +142,19 @@ def insert_rows(session: Session, table: Table, rows: list[dict[str, Any]]) -> l
     if session.get_bind().dialect.name != "postgresql":
         statement = insert(table).returning(table.c.id, sort_by_parameter_order=True)
         return list(session.execute(statement, rows).scalars())
-    ids = list(
-        session.scalars(
-            text(
-                "SELECT nextval(pg_get_serial_sequence(:table, 'id')) FROM generate_series(1, :n)"
-            ),
-            {"table": table.name, "n": len(rows)},
-        )
-    )
+    ids = draw_ids(session, table, len(rows))
     copy_rows(
         session, table, [{"id": row_id, **row} for row_id, row in zip(ids, rows, strict=True)]
     )
     return ids
+
+
+def draw_ids(session: Session, table: Table, count: int) -> list[int]:
+    """Ids for rows about to be inserted, drawn from the table's sequence (Postgres). A
+    sequence is not transactional: any session may draw them for the writer's, and the ids
+    of rows a rollback takes back are left unused."""
+    statement = "SELECT nextval(pg_get_serial_sequence(:table, 'id')) FROM generate_series(1, :n)"
+    return list(session.scalars(text(statement), {"table": table.name, "n": count}))
 
 
 def copy_rows(session: Session, table: Table, rows: list[dict[str, Any]]) -> None:
@@ -160,6 +165,51 @@ def copy_rows(session: Session, table: Table, rows: list[dict[str, Any]]) -> Non
         session.execute(insert(table), rows)
         return
     columns = list(rows[0])
+    with _cursor(session).copy(_copy_statement(table, columns)) as copy:
+        for values in _copy_values(table, columns, rows):
+            copy.write_row(values)
+
+
+@dataclass(frozen=True)
+class CopyText:
+    """Rows as COPY FROM takes them (Postgres), formatted and not yet sent."""
+
+    table: Table
+    columns: list[str]
+    data: bytes
+
+
+def copy_text(session: Session, table: Table, rows: list[dict[str, Any]]) -> CopyText:
+    """The rows (keys all given) as COPY's text, formatted by psycopg with the session's
+    adapters and sent nowhere: one session formats what another's transaction copies in
+    (copy_in) while that one's database takes in the rows before."""
+    data = io.BytesIO()
+    columns = list(rows[0]) if rows else []
+    with Copy(_cursor(session), writer=FileWriter(data)) as copy:
+        for values in _copy_values(table, columns, rows):
+            copy.write_row(values)
+    return CopyText(table, columns, data.getvalue())
+
+
+def copy_in(session: Session, rows: CopyText) -> None:
+    """Inserts rows formatted by copy_text, as one COPY."""
+    if rows.data:
+        with _cursor(session).copy(_copy_statement(rows.table, rows.columns)) as copy:
+            copy.write(rows.data)
+
+
+def _cursor(session: Session) -> Cursor:
+    return session.connection().connection.dbapi_connection.cursor()
+
+
+def _copy_statement(table: Table, columns: list[str]) -> str:
+    return f"COPY {table.name} ({', '.join(columns)}) FROM STDIN"
+
+
+def _copy_values(
+    table: Table, columns: list[str], rows: list[dict[str, Any]]
+) -> Iterator[list[Any]]:
+    """Each row's values in the columns' order, as COPY takes them."""
     # Only JSON and enum columns need converting: looked up once, not per value (a 100k-job
     # submit copies over a million values).
     converted = [
@@ -167,13 +217,11 @@ def copy_rows(session: Session, table: Table, rows: list[dict[str, Any]]) -> Non
         for position, name in enumerate(columns)
         if (convert := _copy_converter(table.c[name].type))
     ]
-    cursor = session.connection().connection.dbapi_connection.cursor()
-    with cursor.copy(f"COPY {table.name} ({', '.join(columns)}) FROM STDIN") as copy:
-        for row in rows:
-            values = [row[name] for name in columns]
-            for position, convert in converted:
-                values[position] = convert(values[position])
-            copy.write_row(values)
+    for row in rows:
+        values = [row[name] for name in columns]
+        for position, convert in converted:
+            values[position] = convert(values[position])
+        yield values
 
 
 def _copy_converter(column_type: TypeEngine[Any]) -> Callable[[Any], Any] | None:

@@ -10,13 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from datetime import UTC, timedelta
 from pathlib import Path
 from urllib.request import urlopen
 
 import pytest
 from PIL import Image
-from sqlalchemy import func, select, update
+from sqlalchemy import event, func, select, update
 
 from sdq.models.db import make_engine, session_factory
 from sdq.models.generate.specs import GenerationSpec
@@ -315,16 +316,33 @@ def test_a_long_run_is_written_in_chunks_and_a_late_bad_row_undoes_them(
     # row, and the counter a progress bar follows sees them all.
     good = write(tmp_path / "long.csv", f"prompt,seed\n{rows}")
     written: list[int] = []
-    submission = record_run(
-        sessions,
-        plan_jobs(read_prompts(good), model=tiny_identity(), defaults=Defaults()),
-        model=tiny_identity(),
-        source=str(good),
-        options={},
-        batching=Batching(8, 4),
-        on_written=written.append,
-    )
+    statements: defaultdict[int, list[str]] = defaultdict(list)  # by database connection
+
+    def seen(connection, cursor, statement: str, *rest) -> None:
+        statements[id(connection.connection.dbapi_connection)].append(statement)
+
+    event.listen(sessions.kw["bind"], "before_cursor_execute", seen)
+    try:
+        submission = record_run(
+            sessions,
+            plan_jobs(read_prompts(good), model=tiny_identity(), defaults=Defaults()),
+            model=tiny_identity(),
+            source=str(good),
+            options={},
+            batching=Batching(8, 4),
+            on_written=written.append,
+        )
+    finally:
+        event.remove(sessions.kw["bind"], "before_cursor_execute", seen)
     assert written == [CHUNK, CHUNK, 1] and submission.jobs == 2 * CHUNK + 1
+    # The writer's transaction only copies the chunks in: each chunk's ids were drawn and
+    # its stored outputs looked up on another connection, while the writer took the last.
+    [writer] = [key for key, said in statements.items()
+                if any(line.startswith("INSERT INTO runs") for line in said)]  # fmt: skip
+    beside = [line for key, said in statements.items() if key != writer for line in said]
+    assert not any("nextval" in line or "jobs.spec_hash" in line for line in statements[writer])
+    assert sum("nextval" in line for line in beside) == 3
+    assert sum("jobs.spec_hash" in line for line in beside) == 3
     with sessions.begin() as session:
         of_run = Job.run_id == submission.run_id
         queued = select(func.count()).select_from(JobEvent).join(Job).where(of_run)

@@ -8,12 +8,19 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from sdq.models.db import copy_rows
+from sdq.models.db import CopyText, copy_in, copy_rows, copy_text
 from sdq.models.generate.specs import GenerationSpec
 from sdq.models.generate.tables import Generation
 from sdq.models.jobs.kinds import GENERATE
 from sdq.models.jobs.lifecycle import utcnow
-from sdq.models.jobs.outbox import open_run, record_submitted, write_jobs
+from sdq.models.jobs.outbox import (
+    DrawnJobs,
+    copy_drawn_jobs,
+    draw_jobs,
+    open_run,
+    record_submitted,
+    write_jobs,
+)
 from sdq.models.specs import CanonicalTemplate
 
 
@@ -86,15 +93,37 @@ def insert_generation_jobs(session: Session, run_id: int, chunk: Chunk, now: dat
     """Inserts one chunk with its first history rows; returns how many of its jobs were
     served from the cache."""
     written = write_jobs(session, run_id, GENERATE, chunk.specs, chunk.hashes, now)
-    copy_rows(
-        session,
-        Generation.__table__,
-        [
-            _generation_row(job_id, job, key)
-            for job_id, job, key in zip(written.ids, chunk.jobs, chunk.batch_keys, strict=True)
-        ],
-    )
+    copy_rows(session, Generation.__table__, _generation_rows(written.ids, chunk))
     return written.cached
+
+
+@dataclass(frozen=True)
+class DrawnChunk:
+    """A chunk made ready to copy in (Postgres) by a session beside the writer's: its jobs
+    (outbox.draw_jobs) and their generations rows, formatted."""
+
+    jobs: DrawnJobs
+    generations: CopyText
+
+
+def draw_chunk(session: Session, run_id: int, chunk: Chunk, now: datetime) -> DrawnChunk:
+    jobs = draw_jobs(session, run_id, GENERATE, chunk.specs, chunk.hashes, now)
+    rows = _generation_rows(jobs.ids, chunk)
+    return DrawnChunk(jobs, copy_text(session, Generation.__table__, rows))
+
+
+def copy_drawn_chunk(session: Session, run_id: int, chunk: DrawnChunk, now: datetime) -> int:
+    """insert_generation_jobs of a drawn chunk, in the writer's transaction."""
+    written = copy_drawn_jobs(session, run_id, chunk.jobs, now)
+    copy_in(session, chunk.generations)
+    return written.cached
+
+
+def _generation_rows(job_ids: list[int], chunk: Chunk) -> list[dict[str, Any]]:
+    return [
+        _generation_row(job_id, job, key)
+        for job_id, job, key in zip(job_ids, chunk.jobs, chunk.batch_keys, strict=True)
+    ]
 
 
 def _generation_row(job_id: int, job: PlannedJob, batch_key: str) -> dict[str, Any]:

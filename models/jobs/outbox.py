@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.db import chunked, insert_rows
+from sdq.models.db import CopyText, chunked, copy_in, copy_text, draw_ids, insert_rows
 from sdq.models.jobs.kinds import Kind, kind_named
 from sdq.models.jobs.lifecycle import (
     close_runs,
@@ -150,15 +150,58 @@ def write_jobs(
     history row; a job whose output is stored already is done as it is written."""
     if not specs:
         return Written([], 0)
-    known = stored_outputs(session, hashes)
-    rows = [
-        job_row(run_id, kind, spec, spec_hash, known.get(spec_hash), now)
-        for spec, spec_hash in zip(specs, hashes, strict=True)
-    ]
+    rows = _job_rows(session, run_id, kind, specs, hashes, now)
     ids = insert_rows(session, Job.__table__, rows)
     cached = sum(row["cached"] for row in rows)
     record_first_events(session, run_id, ids, cached=cached, now=now)
     return Written(ids, cached)
+
+
+@dataclass(frozen=True)
+class DrawnJobs:
+    """New jobs as write_jobs writes them, made ready to copy in (Postgres) by a session
+    beside the writer's: their ids drawn, stored outputs looked up, rows formatted."""
+
+    ids: list[int]
+    cached: int
+    rows: CopyText
+
+
+def draw_jobs(
+    session: Session,
+    run_id: int,
+    kind: Kind,
+    specs: Sequence[dict[str, Any]],
+    hashes: Sequence[str],
+    now: datetime,
+) -> DrawnJobs:
+    rows = _job_rows(session, run_id, kind, specs, hashes, now)
+    ids = draw_ids(session, Job.__table__, len(rows))
+    numbered = [{"id": job_id, **row} for job_id, row in zip(ids, rows, strict=True)]
+    cached = sum(row["cached"] for row in rows)
+    return DrawnJobs(ids, cached, copy_text(session, Job.__table__, numbered))
+
+
+def copy_drawn_jobs(session: Session, run_id: int, jobs: DrawnJobs, now: datetime) -> Written:
+    """write_jobs of jobs drawn beside the writer's session, in its transaction."""
+    copy_in(session, jobs.rows)
+    record_first_events(session, run_id, jobs.ids, cached=jobs.cached, now=now)
+    return Written(jobs.ids, jobs.cached)
+
+
+def _job_rows(
+    session: Session,
+    run_id: int,
+    kind: Kind,
+    specs: Sequence[dict[str, Any]],
+    hashes: Sequence[str],
+    now: datetime,
+) -> list[dict[str, Any]]:
+    known = stored_outputs(session, hashes)
+    return [
+        job_row(run_id, kind, spec, spec_hash, known.get(spec_hash), now)
+        for spec, spec_hash in zip(specs, hashes, strict=True)
+    ]
 
 
 def add_jobs(session: Session, run: Run, kind: Kind, specs: Sequence[Spec]) -> int:

@@ -4,10 +4,19 @@ each job written once, as `queued`: the jobs table is the outbox.
 Rows are read, checked, planned and inserted a chunk at a time, so memory stays flat
 whatever the size of the prompt file; a problem anywhere rolls the whole run back, so a
 bad file writes nothing. The messages are sent after the commit (the outbox).
+
+Each next chunk is read, planned and hashed on a thread while the database takes in this
+one. On Postgres that thread also draws the chunk's job ids from their sequence, looks up
+the outputs stored for its specs and formats its rows as COPY's text, on a connection of
+its own: the writer's transaction only copies them in, and the database works on both
+connections at once (benchmarks/submit.py, 100,000 prompts: 1.74x the rows' COPY alone,
+from 1.88x). Nothing that connection does is part of the run: the ids of a run rolled
+back are left unused.
 """
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -15,8 +24,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from sdq.models.ahead import run_ahead
 from sdq.models.db import chunked
 from sdq.models.generate.generations import (
+    Chunk,
+    DrawnChunk,
     PlannedJob,
     SharedSettings,
+    copy_drawn_chunk,
+    draw_chunk,
     insert_generation_jobs,
     prepare_chunk,
 )
@@ -77,12 +90,38 @@ def record_run(
         jobs = cached = 0
         settings = SharedSettings()
         chunks = (prepare_chunk(chunk, settings) for chunk in chunked(planned, CHUNK))
-        # Each next chunk read, planned and hashed on a thread while the database takes in
-        # this one; an error in the file is raised here, in the transaction, rolled back.
-        for chunk in run_ahead(chunks):
-            jobs += len(chunk.jobs)
-            cached += insert_generation_jobs(session, run.id, chunk, now)
-            on_written(len(chunk.jobs))
+        # An error in the file is raised here, in the transaction, rolled back.
+        for written, served in _write_chunks(sessions, session, run.id, chunks, now):
+            jobs += written
+            cached += served
+            on_written(written)
         run.job_count = jobs
         record_submitted(session, run.id, cached=cached)
     return Submission(run.id, jobs, cached)
+
+
+def _write_chunks(
+    sessions: sessionmaker[Session],
+    session: Session,
+    run_id: int,
+    chunks: Iterator[Chunk],
+    now: datetime,
+) -> Iterator[tuple[int, int]]:
+    """Writes each chunk in the session's transaction, the next made ready on a thread
+    meanwhile (see above); yields each one's jobs and those served from the cache."""
+    if session.get_bind().dialect.name != "postgresql":
+        for chunk in run_ahead(chunks):
+            yield len(chunk.jobs), insert_generation_jobs(session, run_id, chunk, now)
+        return
+    for drawn in run_ahead(_drawn(sessions, run_id, chunks, now)):
+        yield len(drawn.jobs.ids), copy_drawn_chunk(session, run_id, drawn, now)
+
+
+def _drawn(
+    sessions: sessionmaker[Session], run_id: int, chunks: Iterator[Chunk], now: datetime
+) -> Iterator[DrawnChunk]:
+    for chunk in chunks:
+        # A short transaction a chunk: no snapshot is held for the whole submit.
+        with sessions.begin() as drawing:
+            drawn = draw_chunk(drawing, run_id, chunk, now)
+        yield drawn
