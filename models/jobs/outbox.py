@@ -147,7 +147,9 @@ def write_jobs(
     now: datetime,
 ) -> Written:
     """The one writer of jobs: a job per spec (as stored, with its hash), and its first
-    history row; a job whose output is stored already is done as it is written."""
+    history row; a job whose output is stored already is done as it is written. On
+    Postgres a writer may also do it in two steps, the first on a session beside its own:
+    draw_jobs, then copy_drawn_jobs in its transaction."""
     if not specs:
         return Written([], 0)
     rows = _job_rows(session, run_id, kind, specs, hashes, now)
@@ -160,7 +162,8 @@ def write_jobs(
 @dataclass(frozen=True)
 class DrawnJobs:
     """New jobs as write_jobs writes them, made ready to copy in (Postgres) by a session
-    beside the writer's: their ids drawn, stored outputs looked up, rows formatted."""
+    beside the writer's: their ids drawn, stored outputs looked up (both outside the
+    writer's transaction, neither undone with it), rows formatted."""
 
     ids: list[int]
     cached: int
