@@ -149,7 +149,7 @@ def test_ctrl_c_as_a_job_stops_the_steps_ahead_still_stops_them_before_the_exit(
         """The first window taken ahead, written to a slow database."""
         if threading.current_thread().name == "sdq-train-ahead" and not in_window.is_set():
             in_window.set()
-            time.sleep(1)
+            time.sleep(2)
             left_window.set()
 
     store = LocalStore(tmp_path / "store")
@@ -161,11 +161,13 @@ def test_ctrl_c_as_a_job_stops_the_steps_ahead_still_stops_them_before_the_exit(
     live.keep(training, following)
     assert in_window.wait(120)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    press = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
     try:
-        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+        press.start()
         with pytest.raises(KeyboardInterrupt):
             live.take(following)  # waits for the window's end: the press lands in the wait
     finally:
+        press.cancel()  # a press that never came must not come later, to another test
         signal.signal(signal.SIGINT, previous)
     assert not left_window.is_set()
     live.clear()  # as the process ends
