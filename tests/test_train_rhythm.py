@@ -143,13 +143,13 @@ def test_ctrl_c_as_a_job_stops_the_steps_ahead_still_stops_them_before_the_exit(
     """Ctrl-C lands while a job waits for the steps taken ahead to stop: the stop the exit
     makes (task.py's atexit) still waits for them. A step left running as the interpreter
     goes aborts the process instead of its exit code 130."""
-    in_window, left_window = threading.Event(), threading.Event()
+    in_window, release, left_window = threading.Event(), threading.Event(), threading.Event()
 
     def slow_write(steps: list[dict]) -> None:
-        """The first window taken ahead, written to a slow database."""
+        """The first window taken ahead, written to a database that answers when told."""
         if threading.current_thread().name == "sdq-train-ahead" and not in_window.is_set():
             in_window.set()
-            time.sleep(2)
+            release.wait(120)
             left_window.set()
 
     store = LocalStore(tmp_path / "store")
@@ -159,19 +159,32 @@ def test_ctrl_c_as_a_job_stops_the_steps_ahead_still_stops_them_before_the_exit(
     live = LiveStates()
     following = run.next_after(training.state.step)
     live.keep(training, following)
-    assert in_window.wait(120)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    press = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
     try:
-        press.start()
-        with pytest.raises(KeyboardInterrupt):
-            live.take(following)  # waits for the window's end: the press lands in the wait
+        assert in_window.wait(120)
+        press = threading.Thread(target=press_once_stopping, args=(live,))
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            press.start()
+            with pytest.raises(KeyboardInterrupt):
+                live.take(following)  # waits for the window's end: the press lands there
+        finally:
+            press.join()  # sent before the handler goes back: never to land in another test
+            signal.signal(signal.SIGINT, previous)
+        assert not left_window.is_set()
+        threading.Timer(0.2, release.set).start()
+        live.clear()  # as the process ends
+        assert left_window.is_set()
     finally:
-        press.cancel()  # a press that never came must not come later, to another test
-        signal.signal(signal.SIGINT, previous)
-    assert not left_window.is_set()
-    live.clear()  # as the process ends
-    assert left_window.is_set()
+        release.set()
+        live.clear()
+
+
+def press_once_stopping(live: LiveStates) -> None:
+    """Ctrl-C once the steps ahead are asked to stop: the job is waiting for them."""
+    deadline = time.monotonic() + 120
+    while not live._ahead._stopping.is_set() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 def test_a_training_kept_in_the_worker_s_process_is_let_go_before_ranks_take_the_gpus(

@@ -136,30 +136,35 @@ class Ahead:
         # return at once, and a thread still in a step as the interpreter goes aborts the
         # process ("terminate called without an active exception", pytorch#38228).
         self._ended = threading.Event()
-        self._failure: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._take_steps, args=(training, following), name="sdq-train-ahead"
-        )
+        self._failed = False
+        self._work: tuple[Training, TrainShardSpec] | None = (training, following)
+        self._thread = threading.Thread(target=self._take_steps, name="sdq-train-ahead")
         # It never holds the process open: stop() ends it, and an exit stops it (task.py).
         self._thread.daemon = True
 
     def start(self) -> None:
         self._thread.start()
 
-    def _take_steps(self, training: "Training", following: TrainShardSpec) -> None:
+    def _take_steps(self) -> None:
+        training, following = self._work
         try:
             if not self._stopping.is_set():  # not stopped before it began
                 training.train_ahead(following, self._stopping.is_set)
         except BaseException as error:
             logger.warning("steps ahead of run %s's next job failed: %r", following.run, error)
-            self._failure = error
+            self._failed = True
         finally:
+            # Let go before the stop returns: a state this thread freed later would leave
+            # its device memory in the allocator's cache, after the caller emptied it.
+            self._work = training = None
             self._ended.set()
 
     def stop(self) -> bool:
         """Stops it at its window's end; whether the state is still a step's. Interrupted,
         it may be called again, and waits as long."""
         self._stopping.set()
-        if self._thread.ident is not None:  # set by the thread before it takes any step
+        # A thread that never started (start() interrupted, or never reached) has no ident
+        # and, stopped before it began, will take no step.
+        if self._thread.ident is not None:
             self._ended.wait()
-        return self._failure is None
+        return not self._failed
