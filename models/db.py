@@ -152,7 +152,8 @@ def insert_rows(session: Session, table: Table, rows: list[dict[str, Any]]) -> l
 def draw_ids(session: Session, table: Table, count: int) -> list[int]:
     """Ids for rows about to be inserted, drawn from the table's sequence (Postgres). A
     sequence is not transactional: any session may draw them for the writer's, and the ids
-    of rows a rollback takes back are left unused."""
+    of rows a rollback takes back are left unused. sdq's sequences cache no values, so a
+    later draw's ids are above an earlier one's, whichever connections drew them."""
     statement = "SELECT nextval(pg_get_serial_sequence(:table, 'id')) FROM generate_series(1, :n)"
     return list(session.scalars(text(statement), {"table": table.name, "n": count}))
 
@@ -181,8 +182,8 @@ class CopyText:
 
 def copy_text(session: Session, table: Table, rows: list[dict[str, Any]]) -> CopyText:
     """The rows (keys all given) as COPY's text, formatted by psycopg with the session's
-    adapters and sent nowhere: one session formats what another's transaction copies in
-    (copy_in) while that one's database takes in the rows before."""
+    adapters and sent nowhere yet: formatted on one thread, they are copied in by another
+    (copy_in), whose transaction may be another session's."""
     data = io.BytesIO()
     columns = list(rows[0]) if rows else []
     with Copy(_cursor(session), writer=FileWriter(data)) as copy:
@@ -191,11 +192,12 @@ def copy_text(session: Session, table: Table, rows: list[dict[str, Any]]) -> Cop
     return CopyText(table, columns, data.getvalue())
 
 
-def copy_in(session: Session, rows: CopyText) -> None:
+def copy_in(session: Session, formatted: CopyText) -> None:
     """Inserts rows formatted by copy_text, as one COPY."""
-    if rows.data:
-        with _cursor(session).copy(_copy_statement(rows.table, rows.columns)) as copy:
-            copy.write(rows.data)
+    if formatted.data:
+        with _cursor(session).copy(_copy_statement(formatted.table, formatted.columns)) as copy:
+            # A view: psycopg sends a large buffer in slices, and slices of it copy nothing.
+            copy.write(memoryview(formatted.data))
 
 
 def _cursor(session: Session) -> Cursor:

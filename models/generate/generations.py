@@ -107,6 +107,7 @@ class DrawnChunk:
 
 
 def draw_chunk(session: Session, run_id: int, chunk: Chunk, now: datetime) -> DrawnChunk:
+    """insert_generation_jobs' first step, which writes nothing (outbox.draw_jobs)."""
     jobs = draw_jobs(session, run_id, GENERATE, chunk.specs, chunk.hashes, now)
     rows = _generation_rows(jobs.ids, chunk)
     return DrawnChunk(jobs, copy_text(session, Generation.__table__, rows))

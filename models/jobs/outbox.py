@@ -161,13 +161,13 @@ def write_jobs(
 
 @dataclass(frozen=True)
 class DrawnJobs:
-    """New jobs as write_jobs writes them, made ready to copy in (Postgres) by a session
-    beside the writer's: their ids drawn, stored outputs looked up (both outside the
-    writer's transaction, neither undone with it), rows formatted."""
+    """New jobs as write_jobs writes them, made ready to copy in (Postgres), on a session
+    that may be beside the writer's: ids drawn (a rollback of the writer's transaction
+    leaves them unused), stored outputs looked up, rows formatted as COPY's text."""
 
     ids: list[int]
     cached: int
-    rows: CopyText
+    formatted: CopyText
 
 
 def draw_jobs(
@@ -178,6 +178,7 @@ def draw_jobs(
     hashes: Sequence[str],
     now: datetime,
 ) -> DrawnJobs:
+    """write_jobs' first step, which writes nothing."""
     rows = _job_rows(session, run_id, kind, specs, hashes, now)
     ids = draw_ids(session, Job.__table__, len(rows))
     numbered = [{"id": job_id, **row} for job_id, row in zip(ids, rows, strict=True)]
@@ -186,9 +187,10 @@ def draw_jobs(
 
 
 def copy_drawn_jobs(session: Session, run_id: int, jobs: DrawnJobs, now: datetime) -> Written:
-    """write_jobs of jobs drawn beside the writer's session, in its transaction."""
-    copy_in(session, jobs.rows)
-    record_first_events(session, run_id, jobs.ids, cached=jobs.cached, now=now)
+    """write_jobs' second step, in the writer's transaction."""
+    if jobs.ids:
+        copy_in(session, jobs.formatted)
+        record_first_events(session, run_id, jobs.ids, cached=jobs.cached, now=now)
     return Written(jobs.ids, jobs.cached)
 
 

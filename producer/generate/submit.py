@@ -7,16 +7,17 @@ bad file writes nothing. The messages are sent after the commit (the outbox).
 
 Each next chunk is read, planned and hashed on a thread while the database takes in this
 one. On Postgres that thread also draws the chunk's job ids from their sequence, looks up
-the outputs stored for its specs and formats its rows as COPY's text, on a connection of
-its own: the writer's transaction only copies them in, and the database works on both
-connections at once (benchmarks/submit.py, 100,000 prompts: 1.74x the rows' COPY alone,
-from 1.88x). Nothing that connection does is part of the run: the ids of a run rolled
-back are left unused.
+the outputs stored for its specs and formats its rows as COPY's text, from the second
+chunk on over a connection of its own: the writer's transaction only copies them in, and
+the database works on both connections at once (docs/performance.md has the figures).
+Nothing that connection does is part of the run: the ids of a run rolled back are left
+unused.
 """
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
+from itertools import islice
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -91,10 +92,10 @@ def record_run(
         settings = SharedSettings()
         chunks = (prepare_chunk(chunk, settings) for chunk in chunked(planned, CHUNK))
         # An error in the file is raised here, in the transaction, rolled back.
-        for written, served in _write_chunks(sessions, session, run.id, chunks, now):
-            jobs += written
+        for count, served in _write_chunks(sessions, session, run.id, chunks, now):
+            jobs += count
             cached += served
-            on_written(written)
+            on_written(count)
         run.job_count = jobs
         record_submitted(session, run.id, cached=cached)
     return Submission(run.id, jobs, cached)
@@ -113,15 +114,25 @@ def _write_chunks(
         for chunk in run_ahead(chunks):
             yield len(chunk.jobs), insert_generation_jobs(session, run_id, chunk, now)
         return
-    for drawn in run_ahead(_drawn(sessions, run_id, chunks, now)):
+    for drawn in run_ahead(_drawn_chunks(sessions, session, run_id, chunks, now)):
         yield len(drawn.jobs.ids), copy_drawn_chunk(session, run_id, drawn, now)
 
 
-def _drawn(
-    sessions: sessionmaker[Session], run_id: int, chunks: Iterator[Chunk], now: datetime
+def _drawn_chunks(
+    sessions: sessionmaker[Session],
+    writer: Session,
+    run_id: int,
+    chunks: Iterator[Chunk],
+    now: datetime,
 ) -> Iterator[DrawnChunk]:
+    """The chunks drawn (generations.draw_chunk), on the thread ahead of the writer. The
+    first on the writer's own session, which waits for it meanwhile: a run of one chunk
+    (an image request to `sdq serve`, many at once) holds one connection, not two."""
+    chunks = iter(chunks)
+    for chunk in islice(chunks, 1):
+        yield draw_chunk(writer, run_id, chunk, now)
     for chunk in chunks:
-        # A short transaction a chunk: no snapshot is held for the whole submit.
+        # A transaction a chunk: the connection goes back to the pool between them.
         with sessions.begin() as drawing:
             drawn = draw_chunk(drawing, run_id, chunk, now)
         yield drawn
