@@ -211,7 +211,9 @@ def test_a_task_past_its_time_limit_fails_its_job_and_never_leaves_it_running(
     worker = WorkerProcess(env, tmp_path / "gpu.log").start()
     try:
         listing = prompts(tmp_path, 1, "too slow")
-        run_id = sdq_json(env, "submit", str(listing), "--steps", "1000")["run_id"]
+        # ~11 s on an idle machine (1000 steps at 64 px: ~3.4 s, a hair past the soft limit).
+        run_id = sdq_json(env, "submit", str(listing), "--steps", "1000",
+                          "--size", "256x256")["run_id"]  # fmt: skip
         assert wait_for_run(database_url, run_id) == {"dead": 1}
     finally:
         worker.stop()
@@ -242,7 +244,10 @@ def test_a_task_killed_at_its_hard_time_limit_has_its_attempt_recorded_at_once(
     worker = WorkerProcess(env, tmp_path / "gpu.log").start()
     try:
         listing = prompts(tmp_path, 1, "killed slow")
-        run_id = sdq_json(env, "submit", str(listing), "--steps", "1000")["run_id"]
+        # 1000 steps at 256 px: ~11 s on an idle machine, well past the limit (at the tiny
+        # model's 64 px, ~3.4 s: under it, and the render ends before the kill).
+        run_id = sdq_json(env, "submit", str(listing), "--steps", "1000",
+                          "--size", "256x256")["run_id"]  # fmt: skip
         assert wait_for_run(database_url, run_id, timeout=90) == {"dead": 1}
     finally:
         worker.stop()
