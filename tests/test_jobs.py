@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import func, make_url, select, update
+from sqlalchemy import event, func, make_url, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.migrations import upgrade
@@ -354,6 +354,63 @@ def test_the_outbox_sends_after_commit_and_resends_what_the_broker_never_took(
         assert cancel_jobs(session, run_id) == job_ids
     assert enqueue(sessions, broker, run_id).jobs == 0
     assert run_of(sessions, job_ids[0]).finished_at is not None
+
+
+# Counted in the transaction, not yet in the statistics views.
+ROWS_FETCHED = """
+    SELECT sum(pg_stat_get_xact_tuples_fetched(relation))::bigint FROM (
+        SELECT 'jobs'::regclass::oid
+        UNION ALL SELECT indexrelid FROM pg_index WHERE indrelid = 'jobs'::regclass
+    ) AS relations (relation)
+"""
+
+
+def test_a_run_is_sent_a_page_at_a_time_each_read_from_where_the_last_ended(
+    migrated_postgres, monkeypatch
+) -> None:
+    """Right after it is written a run's rows have no statistics, and each page of its
+    send used to read every job of the run and sort those still to come: a cost that grows
+    with the square of the run's size. Each page now reads its own jobs, whatever the
+    planner guesses."""
+    sessions = session_factory(make_engine(migrated_postgres))
+    job_ids = new_run(sessions, *({"text": f"paged {n}"} for n in range(2000)),
+                      jobs_per_message=50, status=JobStatus.queued)  # fmt: skip
+    run_id = run_of(sessions, job_ids[0]).id
+    monkeypatch.setattr(outbox, "PAGE", 200)
+    # The jobs rows each page's query fetched: from the table and by any of its indexes.
+    fetched: list[int] = []
+
+    def rows_fetched(connection) -> int:
+        with connection.connection.dbapi_connection.cursor() as counting:
+            counting.execute(ROWS_FETCHED)
+            return counting.fetchone()[0]
+
+    def page_query(statement: str) -> bool:
+        return statement.startswith("SELECT jobs.id") and "LIMIT" in statement
+
+    def before(connection, cursor, statement: str, *rest) -> None:
+        if page_query(statement):
+            fetched.append(-rows_fetched(connection))
+
+    def after(connection, cursor, statement: str, *rest) -> None:
+        if page_query(statement):
+            fetched[-1] += rows_fetched(connection)
+
+    engine = sessions.kw["bind"]
+    event.listen(engine, "before_cursor_execute", before)
+    event.listen(engine, "after_cursor_execute", after)
+    sent: list[int] = []
+    try:
+        outbox.enqueue(sessions, lambda kind, messages, options: sent.extend(
+            job_id for ids in messages for job_id in ids), run_id)  # fmt: skip
+    finally:
+        event.remove(engine, "before_cursor_execute", before)
+        event.remove(engine, "after_cursor_execute", after)
+    assert sent == job_ids
+    assert len(fetched) == 11  # ten full pages, and the empty one that ends the send
+    assert max(fetched) <= 2 * 200 and sum(fetched) <= 2 * len(job_ids)
+    with sessions.begin() as session:
+        cancel_jobs(session, run_id)  # no later relay in this database takes them for lost
 
 
 def test_maintenance_expires_dead_leases_and_sends_again_only_what_is_lost(sessions) -> None:

@@ -16,7 +16,15 @@ from typing import Any, Protocol
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.db import CopyText, chunked, copy_in, copy_text, draw_ids, insert_rows
+from sdq.models.db import (
+    CopyText,
+    chunked,
+    copy_in,
+    copy_text,
+    draw_ids,
+    in_index_order,
+    insert_rows,
+)
 from sdq.models.jobs.kinds import Kind, kind_named
 from sdq.models.jobs.lifecycle import (
     close_runs,
@@ -227,7 +235,8 @@ def sendable_ids(sessions: sessionmaker[Session], run_id: int) -> Iterator[int]:
     read a page at a time."""
     after = 0
     while True:
-        with sessions() as session:
+        with sessions.begin() as session:
+            in_index_order(session)  # the run's jobs by ix_jobs_run_id_id, a page at a time
             page = session.scalars(
                 select(Job.id)
                 .where(

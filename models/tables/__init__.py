@@ -130,6 +130,9 @@ class Job(Base):
         # scrape does, reads this index alone instead of the whole table.
         Index("ix_jobs_run_id_status", "run_id", "status", postgresql_include=["kind"]),
         Index("ix_jobs_spec_hash_status", "spec_hash", "status"),
+        # A run's jobs in id order: its messages are sent a page at a time, each page read
+        # from where the last ended, so a run of millions reads each of its jobs once.
+        Index("ix_jobs_run_id_id", "run_id", "id"),
         # The hourly rollups and the metrics read recent finished jobs. Only finished jobs
         # are in it (Postgres): a submit's jobs go in as they finish, not all at once.
         Index("ix_jobs_finished_at", "finished_at", postgresql_where="finished_at IS NOT NULL"),

@@ -1,0 +1,24 @@
+"""a run's jobs in id order: its messages are sent a page at a time, and each page reads
+from where the last ended, not every job of the run still to send
+
+Revision ID: 0029
+Revises: 0028
+Create Date: 2026-11-29 12:30:00
+"""
+
+from collections.abc import Sequence
+
+from alembic import op
+
+revision: str = "0029"
+down_revision: str | None = "0028"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    op.create_index("ix_jobs_run_id_id", "jobs", ["run_id", "id"])
+
+
+def downgrade() -> None:
+    op.drop_index("ix_jobs_run_id_id", table_name="jobs")
