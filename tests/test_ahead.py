@@ -1,6 +1,8 @@
 """run_ahead: the CPU side of a pipeline computed ahead of its consumer, in order, with
 errors raised at their turn."""
 
+import os
+import signal
 import threading
 
 import pytest
@@ -44,6 +46,37 @@ def test_an_error_is_raised_at_its_turn_after_the_items_before_it() -> None:
         for item in run_ahead(items(), depth=2):
             got.append(item)
     assert got == [1, 2]
+
+
+def test_a_second_ctrl_c_while_it_waits_for_the_thread_leaves_the_thread_known_alive() -> None:
+    """A consumer that stops waits for the item being made; Ctrl-C during that wait stops
+    the waiting, and the thread is still known to be running until it ends, so the exit
+    waits for it. A Thread.join that Ctrl-C interrupts (Python 3.11) marked it ended
+    while it ran on: the interpreter then finalized under it."""
+    making, release = threading.Event(), threading.Event()
+
+    def items():
+        yield 0
+        making.set()
+        release.wait(60)  # the item being made when the consumer stops
+        yield 1
+
+    ahead = run_ahead(items())
+    assert next(ahead) == 0
+    assert making.wait(60)
+    [thread] = [t for t in threading.enumerate() if t.name.startswith("sdq-ahead")]
+    # The press comes while close() waits: the thread cannot end before release is set.
+    press = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    press.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ahead.close()
+        assert thread.is_alive()
+    finally:
+        press.cancel()
+        release.set()
+    thread.join(60)
+    assert not thread.is_alive()
 
 
 @pytest.mark.parametrize(("device", "ahead"), [("cuda", True), ("cpu", False)])
