@@ -61,10 +61,11 @@ def test_a_second_ctrl_c_while_it_waits_for_the_thread_leaves_the_thread_known_a
         release.wait(60)  # the item being made when the consumer stops
         yield 1
 
+    before = set(threading.enumerate())
     ahead = run_ahead(items())
     assert next(ahead) == 0
     assert making.wait(60)
-    [thread] = [t for t in threading.enumerate() if t.name.startswith("sdq-ahead")]
+    [thread] = set(threading.enumerate()) - before
     # The press comes while close() waits: the thread cannot end before release is set.
     press = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
     press.start()
@@ -77,6 +78,32 @@ def test_a_second_ctrl_c_while_it_waits_for_the_thread_leaves_the_thread_known_a
         release.set()
     thread.join(60)
     assert not thread.is_alive()
+
+
+def test_a_consumer_stopped_while_it_waits_for_an_item_still_waits_for_it() -> None:
+    """Ctrl-C as the consumer waits for the next item (the producer the slow side): the
+    item is still waited for, so nothing the thread uses (the writer's session, a device)
+    is let go under it."""
+    release, made = threading.Event(), threading.Event()
+
+    def items():
+        release.wait(60)
+        made.set()
+        yield 0
+
+    ahead = run_ahead(items())
+    press = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))  # as next() waits
+    let_go = threading.Timer(1.0, release.set)  # the item is made after the press
+    press.start()
+    let_go.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(ahead)
+        assert made.is_set()
+    finally:
+        press.cancel()
+        let_go.cancel()
+        release.set()
 
 
 @pytest.mark.parametrize(("device", "ahead"), [("cuda", True), ("cpu", False)])
