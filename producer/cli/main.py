@@ -21,9 +21,10 @@ from sdq.producer.cli import admin, runs, sql
 from sdq.producer.datasets import cli as datasets
 from sdq.workers.app import create_app, quiet_libraries
 
-# How often threads hand Python's lock over, at most: a tenth of CPython's 5 ms. While a
+# How long a thread that wants Python's lock lets the one running Python keep it before
+# asking it to let go (every command's threads): a tenth of CPython's 5 ms. While a
 # submit's planning thread computes, its writer, back from each wait on the database's
-# socket, waits that long for its turn, and the database meanwhile for its data: a
+# socket, waited that long for its turn, and the database meanwhile for its data: a
 # 100k-prompt submit took 1.5x its rows' own loading time at 5 ms, 1.4x at 0.5.
 SWITCH_SECONDS = 0.0005
 
