@@ -1,5 +1,6 @@
 """a run's jobs in id order: its messages are sent a page at a time, and each page reads
-from where the last ended, not every job of the run still to send
+from where the last ended, not every job of the run still to send; with what says a job
+is sendable, so that a re-send of a run mostly done reads the index alone
 
 Revision ID: 0029
 Revises: 0028
@@ -17,7 +18,12 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    op.create_index("ix_jobs_run_id_id", "jobs", ["run_id", "id"])
+    op.create_index(
+        "ix_jobs_run_id_id",
+        "jobs",
+        ["run_id", "id"],
+        postgresql_include=["status", "lease_expires_at"],
+    )
 
 
 def downgrade() -> None:

@@ -131,8 +131,15 @@ class Job(Base):
         Index("ix_jobs_run_id_status", "run_id", "status", postgresql_include=["kind"]),
         Index("ix_jobs_spec_hash_status", "spec_hash", "status"),
         # A run's jobs in id order: its messages are sent a page at a time, each page read
-        # from where the last ended, so a run of millions reads each of its jobs once.
-        Index("ix_jobs_run_id_id", "run_id", "id"),
+        # from where the last ended, so a run of millions reads each of its jobs once. What
+        # says a job is sendable rides along (Postgres): a re-send of a run that is mostly
+        # done reads this index alone, not every job's row.
+        Index(
+            "ix_jobs_run_id_id",
+            "run_id",
+            "id",
+            postgresql_include=["status", "lease_expires_at"],
+        ),
         # The hourly rollups and the metrics read recent finished jobs. Only finished jobs
         # are in it (Postgres): a submit's jobs go in as they finish, not all at once.
         Index("ix_jobs_finished_at", "finished_at", postgresql_where="finished_at IS NOT NULL"),
