@@ -4,6 +4,7 @@ errors raised at their turn."""
 import os
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -83,27 +84,37 @@ def test_a_second_ctrl_c_while_it_waits_for_the_thread_leaves_the_thread_known_a
 def test_a_consumer_stopped_while_it_waits_for_an_item_still_waits_for_it() -> None:
     """Ctrl-C as the consumer waits for the next item (the producer the slow side): the
     item is still waited for, so nothing the thread uses (the writer's session, a device)
-    is let go under it."""
-    release, made = threading.Event(), threading.Event()
+    is let go under it. The item is let finish only once the press has landed."""
+    making, pressed, made = threading.Event(), threading.Event(), threading.Event()
 
     def items():
-        release.wait(60)
+        making.set()
+        assert pressed.wait(60)
         made.set()
         yield 0
 
-    ahead = run_ahead(items())
-    press = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))  # as next() waits
-    let_go = threading.Timer(1.0, release.set)  # the item is made after the press
-    press.start()
-    let_go.start()
+    def ctrl_c(*_) -> None:
+        pressed.set()
+        raise KeyboardInterrupt
+
+    def press() -> None:
+        if making.wait(60):
+            time.sleep(0.2)  # the consumer is in next(), waiting for the item
+            os.kill(os.getpid(), signal.SIGINT)
+
+    handler = signal.signal(signal.SIGINT, ctrl_c)
+    presser = threading.Thread(target=press)
     try:
+        ahead = run_ahead(items())
+        presser.start()
         with pytest.raises(KeyboardInterrupt):
             next(ahead)
         assert made.is_set()
     finally:
-        press.cancel()
-        let_go.cancel()
-        release.set()
+        making.set()
+        presser.join(60)
+        signal.signal(signal.SIGINT, handler)
+        pressed.set()
 
 
 @pytest.mark.parametrize(("device", "ahead"), [("cuda", True), ("cpu", False)])
