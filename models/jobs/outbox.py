@@ -232,7 +232,8 @@ def add_jobs(session: Session, run: Run, kind: Kind, specs: Sequence[Spec]) -> i
 
 def sendable_ids(sessions: sessionmaker[Session], run_id: int) -> Iterator[int]:
     """The run's jobs that have not finished and that no live worker holds, in id order,
-    read a page at a time."""
+    read a page at a time; a page short of full is the last (a request's run of one job
+    is one query)."""
     after = 0
     while True:
         with sessions.begin() as session:
@@ -248,9 +249,9 @@ def sendable_ids(sessions: sessionmaker[Session], run_id: int) -> Iterator[int]:
                 .order_by(Job.id)
                 .limit(PAGE)
             ).all()
-        if not page:
-            return
         yield from page
+        if len(page) < PAGE:
+            return
         after = page[-1]
 
 
