@@ -232,8 +232,9 @@ def add_jobs(session: Session, run: Run, kind: Kind, specs: Sequence[Spec]) -> i
 
 def sendable_ids(sessions: sessionmaker[Session], run_id: int) -> Iterator[int]:
     """The run's jobs that have not finished and that no live worker holds, in id order,
-    read a page at a time; a page short of full is the last (a request's run of one job
-    is one query)."""
+    read a page at a time. Only an empty page ends it, not a short one: a run worked on
+    in-process (embedded) meets the jobs its jobs add to it (a train run's next job, a
+    dedup's clusters) in the pages after the one that held them."""
     after = 0
     while True:
         with sessions.begin() as session:
@@ -249,9 +250,9 @@ def sendable_ids(sessions: sessionmaker[Session], run_id: int) -> Iterator[int]:
                 .order_by(Job.id)
                 .limit(PAGE)
             ).all()
-        yield from page
-        if len(page) < PAGE:
+        if not page:
             return
+        yield from page
         after = page[-1]
 
 
