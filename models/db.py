@@ -151,11 +151,19 @@ def insert_rows(session: Session, table: Table, rows: list[dict[str, Any]]) -> l
     if session.get_bind().dialect.name != "postgresql":
         statement = insert(table).returning(table.c.id, sort_by_parameter_order=True)
         return list(session.execute(statement, rows).scalars())
-    ids = draw_ids(session, table, len(rows))
-    copy_rows(
-        session, table, [{"id": row_id, **row} for row_id, row in zip(ids, rows, strict=True)]
-    )
+    ids, formatted = drawn_rows(session, table, rows)
+    copy_in(session, formatted)
     return ids
+
+
+def drawn_rows(
+    session: Session, table: Table, rows: list[dict[str, Any]]
+) -> tuple[list[int], "CopyText"]:
+    """insert_rows' first step on Postgres, which writes nothing: the rows' ids drawn, and
+    the rows with them formatted as COPY's text (copy_in sends it)."""
+    ids = draw_ids(session, table, len(rows))
+    numbered = [{"id": row_id, **row} for row_id, row in zip(ids, rows, strict=True)]
+    return ids, copy_text(session, table, numbered)
 
 
 def draw_ids(session: Session, table: Table, count: int) -> list[int]:
@@ -174,10 +182,7 @@ def copy_rows(session: Session, table: Table, rows: list[dict[str, Any]]) -> Non
     if session.get_bind().dialect.name != "postgresql":
         session.execute(insert(table), rows)
         return
-    columns = list(rows[0])
-    with _cursor(session).copy(_copy_statement(table, columns)) as copy:
-        for values in _copy_values(table, columns, rows):
-            copy.write_row(values)
+    copy_in(session, copy_text(session, table, rows))
 
 
 @dataclass(frozen=True)

@@ -16,15 +16,7 @@ from typing import Any, Protocol
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.db import (
-    CopyText,
-    chunked,
-    copy_in,
-    copy_text,
-    draw_ids,
-    in_index_order,
-    insert_rows,
-)
+from sdq.models.db import CopyText, chunked, copy_in, drawn_rows, in_index_order, insert_rows
 from sdq.models.jobs.kinds import Kind, kind_named
 from sdq.models.jobs.lifecycle import (
     close_runs,
@@ -188,10 +180,8 @@ def draw_jobs(
 ) -> DrawnJobs:
     """write_jobs' first step, which writes nothing."""
     rows = _job_rows(session, run_id, kind, specs, hashes, now)
-    ids = draw_ids(session, Job.__table__, len(rows))
-    numbered = [{"id": job_id, **row} for job_id, row in zip(ids, rows, strict=True)]
-    cached = sum(row["cached"] for row in rows)
-    return DrawnJobs(ids, cached, copy_text(session, Job.__table__, numbered))
+    ids, formatted = drawn_rows(session, Job.__table__, rows)
+    return DrawnJobs(ids, sum(row["cached"] for row in rows), formatted)
 
 
 def copy_drawn_jobs(session: Session, run_id: int, jobs: DrawnJobs, now: datetime) -> Written:
