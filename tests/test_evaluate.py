@@ -404,6 +404,9 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
     assert no_latents.returncode == 2 and "not on --reference's images" in no_latents.stderr
     no_clip = _sdq(env, tmp_path, "evaluate", "tiny", "--reference", "toy", "--metrics", "kid")
     assert no_clip.returncode == 2 and "give --clip MODEL" in no_clip.stderr  # its own flag
+    no_prompts = _sdq(env, tmp_path, "evaluate", "tiny", "--metrics", "clip_score", "--clip",
+                      "tiny")  # fmt: skip
+    assert no_prompts.returncode == 2 and "renders need prompts" in no_prompts.stderr
 
     # Choosing by score: the lowest held-out loss, the highest CLIP score.
     losses = dict(scores["heldout_loss"])

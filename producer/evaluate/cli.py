@@ -178,16 +178,7 @@ def _evaluation(
         )
     rendering = base.rendering if base is not None else None
     if RENDERED & set(request.metrics):
-        # The reference's own captions, each seeded by its place, as a run's held-out ones.
-        prompts = request.prompts or tuple((caption, n) for n, caption in enumerate(captions))
-        if prompts:
-            like = rendering or FixedRenders(
-                prompts=(), size=model.default_size, scheduler=model.scheduler,
-                dtype=model.default_dtype, scheduler_config=model.scheduler_config,
-            )  # fmt: skip
-            rendering = replace(like, prompts=prompts)
-        elif rendering is None:
-            raise click.UsageError("renders need prompts: give --prompts FILE")
+        rendering = _renders(request, model, rendering, captions)
     evaluation = Evaluation(metrics=request.metrics, held_out=held_out, rendering=rendering,
                             clip=request.clip, fid_weights=request.fid_weights)  # fmt: skip
     if too_few := evaluation.too_few_to_compare(
@@ -196,6 +187,27 @@ def _evaluation(
     ):
         raise click.UsageError(too_few)
     return evaluation
+
+
+def _renders(
+    request: EvaluationRequest,
+    model: ModelIdentity,
+    like: FixedRenders | None,
+    captions: list[str],
+) -> FixedRenders:
+    """The renders to score: the request's prompts, or else the reference's own captions
+    (each seeded by its place, as a run's held-out ones), with the run's render settings
+    or else the model's own."""
+    prompts = request.prompts or tuple((caption, n) for n, caption in enumerate(captions))
+    if not prompts:
+        if like is None:
+            raise click.UsageError("renders need prompts: give --prompts FILE")
+        return like
+    like = like or FixedRenders(
+        prompts=(), size=model.default_size, scheduler=model.scheduler,
+        dtype=model.default_dtype, scheduler_config=model.scheduler_config,
+    )  # fmt: skip
+    return replace(like, prompts=prompts)
 
 
 def _report_sent(run_id: int, scored: ScoredModel, as_json: bool) -> None:
