@@ -75,9 +75,15 @@ def resolve_lora(value: str, *, session: Session) -> dict[str, Any]:
     else:
         raise ModelNotFound(
             f"unknown LoRA {ref!r}: not a .safetensors file, an s3:// URI, "
-            "or a name registered with `sdq model push FILE NAME`"
+            f"or a name registered with `sdq model push FILE NAME`{_not_a_scale(ref)}"
         )
     return lora_record(name, source, sha256, scale)
+
+
+def _not_a_scale(ref: str) -> str:
+    """Why NAME:SCALE read as a name: what follows its last colon is not a number."""
+    name, colon, tail = ref.rpartition(":")
+    return f"; {name!r} with a scale is {name}:NUMBER, and {tail!r} is none" if colon else ""
 
 
 def lora_record(name: str, source: str, sha256: str, scale: float = 1.0) -> dict[str, Any]:

@@ -145,6 +145,11 @@ def test_laion_parquet_is_sliced_into_shards_resumed_and_redone_once(
         again = sdq_json(download_env, "download", "--wait", *args)
         assert again["shards"] == first["shards"]
         assert _samples(database_url, "laion") == samples
+        # A dataset's shards are cut alike: other options are refused in their flags' names.
+        other = run_sdq(download_env, "download", *args[:7], "--format", "png", cwd=ROOT)
+        said = " ".join(other.stderr.split())
+        made_with = "dataset 'laion' was made with --format webp, --rows-per-shard 4: give"
+        assert other.returncode == 2 and made_with in said, said
         with psycopg.connect(database_url) as connection:
             run_id, cached = connection.execute(
                 "SELECT run_id, bool_and(cached) FROM jobs WHERE kind = 'download' "

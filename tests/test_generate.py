@@ -250,6 +250,15 @@ def test_lookups(worker, sdq, tmp_path) -> None:
     out = tmp_path / "out.png"
     assert sdq("get", str(job_id), "-o", str(out)).exit_code == 0
     assert Image.open(out).text["sdq-spec-hash"] == shown["spec_hash"]
+    # A file there already is the user's until --force; a folder that is not there is a typo.
+    kept = sdq("get", str(job_id), "-o", str(out))
+    assert kept.exit_code == 2 and f"{out} exists: give --force" in kept.output
+    out.write_bytes(b"prompt,seed\n")
+    assert sdq("get", str(job_id), "-o", str(out), "--force").exit_code == 0
+    assert Image.open(out).text["sdq-spec-hash"] == shown["spec_hash"]
+    typo = tmp_path / "no-such-folder" / "x.png"
+    refused = sdq("get", str(job_id), "-o", str(typo))
+    assert refused.exit_code == 2 and "no folder" in refused.output and not typo.parent.exists()
     # An image is named by its spec hash: the hash, a prefix of it, or its path name the job.
     spec_hash = shown["spec_hash"]
     for name in (spec_hash, spec_hash[:8], shown["uri"], f"images/{spec_hash}.png"):

@@ -309,3 +309,6 @@ def test_loras_by_file_uri_and_pushed_name_are_one_spec(
     assert sdq("model", "push", str(tmp_path / "pipeline"), "a-pipeline").exit_code == 0
     as_lora = sdq("run", str(prompts), "--lora", "a-pipeline")
     assert as_lora.exit_code == 2 and "'a-pipeline' is a pipeline" in as_lora.output
+    no_scale = sdq("run", str(prompts), *model, "--lora", "detail:strong")
+    said = "'detail' with a scale is detail:NUMBER, and 'strong' is none"
+    assert no_scale.exit_code == 2 and said in " ".join(no_scale.output.split()), no_scale.output

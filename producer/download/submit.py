@@ -156,7 +156,8 @@ def _dataset(session: Session, name: str, options: DatasetOptions) -> Dataset:
         )
         raise DatasetMismatch(
             f"dataset {name!r} was made with "
-            + ", ".join(f"{key}={dataset.options.get(key)}" for key in differ)
+            # The options' names are their flags' (--rows-per-shard is rows_per_shard).
+            + ", ".join(f"--{key.replace('_', '-')} {dataset.options.get(key)}" for key in differ)
             + ": give the same options, or another name for a new dataset"
         )
     return dataset

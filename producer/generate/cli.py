@@ -320,12 +320,18 @@ def gallery(app: SdqCelery, run_id: int, output: Path | None, as_json: bool) -> 
 @click.command()
 @click.argument("job")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
-              help="The file to write the PNG to.")  # fmt: skip
+              help="The file to write the PNG to, in a folder that exists.")  # fmt: skip
+@click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @json_option
 @pass_app
-def get(app: SdqCelery, job: str, output: Path, as_json: bool) -> None:
+def get(app: SdqCelery, job: str, output: Path, force: bool, as_json: bool) -> None:
     """Copy a job's image out of the store. JOB is a job id, a spec hash (or its first
     characters), or the image's path or URI."""
+    # A mistyped -o would otherwise replace a file of the user's, or make a folder of a typo.
+    if output.exists() and not force:
+        raise click.UsageError(f"{output} exists: give --force to replace it")
+    if not output.parent.is_dir():
+        raise click.UsageError(f"{output}: no folder {output.parent}")
     with app.sessions() as session, found():
         job_id = lookups.job_named(session, job)
         key = generate_lookups.job_image_key(session, job_id)

@@ -40,7 +40,9 @@ from sdq.workers.app import SdqCelery
 @click.pass_context
 def serve(ctx: click.Context, host: str, port: int, model: str, no_auth: bool) -> None:
     """Serve images on request over HTTP (OpenAI's images API, and jobs with their
-    events), through the same queues, database and store: docs at /docs."""
+    events), through the same queues, database and store: docs at /docs. Its requests go
+    to GPU workers (`sdq worker`), so it needs a broker (SDQ_BROKER_URL), as `sdq submit`
+    does; the keys can be made before."""
     if ctx.invoked_subcommand is not None:
         return
     app = ctx.find_object(SdqCelery)
