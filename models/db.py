@@ -85,13 +85,18 @@ def in_index_order(session: Session) -> None:
         session.execute(text("SET LOCAL enable_sort = off"))
 
 
-def missing_sqlite(database_url: str) -> Path | None:
-    """The SQLite file the URL names, when there is none."""
+def sqlite_file(database_url: str) -> Path | None:
+    """The SQLite file the URL names; None for another database or one in memory."""
     url = make_url(database_url)
     if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
         return None
-    path = Path(url.database)
-    return None if path.exists() else path
+    return Path(url.database)
+
+
+def missing_sqlite(database_url: str) -> Path | None:
+    """The SQLite file the URL names, when there is none."""
+    path = sqlite_file(database_url)
+    return None if path is None or path.exists() else path
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:

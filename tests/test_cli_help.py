@@ -113,6 +113,12 @@ def test_a_folder_without_an_embedded_home_says_so_and_makes_none(tmp_path, monk
         assert f"no sdq database at {tmp_path / 'sdq-data' / 'sdq.db'}" in said, command
         assert "run it from the folder of your runs, or set SDQ_HOME" in said
     assert not (tmp_path / "sdq-data").exists()
+    # A home there, without the run asked for: which file was looked in.
+    home = tmp_path / "elsewhere"
+    assert CliRunner().invoke(main, ["db", "upgrade"], env={"SDQ_HOME": str(home)}).exit_code == 0
+    missing = CliRunner().invoke(main, ["status", "1"], env={"SDQ_HOME": str(home)})
+    said = " ".join(missing.output.split())
+    assert missing.exit_code == 2 and f"no run 1 (in {home / 'sdq.db'})" in said, said
 
 
 # What the extras bring (gpu, monitor, trackers): none is imported as the command line

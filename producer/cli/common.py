@@ -46,13 +46,17 @@ class InputError(click.ClickException):
     exit_code = BAD_INPUT
 
 
+class NothingNamed(InputError):
+    """A lookup found nothing of the name it was given (main.py says where it looked)."""
+
+
 @contextmanager
 def found() -> Iterator[None]:
     """Turns a lookup's NotFound into a clean command-line error."""
     try:
         yield
     except NotFound as error:
-        raise InputError(str(error)) from None
+        raise NothingNamed(str(error)) from None
 
 
 def lookup(

@@ -13,11 +13,12 @@ from pathlib import Path
 import click
 from sqlalchemy.exc import DBAPIError
 
-from sdq.models.db import missing_sqlite
+from sdq.models.db import missing_sqlite, sqlite_file
 from sdq.models.faults import free_space, full_disk
 from sdq.models.jobs.kinds import KINDS
 from sdq.models.settings import Settings
 from sdq.producer.cli import admin, runs, sql
+from sdq.producer.cli.common import NothingNamed
 from sdq.producer.datasets import cli as datasets
 from sdq.workers.app import create_app, quiet_libraries
 
@@ -47,6 +48,12 @@ class SdqGroup(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except NothingNamed as error:
+            # Runs live in the SQLite file of the folder a command is run from, by default:
+            # "no run 1" from another folder means the wrong file, not a missing run.
+            if (database := sqlite_file(ctx.obj.settings.database_url)) is not None:
+                error.message += f" (in {database.absolute()})"
+            raise
         except Exception as error:
             if isinstance(error, DBAPIError) and (
                 missing := missing_sqlite(ctx.obj.settings.database_url)
