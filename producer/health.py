@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, make_url, select
 
 from sdq.migrations import ready
 from sdq.models.jobs.kinds import QUEUES
@@ -66,7 +66,9 @@ def _run(name: str, probe: Callable[[], str]) -> Check:
 def _database(app: SdqCelery) -> str:
     if not ready(app.engine):
         raise RuntimeError("the schema is not current: run `sdq db upgrade`")
-    return f"{app.engine.url.render_as_string()} (schema current)"
+    # The URL as set (the password masked), not the engine's: a read-only SQLite engine's
+    # is rewritten into a file: URI the user never wrote.
+    return f"{make_url(app.settings.database_url).render_as_string()} (schema current)"
 
 
 def _store(app: SdqCelery) -> str:

@@ -1,6 +1,7 @@
 """Help that stands on its own: every command and option says what it does, the prompt file's
 columns and the settings are in the help, and every command that reports has --json."""
 
+import json
 import os
 import subprocess
 import sys
@@ -104,7 +105,8 @@ def test_a_required_option_left_out_is_named_before_anything_runs(tmp_path, monk
 
 def test_a_folder_without_an_embedded_home_says_so_and_makes_none(tmp_path, monkeypatch) -> None:
     """`sdq runs` (or any look) run from another folder than the runs': the home it looked
-    in, and no fresh empty database made there."""
+    in, and no fresh empty database made there; in a home without the run asked for, the
+    file it looked in."""
     monkeypatch.chdir(tmp_path)
     for command in (["runs"], ["sql", "SELECT count(*) FROM runs"], ["dataset", "list"]):
         looked = CliRunner().invoke(main, command, env={"SDQ_HOME": None})
@@ -119,6 +121,10 @@ def test_a_folder_without_an_embedded_home_says_so_and_makes_none(tmp_path, monk
     missing = CliRunner().invoke(main, ["status", "1"], env={"SDQ_HOME": str(home)})
     said = " ".join(missing.output.split())
     assert missing.exit_code == 2 and f"no run 1 (in {home / 'sdq.db'})" in said, said
+    # sdq health names the database as it is set, not as its read-only engine opens it.
+    checked = CliRunner().invoke(main, ["health", "--json"], env={"SDQ_HOME": str(home)})
+    database = json.loads(checked.stdout)["checks"][0]
+    assert database["detail"] == f"sqlite:///{home / 'sdq.db'} (schema current)", database
 
 
 # What the extras bring (gpu, monitor, trackers): none is imported as the command line
