@@ -15,7 +15,10 @@ written as users write it (diffusers, transformers and torch; nothing of sdq's):
             compiled after it counted (recompilations).
   encode:   SD 1.5's VAE and text encoder over 256 px JPEGs, batch 32: the worker's batches
             (decoded on threads, ahead of the device) against a batched loop
-            (benchmarks/plain_encode.py).
+            (benchmarks/plain_encode.py); and (measure "resolutions") the worker's one pass
+            at 256 and 512 px over 512 px JPEGs against a pass at each: `one_pass_over_two`,
+            what decoding each image once saves (benchmarks/encode.py --resolutions 256,512
+            measures the same through the services).
   curate:   CLIP ViT-L/14's shape and an aesthetic head over the same JPEGs, batch 64: the
             worker's scoring against a batched CLIP script (benchmarks/plain_curate.py).
 
@@ -31,7 +34,7 @@ budget left, with a line saying so. Whatever runs at the budget's end (a compile
 than its estimate) is stopped there, with a line saying so, and the check ends.
 
     python benchmarks/device_check.py [--budget-s 480] [--parts train,generate,encode,curate]
-        [--compile-mode reduce-overhead]
+        [--measures eager,compiled,resolutions] [--compile-mode reduce-overhead]
     python benchmarks/device_check.py --small     # a CPU check: tiny shapes, a few steps
 
 On a bare GPU machine with torch, see docs/performance.md for the packages to carry there.
@@ -59,7 +62,8 @@ from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 PARTS = ("train", "generate", "encode", "curate")
-MEASURES = ("eager", "compiled")
+# resolutions: encode's one pass at two resolutions against a pass at each.
+MEASURES = ("eager", "compiled", "resolutions")
 OCTETS = "application/octet-stream"
 # What runs, in order: every part's eager measurement, then the compiled ones.
 SCHEDULE = (
@@ -67,6 +71,7 @@ SCHEDULE = (
     ("generate", "eager"),
     ("encode", "eager"),
     ("curate", "eager"),
+    ("encode", "resolutions"),
     ("generate", "compiled"),
     ("train", "compiled"),
 )
@@ -78,11 +83,11 @@ SCHEDULE = (
 # (the whole U-Net: 141 s there).
 PRIORS = {
     "gpu": {"imports": 25, "train eager": 65, "generate eager": 45, "encode eager": 25,
-            "curate eager": 25, "generate compile": 190, "train compile": 30,
-            "train whole compile": 140},
+            "curate eager": 25, "encode resolutions": 40, "generate compile": 190,
+            "train compile": 30, "train whole compile": 140},
     "small": {"imports": 10, "train eager": 30, "generate eager": 10, "encode eager": 3,
-              "curate eager": 4, "generate compile": 15, "train compile": 8,
-              "train whole compile": 8},
+              "curate eager": 4, "encode resolutions": 6, "generate compile": 15,
+              "train compile": 8, "train whole compile": 8},
 }  # fmt: skip
 # The modules each part needs beyond torch (beside this script, or sdq's).
 MODULES = {
@@ -132,8 +137,8 @@ class Check:
         eager = self.seen.get(f"{part} eager", {}).get("seconds")
         if eager is None:
             eager = self.priors[f"{part} eager"] * pace
-        if measure == "eager":
-            seconds = self.priors[f"{part} eager"] * pace
+        if measure in ("eager", "resolutions"):
+            seconds = self.priors[f"{part} {measure}"] * pace
         elif part == "generate":  # a compiled pipeline's warm-up, then calls as eager
             seconds = self.priors["generate compile"] * pace + eager
         else:  # each side compiles (sdq by region, the plain side whole), then trains as eager
@@ -501,64 +506,88 @@ def sized(check: Check, part: str) -> dict:
     }
 
 
-def encode(check: Check, compiled: bool = False) -> None:
-    from concurrent.futures import ThreadPoolExecutor
+def encoders_at(check: Check, size: dict, resolutions: list[int]):
+    """SD 1.5's VAE and text encoder (random weights; tiny ones for --small) saved once as a
+    pipeline's folder, as sdq and a script both load them; loaded by the worker's loader,
+    with a spec for each resolution."""
+    from dataclasses import replace
 
-    import numpy as np
     import torch
     from diffusers import AutoencoderKL
-    from plain_encode import PlainEncoder, save
     from sd15 import sd15_text_encoder
 
     from sdq.models.encode.specs import EncodeSpec
     from sdq.models.store import LocalStore
     from sdq.models.train.architectures import SD15_VAE
-    from sdq.workers.ahead import ahead_of_device
-    from sdq.workers.encode.batches import prepare_batches, square
-    from sdq.workers.encode.encoders import LoadedEncoders, encode_batch, join
-    from sdq.workers.encode.work import BATCHES_AHEAD, DECODE_THREADS
-    from sdq.workers.shards.latents import latent_shard_bytes
+    from sdq.workers.encode.encoders import LoadedEncoders
     from sdq.workers.tiny import build_text_encoder, build_tokenizer, build_vae
     from sdq.workers.weights import ModelFiles
+
+    def saved():
+        folder, dtype = check.scratch / "encoders", getattr(torch, size["dtype"])
+        torch.manual_seed(0)
+        vae = build_vae() if check.args.small else AutoencoderKL(**SD15_VAE)
+        vae.to(dtype).save_pretrained(folder / "vae")
+        text_encoder = build_text_encoder() if check.args.small else sd15_text_encoder()
+        text_encoder.to(dtype).save_pretrained(folder / "text_encoder")
+        build_tokenizer().save_pretrained(folder / "tokenizer")
+        index = {"_class_name": "StableDiffusionPipeline",
+                 "vae": ["diffusers", "AutoencoderKL"],
+                 "text_encoder": ["transformers", "CLIPTextModel"],
+                 "tokenizer": ["transformers", "CLIPTokenizer"]}  # fmt: skip
+        (folder / "model_index.json").write_text(json.dumps(index))
+        return folder
+
+    folder = check.cached("encoders", saved)
+    spec = EncodeSpec(
+        dataset="device-check", shard=0, shard_sha256="", image_format="jpg",
+        model_name="sd15-shape", model_source=str(folder), model_revision="device-check",
+        resolution=resolutions[0], dtype=size["dtype"],
+    )  # fmt: skip
+    specs = [replace(spec, resolution=resolution) for resolution in resolutions]
+    files = ModelFiles(LocalStore(check.scratch / "store"), check.scratch / "cache")
+    return folder, LoadedEncoders(files).get(specs[0]), specs
+
+
+def worker_encode(encoders, specs: list, batch: int) -> Callable:
+    """The worker's encode of a shard at each of `specs`' resolutions in one pass, each image
+    decoded and each caption encoded once for all (workers/encode/work.py), short of the
+    store."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sdq.workers.ahead import ahead_of_device
+    from sdq.workers.encode.batches import prepare_batches
+    from sdq.workers.encode.encoders import encode_batch, join
+    from sdq.workers.encode.work import BATCHES_AHEAD, DECODE_THREADS
+    from sdq.workers.shards.latents import latent_shard_bytes
+
+    def run(shard) -> None:
+        with ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="sdq-decode") as decoders:
+            batches = prepare_batches(shard, specs, encoders.tokenizers, batch_size=batch,
+                                      decoders=decoders, conditioned=False,
+                                      pin=encoders.pins)  # fmt: skip
+            made: dict = {}
+            for each in ahead_of_device(batches, BATCHES_AHEAD, encoders.device):
+                for key, encoded in encode_batch(encoders, each).items():
+                    made.setdefault(key, []).append(encoded)
+            for (_, shape), parts in made.items():
+                latent_shard_bytes(shard.lineage(), join(encoders, parts, shape),
+                                   {"dataset": "device-check"})  # fmt: skip
+
+    return run
+
+
+def encode(check: Check, compiled: bool = False) -> None:
+    import numpy as np
+    import torch
+    from plain_encode import PlainEncoder, save
 
     started = time.monotonic()
     small, size = check.args.small, sized(check, "encode")
     dtype = getattr(torch, size["dtype"])
-    # The VAE, text encoder and tokenizer saved as a pipeline's folder, as sdq and a script
-    # both load them.
-    folder = check.scratch / "encoders"
-    torch.manual_seed(0)
-    vae = build_vae() if small else AutoencoderKL(**SD15_VAE)
-    vae.to(dtype).save_pretrained(folder / "vae")
-    (build_text_encoder() if small else sd15_text_encoder()).to(dtype).save_pretrained(
-        folder / "text_encoder"
-    )
-    build_tokenizer().save_pretrained(folder / "tokenizer")
-    index = {"_class_name": "StableDiffusionPipeline", "vae": ["diffusers", "AutoencoderKL"],
-             "text_encoder": ["transformers", "CLIPTextModel"],
-             "tokenizer": ["transformers", "CLIPTokenizer"]}  # fmt: skip
-    (folder / "model_index.json").write_text(json.dumps(index))
-    spec = EncodeSpec(
-        dataset="device-check", shard=0, shard_sha256="", image_format="jpg",
-        model_name="sd15-shape", model_source=str(folder), model_revision="device-check",
-        resolution=size["resolution"], dtype=size["dtype"],
-    )  # fmt: skip
-    files = ModelFiles(LocalStore(check.scratch / "store"), check.scratch / "cache")
-    encoders = LoadedEncoders(files).get(spec)
+    side, batch = size["resolution"], size["batch"]
+    folder, encoders, specs = encoders_at(check, size, [side])
     plain = PlainEncoder.from_pretrained(folder, encoders.device, dtype)
-    batch = size["batch"]
-
-    def sdq(shard) -> None:
-        """The worker's encode of a shard (workers/encode/work.py), short of the store."""
-        with ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="sdq-decode") as decoders:
-            batches = prepare_batches(shard, [spec], encoders.tokenizers, batch_size=batch,
-                                      decoders=decoders, conditioned=False,
-                                      pin=encoders.pins)  # fmt: skip
-            batches = ahead_of_device(batches, BATCHES_AHEAD, encoders.device)
-            target = square(spec.resolution)
-            parts = [encode_batch(encoders, each)[target] for each in batches]
-            encoded = join(encoders, parts, target[1])
-            latent_shard_bytes(shard.lineage(), encoded, {"dataset": spec.dataset})
 
     def plain_loop(shard) -> None:
         latents, embeddings = [], []
@@ -571,7 +600,6 @@ def encode(check: Check, compiled: bool = False) -> None:
         save(check.scratch / "plain-latents.parquet", shard.keys, np.concatenate(latents),
              np.concatenate(embeddings))  # fmt: skip
 
-    side = size["resolution"]
     flops = counted_flops(lambda: (
         encoders.vae.encode(torch.zeros(1, 3, side, side, device=encoders.device, dtype=dtype)),
         encoders.text_encoder(torch.zeros(1, 77, dtype=torch.long, device=encoders.device)),
@@ -579,10 +607,38 @@ def encode(check: Check, compiled: bool = False) -> None:
     weights = {"sdq": weight_bytes(encoders.vae, encoders.text_encoder),
                "plain": weight_bytes(plain.vae, plain.text_encoder)}  # fmt: skip
     shard = image_shard(check, size["images"], side)
-    results = in_turn({"sdq": sdq, "plain": plain_loop}, shard, size["rounds"], weights)
+    sides = {"sdq": worker_encode(encoders, specs, batch), "plain": plain_loop}
+    results = in_turn(sides, shard, size["rounds"], weights)
     line = {"part": "encode", "measure": "eager", "model": "tiny" if small else "sd15-shape"}
     line |= {name: size[name] for name in ("images", "resolution", "batch", "dtype")}
     check.finish(line | sides_line(results, flops, "samples"), started)
+
+
+def encode_resolutions(check: Check, compiled: bool = False) -> None:
+    """`sdq encode --resolutions R,2R` in one pass against a pass at each, over the same
+    JPEGs at 2R (as downloaded at the largest): what decoding each image once saves, as
+    benchmarks/encode.py measures it through the services (`one_pass_over_two`)."""
+    started = time.monotonic()
+    small, size = check.args.small, sized(check, "encode")
+    low, high = size["resolution"], 2 * size["resolution"]
+    _, encoders, (at_low, at_high) = encoders_at(check, size, [low, high])
+    one_pass = worker_encode(encoders, [at_low, at_high], size["batch"])
+    at_each = [worker_encode(encoders, [spec], size["batch"]) for spec in (at_low, at_high)]
+
+    def a_pass_each(shard) -> None:
+        for run in at_each:
+            run(shard)
+
+    shard = image_shard(check, size["images"], high)
+    sides = {"one_pass": one_pass, "a_pass_each": a_pass_each}
+    results = in_turn(sides, shard, size["rounds"], dict.fromkeys(sides, 0))
+    line = {"part": "encode", "measure": "resolutions", "model": "tiny" if small else "sd15-shape",
+            "resolutions": f"{low},{high}"}  # fmt: skip
+    line |= {name: size[name] for name in ("images", "batch", "dtype")}
+    for name, (speed, peak) in results.items():
+        line |= {f"{name}_images_per_s": round(speed, 2), f"{name}_peak_memory_gib": gib(peak)}
+    line["one_pass_over_two"] = ratio(results["one_pass"][0], results["a_pass_each"][0])
+    check.finish(line, started)
 
 
 def curate(check: Check, compiled: bool = False) -> None:
@@ -657,6 +713,8 @@ def sides_line(results: dict, flops: float | None, unit: str) -> dict:
 # --- the check ---------------------------------------------------------------------------
 
 RUN = {"train": train, "generate": generate, "encode": encode, "curate": curate}
+# A part's measurements besides eager and compiled, each a function of its own.
+OTHER_MEASURES = {("encode", "resolutions"): encode_resolutions}
 
 
 def load(check: Check, parts: list[str]) -> None:
@@ -693,7 +751,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=480, help="the whole check's seconds")
     parser.add_argument("--parts", default=",".join(PARTS), help="of " + ",".join(PARTS))
-    parser.add_argument("--measures", default=",".join(MEASURES), help="eager, compiled or both")
+    parser.add_argument("--measures", default=",".join(MEASURES), help="of " + ",".join(MEASURES))
     parser.add_argument("--small", action="store_true", help="a CPU check: tiny shapes")
     parser.add_argument(
         "--compile-mode", default="reduce-overhead",
@@ -719,7 +777,8 @@ def main() -> None:
             load(check, args.parts)
         check.running = {"part": part, "measure": measure}
         try:
-            RUN[part](check, compiled=measure == "compiled")
+            measured = OTHER_MEASURES.get((part, measure), RUN[part])
+            measured(check, compiled=measure == "compiled")
         except Exception as error:
             traceback.print_exc()
             check.failed.append(f"{part} {measure}")

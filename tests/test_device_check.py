@@ -9,6 +9,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT
 
 CHECK = ROOT / "benchmarks/device_check.py"
@@ -39,12 +41,13 @@ def run_check(log: Path, *args: str) -> tuple[list[tuple[float, dict]], float]:
 def test_lines_come_as_each_measurement_ends(tmp_path: Path) -> None:
     # Two checks at once, training in one and the other parts in the other: training's plain
     # side spends its time starting torchrun and importing, which the other check overlaps.
-    groups = ("train", "generate,encode,curate")
+    groups = {"train": "eager", "generate,encode,curate": "eager,resolutions"}
     with ThreadPoolExecutor(len(groups)) as checks:
         runs = list(checks.map(lambda parts: run_check(
-            tmp_path / f"{parts}.log", "--parts", parts, "--measures", "eager", "--budget-s", "300"
+            tmp_path / f"{parts}.log", "--parts", parts, "--measures", groups[parts],
+            "--budget-s", "300",
         ), groups))  # fmt: skip
-    measured = []
+    measured, resolutions = [], []
     for lines, _ in runs:
         first, summary = lines[0][1], lines[-1][1]
         assert {"device", "torch", "budget_s"} <= set(first)
@@ -57,6 +60,7 @@ def test_lines_come_as_each_measurement_ends(tmp_path: Path) -> None:
         later = sum(line["seconds"] for _, line in ours[1:])
         assert lines[-1][0] - ours[0][0] >= later - 0.2, lines
         measured += [line for _, line in ours]
+        resolutions += [line for _, line in lines if line.get("measure") == "resolutions"]
         # Training's sdq side is out before its plain side starts (a plain side cut off by
         # the budget loses nothing of sdq's).
         trained = [came for came, line in ours if line["part"] == "train"]
@@ -69,6 +73,12 @@ def test_lines_come_as_each_measurement_ends(tmp_path: Path) -> None:
         unit = "images" if line["part"] == "generate" else "samples"
         assert line[f"sdq_{unit}_per_s"] > 0 and line[f"plain_{unit}_per_s"] > 0, line
         assert line["sdq_vs_plain"] > 0 and line["seconds"] >= 0, line
+    # Encode's one pass at two resolutions against a pass at each (benchmarks/encode.py's
+    # one_pass_over_two, with no services): both sides timed, their ratio given.
+    [both] = resolutions
+    assert both["resolutions"] == "64,128" and both["one_pass_images_per_s"] > 0, both
+    speeds = both["one_pass_images_per_s"] / both["a_pass_each_images_per_s"]
+    assert both["one_pass_over_two"] == pytest.approx(speeds, rel=0.01), both
     # Generation's eager lines measure the worker both ways (SDQ_CHANNELS_LAST).
     for line in measured:
         if line["part"] == "generate":
