@@ -45,6 +45,7 @@ class EchoWork(Work):
     def __init__(self, store: LocalStore) -> None:
         self.store = store
         self.ran: list[int] = []
+        self.go_on = threading.Event()  # what a job whose spec says "held" waits for
 
     def run(self, jobs: Sequence[Job]) -> Iterator[Output]:
         for job in jobs:
@@ -54,6 +55,8 @@ class EchoWork(Work):
             if failure == "passing":
                 raise TimeoutError("the work took too long this time")
             time.sleep(job.spec.get("seconds", 0))
+            if job.spec.get("held"):
+                self.go_on.wait(60)
             self.ran.append(job.id)
             data = job.spec["text"].encode()
             uri = self.store.put_bytes(f"echo/{job.spec_hash}", data, content_type="text/plain")
@@ -204,6 +207,35 @@ def test_outputs_are_recorded_while_their_message_is_still_at_work(
     midway = [eta for done, eta in seen if 0 < done < 5]
     assert midway and all(eta and eta > 0 for eta in midway), seen
     assert statuses(sessions, job_ids) == [(JobStatus.succeeded, 1)] * 5
+
+
+def test_outputs_that_came_together_are_recorded_while_the_work_goes_on_for_long(
+    sessions, work: EchoWork
+) -> None:
+    """A pipeline call's outputs come at once, then the next call renders for minutes:
+    those stored are recorded meanwhile (a worker killed in that call would otherwise render
+    them again), not only once another output comes."""
+    together = [{"text": f"came together {n}"} for n in range(2)]
+    job_ids = new_run(sessions, *together, {"text": "held", "held": True}, jobs_per_message=3)
+    delivered: list[Outcome] = []
+    delivery = threading.Thread(target=lambda: delivered.append(deliver(
+        job_ids, work, kind=GENERATE.name, sessions=sessions, worker=WORKER, settings=SETTINGS
+    )))  # fmt: skip
+    delivery.start()
+    try:
+        # Told to go on only once the first two are recorded: while c is held, nothing else
+        # comes that could record them with it.
+        for _ in range(300):
+            if statuses(sessions, job_ids[:2]) == [(JobStatus.succeeded, 1)] * 2:
+                break
+            time.sleep(0.1)
+        recorded_while_held = statuses(sessions, job_ids)
+    finally:
+        work.go_on.set()
+        delivery.join()
+    assert recorded_while_held == [(JobStatus.succeeded, 1)] * 2 + [(JobStatus.running, 1)]
+    assert delivered[0].done == job_ids
+    assert statuses(sessions, job_ids) == [(JobStatus.succeeded, 1)] * 3
 
 
 def test_a_job_another_worker_holds_is_left_to_it_until_its_lease_ends(

@@ -10,6 +10,7 @@ A kind supplies only its `Work`; the Celery task that calls `deliver` is a few l
 """
 
 import logging
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -19,7 +20,6 @@ from datetime import datetime
 from time import monotonic
 
 from sqlalchemy import select
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.faults import device_failure, full_disk
@@ -125,7 +125,10 @@ def deliver(
     # 3. Work on the rest under kept leases, each output recorded as it comes.
     record = Recorder(sessions, worker)
     try:
-        with keep_leases(sessions, [job.id for job in todo], worker=worker, settings=settings):
+        with (
+            keep_leases(sessions, [job.id for job in todo], worker=worker, settings=settings),
+            every(RECORD_EVERY_SECONDS, record.record_waiting, name="sdq-record"),
+        ):
             for output in work.run(todo):
                 record.add(output)
     except LeaseLost as lost:
@@ -201,39 +204,43 @@ def _fail_the_rest(
 
 
 class Recorder:
-    """Records outputs as succeeded a few at a time while the work goes on, so progress
-    shows per pipeline call rather than per message, without a transaction per output."""
+    """Records outputs as succeeded every second, on a thread of its own (`every`), while
+    the work goes on: progress shows per pipeline call, without a transaction per output,
+    and an output stored is recorded within a second though the work then renders for
+    minutes (a call's outputs come together, and a worker killed in the next call would
+    otherwise render them again). Once the work ends the thread is stopped, and the caller
+    records the rest in its own transaction (`flush`)."""
 
     def __init__(self, sessions: sessionmaker[Session], worker: Worker) -> None:
         self.sessions = sessions
         self.worker = worker
         self.done: set[int] = set()
         self._pending: list[Output] = []
-        self._last = monotonic()
+        self._lock = threading.Lock()
 
     def add(self, output: Output) -> None:
         check_lease()  # the work stops here rather than go on with jobs it may not hold
-        self._pending.append(output)
-        if monotonic() - self._last >= RECORD_EVERY_SECONDS:
-            try:
-                with self.sessions.begin() as session:
-                    succeed(session, self._pending, worker=self.worker)
-            except DBAPIError as error:
-                # The database is away for now: the outputs wait for the next record.
-                logger.warning("outputs of jobs kept to record later: %r", error)
-                self._last = monotonic()
-            else:
-                self._recorded()
+        with self._lock:
+            self._pending.append(output)
+
+    def record_waiting(self) -> None:
+        """Records the outputs waiting; a database away leaves them for the next time."""
+        with self._lock:
+            waiting = list(self._pending)
+        if not waiting:
+            return
+        with self.sessions.begin() as session:
+            succeed(session, waiting, worker=self.worker)
+        with self._lock:  # only added to meanwhile: those recorded are still its first
+            del self._pending[: len(waiting)]
+            self.done.update(output.job_id for output in waiting)
 
     def flush(self, session: Session) -> None:
         """Records the outputs waiting, in the caller's transaction."""
-        succeed(session, self._pending, worker=self.worker)
-        self._recorded()
-
-    def _recorded(self) -> None:
-        self.done.update(output.job_id for output in self._pending)
-        self._pending = []
-        self._last = monotonic()
+        with self._lock:
+            waiting, self._pending = self._pending, []
+        succeed(session, waiting, worker=self.worker)
+        self.done.update(output.job_id for output in waiting)
 
 
 def _claim(
