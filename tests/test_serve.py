@@ -225,7 +225,10 @@ def test_images_on_request_each_a_run_twins_from_the_store_and_jobs_with_events(
 def test_bad_requests_are_named_by_field_and_write_nothing(
     service_env: dict[str, str], tmp_path: Path
 ) -> None:
-    env = {**service_env, "SDQ_SERVE_MAX_IMAGES": "4", "SDQ_SERVE_MAX_STEPS": "50"}
+    # n past the limit is refused as such (422), though it would pass the key's room in
+    # flight too: a 429 would have its client wait for ever.
+    env = {**service_env, "SDQ_SERVE_MAX_IMAGES": "4", "SDQ_SERVE_MAX_STEPS": "50",
+           "SDQ_SERVE_IMAGES_IN_FLIGHT": "4"}  # fmt: skip
     bob = new_key(env, "bob")
     good = {"prompt": "a castle", **TINY}
     refused = [
@@ -254,7 +257,9 @@ def test_bad_requests_are_named_by_field_and_write_nothing(
             assert (answer.status_code, answer.json()["error"]["param"]) == (status, field), body
         malformed = http.post("/v1/jobs", headers={**bob, "Content-Type": "application/json"},
                               content=b'{"prompt": "a castle",')  # fmt: skip
-        assert malformed.status_code == 422
+        said = malformed.json()["error"]
+        assert malformed.status_code == 422 and said["param"] == "body", said
+        assert said["message"].startswith("body: not JSON: ") and "character 22" in said["message"]
         huge = http.post("/v1/jobs", headers=bob, json={"prompt": "x" * (1 << 20)})
         assert huge.status_code == 413
     assert runs_of(env["SDQ_DATABASE_URL"], "bob") == []
@@ -282,6 +287,8 @@ def test_limits_per_key_a_revoked_key_and_an_outage(
             full = http.post("/v1/jobs", headers=carol, json={"prompt": "b", "n": 2, **TINY})
             assert full.status_code == 429 and int(full.headers["Retry-After"]) >= 1
             assert "in flight" in full.json()["error"]["message"]
+            never = http.post("/v1/jobs", headers=carol, json={"prompt": "c", "n": 6, **TINY})
+            assert (never.status_code, never.json()["error"]["param"]) == (422, "n"), never.text
             # Requests that come together cannot all pass the cap: room is taken at once.
             erin = new_key(env, "erin")
             with ThreadPoolExecutor(4) as clients:

@@ -61,6 +61,10 @@ def add_error_answers(api: FastAPI) -> None:
     @api.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0]
+        if first["type"] == "json_invalid":  # its loc is ("body", the character it failed at)
+            reason = first.get("ctx", {}).get("error", "JSON decode error")
+            where = f"{reason} at character {first['loc'][-1]}"
+            return error_answer(422, f"body: not JSON: {where}", param="body")
         field = ".".join(str(part) for part in first["loc"] if part != "body") or "body"
         return error_answer(
             422,

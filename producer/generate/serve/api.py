@@ -201,19 +201,18 @@ async def image(spec_hash: str, request: Request) -> Response:
 async def _sent(
     service: Service, body: ImageRequest, caller: str | None
 ) -> tuple[submitting.Submitted, list[str]]:
-    """The request's run written and sent, its images' room in flight taken first for its
-    key (and given back where it fails); the tokens of that room."""
+    """The request checked, its images' room in flight taken for its key, then its run
+    written and sent (the room given back where that fails); the tokens of that room."""
+    checked = await run_in_threadpool(
+        submitting.servable, service.app, body, default_model=service.default_model
+    )
     tokens = []
     if caller is not None:
         until = time.time() + service.settings.serve_wait_seconds + FLIGHT_GRACE_SECONDS
         tokens = await service.limits.reserve(caller, body.n, until)
     try:
         submitted = await run_in_threadpool(
-            submitting.submit,
-            service.app,
-            body,
-            key_name=caller,
-            default_model=service.default_model,
+            submitting.submit, service.app, checked, key_name=caller
         )
         await _send(service, submitted)
     except BaseException:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
+from sdq.producer.generate.serve.requests import Refusal
+
 
 class Exceeded(Exception):
     """Past a limit: 429, to be tried again after `retry_after` seconds."""
@@ -39,6 +41,9 @@ class Limits:
     async def reserve(self, key_name: str, images: int, until: float) -> list[str]:
         """Room for `images` more in flight, taken at once (one script: requests that
         come together cannot all pass the cap); the tokens to release as they land."""
+        if images > self.in_flight:  # no wait would let it through
+            cap = f"at most {self.in_flight} images in flight a key (SDQ_SERVE_IMAGES_IN_FLIGHT)"
+            raise Refusal("n", f"{cap}: this request could never pass")
         tokens = [uuid.uuid4().hex for _ in range(images)]
         held = await self.redis.eval(
             RESERVE, 1, _flight(key_name), time.time(), self.in_flight, until, *tokens

@@ -39,19 +39,37 @@ class NotSent(Exception):
     render for nobody."""
 
 
-def submit(
-    app: SdqCelery, request: ImageRequest, *, key_name: str | None, default_model: str
-) -> Submitted:
-    """Checks the request and writes its run and jobs (`send` sends them): a problem
-    writes nothing."""
-    settings = app.settings.group(GenerateSettings)
-    size = check_limits(request, settings)
+@dataclass(frozen=True)
+class Servable:
+    """A request checked against the deployment: its size, and the model and LoRAs it
+    names as the specs record them."""
+
+    request: ImageRequest
+    size: tuple[int, int] | None
+    model_name: str
+    model: ModelIdentity
+    loras: tuple[dict[str, Any], ...]
+
+
+def servable(app: SdqCelery, request: ImageRequest, *, default_model: str) -> Servable:
+    """The request, once its numbers are within the deployment's limits and its model and
+    LoRAs are known: a Refusal names the field otherwise. Checked before any room in flight
+    is taken, so that a request no limit lets through is told so (422), not to wait (429)."""
+    size = check_limits(request, app.settings.group(GenerateSettings))
     # The service's own default may be a folder on the server; a request's may not.
     store_url = app.settings.store_url
     model_name = _served("model", request.model, store_url) if request.model else default_model
     model, loras = _resolved(app, model_name, request.lora)
-    planned = planned_jobs(request, size=size, model=model, loras=loras)
-    options: dict[str, Any] = {"api_key": key_name, "user": request.user, "model": model_name}
+    return Servable(request, size, model_name, model, loras)
+
+
+def submit(app: SdqCelery, servable: Servable, *, key_name: str | None) -> Submitted:
+    """Writes the request's run and jobs (`send` sends them): a problem writes nothing."""
+    settings = app.settings.group(GenerateSettings)
+    request, model = servable.request, servable.model
+    planned = planned_jobs(request, size=servable.size, model=model, loras=servable.loras)
+    options: dict[str, Any] = {"api_key": key_name, "user": request.user,
+                               "model": servable.model_name}  # fmt: skip
     submission = record_run(
         app.sessions,
         planned,
