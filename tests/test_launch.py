@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import replace
 
+import psycopg
 import pytest
 
 from sdq.models.jobs.kinds import POOL_QUEUES, TRAIN, Pool
@@ -21,7 +22,7 @@ from sdq.producer.launch import (
     cpu_workers,
     gpu_workers,
 )
-from tests.conftest import WorkerProcess, run_sdq
+from tests.conftest import BUCKET, ROOT, WorkerProcess, run_sdq
 from tests.services import wait_for
 
 GPU_QUEUES = POOL_QUEUES[Pool.gpu]
@@ -273,3 +274,35 @@ def test_a_second_worker_of_a_name_already_alive_refuses_to_start(
         assert first.ready() and first.process.poll() is None  # the first works on
     finally:
         first.stop()
+
+
+def test_a_process_whose_store_is_not_the_deployment_s_is_refused_at_start(
+    own_deployment: dict[str, str],
+) -> None:
+    """`sdq db upgrade` records the deployment's store. A worker started without
+    SDQ_STORE_URL (it would write to a folder of its own) or with another one, and a submit
+    with another one, would record outputs where nobody else reads them, served from cache
+    ever after: each is refused at start, naming the deployment's store, and nothing is
+    queued. So is a worker whose database it cannot reach, before it takes any message."""
+    env = own_deployment
+    assert run_sdq(env, "db", "upgrade").returncode == 0
+    deployment = f"s3://{BUCKET}/deployment/"
+    own_folder = {name: value for name, value in env.items() if name != "SDQ_STORE_URL"}
+    elsewhere = {**env, "SDQ_STORE_URL": f"s3://{BUCKET}/elsewhere"}
+    for other, command in [
+        (own_folder, ["worker", "gpu"]),
+        (elsewhere, ["worker", "cpu"]),
+        (elsewhere, ["submit", str(ROOT / "examples" / "subjects.csv")]),
+    ]:
+        refused = run_sdq(other, *command, timeout=120)
+        said = " ".join(refused.stderr.split())
+        assert refused.returncode == 1, (command, refused.stderr[-2000:])
+        assert f"this deployment's outputs are in {deployment} (as `sdq db upgrade`" in said
+    with psycopg.connect(env["SDQ_DATABASE_URL"]) as connection:
+        assert connection.execute("SELECT count(*) FROM runs").fetchone() == (0,)
+    no_database = {**env, "SDQ_DATABASE_URL": f"{env['SDQ_DATABASE_URL']}_never_made"}
+    refused = run_sdq(no_database, "worker", "gpu", timeout=120)
+    said = " ".join(refused.stderr.split())
+    assert refused.returncode == 1 and "cannot connect to the database" in said, said
+    # The deployment's own store starts: the same record, as the other tests' workers show.
+    assert run_sdq(env, "submit", str(ROOT / "examples" / "subjects.csv")).returncode == 0

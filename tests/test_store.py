@@ -144,11 +144,12 @@ def test_missing_bucket_is_named(s3, monkeypatch, tmp_path: Path) -> None:
 
 
 def test_db_upgrade_makes_a_missing_bucket_and_every_command_names_it(
-    s3, service_env: dict[str, str], s3_client
+    s3, own_deployment: dict[str, str], s3_client
 ) -> None:
-    """A new deployment's first hour: its bucket does not exist yet."""
+    """A new deployment's first hour: its bucket does not exist yet. (A database of its
+    own: `sdq db upgrade` records the store in it, which the other tests' is not.)"""
     bucket = f"fresh-{uuid.uuid4().hex[:12]}"
-    env = {**service_env, "SDQ_STORE_URL": f"s3://{bucket}/sdq"}
+    env = {**own_deployment, "SDQ_STORE_URL": f"s3://{bucket}/sdq"}
 
     def sdq(*args: str) -> subprocess.CompletedProcess:
         return run_sdq(env, *args, cwd=ROOT)

@@ -233,6 +233,19 @@ class SickWorker(Base):
     since: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
+class Deployment(Base):
+    """What every process of a deployment must agree on, as `sdq db upgrade` last set it:
+    the object store its records point into (a worker that wrote elsewhere would record
+    images nobody else can read, and they would be served from cache ever after). One
+    row."""
+
+    __tablename__ = "deployment"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    store_uri: Mapped[str] = mapped_column(Text)  # the store's own URI of its root
+    set_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
 class MaintenanceTick(Base):
     """When each of beat's periodic tasks last ran and what it did; `sdq health` reads it."""
 

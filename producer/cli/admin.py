@@ -10,6 +10,7 @@ import click
 from click.core import ParameterSource
 
 from sdq.models.db import make_engine
+from sdq.models.deployment import record_store
 from sdq.models.jobs.kinds import POOL_QUEUES, Pool
 from sdq.models.loras import push_lora, push_made_lora
 from sdq.models.registry import ModelNotFound, made_by_a_run, push_made_model, push_model
@@ -23,6 +24,7 @@ from sdq.producer.cli.common import (
     lookup,
     pass_app,
     ready_to_submit,
+    ready_to_work,
     require_broker,
 )
 from sdq.producer.cli.common import table as rows_table
@@ -54,6 +56,8 @@ def upgrade(app: SdqCelery, as_json: bool) -> None:
         raise click.ClickException(
             f"the schema is current; the store is not ready: {error}"
         ) from None
+    with app.sessions.begin() as session:
+        record_store(session, app.store.uri(""))
     if as_json:
         display.print_json({"database": database, "current": True, "store": store,
                             "store_created": made})  # fmt: skip
@@ -177,7 +181,7 @@ def gpu(
     """One process per GPU for the GPU queues; one CPU process if there is no GPU."""
     from sdq.producer.launch import gpu_workers, supervise, torch_gpu_view, visible_gpus
 
-    require_broker(app, "a worker")
+    ready_to_work(app, "a worker")
     indices = [gpu.strip() for gpu in gpus.split(",") if gpu.strip()] if gpus else visible_gpus()
     if ranks and indices and ranks > len(indices):
         raise click.UsageError(f"--{RANKED_WORKER}-ranks {ranks}: there are {len(indices)} GPUs")
@@ -231,7 +235,7 @@ def cpu(app: SdqCelery, concurrency: int, loglevel: str) -> None:
     """The CPU pool: download and maintenance queues. Never loads torch."""
     from sdq.producer.launch import cpu_workers, supervise
 
-    require_broker(app, "a worker")
+    ready_to_work(app, "a worker")
     sys.exit(supervise(cpu_workers(concurrency, loglevel=loglevel)))
 
 

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from sdq.models.cores import cores, torch_threads
 from sdq.models.db import make_engine
+from sdq.models.deployment import recorded_store
 from sdq.models.faults import free_space, full_disk
 from sdq.models.jobs.kinds import WARM, Pool, kind_named
 from sdq.models.jobs.lifecycle import Worker, release_jobs
@@ -94,9 +95,39 @@ def ensure_schema(app: SdqCelery, *, make: bool = False) -> None:
 
 def ready_to_submit(app: SdqCelery) -> None:
     """What every command that makes a run checks before it writes anything: the schema,
-    and a store the workers can write to (without one, every job would fail)."""
+    and a store the workers can write to (without one, every job would fail), the
+    deployment's."""
     ensure_schema(app, make=True)
     ensure_store(app)
+    require_deployment_store(app)
+
+
+def ready_to_work(app: SdqCelery, what: str) -> None:
+    """What a worker checks as it starts, before it takes any message: a broker, a
+    database it can reach at the newest schema (a wrong URL would take messages and fail
+    them for ever), and the deployment's store."""
+    require_broker(app, what)
+    ensure_schema(app)
+    require_deployment_store(app)
+
+
+def require_deployment_store(app: SdqCelery) -> None:
+    """With a broker, this process's store is the one `sdq db upgrade` recorded: outputs
+    written elsewhere would be recorded where other machines cannot read them (a worker
+    started without SDQ_STORE_URL writes to its own folder), and served from cache ever
+    after. Embedded, the store is the home's own."""
+    if app.settings.embedded:
+        return
+    with app.sessions() as session:
+        recorded = recorded_store(session)
+    ours = app.store.uri("")
+    if recorded is not None and recorded != ours:
+        raise click.ClickException(
+            f"this deployment's outputs are in {recorded} (as `sdq db upgrade` recorded), "
+            f"and this process's store is {ours} (SDQ_STORE_URL): set SDQ_STORE_URL to "
+            "the deployment's, or move the deployment to this store by running `sdq db "
+            "upgrade` with it"
+        )
 
 
 def ensure_store(app: SdqCelery) -> None:

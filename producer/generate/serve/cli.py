@@ -10,7 +10,7 @@ from sdq.producer.cli.common import (
     found,
     json_option,
     pass_app,
-    require_broker,
+    ready_to_work,
     table,
 )
 from sdq.producer.generate.serve.keys import create_key, list_keys, revoke_key
@@ -46,8 +46,7 @@ def serve(ctx: click.Context, host: str, port: int, model: str, no_auth: bool) -
     if ctx.invoked_subcommand is not None:
         return
     app = ctx.find_object(SdqCelery)
-    require_broker(app, "sdq serve (its requests go to the GPU workers)")
-    ensure_schema(app)
+    ready_to_work(app, "sdq serve (its requests go to the GPU workers)")
     ensure_store(app)
     with extra_needed("sdq serve", "serve"):
         import uvicorn
