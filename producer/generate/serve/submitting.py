@@ -63,13 +63,13 @@ def servable(app: SdqCelery, request: ImageRequest, *, default_model: str) -> Se
     return Servable(request, size, model_name, model, loras)
 
 
-def submit(app: SdqCelery, servable: Servable, *, key_name: str | None) -> Submitted:
+def submit(app: SdqCelery, checked: Servable, *, key_name: str | None) -> Submitted:
     """Writes the request's run and jobs (`send` sends them): a problem writes nothing."""
     settings = app.settings.group(GenerateSettings)
-    request, model = servable.request, servable.model
-    planned = planned_jobs(request, size=servable.size, model=model, loras=servable.loras)
+    request, model = checked.request, checked.model
+    planned = planned_jobs(request, size=checked.size, model=model, loras=checked.loras)
     options: dict[str, Any] = {"api_key": key_name, "user": request.user,
-                               "model": servable.model_name}  # fmt: skip
+                               "model": checked.model_name}  # fmt: skip
     submission = record_run(
         app.sessions,
         planned,
