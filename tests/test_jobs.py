@@ -250,6 +250,25 @@ def test_a_job_another_worker_holds_is_left_to_it_until_its_lease_ends(
     )
     assert outcome.done == job_ids[:1] and outcome.held == job_ids[1:]
     assert outcome.held_until is not None
+    # Its worker gone, the lease runs out: the next delivery takes it over, and its history
+    # says why it runs a second time.
+    with sessions.begin() as session:
+        session.execute(update(Job).where(Job.id == job_ids[1])
+                        .values(lease_expires_at=utcnow() - timedelta(seconds=1)))  # fmt: skip
+    taken = deliver(
+        job_ids, work, kind=GENERATE.name, sessions=sessions, worker=WORKER, settings=SETTINGS
+    )
+    assert taken.done == job_ids[1:]
+    with sessions() as session:
+        history = session.execute(
+            select(JobEvent.status, JobEvent.worker_host, JobEvent.detail)
+            .where(JobEvent.job_id == job_ids[1], JobEvent.status == JobStatus.running)
+            .order_by(JobEvent.id)
+        ).all()
+    assert [tuple(event) for event in history] == [
+        (JobStatus.running, "other:2", None),
+        (JobStatus.running, WORKER.host, "taken over: the lease of other:2 ran out"),
+    ]
 
 
 def test_a_success_is_recorded_only_for_the_jobs_the_worker_holds(sessions) -> None:

@@ -107,6 +107,8 @@ def claim(
     mine = Job.id.in_(job_ids) & (Job.kind == kind)
     bury_exhausted(session, mine, max_attempts=max_attempts, worker=worker, at=now)
     claimable = or_(Job.status.in_(CLAIMABLE), abandoned) & ~_twin_running(now).exists()
+    # Whose lease ran out, for the history: a second "running" says why it came.
+    lapsed = dict(session.execute(select(Job.id, Job.worker_host).where(mine, abandoned)).all())
     claimed = session.scalars(
         update(Job)
         .where(mine, claimable)
@@ -121,7 +123,12 @@ def claim(
         .returning(Job),
         execution_options={"synchronize_session": False},
     ).all()
-    record_events(session, [job.id for job in claimed], JobStatus.running, worker=worker, at=now)
+    fresh = [job.id for job in claimed if job.id not in lapsed]
+    record_events(session, fresh, JobStatus.running, worker=worker, at=now)
+    for job in claimed:
+        if job.id in lapsed:
+            taken = f"taken over: the lease of {lapsed[job.id]} ran out"
+            record_events(session, [job.id], JobStatus.running, worker=worker, detail=taken, at=now)
     return sorted(claimed, key=lambda job: job.id)
 
 
