@@ -65,7 +65,8 @@ PARTS = ("train", "generate", "encode", "curate")
 # resolutions: encode's one pass at two resolutions against a pass at each.
 MEASURES = ("eager", "compiled", "resolutions")
 OCTETS = "application/octet-stream"
-# What runs, in order: every part's eager measurement, then the compiled ones.
+# What runs, in order: every part's eager measurement, encode's two resolutions, then the
+# compiled ones (they cost the most).
 SCHEDULE = (
     ("train", "eager"),
     ("generate", "eager"),

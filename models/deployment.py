@@ -2,6 +2,7 @@
 made, and every process with a broker (workers, submits, the API) is refused at start where
 its own store is another, rather than record outputs where nobody else reads them."""
 
+from sqlalchemy import inspect
 from sqlalchemy.orm import Session
 
 from sdq.models.jobs.lifecycle import utcnow
@@ -19,6 +20,10 @@ def record_store(session: Session, store_uri: str) -> None:
 
 
 def recorded_store(session: Session) -> str | None:
-    """The store's URI as last recorded; None before any `sdq db upgrade` recorded one."""
+    """The store's URI as last recorded; None before any `sdq db upgrade` recorded one, or
+    on a schema from before the record (a worker of a newer release, started before its
+    migration ran)."""
+    if not inspect(session.connection()).has_table(Deployment.__tablename__):
+        return None
     row = session.get(Deployment, THE_ROW)
     return None if row is None else row.store_uri

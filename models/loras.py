@@ -82,8 +82,8 @@ def resolve_lora(value: str, *, session: Session) -> dict[str, Any]:
 
 def _not_a_scale(ref: str) -> str:
     """Why NAME:SCALE read as a name: what follows its last colon is not a number."""
-    name, colon, tail = ref.rpartition(":")
-    return f"; {name!r} with a scale is {name}:NUMBER, and {tail!r} is none" if colon else ""
+    name, _, tail = ref.rpartition(":")  # no colon: no name either
+    return f"; {name!r} with a scale is {name}:NUMBER, and {tail!r} is none" if name else ""
 
 
 def lora_record(name: str, source: str, sha256: str, scale: float = 1.0) -> dict[str, Any]:

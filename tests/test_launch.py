@@ -304,5 +304,12 @@ def test_a_process_whose_store_is_not_the_deployment_s_is_refused_at_start(
     refused = run_sdq(no_database, "worker", "gpu", timeout=120)
     said = " ".join(refused.stderr.split())
     assert refused.returncode == 1 and "cannot connect to the database" in said, said
-    # The deployment's own store starts: the same record, as the other tests' workers show.
-    assert run_sdq(env, "submit", str(ROOT / "examples" / "subjects.csv")).returncode == 0
+    # `sdq db upgrade` from a shell with another store moves nothing unless told to; told,
+    # the other store is the deployment's.
+    kept = run_sdq(elsewhere, "db", "upgrade")
+    said = " ".join(kept.stderr.split())
+    assert kept.returncode == 1 and f"outputs are in {deployment} (as" in said, said
+    assert run_sdq(elsewhere, "db", "upgrade", "--move-store").returncode == 0
+    moved = run_sdq(env, "submit", str(ROOT / "examples" / "subjects.csv"))
+    assert moved.returncode == 1 and f"s3://{BUCKET}/elsewhere/ (as" in moved.stderr
+    assert run_sdq(elsewhere, "submit", str(ROOT / "examples" / "subjects.csv")).returncode == 0

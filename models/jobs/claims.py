@@ -108,7 +108,9 @@ def claim(
     bury_exhausted(session, mine, max_attempts=max_attempts, worker=worker, at=now)
     claimable = or_(Job.status.in_(CLAIMABLE), abandoned) & ~_twin_running(now).exists()
     # Whose lease ran out, for the history: a second "running" says why it came.
-    lapsed = dict(session.execute(select(Job.id, Job.worker_host).where(mine, abandoned)).all())
+    lapsed = dict(session.execute(
+        select(Job.id, Job.worker_host).where(mine, abandoned).with_for_update()
+    ).all())  # fmt: skip
     claimed = session.scalars(
         update(Job)
         .where(mine, claimable)

@@ -206,10 +206,11 @@ def _fail_the_rest(
 class Recorder:
     """Records outputs as succeeded every second, on a thread of its own (`every`), while
     the work goes on: progress shows per pipeline call, without a transaction per output,
-    and an output stored is recorded within a second though the work then renders for
-    minutes (a call's outputs come together, and a worker killed in the next call would
-    otherwise render them again). Once the work ends the thread is stopped, and the caller
-    records the rest in its own transaction (`flush`)."""
+    and an output handed over is recorded within a second though the work then renders for
+    minutes (a call's outputs come together; recorded only as the next one came, all but
+    the first waited a whole call more, and a worker killed meanwhile rendered them again).
+    Once the work ends the thread is stopped, and the caller records the rest in its own
+    transaction (`flush`)."""
 
     def __init__(self, sessions: sessionmaker[Session], worker: Worker) -> None:
         self.sessions = sessions

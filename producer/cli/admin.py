@@ -10,7 +10,7 @@ import click
 from click.core import ParameterSource
 
 from sdq.models.db import make_engine
-from sdq.models.deployment import record_store
+from sdq.models.deployment import record_store, recorded_store
 from sdq.models.jobs.kinds import POOL_QUEUES, Pool
 from sdq.models.loras import push_lora, push_made_lora
 from sdq.models.registry import ModelNotFound, made_by_a_run, push_made_model, push_model
@@ -22,6 +22,7 @@ from sdq.producer.cli.common import (
     extra_needed,
     json_option,
     lookup,
+    other_store,
     pass_app,
     ready_to_submit,
     ready_to_work,
@@ -38,11 +39,15 @@ def db() -> None:
 
 
 @db.command()
+@click.option("--move-store", is_flag=True,
+              help="Record this SDQ_STORE_URL as the deployment's store, where another is "
+              "recorded (no file is copied).")  # fmt: skip
 @json_option
 @pass_app
-def upgrade(app: SdqCelery, as_json: bool) -> None:
-    """Apply every migration not applied yet, and make the object store's bucket (or
-    folder) if it is not there: what a new deployment runs once, and each release."""
+def upgrade(app: SdqCelery, move_store: bool, as_json: bool) -> None:
+    """Apply every migration not applied yet, make the object store's bucket (or folder)
+    if it is not there, and record it as the deployment's: what a new deployment runs
+    once, and each release."""
     from sdq.migrations import upgrade as upgrade_schema
 
     engine = make_engine(app.settings.database_url)  # an embedded one is made here
@@ -50,6 +55,12 @@ def upgrade(app: SdqCelery, as_json: bool) -> None:
     database = engine.url.render_as_string()  # the password masked
     engine.dispose()
     store = app.settings.store_url
+    with app.sessions() as session:
+        recorded = recorded_store(session)
+    if recorded not in (None, app.store.uri("")) and not move_store:
+        # A shell without the deployment's SDQ_STORE_URL (or with a mistyped bucket) would
+        # otherwise move every worker's outputs to its own store.
+        raise click.ClickException(f"the schema is current; {other_store(recorded, app)}")
     try:
         made = app.store.ensure()
     except StoreError as error:

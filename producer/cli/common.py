@@ -98,16 +98,18 @@ def ready_to_submit(app: SdqCelery) -> None:
     and a store the workers can write to (without one, every job would fail), the
     deployment's."""
     ensure_schema(app, make=True)
-    ensure_store(app)
+    # Before the store's own check: a mistyped bucket is another store than the
+    # deployment's, not one to make.
     require_deployment_store(app)
+    ensure_store(app)
 
 
 def ready_to_work(app: SdqCelery, what: str) -> None:
     """What a worker checks as it starts, before it takes any message: a broker, a
-    database it can reach at the newest schema (a wrong URL would take messages and fail
-    them for ever), and the deployment's store."""
+    database it can reach (a wrong URL would take messages and fail them for ever), and
+    the deployment's store. Not the schema's revision: in a rolling upgrade, workers of
+    the last release run on beside the newest schema."""
     require_broker(app, what)
-    ensure_schema(app)
     require_deployment_store(app)
 
 
@@ -120,14 +122,17 @@ def require_deployment_store(app: SdqCelery) -> None:
         return
     with app.sessions() as session:
         recorded = recorded_store(session)
-    ours = app.store.uri("")
-    if recorded is not None and recorded != ours:
-        raise click.ClickException(
-            f"this deployment's outputs are in {recorded} (as `sdq db upgrade` recorded), "
-            f"and this process's store is {ours} (SDQ_STORE_URL): set SDQ_STORE_URL to "
-            "the deployment's, or move the deployment to this store by running `sdq db "
-            "upgrade` with it"
-        )
+    if recorded is not None and recorded != app.store.uri(""):
+        raise click.ClickException(other_store(recorded, app))
+
+
+def other_store(recorded: str, app: SdqCelery) -> str:
+    return (
+        f"this deployment's outputs are in {recorded} (as `sdq db upgrade` recorded), and "
+        f"this process's store is {app.store.uri('')} (SDQ_STORE_URL, or without it "
+        "SDQ_HOME's folder): set SDQ_STORE_URL to the deployment's; `sdq db upgrade "
+        "--move-store` records this one as the deployment's instead (it copies no file)"
+    )
 
 
 def ensure_store(app: SdqCelery) -> None:

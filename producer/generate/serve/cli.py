@@ -47,6 +47,7 @@ def serve(ctx: click.Context, host: str, port: int, model: str, no_auth: bool) -
         return
     app = ctx.find_object(SdqCelery)
     ready_to_work(app, "sdq serve (its requests go to the GPU workers)")
+    ensure_schema(app)
     ensure_store(app)
     with extra_needed("sdq serve", "serve"):
         import uvicorn
