@@ -125,12 +125,11 @@ def claim(
         .returning(Job),
         execution_options={"synchronize_session": False},
     ).all()
-    fresh = [job.id for job in claimed if job.id not in lapsed]
-    record_events(session, fresh, JobStatus.running, worker=worker, at=now)
-    for job in claimed:
-        if job.id in lapsed:
-            taken = f"taken over: the lease of {lapsed[job.id]} ran out"
-            record_events(session, [job.id], JobStatus.running, worker=worker, detail=taken, at=now)
+    # One history insert for the fresh jobs, one for each worker whose jobs are taken over.
+    for holder in {lapsed.get(job.id) for job in claimed}:
+        ids = [job.id for job in claimed if lapsed.get(job.id) == holder]
+        taken = None if holder is None else f"taken over: the lease of {holder} ran out"
+        record_events(session, ids, JobStatus.running, worker=worker, detail=taken, at=now)
     return sorted(claimed, key=lambda job: job.id)
 
 
