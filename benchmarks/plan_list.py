@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=10_000_000)
     parser.add_argument("--rows-per-shard", type=int, default=10_000)
     args = parser.parse_args()
-    with deployment(broker_db=12) as env:
+    with deployment() as env:
         os.environ.update(env)  # pyarrow's S3 client in this process reads AWS_* too
         put_list(args.rows)
         started = time.perf_counter()

