@@ -37,9 +37,8 @@ from sdq.models.db import make_engine  # noqa: E402
 from sdq.models.jobs.kinds import GENERATE  # noqa: E402
 from sdq.models.settings import Settings  # noqa: E402
 from sdq.workers.app import create_app  # noqa: E402
-from tests.services import clean_env, ensure_service, scratch_database  # noqa: E402
+from tests.services import clean_env, scratch_database, session_redis  # noqa: E402
 
-BROKER_URL = "redis://127.0.0.1:6379/13"
 JOBS_PER_MESSAGE = 32  # sdq's default: batch size 8 x 4 calls per task
 
 
@@ -109,9 +108,9 @@ def own_peak_kb(pid: int) -> int:
     return int(status.split("VmHWM:")[1].split()[0]) if "VmHWM:" in status else 0
 
 
-def plain_send(size: int) -> float:
+def plain_send(size: int, broker_url: str) -> float:
     """The same number of messages, sent with Celery alone: no database, no outbox."""
-    app = create_app(Settings.from_env({"SDQ_BROKER_URL": BROKER_URL}))
+    app = create_app(Settings.from_env({"SDQ_BROKER_URL": broker_url}))
     ids = list(range(size))
     started = time.perf_counter()
     with app.producer_or_acquire() as producer:
@@ -170,31 +169,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10000,100000,500000")
     sizes = [int(size) for size in parser.parse_args().sizes.split(",")]
-    ensure_service("redis")
-    broker = redis.Redis.from_url(BROKER_URL)
     results = {}
-    with scratch_database("sdq_bench") as database_url, tempfile.TemporaryDirectory() as folder:
+    with (
+        session_redis() as redis_port,
+        scratch_database("sdq_bench") as database_url,
+        tempfile.TemporaryDirectory() as folder,
+    ):
+        broker_url = f"redis://127.0.0.1:{redis_port}/0"
+        broker = redis.Redis.from_url(broker_url)
         upgrade(make_engine(database_url))
         env = {
             **clean_env(),
             "SDQ_DATABASE_URL": database_url,
-            "SDQ_BROKER_URL": BROKER_URL,
+            "SDQ_BROKER_URL": broker_url,
             "SDQ_STORE_URL": str(Path(folder) / "store"),
         }
-        try:
-            for size in sizes:
-                prompts = prompt_file(Path(folder), size)
-                broker.flushdb()
-                measured = submit(env, prompts, Path(folder))
-                floor = database_floor(database_url, measured.pop("run_id"), Path(folder))
-                measured["database_floor_seconds"] = round(floor, 2)
-                # The goal: a submit within 1.5x of its rows' own loading time.
-                measured["over_database_floor"] = round(measured["seconds"] / floor, 2)
-                broker.flushdb()
-                measured["plain_send_seconds"] = plain_send(size)
-                results[str(size)] = measured
-        finally:
+        for size in sizes:
+            prompts = prompt_file(Path(folder), size)
             broker.flushdb()
+            measured = submit(env, prompts, Path(folder))
+            floor = database_floor(database_url, measured.pop("run_id"), Path(folder))
+            measured["database_floor_seconds"] = round(floor, 2)
+            # The goal: a submit within 1.5x of its rows' own loading time.
+            measured["over_database_floor"] = round(measured["seconds"] / floor, 2)
+            broker.flushdb()
+            measured["plain_send_seconds"] = plain_send(size, broker_url)
+            results[str(size)] = measured
     print(json.dumps({"cores": os.cpu_count(), "submit": results}, indent=2))
 
 

@@ -18,14 +18,8 @@ from pathlib import Path
 
 import psycopg
 
-START_COMMANDS = {
-    "postgres": "pg_ctlcluster --skip-systemctl-redirect {version} main start",
-    "redis": (
-        "redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save '' "
-        "--appendonly no --dir /var/lib/redis --logfile /var/log/redis/ci.log"
-    ),
-}
-PORTS = {"postgres": 5432, "redis": 6379}
+START_POSTGRES = "pg_ctlcluster --skip-systemctl-redirect {version} main start"
+POSTGRES_PORT = 5432
 ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 
@@ -54,15 +48,16 @@ def wait_for(check, *, what: str, timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def ensure_service(name: str) -> None:
-    """Starts a local service that is down; raises (failing the run) if it cannot."""
-    port = PORTS[name]
-    if listening(port):
+def ensure_postgres() -> None:
+    """Starts the machine's Postgres when it is down; raises (failing the run) if it
+    cannot. (Redis is a server of each session's own: session_redis.)"""
+    if listening(POSTGRES_PORT):
         return
     versions = sorted(Path(path).name for path in glob.glob("/etc/postgresql/*"))
-    command = START_COMMANDS[name].format(version=versions[-1] if versions else "15")
+    command = START_POSTGRES.format(version=versions[-1] if versions else "15")
     subprocess.run(command, shell=True, check=False, capture_output=True)
-    wait_for(lambda: listening(port), what=f"{name} on port {port} (started with: {command})")
+    wait_for(lambda: listening(POSTGRES_PORT),
+             what=f"postgres on port {POSTGRES_PORT} (started with: {command})")  # fmt: skip
 
 
 @contextmanager
@@ -234,7 +229,7 @@ def clean_env() -> dict[str, str]:
 def scratch_database(prefix: str) -> Iterator[str]:
     """A Postgres database of its own, dropped on the way out, whatever happened; yields
     its URL (empty: the caller migrates it)."""
-    ensure_service("postgres")
+    ensure_postgres()
     name = f"{prefix}_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
         connection.execute(f'CREATE DATABASE "{name}"')
