@@ -1,10 +1,15 @@
-"""Faults of the machine, not of the job, however they show (wrapped by SQLAlchemy, the
-store, a library): work they stop spends no attempt.
+"""Faults that are not the job's own, however they show (wrapped by SQLAlchemy, the store,
+a library).
 
+The machine's spend no attempt:
 - A full disk: the operating system's "no space left" (or quota) from a file write,
   SQLite's "database or disk is full". The user learns which of sdq's places sit on it.
 - A failing device: out of memory on a GPU, a CUDA, cuBLAS or cuDNN error. A worker whose
-  device keeps failing on jobs that other workers then do is taken out of rotation."""
+  device keeps failing on jobs that other workers then do is taken out of rotation.
+
+A damaged weights file (one safetensors cannot read: cut short, overwritten) ends the jobs
+at once: every attempt would read the same bytes, from a folder, the hub's cache or the
+store's copy on the worker alike."""
 
 import errno
 import shutil
@@ -40,6 +45,19 @@ def device_failure(error: BaseException) -> BaseException | None:
     """The error, or one behind it, that says the device failed; None when none does."""
     for link in _chain(error):
         if type(link).__name__ in DEVICE_ERRORS or any(w in str(link) for w in DEVICE_WORDS):
+            return link
+    return None
+
+
+# What safetensors raises on a file it cannot parse, by name (no CPU process imports it to ask).
+DAMAGED_WEIGHTS_ERRORS = frozenset({"SafetensorError"})
+
+
+def damaged_weights(error: BaseException) -> BaseException | None:
+    """The error, or one behind it, that says a weights file cannot be read; None when none
+    does."""
+    for link in _chain(error):
+        if type(link).__name__ in DAMAGED_WEIGHTS_ERRORS:
             return link
     return None
 

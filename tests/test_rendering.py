@@ -330,11 +330,20 @@ def test_permanent_errors_fail_the_job_at_once(
         broken_identity = resolve_model(str(broken_folder), store=work.store, session=session)
     broken = recorded(sessions, planned("broken", broken_identity), broken_identity)
     (broken_folder / "model_index.json").unlink()
+    # One whose U-Net weights were cut short (a copy that stopped half-way).
+    damaged_folder = tmp_path / "damaged"
+    shutil.copytree(tiny_folder, damaged_folder)
+    with sessions() as session:
+        damaged_identity = resolve_model(str(damaged_folder), store=work.store, session=session)
+    damaged = recorded(sessions, planned("damaged", damaged_identity), damaged_identity)
+    weights = damaged_folder / "unet" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
     # A size the pipeline cannot make (the CLI refuses it; a hand-written job may not).
     odd = [replace(job, spec=replace(job.spec, width=100)) for job in planned("odd size")]
     for job_ids, message in [
         (gone, "does not exist"),
         (broken, "is not a diffusers pipeline: no model_index.json"),
+        (damaged, f"Unable to load weights from checkpoint file for '{weights}'"),
         (recorded(sessions, odd), "divisible by 8"),
     ]:
         outcome = work.deliver(job_ids)

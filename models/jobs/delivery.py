@@ -22,7 +22,7 @@ from time import monotonic
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.faults import device_failure, full_disk
+from sdq.models.faults import damaged_weights, device_failure, full_disk
 from sdq.models.jobs.claims import claim, extend_leases, held_until
 from sdq.models.jobs.lifecycle import (
     Output,
@@ -74,7 +74,7 @@ class Work(ABC):
         """Does the jobs, yielding each output once it is stored."""
 
     def is_permanent(self, error: Exception) -> bool:
-        return isinstance(error, self.permanent_errors)
+        return isinstance(error, self.permanent_errors) or damaged_weights(error) is not None
 
     def is_outage(self, error: Exception) -> bool:
         # A full disk or a failing device is the machine's, whatever the kind does.
