@@ -19,8 +19,10 @@ def alembic_config(engine: Engine) -> Config:
 
 
 def run_command(engine: Engine, action: Callable[..., Any], *args: Any) -> None:
-    """Runs an Alembic command (upgrade, downgrade, check...) in one transaction on `engine`."""
-    with engine.begin() as connection:
+    """Runs an Alembic command (upgrade, downgrade, check...) in one transaction on `engine`,
+    which Alembic begins and commits (env.py): a migration's `autocommit_block` (an index
+    built CONCURRENTLY) commits what came before it and runs outside."""
+    with engine.connect() as connection:
         config = alembic_config(engine)
         config.attributes["connection"] = connection
         action(config, *args)

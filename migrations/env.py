@@ -19,6 +19,9 @@ def run_migrations(connection: Connection) -> None:
         target_metadata=Base.metadata,
         # SQLite cannot ALTER most things; batch mode rebuilds the table instead.
         render_as_batch=connection.dialect.name == "sqlite",
+        # SQLite's DDL is transactional too: an upgrade there is one transaction, as on
+        # Postgres, not one per migration (Alembic's default for it).
+        transactional_ddl=True,
         compare_type=True,
     )
     with context.begin_transaction():

@@ -1,6 +1,7 @@
 """The schema comes from migrations, matches the models, goes down and up again, and its
 indexes serve the lookups, scrapes and rollups that would otherwise read every row."""
 
+import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from sdq.producer.metrics import (
     jobs_by_kind_and_status,
     made_since,
 )
+from tests.services import scratch_database, wait_for
 
 
 @pytest.fixture(params=["postgres", "sqlite"])
@@ -276,3 +278,41 @@ def test_scores_and_losses_stored_as_not_finite_become_null(empty_database: str)
         assert values.scalars().all() == [0.25] + [None] * len(not_finite)
     downgrade(engine, "base")
     upgrade(engine)
+
+
+def test_the_jobs_index_is_built_while_the_last_release_s_workers_write_jobs() -> None:
+    """0029 indexes jobs, the largest table, in a rolling upgrade: the last release's
+    workers go on claiming and finishing jobs. A plain CREATE INDEX waits for the write in
+    hand and makes every later write wait behind it until the build ends; built
+    CONCURRENTLY, later writes go through while it waits."""
+    with scratch_database("sdq_rolling") as url:
+        engine = make_engine(url)
+        upgrade(engine, "0028")
+        with engine.connect() as in_hand, engine.connect() as later:
+            in_hand.execute(text("UPDATE jobs SET status = status WHERE false"))  # its lock
+            building = threading.Thread(target=upgrade, args=(engine, "0029"))
+            building.start()
+            wait_for(lambda: waiting_on_a_lock(later, "CREATE INDEX"), what="the index build")
+            # Not a time limit: a write queued behind a plain build would wait for ever.
+            later.execute(text("SET lock_timeout = '10s'"))
+            later.execute(text("UPDATE jobs SET status = status WHERE false"))
+            later.commit()
+            in_hand.commit()
+            building.join(60)
+        with engine.connect() as connection:
+            valid = (
+                "SELECT indisvalid FROM pg_index WHERE indexrelid = 'ix_jobs_run_id_id'::regclass"
+            )
+            assert connection.scalar(text(valid)) is True
+        assert not building.is_alive()
+        engine.dispose()
+
+
+def waiting_on_a_lock(connection: Connection, statement: str) -> bool:
+    query = (
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+        "AND query LIKE :statement"
+    )
+    waiting = connection.scalar(text(query), {"statement": f"%{statement}%"})
+    connection.rollback()
+    return waiting > 0

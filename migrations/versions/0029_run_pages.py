@@ -18,12 +18,17 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    op.create_index(
-        "ix_jobs_run_id_id",
-        "jobs",
-        ["run_id", "id"],
-        postgresql_include=["status", "lease_expires_at"],
-    )
+    # Built CONCURRENTLY, outside the upgrade's transaction: jobs is the largest table, and
+    # a plain build blocks every write to it until it ends, so the last release's workers,
+    # which go on through a rolling upgrade, could neither claim nor finish a job.
+    with op.get_context().autocommit_block():
+        op.create_index(
+            "ix_jobs_run_id_id",
+            "jobs",
+            ["run_id", "id"],
+            postgresql_include=["status", "lease_expires_at"],
+            postgresql_concurrently=True,
+        )
 
 
 def downgrade() -> None:
