@@ -35,7 +35,9 @@ def views_of(kind: str) -> KindViews:
         return GENERIC
     row = KINDS[kind]
     hooks = row.producer_hooks()
-    fields = hooks.job_fields or _from_specs(kind, hooks.spec_fields)
+    fields = hooks.job_fields or (
+        _from_specs(kind, hooks.spec_fields) if hooks.spec_fields else GENERIC.job_fields
+    )
     return KindViews(unit=row.unit, job_fields=fields)
 
 

@@ -253,11 +253,18 @@ def test_dedup_finds_every_planted_near_duplicate_and_nothing_else(
                               "s.status = 'filtered'").fetchall()  # fmt: skip
         jobs = db.execute("SELECT status, count(*) FROM jobs WHERE kind = 'curate' "
                           "GROUP BY status").fetchall()  # fmt: skip
+        [(first_job, run)] = db.execute("SELECT id, run_id FROM jobs WHERE kind = 'curate' "
+                                        "ORDER BY id LIMIT 1").fetchall()  # fmt: skip
     found = {key: reason.split()[2] for key, reason in left_out}
     assert found.keys() == expected.keys()  # recall and precision 1.0: each group its best
     assert all(found[key] in better for key, better in expected.items())
     assert all(float(reason[-5:-1]) >= 0.95 for _, reason in left_out)
     assert jobs == [("succeeded", 1 if clusters == "0" else 1 + int(clusters))]
+    # Shown as every kind's jobs are, with the fields of a near-duplicate job's spec.
+    shown_job = sdq_json(env, "show", str(first_job), cwd=tmp_path)
+    assert (shown_job["dataset"], shown_job["threshold"]) == ("unique", 0.95)
+    listed = sdq_json(env, "status", str(run), cwd=tmp_path)["jobs"]
+    assert {job["threshold"] for job in listed} == {0.95} and len(listed) == sum(jobs[0][1:])
     # The dataset is readable once its run is done: a dataset being made is refused.
     with sqlite3.connect(tmp_path / "sdq-data/sdq.db") as db:
         db.execute("UPDATE runs SET finished_at = NULL WHERE kind = 'curate'")

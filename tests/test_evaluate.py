@@ -512,6 +512,14 @@ def test_a_run_scored_on_a_dataset_of_its_own(tmp_path: Path) -> None:
         samples = db.execute("SELECT DISTINCT samples FROM checkpoint_scores WHERE run_id = ?",
                              (run,)).fetchall()  # fmt: skip
     assert trained_on == [("toy",)] and samples == [(5,)]
+    # An evaluate job is shown as every kind's are, with its spec's fields; its run too.
+    with sqlite3.connect(database) as db:
+        [(evaluation, evaluated_in)] = db.execute(
+            "SELECT id, run_id FROM jobs WHERE kind = 'evaluate' ORDER BY id LIMIT 1"
+        ).fetchall()
+    shown_job = sdq_json(env, "show", str(evaluation), cwd=tmp_path)
+    assert (shown_job["run"], shown_job["step"], shown_job["metrics"]) == (run, 20, "heldout_loss")
+    assert sdq_json(env, "status", str(evaluated_in), cwd=tmp_path)["jobs"]
     # Scored on judge's first 5 samples, listed once in the store by their content.
     held_out = json.loads(options)["evaluation"]["held_out"]
     assert held_out["key"].startswith("evaluate/references/judge-") and held_out["samples"] == 5
