@@ -456,16 +456,25 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
 
     # A checkpoint deleted by --keep-checkpoints before its evaluation ran: that job ends
     # saying so, the others score.
-    kept = sdq_json(env, "train", "toy", *TRAIN, "--keep-checkpoints", "1", "--eval-metrics",
-                    "heldout_loss", cwd=tmp_path)  # fmt: skip
+    # The train command fails, as a waited-for run with dead jobs does, its status naming
+    # the evaluation and why (`sdq train status` too).
+    ended = _sdq(env, tmp_path, "train", "toy", *TRAIN, "--keep-checkpoints", "1",
+                 "--eval-metrics", "heldout_loss")  # fmt: skip
+    assert ended.returncode == DEAD_JOBS, ended.stderr
+    kept = json.loads(ended.stdout)
     assert [step for step, _ in kept["scores"]["heldout_loss"]] == [20]
+    [dead] = kept["dead_asked_for"]
+    shown = run_sdq(env, "train", "status", str(kept["run_id"]), cwd=tmp_path).stdout
+    assert f"dead: run {dead['run_id']} (evaluation of train run {kept['run_id']} at step 10)" in (
+        " ".join(shown.split())
+    ), shown
     with sqlite3.connect(database) as db:
         [(status, attempts, error)] = db.execute(
             "SELECT j.status, j.attempts, j.error FROM jobs j JOIN runs r ON r.id = j.run_id "
             "WHERE r.kind = 'evaluate' AND j.status != 'succeeded' "
             "AND json_extract(r.options, '$.evaluation_of') = ?", (kept["run_id"],),
         ).fetchall()  # fmt: skip
-    assert (status, attempts) == ("dead", 1)
+    assert (status, attempts) == ("dead", 1) and dead["error"] == error
     assert "no model at step 10" in error and "keep more checkpoints" in error
 
 

@@ -2,6 +2,7 @@
 
 import difflib
 import json
+import sys
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -21,6 +22,7 @@ from sdq.models.train.architectures import (
 )
 from sdq.models.train.specs import TRACKERS, TrainOptions
 from sdq.producer.cli.common import (
+    DEAD_JOBS,
     exit_if_dead,
     found,
     json_option,
@@ -195,6 +197,9 @@ def start(
         _watch(app, submission.run_id, train_options.steps, show=not as_json)
     report_status(app, submission.run_id, as_json)
     exit_if_dead(app, submission.run_id)
+    with app.sessions() as session:
+        if train_lookups.dead_asked_for(session, submission.run_id):
+            sys.exit(DEAD_JOBS)  # its status said which, and why
 
 
 def _checked(

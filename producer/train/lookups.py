@@ -1,18 +1,18 @@
 """Questions the train commands ask of the database: which run a number names, the base it
-trained on, its last step, what its checkpoints asked for, and what each train-shard job
-covers. Where a run stands is models/train/status.py's."""
+trained on, its last step, what its checkpoints asked for (and which of it died), and
+what each train-shard job covers. Where a run stands is models/train/status.py's."""
 
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import ColumnElement, func, or_, select
 from sqlalchemy.orm import Session
 
 from sdq.models.jobs.kinds import TRAIN
 from sdq.models.registry import ModelNotFound, resolve_model
 from sdq.models.specs import ModelIdentity
 from sdq.models.store import ObjectStore
-from sdq.models.tables import Run
+from sdq.models.tables import Job, JobStatus, Run
 from sdq.models.train.tables import Checkpoint, TrainStep
 from sdq.producer.errors import NotFound
 
@@ -65,13 +65,36 @@ def runs_asked_for(session: Session, run_id: int) -> list[tuple[int, int]]:
     """(run id, jobs) of what the train run's checkpoints asked for and is not finished
     yet, in the order it was asked: validation renders, evaluations' renders and their
     evaluate jobs."""
-    asked = or_(
-        Run.options["validation_of"].as_integer() == run_id,
-        Run.options["evaluation_of"].as_integer() == run_id,
-    )
     return [
         (asked_for.id, asked_for.job_count)
         for asked_for in session.scalars(
-            select(Run).where(Run.finished_at.is_(None), asked).order_by(Run.id)
+            select(Run).where(Run.finished_at.is_(None), _asked_by(run_id)).order_by(Run.id)
         )
     ]
+
+
+def dead_asked_for(session: Session, run_id: int) -> list[dict[str, Any]]:
+    """What the train run's checkpoints asked for that has dead jobs (an evaluation whose
+    FID weights are not Inception's, say): each such run, what it is, and its first dead
+    job's id and error."""
+    first_dead = (
+        select(Run.id, Run.source, func.min(Job.id).label("job_id"))
+        .join(Job, Job.run_id == Run.id)
+        .where(_asked_by(run_id), Job.status == JobStatus.dead)
+        .group_by(Run.id, Run.source)
+        .order_by(Run.id)
+    )
+    return [
+        {"run_id": run, "of": source, "job_id": job_id,
+         "error": session.scalar(select(Job.error).where(Job.id == job_id))}
+        for run, source, job_id in session.execute(first_dead)
+    ]  # fmt: skip
+
+
+def _asked_by(run_id: int) -> ColumnElement[bool]:
+    """Runs a train run's checkpoints asked for: validation renders, evaluations' renders
+    and their evaluate jobs."""
+    return or_(
+        Run.options["validation_of"].as_integer() == run_id,
+        Run.options["evaluation_of"].as_integer() == run_id,
+    )

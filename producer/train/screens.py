@@ -19,7 +19,7 @@ from sdq.models.train.page import (
 )
 from sdq.producer.cli.common import lookup
 from sdq.producer.display import rows_table, stdout
-from sdq.producer.train.lookups import train_run
+from sdq.producer.train.lookups import dead_asked_for, train_run
 from sdq.workers.app import SdqCelery
 
 
@@ -57,6 +57,9 @@ def show_training(status: dict[str, Any], *, render_command: str = "sdq submit")
     if status["scores"]:
         stdout.print(rows_table(_score_rows(status["scores"]), ["metric", "latest", "best"],
                                 title="checkpoint scores"))  # fmt: skip
+    for dead in status.get("dead_asked_for", ()):
+        stdout.print(f"[red]dead[/red]: run {dead['run_id']} ({dead['of']}): {dead['error']} "
+                     f"(`sdq show {dead['job_id']}`)", soft_wrap=True)  # fmt: skip
     stdout.print(f"page: {status['page']}", soft_wrap=True)
 
 
@@ -129,6 +132,7 @@ def report_status(app: SdqCelery, run_id: int, as_json: bool) -> None:
 
     def status_and_page(session: Session) -> dict[str, Any]:
         status = draw_page(session, app.store, train_run(session, run_id))
+        status["dead_asked_for"] = dead_asked_for(session, run_id)
         status["page"] = app.store.link(page_key(run_id), expires_seconds=LINK_SECONDS)
         return status
 
