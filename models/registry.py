@@ -112,14 +112,16 @@ def resolve_model(ref: str, *, store: ObjectStore, session: Session) -> ModelIde
         return _pipeline(files)
     if (made := made_by_a_run(session, ref)) is not None:
         if made.lora_key is not None:
-            raise ModelNotFound(f"{ref!r} is a LoRA a train run made: pass it with --lora")
+            raise ModelNotFound(f"{ref!r} is a LoRA a train run made, not a pipeline: a render "
+                                f"takes it with --lora {ref} over its base")  # fmt: skip
         return _made_identity(made, store)
     if (record := latest_pushed(session, ref)) is not None:
         return _resolve_pushed(record, store)
     if is_hub_id(ref):
         return _identity(hub_files(ref))
     if latest_pushed(session, ref, LORA_FORMAT) is not None:
-        raise ModelNotFound(f"{ref!r} is a LoRA, not a pipeline: pass it with --lora")
+        raise ModelNotFound(f"{ref!r} is a LoRA, not a pipeline: a render takes it with "
+                            f"--lora {ref} over its base")  # fmt: skip
     raise ModelNotFound(
         f"unknown model {ref!r}{_did_you_mean(session, ref)}: not 'tiny', a local folder, an "
         "s3:// URI, a name registered with `sdq model push` or by training, or a hub id like "

@@ -261,7 +261,11 @@ def test_a_lora_run_renders_by_name_resumes_exactly_and_leads_back_to_its_urls(
     kept = sdq_json(env, "run", str(prompts), *render, "--lora", "kept-lora", cwd=tmp_path)
     assert np.array_equal(_image(store, database, kept["jobs"][0]["id"]), at_20)
     said = _refused(env, tmp_path, "run", str(prompts), "--model", "toy-lora@40")
-    assert "is a LoRA a train run made: pass it with --lora" in said
+    assert "is a LoRA a train run made, not a pipeline: a render takes it with --lora" in said
+    # Nor a base to train on: what the message says works in training's command too.
+    said = _refused(env, tmp_path, "train", "toy", "--base", "toy-lora", "--resolution", "64",
+                    "--steps", "4", "--lora-rank", "4")  # fmt: skip
+    assert "a render takes it with --lora toy-lora over its base" in said
     # A LoRA run goes on from no checkpoint, and none goes on from a LoRA run's.
     resumed = ("train", "toy", "--resolution", "64", "--batch-size", "4", "--steps", "4")
     said = _refused(env, tmp_path, *resumed, "--resume-from", "1", "--lora-rank", "4")
