@@ -2,7 +2,6 @@
 
 import os
 import signal
-import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -10,23 +9,18 @@ from contextlib import contextmanager
 from typing import Any, NoReturn, TypeVar
 
 import click
-from sqlalchemy import select
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from sdq.models.cores import cores, torch_threads
 from sdq.models.db import make_engine
 from sdq.models.deployment import recorded_store
-from sdq.models.faults import free_space, full_disk
-from sdq.models.jobs.kinds import WARM, Pool, kind_named
-from sdq.models.jobs.lifecycle import Worker, release_jobs
-from sdq.models.jobs.outbox import EnqueueFailed, Sent, enqueue, messages
+from sdq.models.jobs.kinds import WARM, kind_named
+from sdq.models.jobs.outbox import EnqueueFailed, Sent, enqueue
 from sdq.models.store import StoreError
-from sdq.models.tables import FINISHED, Job, JobStatus, Run
+from sdq.models.tables import FINISHED, Run
 from sdq.producer import display, lookups
 from sdq.producer.errors import InvalidInput, NotFound
 from sdq.producer.health import consumed_queues
-from sdq.workers.app import SdqCelery, worker_identity
+from sdq.workers.app import SdqCelery
 
 BAD_INPUT = 2
 INTERRUPTED = 130  # as a shell reports a command stopped by SIGINT
@@ -242,81 +236,6 @@ def watching(run_id: int) -> Iterator[Callable[[], bool]]:
         sys.exit(INTERRUPTED)
 
 
-def work_here(
-    app: SdqCelery, run_id: int, *, jobs: int, progress: tuple[int, Callable[[], int]] | None = None
-) -> None:
-    """Does a run's jobs in this process, message by message, as a worker would: the
-    embedded way, with no broker or worker. The bar counts the run's finished jobs, or
-    `progress`: a total and what is done of it (a train run's steps)."""
-    app.loader.import_default_modules()  # registers the kinds' tasks with the app
-    with app.sessions.begin() as session:
-        run = session.get_one(Run, run_id)
-        take_back_orphans(session, run_id)
-    kind = kind_named(run.kind)
-    task = app.tasks[kind.task_name]
-    if kind.pool is Pool.gpu:
-        _say_threads()
-    try:
-        total, done = progress or (jobs, finished_jobs(app, run_id))
-        with display.following(f"run {run_id}", total, done), ctrl_c_kept() as pressed:
-            for job_ids in messages(app.sessions, run):
-                if pressed():
-                    raise KeyboardInterrupt
-                # A retry inside apply() runs at once, in this process; only a crash is left.
-                result = task.apply(args=[job_ids], kwargs=run.task_options)
-                if result.failed():
-                    raise result.result
-    except KeyboardInterrupt:
-        _stop_here(app, run_id, worker_identity(kind.pool), "stopped by Ctrl-C", INTERRUPTED)
-    except Exception as error:
-        if not (full := full_disk(error)):
-            raise
-        # soft_wrap: the places' paths stay whole, to be copied.
-        display.console.print(
-            f"no space left on a disk sdq writes to ({full}); space left: "
-            f"{free_space(app.settings)}",
-            soft_wrap=True,
-        )
-        _stop_here(app, run_id, worker_identity(kind.pool), "stopped: disk full", DISK_FULL)
-
-
-def _say_threads() -> None:
-    """What device work here takes of the cores (workers/cores.py sets it)."""
-    threads = torch_threads()
-    display.console.print(
-        f"[dim]working here on {threads} torch thread{'s' * (threads != 1)} of {cores()} "
-        "cores (OMP_NUM_THREADS sets it)[/dim]",
-        highlight=False,
-    )
-
-
-def take_back_orphans(session: Session, run_id: int) -> None:
-    """Puts back the run's jobs that an earlier process on this machine held and did not
-    live to put back (killed, or stopped by a full disk that took the database's own
-    writes): their lease would free them only later, and no one else works here."""
-    host = socket.gethostname()
-    holders = session.scalars(
-        select(Job.worker_host)
-        .where(Job.run_id == run_id, Job.status == JobStatus.running)
-        .where(Job.worker_host.startswith(f"{host}:"))
-        .distinct()
-    )
-    for holder in holders.all():
-        if not _alive(int(holder.rpartition(":")[2])):
-            worker = Worker(host=holder, device="")
-            release_jobs(session, run_id, worker=worker, reason="its process here is gone")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 @contextmanager
 def ctrl_c_kept() -> Iterator[Callable[[], bool]]:
     """Ctrl-C raises KeyboardInterrupt as always, and is remembered. Python drops one that
@@ -354,41 +273,6 @@ def ctrl_c_kept() -> Iterator[Callable[[], bool]]:
 def _press_again(left: threading.Event) -> None:
     if not left.is_set():
         os.kill(os.getpid(), signal.SIGINT)
-
-
-def _stop_here(app: SdqCelery, run_id: int, worker: Worker, reason: str, code: int) -> NoReturn:
-    """The work stopped here (Ctrl-C, a full disk): the jobs in hand go back at once, and
-    the user learns what is kept and how to go on. Where the database cannot take even
-    that (its own disk is full), the next run here takes them back first."""
-    try:
-        with app.sessions.begin() as session:
-            released = release_jobs(session, run_id, worker=worker, reason=reason)
-        put_back = f"{len(released)} job{'s' * (len(released) != 1)} in hand put back"
-    except DBAPIError as error:
-        put_back = f"the jobs in hand could not be put back ({error.orig}) and will be first"
-    with app.sessions() as session:
-        counts = lookups.run_counts(session, session.get_one(Run, run_id))
-    finished = sum(counts[status] for status in FINISHED)
-    display.console.print(
-        f"stopped: {finished} of {sum(counts.values())} jobs finished, and kept; {put_back}; "
-        f"`sdq resume {run_id}` finishes the rest"
-    )
-    sys.exit(code)
-
-
-def carry_out(app: SdqCelery, run_id: int, *, jobs: int, wait: bool, as_json: bool) -> Sent | None:
-    """Embedded (no broker): does the run here. Otherwise sends it to the workers and, with
-    `wait`, watches it finish. Returns what was sent when the run was left to them."""
-    with app.sessions() as session:
-        hooks = kind_named(session.get_one(Run, run_id).kind).producer_hooks()
-    if app.settings.embedded:
-        (hooks.resume_here or work_here)(app, run_id, jobs=jobs)
-        return None
-    sent = send_run(app, run_id)
-    if not wait:
-        return sent
-    (hooks.watch or watch_run)(app, run_id, jobs=jobs, show=not as_json)
-    return None
 
 
 def exit_if_dead(app: SdqCelery, run_id: int) -> None:

@@ -12,7 +12,6 @@ from sdq.models.jobs.lifecycle import as_utc, retry_jobs
 from sdq.models.tables import JobStatus
 from sdq.producer import display, lookups
 from sdq.producer.cli.common import (
-    carry_out,
     ensure_store,
     exit_if_dead,
     found,
@@ -23,6 +22,7 @@ from sdq.producer.cli.common import (
     send_run,
     table,
 )
+from sdq.producer.cli.here import carry_out
 from sdq.workers.app import SdqCelery
 
 

@@ -12,7 +12,8 @@ from sdq.models.datasets import BLOCKED_ADDRESS
 from sdq.models.jobs.kinds import KINDS
 from sdq.models.store import LINK_SECONDS, ObjectStore, StoreError
 from sdq.producer import display
-from sdq.producer.cli.common import carry_out, exit_if_dead, json_option, lookup, pass_app, table
+from sdq.producer.cli.common import exit_if_dead, json_option, lookup, pass_app, table
+from sdq.producer.cli.here import carry_out
 from sdq.producer.datasets import lookups as dataset_lookups
 from sdq.producer.datasets.page import (
     dataset_html,

@@ -34,8 +34,8 @@ from sdq.producer.cli.common import (
     ready_to_submit,
     send_run,
     watch_run,
-    work_here,
 )
+from sdq.producer.cli.here import work_here
 from sdq.producer.display import rows_table, stdout
 from sdq.producer.evaluate.reference import reference_samples
 from sdq.producer.evaluate.request import DEFAULT_SAMPLES, EvaluationRequest, evaluation_request

@@ -29,8 +29,8 @@ from sdq.producer.cli.common import (
     send_run,
     table,
     watch_run,
-    work_here,
 )
+from sdq.producer.cli.here import work_here
 from sdq.producer.generate import lookups as generate_lookups
 from sdq.producer.generate.export import FORMATS, export_run
 from sdq.producer.generate.gallery import copy_gallery, generation_run

@@ -32,8 +32,8 @@ from sdq.producer.cli.common import (
     report_submission,
     send_run,
     watch_progress,
-    work_here,
 )
+from sdq.producer.cli.here import work_here
 from sdq.producer.cli.options import declared_options, from_command_line
 from sdq.producer.evaluate.request import (
     EvaluationRequest,
