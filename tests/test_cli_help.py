@@ -103,6 +103,21 @@ def test_a_required_option_left_out_is_named_before_anything_runs(tmp_path, monk
         assert "Missing option '--steps'" in left_out.output
 
 
+def test_a_model_name_that_would_read_as_another_is_refused(tmp_path, monkeypatch) -> None:
+    """`--into tiny` would register a model that `--model tiny` never reaches (the built-in
+    one), and a name with '@' or '/' reads as a checkpoint or a path: refused as typed."""
+    monkeypatch.chdir(tmp_path)
+    train = ["train", "pets", "--base", "tiny", "--resolution", "64", "--steps", "2", "--into"]
+    for words, message in [
+        ([*train, "tiny"], "'tiny' is sdq's built-in model: name yours otherwise"),
+        ([*train, "pets@2"], "'pets@2': a model name has no '@' or '/'"),
+        (["model", "push", str(tmp_path), "tiny"], "'tiny' is sdq's built-in model"),
+    ]:
+        refused = CliRunner().invoke(main, words, env={"SDQ_HOME": str(tmp_path)})
+        assert refused.exit_code == 2 and message in refused.output, refused.output
+    assert list(tmp_path.iterdir()) == []  # no database made, nothing written
+
+
 def test_a_folder_without_an_embedded_home_says_so_and_makes_none(tmp_path, monkeypatch) -> None:
     """`sdq runs` (or any look) run from another folder than the runs': the home it looked
     in, and no fresh empty database made there; in a home without the run asked for, the

@@ -22,6 +22,7 @@ from sdq.producer.cli.common import (
     extra_needed,
     json_option,
     lookup,
+    model_name,
     other_store,
     pass_app,
     ready_to_submit,
@@ -84,7 +85,7 @@ def model() -> None:
 
 @model.command()
 @click.argument("source")
-@click.argument("name")
+@click.argument("name", callback=model_name)
 @json_option
 @pass_app
 def push(app: SdqCelery, source: str, name: str, as_json: bool) -> None:

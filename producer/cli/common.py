@@ -11,6 +11,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 from sqlalchemy.orm import Session
 
+from sdq.models import tiny
 from sdq.models.db import make_engine
 from sdq.models.deployment import recorded_store
 from sdq.models.jobs.kinds import WARM, kind_named
@@ -43,6 +44,17 @@ class InputError(click.ClickException):
 
 class NothingNamed(InputError):
     """A lookup found nothing of the name it was given (main.py says where it looked)."""
+
+
+def model_name(_ctx: click.Context, _param: click.Parameter, name: str | None) -> str | None:
+    """A name models are registered under (`sdq train --into`, `sdq model push`'s NAME):
+    not the built-in model's, which `--model tiny` would go on meaning, nor one a reference
+    would read as a checkpoint (NAME@STEP) or a path."""
+    if name == tiny.TINY_NAME:
+        raise click.BadParameter(f"{name!r} is sdq's built-in model: name yours otherwise")
+    if name is not None and ("@" in name or "/" in name):
+        raise click.BadParameter(f"{name!r}: a model name has no '@' or '/'")
+    return name
 
 
 @contextmanager

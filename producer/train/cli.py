@@ -26,6 +26,7 @@ from sdq.producer.cli.common import (
     exit_if_dead,
     found,
     json_option,
+    model_name,
     no_worker_for,
     pass_app,
     ready_to_submit,
@@ -154,7 +155,8 @@ def _checkpoint_ref(_ctx, _param, value: str | None) -> tuple[int, int | str | N
     "the store; the W&B run sdq-run-RUN (WANDB_PROJECT, else sdq; W&B's own WANDB_* "
     "variables on the workers). Needs the `trackers` extra on the workers.",
 )
-@click.option("--into", metavar="MODELNAME", help="Register the checkpoints under this name.")
+@click.option("--into", metavar="MODELNAME", callback=model_name,
+              help="Register the checkpoints under this name.")  # fmt: skip
 @GPU_MEMORY_OPTION
 @click.option("--wait", is_flag=True, help="Show progress until the last step.")
 @json_option
@@ -178,8 +180,7 @@ def start(
     Without a broker (SDQ_BROKER_URL unset) the work runs here, in this process."""
     # 1. Refused before anything is written: options that do not go together or fit.
     train_options, evaluation = _checked(app, options, base=base, resume_from=resume_from,
-                                         into=into, resolution=resolution,
-                                         gpu_memory=gpu_memory)  # fmt: skip
+                                         resolution=resolution, gpu_memory=gpu_memory)  # fmt: skip
     prompts = read_validation_prompts(validation_prompts) if validation_prompts else ()
     check_trackers(app, report_to)
     # 2. The run and its first job.
@@ -208,14 +209,13 @@ def _checked(
     *,
     base: str | None,
     resume_from: tuple[int, int | str | None] | None,
-    into: str | None,
     resolution: int,
     gpu_memory: int,
 ) -> tuple[TrainOptions, EvaluationRequest | None]:
     """The run's options and what scores its checkpoints, refused where they do not go
     together, do not fit the GPU or its jobs would outlast the worker's time limit."""
     evaluation_asked = pop_evaluation_options(options)
-    train_options = checked_options(app, base, resume_from, into, options)
+    train_options = checked_options(app, base, resume_from, options)
     evaluation = train_evaluation_request(evaluation_asked, holdout=train_options.holdout)
     check_evaluation(train_options, evaluation)
     if train_options.unet_config is not None and can_plan():

@@ -22,11 +22,8 @@ def checked_options(
     app: SdqCelery,
     base: str | None,
     resume_from: tuple[int, int | str | None] | None,
-    into: str | None,
     options: dict[str, Any],
 ) -> TrainOptions:
-    if into is not None and ("@" in into or "/" in into):
-        raise click.UsageError(f"--into {into!r}: a model name has no '@' or '/'")
     if (base is None) == (resume_from is None):
         raise click.UsageError("give --base, or --resume-from (which trains on its run's base)")
     train_options = _train_options(**options)
