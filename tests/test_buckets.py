@@ -125,6 +125,12 @@ def test_encode_buckets_places_each_image_in_one_latent_shard_per_bucket(tmp_pat
     cropped = run(env, tmp_path, "encode", "squares", "--model", "tiny", "--buckets", "128")
     assert cropped.returncode == 2, cropped.stderr
     assert "--resize-mode center_crop" in cropped.stderr and "keep_ratio" in cropped.stderr
+    # Nor is training on its buckets sent to an encode that would refuse it.
+    trained = run(env, tmp_path, "train", "squares", "--base", "tiny", "--resolution", "128",
+                  "--buckets", "--steps", "2")  # fmt: skip
+    said = " ".join(trained.stderr.split())
+    assert trained.returncode == 2 and "--resize-mode center_crop" in said, said
+    assert "leave out --buckets" in said and "sdq encode" not in said, said
     too_big = run(env, tmp_path, "encode", "shapes", "--model", "tiny", "--buckets", "128,512")
     assert too_big.returncode == 2 and "too small for the buckets of 512x512" in " ".join(
         too_big.stderr.split()

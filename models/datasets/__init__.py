@@ -37,6 +37,17 @@ class SampleStatus:
     filtered = "filtered"
 
 
+# The resize modes that keep each image's own shape: what aspect-ratio buckets are made of.
+SHAPE_KEEPING = ("keep_ratio", "keep_ratio_largest", "no")
+
+
+def squared_by(options: dict) -> str | None:
+    """The resize mode that stored a dataset's images as squares (center_crop, border), whose
+    own shape is gone; None for one that kept it."""
+    mode = options.get("resize_mode", "center_crop")
+    return None if mode in SHAPE_KEEPING else mode
+
+
 def derived_from(options: dict) -> str | None:
     """The dataset whose image files a dataset made of another's samples reads (the one
     that downloaded them), or None for a dataset that downloaded its own."""

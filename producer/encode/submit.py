@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from sdq.models.datasets import derived_from
+from sdq.models.datasets import derived_from, squared_by
 from sdq.models.datasets.buckets import buckets_for
 from sdq.models.datasets.tables import Dataset, Shard
 from sdq.models.encode.specs import EncodeSpec
@@ -162,8 +162,7 @@ def _check_targets(name: str, stored_at: int | None, resolutions: list[int]) -> 
 def _check_buckets(name: str, dataset: Dataset, areas: list[int]) -> None:
     """Buckets need each image's own shape, which a square download cut away, and images
     large enough for some bucket of each area: refused otherwise, with what to do."""
-    mode = dataset.options.get("resize_mode", "center_crop")
-    if mode not in ("keep_ratio", "keep_ratio_largest", "no"):
+    if mode := squared_by(dataset.options):
         raise NothingToEncode(
             f"dataset {name!r} was downloaded with --resize-mode {mode}: its images are "
             f"squares, and buckets need each image's own shape; download it again with "

@@ -13,6 +13,7 @@ from sdq.models.datasets import (
     bucket_latent_key,
     empty_prompt_key,
     latent_key,
+    squared_by,
 )
 from sdq.models.datasets.buckets import Bucket
 from sdq.models.datasets.tables import LatentShard, Shard
@@ -325,6 +326,13 @@ def _latent_shards(
             return [(shard, number) for shard, number in shards]
     if unusable := no_usable_samples(session, dataset):
         raise CannotTrain(unusable)
+    if buckets and (mode := squared_by(dataset.options)):
+        raise CannotTrain(
+            f"dataset {name!r} was downloaded with --resize-mode {mode}: its images are "
+            f"squares, and buckets need each image's own shape; train on squares (leave out "
+            f"--buckets), or download it again with --resize-mode keep_ratio and encode that "
+            f"with --buckets"
+        )
     shapes, option = ("the buckets of ", "--buckets") if buckets else ("", "--resolution")
     raise CannotTrain(
         f"dataset {name!r} has no latents made with {base.name} (revision "
