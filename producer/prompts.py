@@ -97,6 +97,23 @@ def read_prompts(path: Path) -> Iterator[PromptRow]:
         raise InvalidInput([InputError(name, None, None, "no prompts: the file has only a header")])
 
 
+def seeded_prompts(path: Path) -> tuple[tuple[str, int], ...]:
+    """A prompt file's prompts, each with its row's seed or else its line's number: renders
+    that are the same at every checkpoint (`--validation-prompts`, `--eval-prompts`)."""
+    return tuple(
+        (row.prompt, row.seed if row.seed is not None else row.line) for row in read_prompts(path)
+    )
+
+
+def is_prompt_file_header(line: str) -> bool:
+    """Whether a line is a prompt file's header (a `prompt` column among others, which the
+    file's reading then checks), as a file of one prompt a line begins with a prompt."""
+    try:
+        return "prompt" in (column.strip() for column in next(csv.reader([line])))
+    except (csv.Error, StopIteration):
+        return False
+
+
 def _columns(reader, name: str) -> list[str]:
     try:
         header = next(reader)

@@ -2,8 +2,10 @@
 
 from pathlib import Path
 
+import click
 import pytest
 
+from sdq.producer.evaluate.request import read_prompt_lines
 from sdq.producer.prompts import InvalidInput, check_template, parse_size, read_prompts, read_styles
 from tests.conftest import write
 
@@ -108,3 +110,25 @@ def test_size_and_template_checks() -> None:
     for template, with_styles in [("{style}", True), ("{prompt}", True), ("{prompt} {x}", False)]:
         with pytest.raises(ValueError):
             check_template(template, with_styles=with_styles)
+
+
+def test_renders_at_fixed_seeds_read_one_prompt_a_line_or_a_prompt_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--eval-prompts` and `sdq evaluate --prompts`: one prompt a line, seeded by its line;
+    a file with a prompt file's header is read as `sdq run` reads it, not as prompts named
+    "prompt,seed"."""
+    lines = write(tmp_path / "lines.txt", "a red circle\n\na blue square\n")
+    assert read_prompt_lines(lines, "--prompts") == (("a red circle", 1), ("a blue square", 3))
+    table = write(tmp_path / "prompts.csv", 'prompt,seed\n"a red circle, bright",7\nsquare,\n')
+    assert read_prompt_lines(table, "--prompts") == (("a red circle, bright", 7), ("square", 3))
+    typo = write(tmp_path / "typo.csv", "prompt,sead\nx,1\n")
+    with pytest.raises(SystemExit) as ended:
+        read_prompt_lines(typo, "--eval-prompts")
+    assert ended.value.code == 2 and "typo.csv:1" in capsys.readouterr().err
+    empty = write(tmp_path / "empty.txt", "\n \n")
+    with pytest.raises(click.BadParameter) as refused:
+        read_prompt_lines(empty, "--eval-prompts")
+    assert refused.value.format_message() == (
+        f"Invalid value for --eval-prompts: {empty}: no prompts (one prompt a line)"
+    )

@@ -56,7 +56,8 @@ from sdq.workers.app import SdqCelery
 )  # fmt: skip
 @click.option(
     "--prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="One prompt a line, rendered at fixed seeds for clip_score. [default: --like's]",
+    help="One prompt a line (or a prompt file with a header, as sdq run reads it), rendered "
+    "at fixed seeds for clip_score. [default: --like's]",
 )  # fmt: skip
 @click.option("--clip", metavar="MODEL", help="The CLIP model renders are scored by.")
 @click.option(

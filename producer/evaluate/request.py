@@ -13,6 +13,9 @@ from sdq.models.curate.clip import ClipIdentity, resolve_clip
 from sdq.models.evaluate.specs import AGAINST_REAL, CLIP_SCORED, METRICS, FidWeights
 from sdq.models.registry import ModelNotFound, file_sha256
 from sdq.models.store import MissingObject, S3Store
+from sdq.producer.cli.common import exit_bad_input
+from sdq.producer.errors import InvalidInput
+from sdq.producer.prompts import is_prompt_file_header, seeded_prompts
 
 # Held-out samples scored per checkpoint (and real images the renders are compared with).
 DEFAULT_SAMPLES = 64
@@ -29,25 +32,29 @@ class EvaluationRequest:
     dataset: str | None = None  # a dataset of its own to evaluate on (--eval-dataset)
 
 
-def read_prompt_lines(path: Path) -> tuple[tuple[str, int], ...]:
-    """A prompt file, one prompt a line (blank lines skipped), each seeded by its line."""
+def read_prompt_lines(path: Path, option: str) -> tuple[tuple[str, int], ...]:
+    """A prompt file, one prompt a line (blank lines skipped), each seeded by its line; or
+    one with a header, as `sdq run` and `--validation-prompts` read it (seeds its own)."""
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
         line = data[: error.start].count(b"\n") + 1
         byte = data[error.start]
-        raise click.BadParameter(f"{path}:{line}: not UTF-8 text (byte {byte:#x})") from None
+        raise click.BadParameter(f"{path}:{line}: not UTF-8 text (byte {byte:#x})",
+                                 param_hint=option) from None  # fmt: skip
     if "\x00" in text:
         line = text[: text.index("\x00")].count("\n") + 1
-        raise click.BadParameter(f"{path}:{line}: not text (a NUL byte)")
-    prompts = tuple(
-        (line.strip(), number)
-        for number, line in enumerate(text.splitlines(), start=1)
-        if line.strip()
-    )
+        raise click.BadParameter(f"{path}:{line}: not text (a NUL byte)", param_hint=option)
+    lines = [(number, line.strip()) for number, line in enumerate(text.splitlines(), start=1)]
+    prompts = tuple((line, number) for number, line in lines if line)
+    if prompts and is_prompt_file_header(prompts[0][0]):
+        try:
+            return seeded_prompts(path)
+        except InvalidInput as problems:
+            exit_bad_input(problems)
     if not prompts:
-        raise click.BadParameter(f"{path}: no prompts (one prompt a line)")
+        raise click.BadParameter(f"{path}: no prompts (one prompt a line)", param_hint=option)
     return prompts
 
 
@@ -60,21 +67,21 @@ def evaluation_request(
     fid_weights: str | FidWeights | None = None,
     samples: int = DEFAULT_SAMPLES,
     every: int = 1,
-    clip_flag: str = "--clip",
+    flags: str = "--",
 ) -> EvaluationRequest:
     """The request, or a usage error naming what is missing (`holdout` None: the held-out
     samples come from elsewhere; `fid_weights` as given, or as a run recorded them), the
-    CLIP model by the command's own `clip_flag`."""
+    options by the command's own names (`flags`: `--eval-` for sdq train's)."""
     names = {name.strip() for name in metrics.split(",") if name.strip()}
     if not names or names - set(METRICS):
         raise click.UsageError(f"metrics {metrics!r}: the metrics are {', '.join(METRICS)}")
     # In one order, whatever order they were asked in: the same spec, scored once.
     asked = tuple(metric for metric in METRICS if metric in names)
     _check_needs(set(asked), holdout=holdout, clip=clip, fid_weights=fid_weights,
-                 clip_flag=clip_flag)  # fmt: skip
+                 clip_flag=f"{flags}clip")  # fmt: skip
     return EvaluationRequest(
         metrics=asked,
-        prompts=read_prompt_lines(prompts) if prompts else (),
+        prompts=read_prompt_lines(prompts, f"{flags}prompts") if prompts else (),
         clip=_clip(clip) if clip and CLIP_SCORED & set(asked) else None,
         samples=samples,
         every=every,
@@ -163,7 +170,7 @@ def train_evaluation_request(asked: dict[str, Any], holdout: float) -> Evaluatio
                                  holdout=None if asked["dataset"] else holdout,
                                  fid_weights=asked["fid_weights"], samples=asked["samples"],
                                  every=asked["every_checkpoints"],
-                                 clip_flag="--eval-clip")  # fmt: skip
+                                 flags="--eval-")  # fmt: skip
     return replace(request, dataset=asked["dataset"])
 
 
@@ -182,7 +189,8 @@ TRAIN_EVALUATION_OPTIONS = (
     ),
     click.option(
         "--eval-prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-        help="One prompt a line: what clip_score, fd_clip, kid and fid render, with the same "
+        help="One prompt a line (or a prompt file with a header, as sdq run reads it): what "
+        "clip_score, fd_clip, kid and fid render, with the same "
         "seeds at every checkpoint. [default: the held-out samples' captions]",
     ),
     click.option(

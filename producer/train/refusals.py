@@ -14,7 +14,7 @@ from sdq.producer.cli.common import exit_bad_input
 from sdq.producer.cli.options import from_command_line
 from sdq.producer.errors import InvalidInput
 from sdq.producer.evaluate.request import EvaluationRequest
-from sdq.producer.prompts import read_prompts
+from sdq.producer.prompts import seeded_prompts
 from sdq.workers.app import SdqCelery
 
 
@@ -89,9 +89,6 @@ def check_job_length(options: TrainOptions, soft_limit: float) -> None:
 
 def read_validation_prompts(path: Path) -> tuple[tuple[str, int], ...]:
     try:
-        return tuple(
-            (row.prompt, row.seed if row.seed is not None else row.line)
-            for row in read_prompts(path)
-        )
+        return seeded_prompts(path)
     except InvalidInput as problems:
         exit_bad_input(problems)
