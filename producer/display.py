@@ -99,7 +99,7 @@ def watch(
     *,
     show: bool = True,
     poll_seconds: float = 0.1,
-    stop: Callable[[], bool] = lambda: False,
+    stop: Callable[[], int | None] = lambda: None,
     stalled: Callable[[], str | None] = lambda: None,
 ) -> None:
     """Waits until `finished()` reaches `total`, drawing a progress bar if `show`; each
@@ -112,8 +112,8 @@ def watch(
     began, first, asked_why = time.perf_counter(), None, False
     with _tracking(title, total, show) as track:
         while True:
-            if stop():
-                raise KeyboardInterrupt
+            if number := stop():  # the signal that stops it (ctrl_c_kept)
+                raise KeyboardInterrupt(number)
             asked = time.perf_counter()
             count = finished()
             track(count)

@@ -155,7 +155,16 @@ def test_commands_that_send_refuse_without_a_broker(tmp_path: Path) -> None:
     assert not (tmp_path / "sdq-data").exists()
 
 
-def test_ctrl_c_puts_the_jobs_in_hand_back_and_resume_finishes_the_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("number", "stopped_by", "status"),
+    [(signal.SIGINT, "Ctrl-C", 130), (signal.SIGTERM, "SIGTERM", 143)],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_ctrl_c_puts_the_jobs_in_hand_back_and_resume_finishes_the_run(
+    tmp_path: Path, number: int, stopped_by: str, status: int
+) -> None:
+    """Ctrl-C, or a SIGTERM (`timeout`, a service manager, `kill`), which ended the process
+    where it stood, its jobs held until their lease ran out and nothing said."""
     env = embedded_env()
     rows = "".join(f"interrupted {n},{n}\n" for n in range(48))
     (tmp_path / "p.csv").write_text("prompt,seed\n" + rows)
@@ -177,15 +186,15 @@ def test_ctrl_c_puts_the_jobs_in_hand_back_and_resume_finishes_the_run(tmp_path:
         return counts.get("succeeded", 0) > 0 and counts.get("running", 0) > 0
 
     wait_for(rendering, what="jobs being rendered", timeout=240)
-    running.send_signal(signal.SIGINT)
+    running.send_signal(number)
     stderr = said_after(running, timeout=120)
-    assert running.returncode == 130, stderr
+    assert running.returncode == status, stderr
     assert re.search(r"\d+ jobs? in hand put back; `sdq resume 1` finishes the rest",
                      " ".join(stderr.split()))  # fmt: skip
     with sqlite3.connect(database) as db:
         statuses = dict(db.execute("SELECT status, count(*) FROM jobs GROUP BY status").fetchall())
         put_back = db.execute(
-            "SELECT count(*) FROM job_events WHERE detail = 'stopped by Ctrl-C'"
+            "SELECT count(*) FROM job_events WHERE detail = ?", (f"stopped by {stopped_by}",)
         ).fetchone()[0]
     assert "running" not in statuses and statuses.get("queued", 0) > 0  # nothing left held
     assert put_back > 0

@@ -11,7 +11,7 @@ import weakref
 import pytest
 
 from sdq.producer import display
-from sdq.producer.cli.common import INTERRUPTED, ctrl_c_kept, watch_progress
+from sdq.producer.cli.common import INTERRUPTED, ctrl_c_kept, interrupted_by, watch_progress
 
 
 def test_a_slow_count_is_asked_at_most_a_tenth_of_the_time() -> None:
@@ -60,25 +60,38 @@ def test_a_ctrl_c_that_python_drops_still_stops_the_watching() -> None:
     assert (exited.value.code, polls) == (INTERRUPTED, 1)
 
 
+def _not_kept(signum: int, frame: object) -> None:
+    raise AssertionError(f"signal {signum} reached the handler set before ctrl_c_kept")
+
+
+@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("ignored", [False, True], ids=["heard", "ignored"])
-def test_ctrl_c_is_remembered_unless_the_command_was_started_deaf_to_it(ignored: bool) -> None:
-    """A real SIGINT to this process: heard, it interrupts and is remembered; started in the
-    background by a script (SIGINT ignored), the command keeps ignoring it."""
-    # Python's own handler when heard: a broken ctrl_c_kept fails the test, not the session.
-    before = signal.SIG_IGN if ignored else signal.default_int_handler
-    previous = signal.signal(signal.SIGINT, before)
+def test_a_stopping_signal_is_remembered_unless_the_command_was_started_deaf_to_it(
+    number: int, ignored: bool
+) -> None:
+    """A real SIGINT (Ctrl-C) or SIGTERM (`timeout`, a service manager) to this process:
+    heard, it interrupts and is remembered, the exit status a shell would give; started deaf
+    to it (SIGINT in the background, by a script), the command stays deaf."""
+    # A handler of the test's own before: a broken ctrl_c_kept fails the test, not the session.
+    before = signal.SIG_IGN if ignored else _not_kept
+    previous = signal.signal(number, before)
     try:
         with ctrl_c_kept() as pressed:
             try:
-                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), number)
                 time.sleep(1)  # a signal is handled between two bytecodes: here, at once
-                interrupted = False
-            except KeyboardInterrupt:
-                interrupted = True
-            assert (interrupted, pressed()) == (not ignored, not ignored)
-        assert signal.getsignal(signal.SIGINT) is before
+                interrupt = None
+            except KeyboardInterrupt as raised:
+                interrupt = raised
+            assert pressed() == (None if ignored else number)
+        assert signal.getsignal(number) is before
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(number, previous)
+    if not ignored:
+        expected = ("Ctrl-C", 130) if number == signal.SIGINT else ("SIGTERM", 143)
+        assert interrupted_by(interrupt) == expected
+    else:
+        assert interrupt is None
 
 
 def test_a_ctrl_c_python_drops_in_a_callback_still_stops_the_work() -> None:
@@ -106,7 +119,7 @@ def test_a_ctrl_c_python_drops_in_a_callback_still_stops_the_work() -> None:
                 interrupted = False
             except KeyboardInterrupt:
                 interrupted = True
-            assert (interrupted, pressed(), watcher()) == (True, True, None)
+            assert (interrupted, pressed(), watcher()) == (True, signal.SIGINT, None)
         assert sys.unraisablehook is hook
     finally:
         signal.signal(signal.SIGINT, previous)

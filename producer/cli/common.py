@@ -233,58 +233,68 @@ def no_worker_for(app: SdqCelery, run_id: int) -> Callable[[], str | None]:
 
 
 @contextmanager
-def watching(run_id: int) -> Iterator[Callable[[], bool]]:
+def watching(run_id: int) -> Iterator[Callable[[], int | None]]:
     """Ctrl-C while the workers do a run stops the watching, not the run: say so, and how
     to watch again. The body is given whether Ctrl-C was pressed, to stop on a press that
     Python dropped (see `ctrl_c_kept`): with no worker running, the watch would never end."""
     try:
         with ctrl_c_kept() as pressed:
             yield pressed
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         display.console.print(
             f"stopped watching: run {run_id} goes on on the workers; "
             f"`sdq resume {run_id} --wait` watches it again"
         )
-        sys.exit(INTERRUPTED)
+        sys.exit(interrupted_by(interrupt)[1])
 
 
 @contextmanager
-def ctrl_c_kept() -> Iterator[Callable[[], bool]]:
-    """Ctrl-C raises KeyboardInterrupt as always, and is remembered. Python drops one that
-    lands while a callback of the garbage collector runs ("Exception ignored in ..."): it
-    is sent again, to land in the work itself, so that the job in hand stops and goes back
-    rather than running to its end. A command started with SIGINT ignored (in the
-    background, by a script) keeps it so."""
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        yield lambda: False
-        return
-    pressed = False
+def ctrl_c_kept() -> Iterator[Callable[[], int | None]]:
+    """Ctrl-C raises KeyboardInterrupt as always, and is remembered; so does SIGTERM (a
+    `timeout`, a service manager, a `kill`), which would otherwise end the process where
+    it stands, its jobs held until their lease ran out. Yields what says which signal came,
+    if one did. Python drops one that lands while a callback of the garbage collector runs
+    ("Exception ignored in ..."): it is sent again, to land in the work itself, so that the
+    job in hand stops and goes back rather than running to its end. A signal the command
+    was started deaf to (SIGINT in the background, by a script) stays ignored."""
+    heard = [number for number in (signal.SIGINT, signal.SIGTERM)
+             if signal.getsignal(number) is not signal.SIG_IGN]  # fmt: skip
+    received: list[int] = []
     left = threading.Event()
 
     def interrupted(signum: int, frame: Any) -> None:
-        nonlocal pressed
-        pressed = True
-        raise KeyboardInterrupt
+        received.append(signum)
+        raise KeyboardInterrupt(signum)
 
     def dropped(unraisable: Any) -> None:
-        if not issubclass(unraisable.exc_type, KeyboardInterrupt):
+        if not issubclass(unraisable.exc_type, KeyboardInterrupt) or not received:
             return previous_hook(unraisable)
         # Not from here: a signal sent now would be handled inside this hook, and dropped.
-        threading.Timer(0.05, _press_again, args=(left,)).start()
+        threading.Timer(0.05, _send_again, args=(left, received[-1])).start()
 
-    previous, previous_hook = signal.signal(signal.SIGINT, interrupted), sys.unraisablehook
-    sys.unraisablehook = dropped
+    previous = {number: signal.signal(number, interrupted) for number in heard}
+    previous_hook, sys.unraisablehook = sys.unraisablehook, dropped
     try:
-        yield lambda: pressed
+        yield lambda: received[-1] if received else None
     finally:
         left.set()
         sys.unraisablehook = previous_hook
-        signal.signal(signal.SIGINT, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
-def _press_again(left: threading.Event) -> None:
+def interrupted_by(interrupt: KeyboardInterrupt) -> tuple[str, int]:
+    """What stopped the work (the signal ctrl_c_kept raised it for, else Ctrl-C), in words,
+    and the exit status a shell gives a command stopped by that signal: 128 + its number."""
+    number = interrupt.args[0] if interrupt.args else signal.SIGINT
+    if number == signal.SIGINT:
+        return "Ctrl-C", INTERRUPTED
+    return signal.Signals(number).name, 128 + number
+
+
+def _send_again(left: threading.Event, number: int) -> None:
     if not left.is_set():
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), number)
 
 
 def exit_if_dead(app: SdqCelery, run_id: int) -> None:

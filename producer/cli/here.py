@@ -21,9 +21,9 @@ from sdq.models.tables import FINISHED, Job, JobStatus, Run
 from sdq.producer import display, lookups
 from sdq.producer.cli.common import (
     DISK_FULL,
-    INTERRUPTED,
     ctrl_c_kept,
     finished_jobs,
+    interrupted_by,
     send_run,
     watch_run,
 )
@@ -48,14 +48,15 @@ def work_here(
         total, done = progress or (jobs, finished_jobs(app, run_id))
         with display.following(f"run {run_id}", total, done), ctrl_c_kept() as pressed:
             for job_ids in messages(app.sessions, run):
-                if pressed():
-                    raise KeyboardInterrupt
+                if number := pressed():  # one that Python dropped
+                    raise KeyboardInterrupt(number)
                 # A retry inside apply() runs at once, in this process; only a crash is left.
                 result = task.apply(args=[job_ids], kwargs=run.task_options)
                 if result.failed():
                     raise result.result
-    except KeyboardInterrupt:
-        _stop_here(app, run_id, worker_identity(kind.pool), "stopped by Ctrl-C", INTERRUPTED)
+    except KeyboardInterrupt as interrupt:
+        stopped_by, code = interrupted_by(interrupt)
+        _stop_here(app, run_id, worker_identity(kind.pool), f"stopped by {stopped_by}", code)
     except Exception as error:
         if not (full := full_disk(error)):
             raise
