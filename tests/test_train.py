@@ -555,9 +555,15 @@ def test_phases_checkpoints_and_the_recipe_on_one_machine(tmp_path: Path) -> Non
     scratch = sdq_json(
         env, "train", "toy", "--base", "tiny", "--resolution", "64", "--batch-size", "4",
         "--steps", "2", "--checkpoint-every", "2", "--from-scratch", "--unet-config",
-        str(narrow), cwd=tmp_path,
+        str(narrow), "--into", "phase1", cwd=tmp_path,
     )  # fmt: skip
     assert scratch["status"] == "succeeded"
+    # Trained into phase1 again: phase1@STEP is the newest run's, and a step only an earlier
+    # run into the name has is pointed to there, not merely missing.
+    hidden = run_sdq(env, "run", str(prompts), "--model", "phase1@4", *render, cwd=tmp_path)
+    said = " ".join(hidden.stderr.split())
+    assert hidden.returncode == 2 and f"phase1 names run {scratch['run_id']}, the newest" in said
+    assert f"earlier runs into phase1 have it: {phase1['run_id']}@4" in said, said
     config = json.loads(
         (
             store / f"train/{scratch['run_id']}/checkpoints/00000002/model/unet/config.json"

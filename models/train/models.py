@@ -63,13 +63,33 @@ def checkpoint_named(session: Session, ref: str) -> Checkpoint | None:
         step = int(match["step"])
     found = next((c for c in models if c.step == step), None)
     if found is None:
+        newest = "" if owner.isdigit() else f" ({owner} names run {run_id}, the newest into it)"
         raise ModelNotFound(
-            f"{ref}: no model at step {step} (a checkpoint holds the training state only "
-            f"unless it is the run's last, renders validation prompts or --export-every asks "
-            f"for it; old ones go with --keep-checkpoints); models at steps: "
+            f"{ref}: no model at step {step}{newest} (a checkpoint holds the training state "
+            f"only unless it is the run's last, renders validation prompts or --export-every "
+            f"asks for it; old ones go with --keep-checkpoints); models at steps: "
             f"{', '.join(str(c.step) for c in models) or 'none yet'}"
+            f"{_in_older_runs(session, owner, step, run_id)}"
         )
     return found
+
+
+def _in_older_runs(session: Session, owner: str, step: int, newest: int) -> str:
+    """`; earlier runs into NAME have it: RUN@STEP` where runs trained into the same name
+    before the newest hold a model at that step (NAME@STEP names the newest's)."""
+    if owner.isdigit():
+        return ""
+    older = session.scalars(
+        select(Checkpoint.run_id)
+        .join(Run, Run.id == Checkpoint.run_id)
+        .where(Run.options["into"].as_string() == owner, Run.id != newest)
+        .where(Checkpoint.step == step, Checkpoint.model_prefix.is_not(None))
+        .where(Checkpoint.deleted_at.is_(None))
+        .order_by(Checkpoint.run_id.desc())
+    ).all()
+    if not older:
+        return ""
+    return f"; earlier runs into {owner} have it: {', '.join(f'{run}@{step}' for run in older)}"
 
 
 def encoders_lineage(session: Session, revision: str) -> list[str]:
