@@ -453,6 +453,7 @@ def test_a_run_s_checkpoints_scored_on_one_machine(tmp_path: Path) -> None:
                  str(other))  # fmt: skip
     assert wrong.returncode == DEAD_JOBS, wrong.stderr
     assert "are not Inception-v3's FID weights" in wrong.stderr, wrong.stderr
+    assert 'Missing key(s) in state_dict: "Conv2d_1a_3x3.conv.weight"' in wrong.stderr
 
     # A checkpoint deleted by --keep-checkpoints before its evaluation ran: that job ends
     # saying so, the others score.

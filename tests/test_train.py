@@ -282,6 +282,9 @@ def test_a_diverged_run_ends_dead_at_once_naming_the_step_it_went_at(tmp_path: P
     elsewhere = run_sdq(env, "train", "toy", "--resume-from", "1@best:kid", "--resolution", "64",
                         "--steps", "2", cwd=tmp_path)  # fmt: skip
     assert elsewhere.returncode == 2 and "run 1 is not a train run" in elsewhere.stderr
+    nowhere = run_sdq(env, "train", "toy", "--resume-from", "999", "--resolution", "64",
+                      "--steps", "2", cwd=tmp_path)  # fmt: skip
+    assert nowhere.returncode == 2 and "--resume-from 999: there is no run 999" in nowhere.stderr
 
 
 def test_a_run_s_wall_time_splits_into_its_shares(migrated_postgres: str) -> None:

@@ -279,8 +279,8 @@ def start_checkpoint(session: Session, run_id: int, step: int | str | None) -> S
     steps = session.scalars(query.order_by(Checkpoint.step)).all()
     run = session.get(Run, run_id)
     if run is None or run.kind != TRAIN.name:
-        raise CannotTrain(f"--resume-from {run_id}: run {run_id} is not a train run "
-                          "(`sdq runs` lists them)")  # fmt: skip
+        what = f"there is no run {run_id}" if run is None else f"run {run_id} is not a train run"
+        raise CannotTrain(f"--resume-from {run_id}: {what} (`sdq runs` lists them)")
     if run.options.get("lora_rank") is not None:
         raise CannotTrain(f"--resume-from {run_id}: train run {run_id} trained a LoRA; its "
                           f"checkpoints hold adapters, not a U-Net to go on from")  # fmt: skip

@@ -245,7 +245,7 @@ class LoadedModels:
             except UNREADABLE_WEIGHTS as error:
                 raise ModelUnavailable(
                     f"--fid-weights {weights.source} are not Inception-v3's FID weights "
-                    f"(pt_inception-2015-12-05): {str(error).splitlines()[0]}"
+                    f"(pt_inception-2015-12-05): {_first_words(error)}"
                 ) from None
             self._inception = (weights.sha256, model.to(device_name()))
         return self._inception[1]
@@ -276,3 +276,11 @@ class LoadedModels:
             )
         unet = unet.to(device_name(), dtype).eval().requires_grad_(False)
         return unet, DDPMScheduler.from_config(config)
+
+
+def _first_words(error: Exception, most: int = 300) -> str:
+    """An error's first lines, on one line and cut at `most` characters: torch's refusal of
+    a state dict says what it is in its first line and which keys in its second (hundreds of
+    them, for a whole other model's)."""
+    said = " ".join(line.strip() for line in str(error).splitlines()[:2] if line.strip())
+    return said if len(said) <= most else f"{said[: most - 3]}..."
