@@ -127,7 +127,13 @@ def test_curate_embedded_scores_as_a_plain_clip_loop_and_refuses_bad_inputs(
     # Bad inputs: refused by name, exit 2, nothing written.
     narrow = head_state([WIDTH * 2, 8, 1], [0, 2], seed=3)
     save_file(narrow, tmp_path / "narrow.safetensors")
+    # Another model's tensors: named, not an error from reading them as a head's.
+    save_file({"weight": torch.zeros(1, WIDTH), "fc.bias": torch.zeros(1)},
+              tmp_path / "other.safetensors")  # fmt: skip
     refusals = [
+        (("pets", "--model", "tiny", "--nsfw-head", str(tmp_path / "other.safetensors")),
+         f"--nsfw-head {tmp_path / 'other.safetensors'}: not a head of linear layers keyed "
+         "layers.<i>.weight and .bias (it has fc.bias, weight)"),
         (("pets", "--model", str(clip), "--nsfw-head", str(tmp_path / "narrow.safetensors")),
          f"--nsfw-head {tmp_path / 'narrow.safetensors'}: the head takes 32-wide embeddings; "
          f"CLIP model tiny-clip makes {WIDTH}-wide ones"),

@@ -1,12 +1,16 @@
 """A curate job's specification: one image shard, scored by one CLIP model and the heads
 given, and where its CLIP image embeddings go."""
 
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from sdq.models.curate.clip import ScorerRef
 from sdq.models.datasets import SPEC_VERSION
 from sdq.models.specs import canonical_sha256
+
+# A scoring head's tensors: a stack of linear layers keyed layers.<i>.weight and .bias.
+HEAD_LAYER = re.compile(r"layers\.(\d+)\.(weight|bias)")
 
 
 @dataclass(frozen=True, kw_only=True)

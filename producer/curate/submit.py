@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models import tiny
 from sdq.models.curate.clip import ClipIdentity
-from sdq.models.curate.specs import CurateSpec, head_key
+from sdq.models.curate.specs import HEAD_LAYER, CurateSpec, head_key
 from sdq.models.datasets import derived_from
 from sdq.models.datasets.tables import Dataset, Shard
 from sdq.models.jobs.kinds import CURATE
@@ -108,12 +108,16 @@ def _safetensors_widths(path: Path, option: str) -> list[int]:
         with path.open("rb") as handle:
             (size,) = struct.unpack("<Q", handle.read(8))
             header = json.loads(handle.read(size))
-        weights = {key: value["shape"] for key, value in header.items() if key.endswith(".weight")}
-        indices = sorted(int(key.split(".")[1]) for key in weights)
-        shapes = [weights[f"layers.{index}.weight"] for index in indices]
-    except (OSError, struct.error, ValueError, KeyError, IndexError, TypeError) as error:
-        raise CannotCurate(f"{option} {path}: not a head of linear layers keyed "
-                           f"layers.<i>.weight ({error})") from None  # fmt: skip
+        tensors = {key: value["shape"] for key, value in header.items() if key != "__metadata__"}
+    except (OSError, struct.error, ValueError, TypeError, KeyError) as error:
+        raise CannotCurate(f"{option} {path}: not a safetensors file ({error!r})") from None
+    others = sorted(key for key in tensors if not HEAD_LAYER.fullmatch(key))
+    if others or not tensors:
+        named = f"it has {', '.join(others[:4])}{', ...' * (len(others) > 4)}"
+        raise CannotCurate(f"{option} {path}: not a head of linear layers keyed layers.<i>.weight "
+                           f"and .bias ({named if others else 'it has no tensors'})")  # fmt: skip
+    indices = sorted({int(HEAD_LAYER.fullmatch(key)[1]) for key in tensors})
+    shapes = [tensors.get(f"layers.{index}.weight", []) for index in indices]
     if not shapes or any(len(shape) != 2 for shape in shapes) or shapes[-1][0] != 1:
         raise CannotCurate(f"{option} {path}: not a stack of linear layers ending in one output")
     return [shape[1] for shape in shapes] + [1]

@@ -13,14 +13,13 @@ without loading torch itself.
 
 import io
 import json
-import re
 import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_safetensors
 
-LAYER = re.compile(r"layers\.(\d+)\.(weight|bias)")
+from sdq.models.curate.specs import HEAD_LAYER
 
 
 class BadHead(Exception):
@@ -39,7 +38,7 @@ def read_head(data: bytes, name: str) -> dict[str, torch.Tensor]:
 
 def linear_layers(state: dict[str, torch.Tensor], name: str) -> list[torch.nn.Linear]:
     """The head's linear layers in order, each input as wide as the one before's output."""
-    indices = sorted({int(match[1]) for key in state if (match := LAYER.fullmatch(key))})
+    indices = sorted({int(match[1]) for key in state if (match := HEAD_LAYER.fullmatch(key))})
     if not indices or set(state) != {f"layers.{i}.{part}" for i in indices
                                      for part in ("weight", "bias")}:  # fmt: skip
         raise BadHead(f"{name}: expected linear layers keyed layers.<i>.weight and .bias")
