@@ -25,7 +25,7 @@ from sdq.models.datasets.tables import Dataset, Sample, Shard
 from sdq.models.db import make_engine
 from sdq.models.jobs.lifecycle import OUTAGE
 from sdq.models.store import PARQUET, LocalStore
-from sdq.workers.curate.dedup import near_duplicates
+from sdq.workers.curate.dedup import Kmeans, near_duplicates
 from sdq.workers.shards.embeddings import embedding_shard_bytes
 from tests.browser import chromium, open_page, texts
 from tests.conftest import (
@@ -271,6 +271,14 @@ def test_dedup_finds_every_planted_near_duplicate_and_nothing_else(
     refused = sdq(env, tmp_path, "encode", "unique", "--model", "tiny", "--resolution", "64")
     assert refused.returncode == 2
     assert "dataset 'unique' is still being made by run 1" in refused.stderr
+
+
+def test_clusters_of_a_small_dataset_say_nothing_on_stderr(capfd: pytest.CaptureFixture) -> None:
+    """faiss writes a warning to stderr itself (past any log level) for fewer than 39 points
+    a cluster: a small dataset's `--dedup-clusters` is what its user asked for."""
+    points = np.random.default_rng(0).normal(size=(36, 8)).astype(np.float32)
+    assert Kmeans(points, 2, seed=1).centroids.shape == (2, 8)
+    assert capfd.readouterr().err == ""
 
 
 def test_near_duplicates_are_the_exact_pairs_over_the_threshold() -> None:

@@ -92,6 +92,9 @@ class Kmeans:
         self.model = faiss.Kmeans(
             sample.shape[1], clusters, niter=KMEANS_ITERATIONS, seed=seed, spherical=True,
             max_points_per_centroid=POINTS_PER_CENTROID,
+            # Its only use is a warning on stderr, past any log level, for fewer than 39
+            # points a cluster: a small dataset's dedup is what its user asked for.
+            min_points_per_centroid=1,
         )  # fmt: skip
         self.model.train(_unit(sample))
 
