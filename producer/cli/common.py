@@ -167,7 +167,8 @@ def send_run(app: SdqCelery, run_id: int, *, total: int | None = None, show: boo
         # The jobs are committed already: what was not sent stays queued, for the relay.
         display.console.print(
             f"stopped sending: run {run_id}'s jobs not sent yet stay queued; beat's relay "
-            f"sends them once their queue is idle, `sdq requeue {run_id}` at once"
+            f"sends them once their queue is idle, `sdq requeue {run_id}` at once",
+            soft_wrap=True,
         )
         sys.exit(INTERRUPTED)
 
@@ -243,7 +244,8 @@ def watching(run_id: int) -> Iterator[Callable[[], int | None]]:
     except KeyboardInterrupt as interrupt:
         display.console.print(
             f"stopped watching: run {run_id} goes on on the workers; "
-            f"`sdq resume {run_id} --wait` watches it again"
+            f"`sdq resume {run_id} --wait` watches it again",
+            soft_wrap=True,
         )
         sys.exit(interrupted_by(interrupt)[1])
 

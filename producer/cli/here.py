@@ -121,7 +121,8 @@ def _stop_here(app: SdqCelery, run_id: int, worker: Worker, reason: str, code: i
     finished = sum(counts[status] for status in FINISHED)
     display.console.print(
         f"stopped: {finished} of {sum(counts.values())} jobs finished, and kept; {put_back}; "
-        f"`sdq resume {run_id}` finishes the rest"
+        f"`sdq resume {run_id}` finishes the rest",
+        soft_wrap=True,  # the command whole, to be copied
     )
     sys.exit(code)
 
