@@ -107,10 +107,7 @@ def claim(
     mine = Job.id.in_(job_ids) & (Job.kind == kind)
     bury_exhausted(session, mine, max_attempts=max_attempts, worker=worker, at=now)
     claimable = or_(Job.status.in_(CLAIMABLE), abandoned) & ~_twin_running(now).exists()
-    # Whose lease ran out, for the history: a second "running" says why it came.
-    lapsed = dict(session.execute(
-        select(Job.id, Job.worker_host).where(mine, abandoned).with_for_update()
-    ).all())  # fmt: skip
+    lapsed = _lapsed_holders(session, mine & abandoned)
     claimed = session.scalars(
         update(Job)
         .where(mine, claimable)
@@ -125,12 +122,31 @@ def claim(
         .returning(Job),
         execution_options={"synchronize_session": False},
     ).all()
-    # One history insert for the fresh jobs, one for each worker whose jobs are taken over.
+    _record_claimed(session, claimed, lapsed, worker=worker, at=now)
+    return sorted(claimed, key=lambda job: job.id)
+
+
+def _lapsed_holders(session: Session, lapsed: ColumnElement[bool]) -> dict[int, str]:
+    """Job id -> the worker whose lease on it ran out, the rows locked: for the history,
+    where a second "running" says why it came."""
+    query = select(Job.id, Job.worker_host).where(lapsed).with_for_update()
+    return dict(session.execute(query).all())
+
+
+def _record_claimed(
+    session: Session,
+    claimed: Sequence[Job],
+    lapsed: dict[int, str],
+    *,
+    worker: Worker,
+    at: datetime,
+) -> None:
+    """The history's "running" events: one insert for the fresh jobs, one for each worker
+    whose jobs were taken over as their lease ran out (`lapsed`: job id -> its holder)."""
     for holder in {lapsed.get(job.id) for job in claimed}:
         ids = [job.id for job in claimed if lapsed.get(job.id) == holder]
         taken = None if holder is None else f"taken over: the lease of {holder} ran out"
-        record_events(session, ids, JobStatus.running, worker=worker, detail=taken, at=now)
-    return sorted(claimed, key=lambda job: job.id)
+        record_events(session, ids, JobStatus.running, worker=worker, detail=taken, at=at)
 
 
 def extend_leases(

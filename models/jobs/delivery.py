@@ -122,7 +122,23 @@ def deliver(
     on_claimed([job.id for job in jobs])
     # 2. Jobs whose outputs are stored already (a twin's, an earlier attempt's) are done.
     todo = _reuse(jobs, work, outcome, sessions=sessions, worker=worker)
-    # 3. Work on the rest under kept leases, each output recorded as it comes.
+    outcome.done = sorted(
+        _work_on(todo, work, outcome, sessions=sessions, worker=worker, settings=settings)
+    )
+    return outcome
+
+
+def _work_on(
+    todo: Sequence[Job],
+    work: Work,
+    outcome: Outcome,
+    *,
+    sessions: sessionmaker[Session],
+    worker: Worker,
+    settings: JobSettings,
+) -> set[int]:
+    """The jobs left, worked on; returns those done."""
+    # 3. Work on them under kept leases, each output recorded as it comes.
     record = Recorder(sessions, worker)
     try:
         with (
@@ -142,8 +158,7 @@ def deliver(
     else:
         # 4c. Every job done but those the work left (put back): the last outputs recorded.
         outcome.put_back = _finish(work, record, sessions=sessions, worker=worker)
-    outcome.done = sorted(record.done)
-    return outcome
+    return record.done
 
 
 def _finish(

@@ -63,15 +63,22 @@ def checkpoint_named(session: Session, ref: str) -> Checkpoint | None:
         step = int(match["step"])
     found = next((c for c in models if c.step == step), None)
     if found is None:
-        newest = "" if owner.isdigit() else f" ({owner} names run {run_id}, the newest into it)"
-        raise ModelNotFound(
-            f"{ref}: no model at step {step}{newest} (a checkpoint holds the training state "
+        raise ModelNotFound(_no_model_at(session, ref, step, models, run_id))
+    return found
+
+
+def _no_model_at(
+    session: Session, ref: str, step: int, models: list[Checkpoint], run_id: int
+) -> str:
+    """Why `ref` names no model: which steps run `run_id` (the one it names) has one at,
+    and, for a NAME trained into again, which earlier runs into it have that step."""
+    owner = ref.partition("@")[0]
+    newest = "" if owner.isdigit() else f" ({owner} names run {run_id}, the newest into it)"
+    return (f"{ref}: no model at step {step}{newest} (a checkpoint holds the training state "
             f"only unless it is the run's last, renders validation prompts or --export-every "
             f"asks for it; old ones go with --keep-checkpoints); models at steps: "
             f"{', '.join(str(c.step) for c in models) or 'none yet'}"
-            f"{_in_older_runs(session, owner, step, run_id)}"
-        )
-    return found
+            f"{_in_older_runs(session, owner, step, run_id)}")  # fmt: skip
 
 
 def _in_older_runs(session: Session, owner: str, step: int, newest: int) -> str:

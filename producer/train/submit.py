@@ -16,7 +16,7 @@ from sdq.models.datasets import (
     squared_by,
 )
 from sdq.models.datasets.buckets import Bucket
-from sdq.models.datasets.tables import LatentShard, Shard
+from sdq.models.datasets.tables import Dataset, LatentShard, Shard
 from sdq.models.evaluate.scores import NoScores, best_step
 from sdq.models.generate.specs import FixedRenders
 from sdq.models.jobs.kinds import TRAIN
@@ -324,21 +324,25 @@ def _latent_shards(
         ).all()
         if shards:
             return [(shard, number) for shard, number in shards]
+    raise CannotTrain(_why_no_latents(session, dataset, base, resolution, buckets))
+
+
+def _why_no_latents(
+    session: Session, dataset: Dataset, base: ModelIdentity, resolution: int, buckets: bool
+) -> str:
+    """Why a dataset has nothing to train on as asked, and what makes it."""
+    name = dataset.name
     if unusable := no_usable_samples(session, dataset):
-        raise CannotTrain(unusable)
+        return unusable
     if buckets and (mode := squared_by(dataset.options)):
-        raise CannotTrain(
-            f"dataset {name!r} was downloaded with --resize-mode {mode}: its images are "
-            f"squares, and buckets need each image's own shape; train on squares (leave out "
-            f"--buckets), or download it again with --resize-mode keep_ratio and encode that "
-            f"with --buckets"
-        )
+        return (f"dataset {name!r} was downloaded with --resize-mode {mode}: its images are "
+                f"squares, and buckets need each image's own shape; train on squares (leave "
+                f"out --buckets), or download it again with --resize-mode keep_ratio and "
+                f"encode that with --buckets")  # fmt: skip
     shapes, option = ("the buckets of ", "--buckets") if buckets else ("", "--resolution")
-    raise CannotTrain(
-        f"dataset {name!r} has no latents made with {base.name} (revision "
-        f"{base.revision[:12]}) at {shapes}{resolution} px: "
-        f"`sdq encode {name} --model {base.name} {option} {resolution}` makes them"
-    )
+    return (f"dataset {name!r} has no latents made with {base.name} (revision "
+            f"{base.revision[:12]}) at {shapes}{resolution} px: `sdq encode {name} --model "
+            f"{base.name} {option} {resolution}` makes them")  # fmt: skip
 
 
 def _input(name: str, shard: LatentShard, number: int) -> LatentInput:
