@@ -288,7 +288,9 @@ def ctrl_c_kept() -> Iterator[Callable[[], int | None]]:
 def interrupted_by(interrupt: KeyboardInterrupt) -> tuple[str, int]:
     """What stopped the work (the signal ctrl_c_kept raised it for, else Ctrl-C), in words,
     and the exit status a shell gives a command stopped by that signal: 128 + its number."""
-    number = interrupt.args[0] if interrupt.args else signal.SIGINT
+    number = next(iter(interrupt.args), None)
+    if not isinstance(number, int):
+        number = signal.SIGINT
     if number == signal.SIGINT:
         return "Ctrl-C", INTERRUPTED
     return signal.Signals(number).name, 128 + number
