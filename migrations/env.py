@@ -19,8 +19,8 @@ def run_migrations(connection: Connection) -> None:
         target_metadata=Base.metadata,
         # SQLite cannot ALTER most things; batch mode rebuilds the table instead.
         render_as_batch=connection.dialect.name == "sqlite",
-        # SQLite's DDL is transactional too: an upgrade there is one transaction, as on
-        # Postgres, not one per migration (Alembic's default for it).
+        # One transaction around the whole upgrade on SQLite too, as run_command began it
+        # before Alembic did (Alembic's default there is one per migration).
         transactional_ddl=True,
         compare_type=True,
     )

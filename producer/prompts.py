@@ -106,12 +106,14 @@ def seeded_prompts(path: Path) -> tuple[tuple[str, int], ...]:
 
 
 def is_prompt_file_header(line: str) -> bool:
-    """Whether a line is a prompt file's header (a `prompt` column among others, which the
-    file's reading then checks), as a file of one prompt a line begins with a prompt."""
+    """Whether a line is a prompt file's header, as `sdq run` reads one (known columns, in
+    any case, `prompt` among them), where a file of one prompt a line begins with a prompt
+    ("portrait, prompt, 8k" is one)."""
     try:
-        return "prompt" in (column.strip() for column in next(csv.reader([line])))
+        columns = {column.strip().lower() for column in next(csv.reader([line]))}
     except (csv.Error, StopIteration):
         return False
+    return "prompt" in columns and columns <= set(COLUMNS)
 
 
 def _columns(reader, name: str) -> list[str]:

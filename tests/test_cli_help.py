@@ -111,6 +111,7 @@ def test_a_model_name_that_would_read_as_another_is_refused(tmp_path, monkeypatc
     for words, message in [
         ([*train, "tiny"], "'tiny' is sdq's built-in model: name yours otherwise"),
         ([*train, "pets@2"], "'pets@2': a model name has no '@' or '/'"),
+        ([*train, "7"], "'7' would read as run 7 in 7@STEP"),
         (["model", "push", str(tmp_path), "tiny"], "'tiny' is sdq's built-in model"),
     ]:
         refused = CliRunner().invoke(main, words, env={"SDQ_HOME": str(tmp_path)})

@@ -290,7 +290,8 @@ def test_the_jobs_index_is_built_while_the_last_release_s_workers_write_jobs() -
         upgrade(engine, "0028")
         with engine.connect() as in_hand, engine.connect() as later:
             in_hand.execute(text("UPDATE jobs SET status = status WHERE false"))  # its lock
-            building = threading.Thread(target=upgrade, args=(engine, "0029"))
+            failed: list[BaseException] = []
+            building = threading.Thread(target=_upgrading, args=(engine, "0029", failed))
             building.start()
             wait_for(lambda: waiting_on_a_lock(later, "CREATE INDEX"), what="the index build")
             # Not a time limit: a write queued behind a plain build would wait for ever.
@@ -306,6 +307,14 @@ def test_the_jobs_index_is_built_while_the_last_release_s_workers_write_jobs() -
             assert connection.scalar(text(valid)) is True
         assert not building.is_alive()
         engine.dispose()
+
+
+def _upgrading(engine: Engine, revision: str, failed: list[BaseException]) -> None:
+    try:
+        upgrade(engine, revision)
+    except BaseException as error:  # seen by the test, not lost with the thread
+        failed.append(error)
+        raise
 
 
 def waiting_on_a_lock(connection: Connection, statement: str) -> bool:

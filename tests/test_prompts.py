@@ -122,10 +122,16 @@ def test_renders_at_fixed_seeds_read_one_prompt_a_line_or_a_prompt_file(
     assert read_prompt_lines(lines, "--prompts") == (("a red circle", 1), ("a blue square", 3))
     table = write(tmp_path / "prompts.csv", 'prompt,seed\n"a red circle, bright",7\nsquare,\n')
     assert read_prompt_lines(table, "--prompts") == (("a red circle, bright", 7), ("square", 3))
-    typo = write(tmp_path / "typo.csv", "prompt,sead\nx,1\n")
+    # A spreadsheet's export: a byte-order mark, the columns capitalised.
+    exported = write(tmp_path / "exported.csv", "\ufeffPrompt,Seed\nsquare,5\n")
+    assert read_prompt_lines(exported, "--prompts") == (("square", 5),)
+    bad_row = write(tmp_path / "bad.csv", "prompt,seed\nsquare,five\n")
     with pytest.raises(SystemExit) as ended:
-        read_prompt_lines(typo, "--eval-prompts")
-    assert ended.value.code == 2 and "typo.csv:1" in capsys.readouterr().err
+        read_prompt_lines(bad_row, "--eval-prompts")
+    assert ended.value.code == 2 and "bad.csv:2: seed" in capsys.readouterr().err
+    # A prompt that names a column among its words is a prompt.
+    worded = write(tmp_path / "worded.txt", "portrait, prompt, 8k\n")
+    assert read_prompt_lines(worded, "--prompts") == (("portrait, prompt, 8k", 1),)
     empty = write(tmp_path / "empty.txt", "\n \n")
     with pytest.raises(click.BadParameter) as refused:
         read_prompt_lines(empty, "--eval-prompts")

@@ -11,6 +11,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -23,8 +24,11 @@ from sqlalchemy import select
 from sdq.models.db import make_engine, session_factory
 from sdq.models.jobs.kinds import TRAIN as TRAIN_KIND
 from sdq.models.jobs.lifecycle import OUTAGE
+from sdq.models.jobs.outbox import open_run
+from sdq.models.registry import ModelNotFound
 from sdq.models.tables import Job, JobEvent, JobStatus, Run
 from sdq.models.train.inputs import read_inputs_manifest
+from sdq.models.train.models import checkpoint_named
 from sdq.models.train.status import time_shares
 from sdq.models.train.tables import Checkpoint, TrainStep
 from sdq.producer.train.lookups import latest_step
@@ -285,6 +289,27 @@ def test_a_diverged_run_ends_dead_at_once_naming_the_step_it_went_at(tmp_path: P
     nowhere = run_sdq(env, "train", "toy", "--resume-from", "999", "--resolution", "64",
                       "--steps", "2", cwd=tmp_path)  # fmt: skip
     assert nowhere.returncode == 2 and "--resume-from 999: there is no run 999" in nowhere.stderr
+
+
+def test_a_name_trained_into_again_points_to_the_runs_that_have_the_step(
+    migrated_postgres: str,
+) -> None:
+    """NAME@STEP is the newest run into NAME's: where that one has no checkpoint yet, the
+    refusal says so and names the earlier runs into NAME that have the step (a generic
+    "unknown model" said neither)."""
+    name = f"again-{uuid.uuid4().hex[:8]}"
+    sessions = session_factory(make_engine(migrated_postgres))
+    with sessions.begin() as session:
+        older = open_run(session, TRAIN_KIND, source="toy", options={"into": name})
+        session.add(Checkpoint(run_id=older.id, step=4, uri="u", model_prefix="p",
+                               model_revision="r" * 64))  # fmt: skip
+        newer = open_run(session, TRAIN_KIND, source="toy", options={"into": name})
+    with sessions() as session, pytest.raises(ModelNotFound) as refused:
+        checkpoint_named(session, f"{name}@4")
+    assert str(refused.value) == (
+        f"{name}@4: {name} names run {newer.id}, the newest into it, which has no checkpoint "
+        f"yet; earlier runs into {name} have it: {older.id}@4"
+    )
 
 
 def test_a_run_s_wall_time_splits_into_its_shares(migrated_postgres: str) -> None:

@@ -92,6 +92,8 @@ def test_a_stopping_signal_is_remembered_unless_the_command_was_started_deaf_to_
         assert interrupted_by(interrupt) == expected
     else:
         assert interrupt is None
+    # Raised with words, not by ctrl_c_kept's handler: Ctrl-C's.
+    assert interrupted_by(KeyboardInterrupt("stop")) == ("Ctrl-C", 130)
 
 
 def test_a_ctrl_c_python_drops_in_a_callback_still_stops_the_work() -> None:

@@ -18,17 +18,21 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
+    index = {
+        "index_name": "ix_jobs_run_id_id",
+        "table_name": "jobs",
+        "columns": ["run_id", "id"],
+        "postgresql_include": ["status", "lease_expires_at"],
+    }
+    if op.get_bind().dialect.name != "postgresql":
+        op.create_index(**index)
+        return
     # Built CONCURRENTLY, outside the upgrade's transaction: jobs is the largest table, and
     # a plain build blocks every write to it until it ends, so the last release's workers,
-    # which go on through a rolling upgrade, could neither claim nor finish a job.
+    # which go on through a rolling upgrade, could neither claim nor finish a job. Committed
+    # apart from the version stamp: an upgrade stopped after it finds it there next time.
     with op.get_context().autocommit_block():
-        op.create_index(
-            "ix_jobs_run_id_id",
-            "jobs",
-            ["run_id", "id"],
-            postgresql_include=["status", "lease_expires_at"],
-            postgresql_concurrently=True,
-        )
+        op.create_index(**index, postgresql_concurrently=True, if_not_exists=True)
 
 
 def downgrade() -> None:

@@ -47,11 +47,10 @@ def checkpoint_named(session: Session, ref: str) -> Checkpoint | None:
     checkpoints = session.scalars(
         select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.step)
     ).all()
-    if not checkpoints and owner.isdigit():  # a NAME may still be another kind of model's
-        held = "has no checkpoint yet" if run_id else "is not a train run (`sdq runs` lists them)"
-        raise ModelNotFound(f"{ref}: run {owner} {held}")
     if not checkpoints:
-        return None
+        if run_id is None and not owner.isdigit():
+            return None  # a NAME no train run took: another kind of model's, or none
+        raise ModelNotFound(_no_checkpoint_yet(session, ref, run_id, match["step"]))
     models = [c for c in checkpoints if c.model_prefix is not None and c.deleted_at is None]
     if match["best"] is not None:
         try:
@@ -65,6 +64,19 @@ def checkpoint_named(session: Session, ref: str) -> Checkpoint | None:
     if found is None:
         raise ModelNotFound(_no_model_at(session, ref, step, models, run_id))
     return found
+
+
+def _no_checkpoint_yet(session: Session, ref: str, run_id: int | None, step: str | None) -> str:
+    """Why `ref` names no checkpoint: its run has none yet, or is not a train run; for a
+    NAME, which earlier runs into it have the step."""
+    owner = ref.partition("@")[0]
+    if owner.isdigit():
+        held = "has no checkpoint yet" if run_id else "is not a train run (`sdq runs` lists them)"
+        return f"{ref}: run {owner} {held}"
+    older = _in_older_runs(session, owner, int(step), run_id) if step else ""
+    return (
+        f"{ref}: {owner} names run {run_id}, the newest into it, which has no checkpoint yet{older}"
+    )
 
 
 def _no_model_at(

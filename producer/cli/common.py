@@ -49,11 +49,14 @@ class NothingNamed(InputError):
 def model_name(_ctx: click.Context, _param: click.Parameter, name: str | None) -> str | None:
     """A name models are registered under (`sdq train --into`, `sdq model push`'s NAME):
     not the built-in model's, which `--model tiny` would go on meaning, nor one a reference
-    would read as a checkpoint (NAME@STEP) or a path."""
+    would read as a checkpoint (NAME@STEP), a run's number or a path."""
     if name == tiny.TINY_NAME:
         raise click.BadParameter(f"{name!r} is sdq's built-in model: name yours otherwise")
     if name is not None and ("@" in name or "/" in name):
         raise click.BadParameter(f"{name!r}: a model name has no '@' or '/'")
+    if name is not None and name.isdigit():
+        raise click.BadParameter(f"{name!r} would read as run {name} in {name}@STEP: a model "
+                                 f"name is more than a number")  # fmt: skip
     return name
 
 
@@ -159,18 +162,22 @@ def send_run(app: SdqCelery, run_id: int, *, total: int | None = None, show: boo
     """Sends the run's unfinished jobs that no live worker holds (the outbox's send), with a
     bar against `total` (or a count) when `show`."""
     try:
-        with app.sender() as send, display.counting("sending", total=total, show=show) as sent:
+        with (
+            app.sender() as send,
+            display.counting("sending", total=total, show=show) as sent,
+            ctrl_c_kept(),  # SIGTERM too
+        ):
             return enqueue(app.sessions, send, run_id, on_sent=sent)
     except EnqueueFailed as error:
         raise click.ClickException(str(error)) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         # The jobs are committed already: what was not sent stays queued, for the relay.
         display.console.print(
             f"stopped sending: run {run_id}'s jobs not sent yet stay queued; beat's relay "
             f"sends them once their queue is idle, `sdq requeue {run_id}` at once",
             soft_wrap=True,
         )
-        sys.exit(INTERRUPTED)
+        sys.exit(interrupted_by(interrupt)[1])
 
 
 def report_submission(fields: dict[str, Any], line: str, *, as_json: bool) -> None:

@@ -37,7 +37,7 @@ def read_prompt_lines(path: Path, option: str) -> tuple[tuple[str, int], ...]:
     one with a header, as `sdq run` and `--validation-prompts` read it (seeds its own)."""
     data = path.read_bytes()
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # without the BOM a spreadsheet's export begins with
     except UnicodeDecodeError as error:
         line = data[: error.start].count(b"\n") + 1
         byte = data[error.start]
