@@ -32,6 +32,15 @@ class EvaluationRequest:
     dataset: str | None = None  # a dataset of its own to evaluate on (--eval-dataset)
 
 
+def read_seeded_prompts(path: Path) -> tuple[tuple[str, int], ...]:
+    """A prompt file as `sdq run` reads it, each prompt with its seed (seeded_prompts); its
+    problems end the command, naming file, line and field."""
+    try:
+        return seeded_prompts(path)
+    except InvalidInput as problems:
+        exit_bad_input(problems)
+
+
 def read_prompt_lines(path: Path, option: str) -> tuple[tuple[str, int], ...]:
     """A prompt file, one prompt a line (blank lines skipped), each seeded by its line; or
     one with a header, as `sdq run` and `--validation-prompts` read it (seeds its own)."""
@@ -49,10 +58,7 @@ def read_prompt_lines(path: Path, option: str) -> tuple[tuple[str, int], ...]:
     lines = [(number, line.strip()) for number, line in enumerate(text.splitlines(), start=1)]
     prompts = tuple((line, number) for number, line in lines if line)
     if prompts and is_prompt_file_header(prompts[0][0]):
-        try:
-            return seeded_prompts(path)
-        except InvalidInput as problems:
-            exit_bad_input(problems)
+        return read_seeded_prompts(path)
     if not prompts:
         raise click.BadParameter(f"{path}: no prompts (one prompt a line)", param_hint=option)
     return prompts

@@ -39,6 +39,7 @@ from sdq.producer.cli.options import declared_options, from_command_line
 from sdq.producer.evaluate.request import (
     EvaluationRequest,
     pop_evaluation_options,
+    read_seeded_prompts,
     train_evaluation_options,
     train_evaluation_request,
 )
@@ -58,7 +59,6 @@ from sdq.producer.train.refusals import (
     check_job_length,
     check_trackers,
     checked_options,
-    read_validation_prompts,
 )
 from sdq.producer.train.screens import report_status
 from sdq.producer.train.submit import CannotTrain, TrainSubmission, base_and_start, record_train
@@ -181,7 +181,7 @@ def start(
     # 1. Refused before anything is written: options that do not go together or fit.
     train_options, evaluation = _checked(app, options, base=base, resume_from=resume_from,
                                          resolution=resolution, gpu_memory=gpu_memory)  # fmt: skip
-    prompts = read_validation_prompts(validation_prompts) if validation_prompts else ()
+    prompts = read_seeded_prompts(validation_prompts) if validation_prompts else ()
     check_trackers(app, report_to)
     # 2. The run and its first job.
     ready_to_submit(app)

@@ -3,18 +3,14 @@ a job too long for its queue's time limit, a tracker missing where the run train
 validation prompt file that does not read."""
 
 import importlib.util
-from pathlib import Path
 from typing import Any
 
 import click
 
 from sdq.models.train.architectures import InvalidArchitecture, unet_architecture
 from sdq.models.train.specs import TRAINING_SHARE_OF_TIME_LIMIT, TrainOptions
-from sdq.producer.cli.common import exit_bad_input
 from sdq.producer.cli.options import from_command_line
-from sdq.producer.errors import InvalidInput
 from sdq.producer.evaluate.request import EvaluationRequest
-from sdq.producer.prompts import seeded_prompts
 from sdq.workers.app import SdqCelery
 
 
@@ -85,10 +81,3 @@ def check_job_length(options: TrainOptions, soft_limit: float) -> None:
             f"raise SDQ_TRAIN_TASK_SOFT_TIME_LIMIT (and SDQ_TRAIN_TASK_TIME_LIMIT) on the "
             f"workers and here"
         )
-
-
-def read_validation_prompts(path: Path) -> tuple[tuple[str, int], ...]:
-    try:
-        return seeded_prompts(path)
-    except InvalidInput as problems:
-        exit_bad_input(problems)
