@@ -6,6 +6,7 @@ their bucket left out and counted, and what cannot work refused before anything 
 
 import io
 import json
+import sqlite3
 import subprocess
 from itertools import islice
 from pathlib import Path
@@ -211,6 +212,27 @@ def test_encode_buckets_places_each_image_in_one_latent_shard_per_bucket(tmp_pat
                          "--eval-metrics", "heldout_loss", cwd=tmp_path)  # fmt: skip
     [(step, loss)] = evaluated["scores"]["heldout_loss"]
     assert step == 2 and np.isfinite(loss)
+
+    # Lineage lists the samples each run trained on: every encoded one once (each is in one
+    # bucket's shard; the image too small for the area is in none), less those a run held
+    # out, which are the ones its evaluation scored.
+    encoded = sorted(
+        key
+        for path in (store / latents["prefix"]).glob("*.parquet")
+        for key in pq.read_table(path, columns=["key"])["key"].to_pylist()
+    )
+    held = pq.read_table(store / f"train/{evaluated['run_id']}/held_out.parquet")
+    held_keys = held["key"].to_pylist()
+    with sqlite3.connect(tmp_path / "sdq-data/sdq.db") as db:
+
+        def trained_on(run_id: int) -> list[str]:
+            return sorted(key for (key,) in db.execute(
+                "SELECT s.key FROM train_samples t JOIN samples s ON s.id = t.sample_id "
+                "WHERE t.run_id = ?", (run_id,)))  # fmt: skip
+
+        assert len(encoded) == 5 and trained_on(trained["run_id"]) == encoded
+        assert 0 < len(held_keys) < 5
+        assert sorted(trained_on(evaluated["run_id"]) + held_keys) == encoded
 
 
 # Twelve shards in three buckets, their sizes, and the bucket of each.

@@ -223,6 +223,30 @@ def test_latent_shards_gain_their_shape_and_keep_the_runs_that_read_them(
     upgrade(engine)
 
 
+def test_a_run_trained_on_its_latent_shards_rows_less_those_it_held_out(
+    empty_database: str,
+) -> None:
+    """A latent shard encoded before 0031 recorded no rows: it stands for its image shard's
+    kept samples, as before. One whose rows are recorded is those samples, less the rows the
+    run held out."""
+    samples = ("INSERT INTO samples (id, dataset_id, shard_id, key, url, status) VALUES "
+               "(1, 1, 1, 'a', 'u/a', 'success'), (2, 1, 1, 'b', 'u/b', 'success'), "
+               "(3, 1, 1, 'c', 'u/c', 'failed')")  # fmt: skip
+    engine = at_revision_with_rows(empty_database, "0025", [*TRAINED_ON_ROWS, samples])
+    upgrade(engine)
+    trained = "SELECT sample_id FROM train_samples WHERE run_id = 2 ORDER BY sample_id"
+    with engine.begin() as connection:
+        assert connection.scalars(text(trained)).all() == [1, 2]
+        connection.execute(text("INSERT INTO latent_samples VALUES (5, 0, 2), (5, 1, 1)"))
+        assert connection.scalars(text(trained)).all() == [1, 2]
+        connection.execute(text("INSERT INTO train_held_out VALUES (2, 5, 1)"))
+        assert connection.scalars(text(trained)).all() == [2]
+    downgrade(engine, "0030")
+    with engine.begin() as connection:
+        assert connection.scalar(text("SELECT count(*) FROM image_sources")) == 0
+    upgrade(engine)
+
+
 def test_every_command_on_a_database_without_tables_says_to_upgrade(tmp_path: Path) -> None:
     from click.testing import CliRunner
 

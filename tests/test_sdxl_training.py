@@ -261,10 +261,20 @@ def test_an_sdxl_model_encodes_trains_and_renders_through_the_workers(
     with psycopg.connect(database_url) as db:
         revision = db.execute("SELECT spec->>'model_revision' FROM jobs WHERE id = %s",
                               (job,)).fetchone()[0]  # fmt: skip
-        sources = db.execute("SELECT DISTINCT url FROM image_sources WHERE job_id = %s",
+        sources = db.execute("SELECT url FROM image_sources WHERE job_id = %s",
                              (job,)).fetchall()  # fmt: skip
+        # What the run learned from: its dataset less the samples it held out, each once.
+        held = pq.read_table(
+            io.BytesIO(_s3_bytes(s3_client, f"{env['SDQ_STORE_URL']}/train/{run}/held_out.parquet"))
+        )
+        held_out = db.execute("SELECT s.url FROM samples s JOIN datasets d ON d.id = s.dataset_id "
+                              "WHERE d.name = %s AND s.key = ANY(%s)",
+                              (DATASET, held["key"].to_pylist())).fetchall()  # fmt: skip
     assert revision == trained["checkpoints"][-1]["model_revision"]
-    assert sorted(url.split("/")[-1] for (url,) in sources) == sorted(f"{n}.jpg" for n in range(12))
+    assert 0 < len(held_out) < 12
+    assert sorted(url.split("/")[-1] for (url,) in sources + held_out) == sorted(
+        f"{n}.jpg" for n in range(12)
+    )
 
     # 3. A LoRA on the SDXL base: a file diffusers' SDXL pipeline loads; it renders over it.
     lora = sdq_json(env, *train, "--steps", "4", "--checkpoint-every", "4", "--lr", "1e-2",

@@ -6,7 +6,7 @@ shard row for each of its parent's files and a sample row for each of its kept s
 with no image copied: its options name the dataset whose files hold the images.
 
 Latent shards are a shard's VAE latents and text embeddings made by one model at one
-resolution, which training reads.
+resolution, which training reads; latent samples say which sample each of their rows is.
 """
 
 from datetime import datetime
@@ -151,3 +151,20 @@ class LatentShard(Base):
         ),
         Index("ix_latent_shards_dataset_id", "dataset_id"),
     )
+
+
+class LatentSample(Base):
+    """Which sample a latent shard's row is: the link that makes a run's lineage exact (an
+    image shard's samples too small for a resolution are in none of its latent shards, and
+    each sample is in one bucket's)."""
+
+    __tablename__ = "latent_samples"
+
+    latent_shard_id: Mapped[int] = mapped_column(
+        ForeignKey("latent_shards.id", ondelete="CASCADE"), primary_key=True
+    )
+    latent_row: Mapped[int] = mapped_column(Integer, primary_key=True)
+    sample_id: Mapped[int] = mapped_column(ForeignKey("samples.id", ondelete="CASCADE"))
+
+    # A sample deleted (its dataset dropped) finds its rows without reading them all.
+    __table_args__ = (Index("ix_latent_samples_sample_id", "sample_id"),)

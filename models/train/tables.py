@@ -30,6 +30,20 @@ class TrainInput(Base):
     )
 
 
+class HeldOutRow(Base):
+    """A row of a run's latent shard that training never reads (`--holdout`,
+    models/train/holdout.py), drawn at submit: lineage leaves it out of what the run
+    learned from."""
+
+    __tablename__ = "train_held_out"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    latent_shard_id: Mapped[int] = mapped_column(
+        ForeignKey("latent_shards.id", ondelete="CASCADE"), primary_key=True
+    )
+    latent_row: Mapped[int] = mapped_column(Integer, primary_key=True)
+
+
 class TrainStep(Base):
     """One optimizer step: what the loss curve and the throughput figures are made of."""
 

@@ -19,8 +19,8 @@ from sdq.workers.app import SdqCelery
 @pass_app
 def sql(app: SdqCelery, query: str, as_csv: bool, as_json: bool) -> None:
     """Run QUERY on the history (jobs, job_events, runs, job_history, run_summary, samples,
-    shards, checkpoints, image_sources...) in a read-only transaction: a statement that
-    writes fails and nothing changes."""
+    shards, checkpoints, image_sources, train_samples...) in a read-only transaction: a
+    statement that writes fails and nothing changes."""
     ensure_schema(app)
     with app.engine.connect() as connection:
         _read_only(connection)

@@ -5,7 +5,7 @@ checkpoint; the run's job count says how many there will be."""
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import insert, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.datasets import (
@@ -29,7 +29,7 @@ from sdq.models.train.architectures import check_fits
 from sdq.models.train.inputs import inputs_key, inputs_manifest
 from sdq.models.train.models import encoders_lineage
 from sdq.models.train.specs import LatentInput, TrainOptions, TrainShardSpec, checkpoint_prefix
-from sdq.models.train.tables import Checkpoint, TrainInput
+from sdq.models.train.tables import Checkpoint, HeldOutRow, TrainInput
 from sdq.producer.datasets.lookups import dataset_named, no_usable_samples
 from sdq.producer.errors import NotFound
 from sdq.producer.evaluate.request import EvaluationRequest
@@ -88,7 +88,7 @@ def record_train(
         #    (before the run is committed: a run never names a manifest that is not there).
         session.add_all(TrainInput(run_id=run.id, latent_shard_id=shard.id) for shard, _ in shards)
         inputs = [_input(name, shard, number) for shard, number in shards]
-        _check_left_to_train(name, inputs, options)
+        _hold_out(session, run.id, name, [shard for shard, _ in shards], inputs, options)
         store.put_bytes(inputs_key(run.id), inputs_manifest(inputs), content_type=PARQUET)
         # 4. Its first job, with what its checkpoints are scored by; the others follow.
         first = _first_job(run.id, base, options, into, validation, empty_prompt, start_from)
@@ -102,17 +102,32 @@ def record_train(
     return TrainSubmission(run.id, name, first.model_name, run.job_count, samples)
 
 
-def _check_left_to_train(name: str, inputs: list[LatentInput], options: TrainOptions) -> None:
-    """A held-out fraction that leaves no sample to train on is refused: the data lanes
-    would wait for ever on shards with no row to read."""
-    from sdq.models.train.holdout import kept_rows  # numpy: not at every command's start
+def _hold_out(
+    session: Session,
+    run_id: int,
+    name: str,
+    shards: list[LatentShard],
+    inputs: list[LatentInput],
+    options: TrainOptions,
+) -> None:
+    """The rows the run holds out, drawn as its ranks draw them, recorded for its lineage to
+    leave out. A fraction that leaves no sample to train on is refused: the data lanes would
+    wait for ever on shards with no row to read."""
+    if not options.holdout:
+        return
+    from sdq.models.train.holdout import held_out  # numpy: not at every command's start
 
-    # The first shard with a row left settles it: a large dataset is not drawn whole here.
-    if not any(len(kept_rows(item.key, item.samples, options.holdout, options.seed))
-               for item in inputs):  # fmt: skip
-        samples = sum(item.samples for item in inputs)
+    rows = [
+        {"run_id": run_id, "latent_shard_id": shard.id, "latent_row": int(row)}
+        for shard, item in zip(shards, inputs, strict=True)
+        for row in held_out(item.key, item.samples, options.holdout, options.seed).nonzero()[0]
+    ]
+    samples = sum(item.samples for item in inputs)
+    if len(rows) == samples:
         raise CannotTrain(f"--holdout {options.holdout} holds out all {samples} samples of "
                           f"{name}: none is left to train on; give a smaller fraction")  # fmt: skip
+    if rows:
+        session.execute(insert(HeldOutRow), rows)
 
 
 def _scored_by(

@@ -18,13 +18,13 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from sqlalchemy import delete, select, tuple_
+from sqlalchemy import delete, insert, select, tuple_
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.ahead import run_ahead
 from sdq.models.datasets import empty_pooled_key
 from sdq.models.datasets.buckets import Bucket
-from sdq.models.datasets.tables import Dataset, LatentShard, Shard
+from sdq.models.datasets.tables import Dataset, LatentSample, LatentShard, Sample, Shard
 from sdq.models.db import upsert
 from sdq.models.encode.specs import EncodeSpec
 from sdq.models.jobs.delivery import Work
@@ -174,7 +174,8 @@ class EncodeWork(Work):
             too_small=made.left_out,
         )
         with self.sessions.begin() as session:
-            _record(session, spec, stored, tensors=describe(encoded), seconds=seconds)
+            _record(session, spec, stored, lineage["key"], tensors=describe(encoded),
+                    seconds=seconds)  # fmt: skip
         return stored
 
     def _output(
@@ -250,10 +251,17 @@ def _forget_other_buckets(session: Session, spec: EncodeSpec, buckets: list[Buck
 
 
 def _record(
-    session: Session, spec: EncodeSpec, stored: Stored, *, tensors: dict[str, Any], seconds: float
+    session: Session,
+    spec: EncodeSpec,
+    stored: Stored,
+    keys: Sequence[str],
+    *,
+    tensors: dict[str, Any],
+    seconds: float,
 ) -> None:
-    """The lineage row: this latent file came from that image shard through that model.
-    Encoding a shard again (a redelivered job) rewrites the row, never adds a second."""
+    """The lineage rows: this latent file came from that image shard through that model, and
+    its rows are the samples with those `keys`. Encoding a shard again (a redelivered job)
+    rewrites them, never adds a second."""
     dataset_id, shard_id = _image_shard(session, spec)
     row = {
         "dataset_id": dataset_id,
@@ -274,13 +282,32 @@ def _record(
         "finished_at": utcnow(),
     }
     key = ["shard_id", "model_revision", "resolution", "bucketed", "width", "height"]
-    session.execute(
+    latent_shard_id = session.execute(
         upsert(session, LatentShard)
         .values(row)
         .on_conflict_do_update(
             index_elements=key, set_={name: value for name, value in row.items() if name not in key}
         )
+        .returning(LatentShard.id)
+    ).scalar_one()
+    _record_samples(session, latent_shard_id, shard_id, keys)
+
+
+def _record_samples(
+    session: Session, latent_shard_id: int, shard_id: int, keys: Sequence[str]
+) -> None:
+    """Which sample each of the latent shard's rows is, in place of what an earlier encoding
+    of it recorded."""
+    samples = dict(
+        session.execute(select(Sample.key, Sample.id).where(Sample.shard_id == shard_id)).all()
     )
+    session.execute(delete(LatentSample).where(LatentSample.latent_shard_id == latent_shard_id))
+    if keys:
+        session.execute(
+            insert(LatentSample),
+            [{"latent_shard_id": latent_shard_id, "latent_row": row, "sample_id": samples[key]}
+             for row, key in enumerate(keys)],
+        )  # fmt: skip
 
 
 def _made_from(spec: EncodeSpec, bucket: Bucket, scaling_factor: float) -> dict[str, Any]:
