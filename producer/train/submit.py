@@ -5,7 +5,7 @@ checkpoint; the run's job count says how many there will be."""
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from sqlalchemy import insert, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.datasets import (
@@ -17,6 +17,7 @@ from sdq.models.datasets import (
 )
 from sdq.models.datasets.buckets import Bucket
 from sdq.models.datasets.tables import Dataset, LatentShard, Shard
+from sdq.models.db import copy_rows
 from sdq.models.evaluate.scores import NoScores, best_step
 from sdq.models.generate.specs import FixedRenders
 from sdq.models.jobs.kinds import TRAIN
@@ -126,8 +127,7 @@ def _hold_out(
     if len(rows) == samples:
         raise CannotTrain(f"--holdout {options.holdout} holds out all {samples} samples of "
                           f"{name}: none is left to train on; give a smaller fraction")  # fmt: skip
-    if rows:
-        session.execute(insert(HeldOutRow), rows)
+    copy_rows(session, HeldOutRow.__table__, rows)
 
 
 def _scored_by(

@@ -18,14 +18,14 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from sqlalchemy import delete, insert, select, tuple_
+from sqlalchemy import delete, select, tuple_
 from sqlalchemy.orm import Session, sessionmaker
 
 from sdq.models.ahead import run_ahead
 from sdq.models.datasets import empty_pooled_key
 from sdq.models.datasets.buckets import Bucket
 from sdq.models.datasets.tables import Dataset, LatentSample, LatentShard, Sample, Shard
-from sdq.models.db import upsert
+from sdq.models.db import copy_rows, upsert
 from sdq.models.encode.specs import EncodeSpec
 from sdq.models.jobs.delivery import Work
 from sdq.models.jobs.lifecycle import Output, utcnow
@@ -302,12 +302,12 @@ def _record_samples(
         session.execute(select(Sample.key, Sample.id).where(Sample.shard_id == shard_id)).all()
     )
     session.execute(delete(LatentSample).where(LatentSample.latent_shard_id == latent_shard_id))
-    if keys:
-        session.execute(
-            insert(LatentSample),
-            [{"latent_shard_id": latent_shard_id, "latent_row": row, "sample_id": samples[key]}
-             for row, key in enumerate(keys)],
-        )  # fmt: skip
+    copy_rows(
+        session,
+        LatentSample.__table__,
+        [{"latent_shard_id": latent_shard_id, "latent_row": row, "sample_id": samples[key]}
+         for row, key in enumerate(keys)],
+    )  # fmt: skip
 
 
 def _made_from(spec: EncodeSpec, bucket: Bucket, scaling_factor: float) -> dict[str, Any]:
