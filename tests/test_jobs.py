@@ -46,8 +46,10 @@ class EchoWork(Work):
         self.store = store
         self.ran: list[int] = []
         self.go_on = threading.Event()  # what a job whose spec says "held" waits for
+        self.started = threading.Event()  # its jobs claimed, the work begun
 
     def run(self, jobs: Sequence[Job]) -> Iterator[Output]:
+        self.started.set()
         for job in jobs:
             failure = job.spec.get("fail")
             if failure == "permanent":
@@ -658,7 +660,9 @@ def delivered_through_an_outage(
     outage: tuple[float, float],
 ) -> tuple[sessionmaker[Session], list[int], Outcome]:
     """A message of `jobs` half-second jobs delivered with Postgres unreachable for a while
-    (`outage`: from, for how long, in seconds), through a proxy the test takes down."""
+    (`outage`: from, for how long, in seconds of the work), through a proxy the test takes
+    down. Timed from the work's start, not the delivery's: on a busy machine the claim
+    before it can take past the outage's start, which would then cut the claim instead."""
     settings = JobSettings(lease_seconds=lease_seconds, max_attempts=2)
     after, seconds = outage
     with OutageProxy(make_url(database_url).port or 5432) as proxy:
@@ -667,6 +671,7 @@ def delivered_through_an_outage(
                                       for n in range(jobs)))  # fmt: skip
 
         def cut() -> None:
+            work.started.wait(60)
             time.sleep(after)
             proxy.outage()
             time.sleep(seconds)
