@@ -15,6 +15,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import psutil
 import psycopg
 import pytest
 import torch
@@ -214,14 +215,16 @@ def ended_the_same(tmp_path: Path, whole: dict, limited: dict) -> None:
 def test_steps_reach_the_database_as_they_are_taken(tmp_path: Path) -> None:
     """Embedded, one job of 400 steps on two ranks: its steps (loss, speed), which rank 0
     writes, are in SQL, and `sdq train status` shows them, long before its checkpoint is.
-    (One rank, which trains in the worker's own process: the Ctrl-C test below.)"""
+    A SIGTERM (a service manager's stop) then stops the command as Ctrl-C does: its job
+    goes back, and no rank process outlives it. (One rank, which trains in the worker's own
+    process: the Ctrl-C test below.)"""
     world_size = "2"
     env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT), "SDQ_TRAIN_LOSS_EVERY": "5"}
     encoded_dataset(env, "toy", 8, tmp_path)
     training = subprocess.Popen(
         [sys.executable, "-m", "sdq.producer.cli", "train", "toy", *TRAIN, "--steps", "400",
          "--checkpoint-every", "400", "--world-size", world_size],
-        env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     database = tmp_path / "sdq-data/sdq.db"
 
@@ -236,12 +239,23 @@ def test_steps_reach_the_database_as_they_are_taken(tmp_path: Path) -> None:
         with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as db:
             [run_id] = db.execute("SELECT id FROM runs WHERE kind = 'train'").fetchone()
         status = sdq_json(env, "train", "status", str(run_id), cwd=tmp_path)
+        # Named now: a process its parent left behind would no longer be the command's.
+        started = psutil.Process(training.pid).children(recursive=True)
+        ranks = [process for process in started if re.fullmatch(r"sdq-rank\d", process.name())]
     finally:
-        training.send_signal(signal.SIGINT)
-        training.wait(120)
+        training.send_signal(signal.SIGTERM)
+        stderr = said_after(training, timeout=120)
     assert status["checkpoints"] == [] and status["checkpoint_step"] == 0
     assert 10 <= status["step"] < 400 and status["samples_per_second"]
     assert [step for step, _ in status["losses"]] == list(range(1, status["step"] + 1))
+
+    assert training.returncode == 143, stderr
+    assert "1 job in hand put back" in " ".join(stderr.split())
+    assert len(ranks) == 2
+    _, outliving = psutil.wait_procs(started, timeout=30)
+    assert outliving == []
+    stopped = sdq_json(env, "train", "status", str(run_id), cwd=tmp_path)
+    assert stopped["status"] == "queued"
 
 
 def test_a_diverged_run_ends_dead_at_once_naming_the_step_it_went_at(tmp_path: Path) -> None:
