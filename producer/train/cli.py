@@ -323,9 +323,12 @@ def _report_submission(submission: TrainSubmission, tasks: int, as_json: bool) -
             "model": submission.model,
             "jobs": submission.jobs,
             "samples": submission.samples,
+            "held_out": submission.held_out,
             "tasks": tasks,
         },
-        f"training on {submission.samples} samples in {submission.jobs} train-shard jobs; "
+        f"training on {submission.samples} samples"
+        + (f" ({submission.held_out} held out)" if submission.held_out else "")
+        + f" in {submission.jobs} train-shard jobs; "
         f"`sdq train status {submission.run_id}` follows it",
         as_json=as_json,
     )

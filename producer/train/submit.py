@@ -60,7 +60,8 @@ class TrainSubmission:
     dataset: str
     model: str  # what its checkpoints are registered as
     jobs: int
-    samples: int
+    samples: int  # trained on
+    held_out: int
 
 
 def record_train(
@@ -89,7 +90,8 @@ def record_train(
         #    (before the run is committed: a run never names a manifest that is not there).
         session.add_all(TrainInput(run_id=run.id, latent_shard_id=shard.id) for shard, _ in shards)
         inputs = [_input(name, shard, number) for shard, number in shards]
-        _hold_out(session, run.id, name, [shard for shard, _ in shards], inputs, options)
+        held_out = _hold_out(session, run.id, name, [shard for shard, _ in shards], inputs,
+                             options)  # fmt: skip
         store.put_bytes(inputs_key(run.id), inputs_manifest(inputs), content_type=PARQUET)
         # 4. Its first job, with what its checkpoints are scored by; the others follow.
         first = _first_job(run.id, base, options, into, validation, empty_prompt, start_from)
@@ -99,8 +101,8 @@ def record_train(
                                resolution=resolution, base=base)  # fmt: skip
         add_jobs(session, run, TRAIN, [first])
         run.job_count = -(-options.steps // options.checkpoint_every)
-    samples = sum(shard.samples for shard, _ in shards)
-    return TrainSubmission(run.id, name, first.model_name, run.job_count, samples)
+    samples = sum(shard.samples for shard, _ in shards) - held_out
+    return TrainSubmission(run.id, name, first.model_name, run.job_count, samples, held_out)
 
 
 def _hold_out(
@@ -110,12 +112,12 @@ def _hold_out(
     shards: list[LatentShard],
     inputs: list[LatentInput],
     options: TrainOptions,
-) -> None:
+) -> int:
     """The rows the run holds out, drawn as its ranks draw them, recorded for its lineage to
-    leave out. A fraction that leaves no sample to train on is refused: the data lanes would
-    wait for ever on shards with no row to read."""
+    leave out; how many. A fraction that leaves no sample to train on is refused: the data
+    lanes would wait for ever on shards with no row to read."""
     if not options.holdout:
-        return
+        return 0
     from sdq.models.train.holdout import held_out  # numpy: not at every command's start
 
     rows = [
@@ -128,6 +130,7 @@ def _hold_out(
         raise CannotTrain(f"--holdout {options.holdout} holds out all {samples} samples of "
                           f"{name}: none is left to train on; give a smaller fraction")  # fmt: skip
     copy_rows(session, HeldOutRow.__table__, rows)
+    return len(rows)
 
 
 def _scored_by(
