@@ -243,10 +243,10 @@ def test_an_sdxl_model_encodes_trains_and_renders_through_the_workers(
     # What it trains on, said at submit: the samples less those held out.
     assert training["samples"] + training["held_out"] == 12 and training["held_out"] > 0
     run = str(training["run_id"])
-    wait_for(lambda: sdq_json(env, "train", "status", run)["status"] == "succeeded",
-             what="the run", timeout=300)  # fmt: skip
+    wait_for(lambda: sdq_json(env, "train", "status", run)["status"] not in ("queued", "running"),
+             what="the run to end", timeout=300)  # fmt: skip
     trained = sdq_json(env, "train", "status", run)
-    assert trained["step"] == 6
+    assert (trained["status"], trained["step"]) == ("succeeded", 6)
     assert all(np.isfinite(loss) for _, loss in trained["losses"])
     wait_for(lambda: len(sdq_json(env, "train", "status", run)["scores"].get("heldout_loss", []))
              == 2, what="both checkpoints' held-out loss", timeout=240)  # fmt: skip
