@@ -47,6 +47,8 @@ JSON = "application/json"
 BATCHES_AHEAD = 2
 # Decoding threads; Pillow decodes without the GIL, so these use the CPU's cores.
 DECODE_THREADS = min(8, os.cpu_count() or 1)
+# What names a latent shard (its unique constraint): encoding it again rewrites its row.
+NAMED_BY = ("shard_id", "model_revision", "resolution", "bucketed", "width", "height")
 
 
 @dataclass
@@ -281,16 +283,21 @@ def _record(
         "seconds": seconds,
         "finished_at": utcnow(),
     }
-    key = ["shard_id", "model_revision", "resolution", "bucketed", "width", "height"]
-    latent_shard_id = session.execute(
+    _record_samples(session, _upsert_latent_shard(session, row), shard_id, keys)
+
+
+def _upsert_latent_shard(session: Session, row: dict[str, Any]) -> int:
+    """The latent shard's row, written or rewritten over the one that names the same shard;
+    its id."""
+    return session.execute(
         upsert(session, LatentShard)
         .values(row)
         .on_conflict_do_update(
-            index_elements=key, set_={name: value for name, value in row.items() if name not in key}
+            index_elements=NAMED_BY,
+            set_={name: value for name, value in row.items() if name not in NAMED_BY},
         )
         .returning(LatentShard.id)
     ).scalar_one()
-    _record_samples(session, latent_shard_id, shard_id, keys)
 
 
 def _record_samples(
