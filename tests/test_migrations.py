@@ -228,7 +228,7 @@ def test_a_run_trained_on_its_latent_shards_rows_less_those_it_held_out(
 ) -> None:
     """A latent shard encoded before 0031 recorded no rows: it stands for its image shard's
     kept samples, as before. One whose rows are recorded is those samples, less the rows the
-    run held out."""
+    run held out, and none once they are gone. Down again, the run keeps its inputs."""
     samples = ("INSERT INTO samples (id, dataset_id, shard_id, key, url, status) VALUES "
                "(1, 1, 1, 'a', 'u/a', 'success'), (2, 1, 1, 'b', 'u/b', 'success'), "
                "(3, 1, 1, 'c', 'u/c', 'failed')")  # fmt: skip
@@ -238,12 +238,16 @@ def test_a_run_trained_on_its_latent_shards_rows_less_those_it_held_out(
     with engine.begin() as connection:
         assert connection.scalars(text(trained)).all() == [1, 2]
         connection.execute(text("INSERT INTO latent_samples VALUES (5, 0, 2), (5, 1, 1)"))
+        connection.execute(text("UPDATE latent_shards SET rows_recorded = TRUE"))
         assert connection.scalars(text(trained)).all() == [1, 2]
         connection.execute(text("INSERT INTO train_held_out VALUES (2, 5, 1)"))
         assert connection.scalars(text(trained)).all() == [2]
+        connection.execute(text("DELETE FROM latent_samples"))  # its samples dropped
+        assert connection.scalars(text(trained)).all() == []
     downgrade(engine, "0030")
     with engine.begin() as connection:
         assert connection.scalar(text("SELECT count(*) FROM image_sources")) == 0
+        assert connection.execute(text("SELECT * FROM train_inputs")).all() == [(2, 5)]
     downgrade(engine, "base")  # its rows, ids given, gone from the session's database
     upgrade(engine)
 

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from sdq.migrations.sqlite import rows_kept, views_set_aside
+
 revision: str = "0031"
 down_revision: str | None = "0030"
 branch_labels: str | Sequence[str] | None = None
@@ -21,18 +23,18 @@ depends_on: str | Sequence[str] | None = None
 ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 # The samples a run trained on: its latent shards' rows less those it held out. A latent
-# shard encoded before its rows were recorded has none: it stands for its image shard's
-# kept samples, as every latent shard did before (its held-out and too-small ones too).
+# shard encoded before its rows were recorded stands for its image shard's kept samples,
+# as every latent shard did before (its held-out and too-small ones too).
 RECORDED = """
 JOIN latent_samples r ON r.latent_shard_id = l.id
 JOIN samples s ON s.id = r.sample_id
-WHERE NOT EXISTS (
+WHERE l.rows_recorded AND NOT EXISTS (
     SELECT 1 FROM train_held_out o
     WHERE o.run_id = i.run_id AND o.latent_shard_id = l.id AND o.latent_row = r.latent_row
 )"""
 UNRECORDED = """
 JOIN samples s ON s.shard_id = l.shard_id AND s.status = 'success'
-WHERE NOT EXISTS (SELECT 1 FROM latent_samples r WHERE r.latent_shard_id = l.id)"""
+WHERE NOT l.rows_recorded"""
 
 TRAIN_SAMPLES = """
 SELECT i.run_id, i.latent_shard_id, s.id AS sample_id
@@ -66,6 +68,10 @@ BEFORE = importlib.import_module("sdq.migrations.versions.0025_lora_image_source
 
 
 def upgrade() -> None:
+    op.add_column(
+        "latent_shards",
+        sa.Column("rows_recorded", sa.Boolean(), server_default=sa.false(), nullable=False),
+    )
     op.create_table(
         "latent_samples",
         sa.Column("latent_shard_id", ID, nullable=False),
@@ -104,6 +110,7 @@ def upgrade() -> None:
             "run_id", "latent_shard_id", "latent_row", name=op.f("pk_train_held_out")
         ),
     )
+    op.create_index("ix_train_held_out_latent_shard_id", "train_held_out", ["latent_shard_id"])
     op.execute("DROP VIEW image_sources")
     op.execute(_view("train_samples", TRAIN_SAMPLES))
     op.execute(_image_sources(_view("image_sources", IMAGE_SOURCES)))
@@ -112,9 +119,18 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.execute("DROP VIEW image_sources")
     op.execute("DROP VIEW train_samples")
+    op.drop_index("ix_train_held_out_latent_shard_id", table_name="train_held_out")
     op.drop_table("train_held_out")
     op.drop_index("ix_latent_samples_sample_id", table_name="latent_samples")
     op.drop_table("latent_samples")
+    # SQLite drops a column by rebuilding the table: the views on it set aside, and the
+    # train runs' inputs, which reference it, kept.
+    with (
+        rows_kept("train_inputs"),
+        views_set_aside("latent_shards"),
+        op.batch_alter_table("latent_shards") as table,
+    ):
+        table.drop_column("rows_recorded")
     op.execute(_image_sources(BEFORE.IMAGE_SOURCES))
 
 

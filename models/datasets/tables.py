@@ -134,6 +134,9 @@ class LatentShard(Base):
     # The shard's images left out of this resolution, too small for it (never upscaled);
     # bucketed, those of its images that went to this bucket.
     too_small: Mapped[int] = mapped_column(Integer, server_default="0")
+    # Whether its rows' samples are recorded (latent_samples): a shard encoded before they
+    # were stands for its image shard's kept samples in the lineage views.
+    rows_recorded: Mapped[bool] = mapped_column(Boolean, server_default=false())
     # Shapes and dtypes of the stored tensors, as the file's schema metadata has them.
     tensors: Mapped[dict[str, Any]] = mapped_column(JsonDocument)
     seconds: Mapped[float] = mapped_column(Float)

@@ -43,6 +43,9 @@ class HeldOutRow(Base):
     )
     latent_row: Mapped[int] = mapped_column(Integer, primary_key=True)
 
+    # A latent shard deleted (encoded again into other buckets) finds its rows here.
+    __table_args__ = (Index("ix_train_held_out_latent_shard_id", "latent_shard_id"),)
+
 
 class TrainStep(Base):
     """One optimizer step: what the loss curve and the throughput figures are made of."""

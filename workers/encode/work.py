@@ -279,6 +279,7 @@ def _record(
         "sha256": stored.sha256,
         "samples": stored.samples,
         "too_small": stored.too_small,
+        "rows_recorded": True,
         "tensors": tensors,
         "seconds": seconds,
         "finished_at": utcnow(),
