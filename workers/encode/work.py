@@ -137,13 +137,16 @@ class EncodeWork(Work):
             for key, encoded in encode_batch(encoders, batch).items():
                 made.setdefault(key, Made()).add(encoded, batch, key)
         self._store_empty_prompt(specs[0], encoders)
-        # 2. Each target's latent shards, sharing the time it took alike.
+        # 2. Each target's latent shards, sharing the time it took alike; the samples their
+        #    rows are, looked up once for all.
         seconds = (perf_counter() - started) / len(targets)
+        with self.sessions() as session:
+            samples = _sample_ids(session, specs[0])
         for job_id, spec in targets:
             shapes = {key[1]: made[key] for key in made if key[0] == spec.resolution}
             each = seconds / max(1, len(shapes))  # a shard of no image has no bucket
             stored = [
-                self._store(spec, shard, (bucket, of_shape), each, encoders)
+                self._store(spec, shard, (bucket, of_shape), each, encoders, samples)
                 for bucket, of_shape in shapes.items()
             ]
             if spec.buckets:
@@ -158,9 +161,11 @@ class EncodeWork(Work):
         target: tuple[Bucket, "Made"],
         seconds: float,
         encoders: "Encoders",
+        samples: dict[str, int],
     ) -> "Stored":
         """A target's latent shard in one shape (its encoded samples, the shard's rows they
-        are, and what it was made from) and its lineage row."""
+        are, and what it was made from) and its lineage rows (`samples`: the image shard's
+        sample ids by key)."""
         from sdq.workers.encode.encoders import join
 
         bucket, made = target
@@ -176,8 +181,8 @@ class EncodeWork(Work):
             too_small=made.left_out,
         )
         with self.sessions.begin() as session:
-            _record(session, spec, stored, lineage["key"], tensors=describe(encoded),
-                    seconds=seconds)  # fmt: skip
+            rows = [samples[key] for key in lineage["key"]]
+            _record(session, spec, stored, rows, tensors=describe(encoded), seconds=seconds)
         return stored
 
     def _output(
@@ -256,14 +261,14 @@ def _record(
     session: Session,
     spec: EncodeSpec,
     stored: Stored,
-    keys: Sequence[str],
+    rows: Sequence[int],
     *,
     tensors: dict[str, Any],
     seconds: float,
 ) -> None:
     """The lineage rows: this latent file came from that image shard through that model, and
-    its rows are the samples with those `keys`. Encoding a shard again (a redelivered job)
-    rewrites them, never adds a second."""
+    its rows are those samples (their ids, in order). Encoding a shard again (a redelivered
+    job) rewrites them, never adds a second."""
     dataset_id, shard_id = _image_shard(session, spec)
     row = {
         "dataset_id": dataset_id,
@@ -284,7 +289,7 @@ def _record(
         "seconds": seconds,
         "finished_at": utcnow(),
     }
-    _record_samples(session, _upsert_latent_shard(session, row), shard_id, keys)
+    _record_samples(session, _upsert_latent_shard(session, row), rows)
 
 
 def _upsert_latent_shard(session: Session, row: dict[str, Any]) -> int:
@@ -301,20 +306,22 @@ def _upsert_latent_shard(session: Session, row: dict[str, Any]) -> int:
     ).scalar_one()
 
 
-def _record_samples(
-    session: Session, latent_shard_id: int, shard_id: int, keys: Sequence[str]
-) -> None:
+def _sample_ids(session: Session, spec: EncodeSpec) -> dict[str, int]:
+    """The spec's image shard's samples: their ids by key."""
+    _, shard_id = _image_shard(session, spec)
+    query = select(Sample.key, Sample.id).where(Sample.shard_id == shard_id)
+    return dict(session.execute(query).all())
+
+
+def _record_samples(session: Session, latent_shard_id: int, rows: Sequence[int]) -> None:
     """Which sample each of the latent shard's rows is, in place of what an earlier encoding
     of it recorded."""
-    samples = dict(
-        session.execute(select(Sample.key, Sample.id).where(Sample.shard_id == shard_id)).all()
-    )
     session.execute(delete(LatentSample).where(LatentSample.latent_shard_id == latent_shard_id))
     copy_rows(
         session,
         LatentSample.__table__,
-        [{"latent_shard_id": latent_shard_id, "latent_row": row, "sample_id": samples[key]}
-         for row, key in enumerate(keys)],
+        [{"latent_shard_id": latent_shard_id, "latent_row": row, "sample_id": sample_id}
+         for row, sample_id in enumerate(rows)],
     )  # fmt: skip
 
 
