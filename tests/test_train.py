@@ -817,11 +817,10 @@ def test_a_job_runs_under_its_worker_s_limits_not_its_sender_s(
 ) -> None:
     """The train worker's soft time limit is 10 s (a cold worker's first job loads its model
     within it, and each job's last 20% is for its checkpoint, on a machine busy with the
-    other tests: at 6 s, the CI's runs went past it); the submit runs with the default 30
-    minutes. The
-    worker's limit is the one its jobs run under (each stops for it and checkpoints
-    early), not the one the sending process would have stamped on them. The worker takes
-    1 rank at most: a run of 2 goes dead, and `--wait` fails saying why."""
+    other tests: at 6 s, the checkpoints went past it); the submit runs with the default 30
+    minutes. The worker's limit is the one its jobs run under (each stops for it and
+    checkpoints early), not the one the sending process would have stamped on them. The
+    worker takes 1 rank at most: a run of 2 goes dead, and `--wait` fails saying why."""
     worker_env = {**own_deployment, **DOWNLOAD_ENV, "SDQ_TRAIN_TASK_SOFT_TIME_LIMIT": "10",
                   "SDQ_TRAIN_TASK_TIME_LIMIT": "600", "SDQ_TRAIN_LOSS_EVERY": "5",
                   "SDQ_TRAIN_RANKS": "1"}  # fmt: skip

@@ -1,6 +1,5 @@
 """What `sdq train` refuses before anything is written: options that do not go together,
-a job too long for its queue's time limit, a tracker missing where the run trains, and a
-validation prompt file that does not read."""
+a job too long for its queue's time limit, and a tracker missing where the run trains."""
 
 import importlib.util
 from typing import Any
