@@ -117,9 +117,10 @@ class WorkerProcess:
     `host` name of its own (a UTS namespace), as if on a machine of its own, where given:
     its Celery node is then NAME@host, its jobs' worker host:pid."""
 
-    # What the log says once the process is ready, and how long it may take to.
+    # What the log says once the process is ready, and how long it may take to: a net for
+    # one that hangs (one that dies fails at once), wide enough for a loaded machine.
     READY = "ready."
-    READY_SECONDS = 60
+    READY_SECONDS = 180
 
     def __init__(
         self,

@@ -139,7 +139,7 @@ def test_a_worker_whose_device_keeps_failing_is_taken_out_of_rotation(
         return [queue["name"] for queue in answers.get("cpu-render@sickbox", [])]
 
     try:
-        wait_for(lambda: "ready." in sick_log.read_text(), what="the sick worker", timeout=90)
+        wait_for(lambda: "ready." in sick_log.read_text(), what="the sick worker", timeout=180)
         listing = write(tmp_path / "p.csv", "prompt,seed\na sick device 1,1\na sick device 2,2\n")
         run_id = sdq_json(env, "submit", str(listing), "--steps", "2", "--batch-size", "1")[
             "run_id"

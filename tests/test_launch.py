@@ -173,10 +173,10 @@ def test_a_dead_worker_is_started_again_and_its_siblings_keep_working(
         return sorted(int(pid) for pid in listed.stdout.split())
 
     try:
-        wait_for(lambda: log.read_text().count("ready.") == 2, what="two workers", timeout=90)
+        wait_for(lambda: log.read_text().count("ready.") == 2, what="two workers", timeout=180)
         first, second = workers()
         os.kill(first, signal.SIGKILL)  # one of the workers dies
-        wait_for(lambda: log.read_text().count("ready.") == 3, what="a restart", timeout=90)
+        wait_for(lambda: log.read_text().count("ready.") == 3, what="a restart", timeout=180)
         said = (
             r"(train|cpu-render)@%h: killed by SIGKILL, perhaps out of memory; "
             r"starting it again in 2 s"
@@ -238,7 +238,7 @@ def test_a_train_worker_refuses_a_job_of_more_ranks_than_it_was_started_with(
         start_new_session=True,
     )  # fmt: skip
     try:
-        wait_for(lambda: "ready." in log.read_text(), what="the train worker", timeout=90)
+        wait_for(lambda: "ready." in log.read_text(), what="the train worker", timeout=180)
         subprocess.run(
             [sys.executable, "-m", "sdq.producer.cli", "resume", "1"],
             env=own_deployment, check=True, capture_output=True,

@@ -171,7 +171,7 @@ def test_gpu_workers_metrics_give_their_gpus_nvml_readings(service_env, tmp_path
     app = create_app(Settings.from_env(service_env))
     try:
         for log in logs:
-            wait_for(lambda: "ready." in log.read_text(), what=f"log: {log}", timeout=90)  # noqa: B023
+            wait_for(lambda: "ready." in log.read_text(), what=f"log: {log}", timeout=180)  # noqa: B023
         samples = {
             (sample.labels["worker"], sample.name, sample.labels.get("gpu")): sample.value
             for family in SdqCollector(app).collect()
