@@ -707,7 +707,7 @@ def test_a_run_over_two_nodes_goes_on_in_memory_and_gathers_again_when_a_node_di
     node's worker is killed (its ranks die with it) as soon as it has joined the first job's
     gang, in its ranks' start-up, and again in the second job, which its gang went on with
     from the first, once its ranks have trained past the job's first step (mid-job: most of
-    its 200 are left, its first window of 5 recorded). Each time the leader sees the node
+    its 100 are left, its first window of 5 recorded). Each time the leader sees the node
     unseen within seconds (not at the gang's or a collective's timeout, both set far off),
     fails the gathering as an outage, and the job gathers again with a worker started in the
     dead one's place. The third job comes back to the second's leader, and the gang goes on
@@ -732,8 +732,9 @@ def test_a_run_over_two_nodes_goes_on_in_memory_and_gathers_again_when_a_node_di
                WorkerProcess(env, tmp_path / "cpu.log", pool="cpu").start()]  # fmt: skip
     try:
         encoded_dataset(env, "gang-birds", 16, tmp_path)
-        run = ["train", "gang-birds", *TRAIN, "--steps", "600", "--checkpoint-every", "200",
-               "--world-size", "2"]  # fmt: skip
+        job_steps = 100  # a second job long enough to be killed in, short enough to run twice
+        run = ["train", "gang-birds", *TRAIN, "--steps", str(3 * job_steps), "--world-size", "2",
+               "--checkpoint-every", str(job_steps)]  # fmt: skip
         one_node = sdq_json(env, *run, "--wait")
         run_id = sdq_json(env, *run, "--nodes", "2")["run_id"]
 
@@ -778,7 +779,7 @@ def test_a_run_over_two_nodes_goes_on_in_memory_and_gathers_again_when_a_node_di
         wait_for(lambda: member(0, 2), what="the first job's second gathering", timeout=120)
         # The second job's gang went on from the first's; its ranks have recorded their
         # first window of steps.
-        wait_for(lambda: member(1, 1) and trained_past(200), what="the second job's steps",
+        wait_for(lambda: member(1, 1) and trained_past(job_steps), what="the second job's steps",
                  timeout=300)  # fmt: skip
         assert [node(1, 1, index) for index in (0, 1)] == [node(0, 2, index) for index in (0, 1)]
         kill_worker_of(member(1, 1))
