@@ -976,3 +976,25 @@ def test_on_one_machine_the_bar_counts_steps_and_a_stopped_run_promises_nothing(
     assert resumed.returncode == 0, resumed.stderr
     assert "400/400" in resumed.stderr and "10/10" not in resumed.stderr
     assert f"train run {run_id} (succeeded): step 400 of 400" in resumed.stdout
+
+    # Ctrl-C as the next job's steps are taken ahead, on a thread, from the checkpoint just
+    # written (a window of 40 steps here, the job's all): they stop before the process ends,
+    # and quietly. An exit shuts the thread pools they draw on first: their next step failed
+    # on them, and said so.
+    ahead_run = run_id + 1
+    ahead = subprocess.Popen(
+        train("--steps", "120", "--checkpoint-every", "40"), cwd=tmp_path, text=True,
+        env={**env, "SDQ_TRAIN_LOSS_EVERY": "40"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+    def checkpointed() -> bool:
+        with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as db:
+            [step] = db.execute("SELECT max(step) FROM checkpoints WHERE run_id = ?",
+                                (ahead_run,)).fetchone()  # fmt: skip
+        return step is not None
+
+    wait_for(checkpointed, what="the first job's checkpoint", timeout=240)
+    ahead.send_signal(signal.SIGINT)
+    stderr = said_after(ahead, timeout=120)
+    assert ahead.returncode == 130 and "stopped: " in stderr, stderr
+    assert "failed" not in stderr and "Traceback" not in stderr, stderr

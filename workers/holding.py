@@ -24,3 +24,12 @@ def hold_for(kind: Kind, app) -> None:
     """`hold` for a task of the kind, which keeps what its WorkerHooks' `holds` says."""
     holds = kind.worker_hooks().holds
     hold(kind.name, holds(app).clear if holds is not None else None)
+
+
+def let_go_of_all() -> None:
+    """Everything the process holds let go: as work done in a command stops, before the
+    interpreter ends. What runs on a thread (a train run's next steps, taken ahead) stops
+    while the thread pools it draws on still take work; an exit shuts those first, and the
+    thread's next step failed on them ("cannot schedule new futures after shutdown")."""
+    while _held:
+        _held.popitem()[1]()

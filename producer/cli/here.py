@@ -28,6 +28,7 @@ from sdq.producer.cli.common import (
     watch_run,
 )
 from sdq.workers.app import SdqCelery, worker_identity
+from sdq.workers.holding import let_go_of_all
 
 
 def work_here(
@@ -107,9 +108,10 @@ def _alive(pid: int) -> bool:
 
 
 def _stop_here(app: SdqCelery, run_id: int, worker: Worker, reason: str, code: int) -> NoReturn:
-    """The work stopped here (Ctrl-C, a full disk): the jobs in hand go back at once, and
-    the user learns what is kept and how to go on. Where the database cannot take even
-    that (its own disk is full), the next run here takes them back first."""
+    """The work stopped here (Ctrl-C, a full disk): the jobs in hand go back at once, the
+    user learns what is kept and how to go on, and what the process holds is let go before
+    it exits. Where the database cannot take even the jobs (its own disk is full), the next
+    run here takes them back first."""
     try:
         with app.sessions.begin() as session:
             released = release_jobs(session, run_id, worker=worker, reason=reason)
@@ -124,6 +126,7 @@ def _stop_here(app: SdqCelery, run_id: int, worker: Worker, reason: str, code: i
         f"`sdq resume {run_id}` finishes the rest",
         soft_wrap=True,  # the command whole, to be copied
     )
+    let_go_of_all()
     sys.exit(code)
 
 
