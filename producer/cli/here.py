@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from celery.signals import worker_process_shutdown
 from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
@@ -28,7 +29,6 @@ from sdq.producer.cli.common import (
     watch_run,
 )
 from sdq.workers.app import SdqCelery, worker_identity
-from sdq.workers.holding import let_go_of_all
 
 
 def work_here(
@@ -126,7 +126,9 @@ def _stop_here(app: SdqCelery, run_id: int, worker: Worker, reason: str, code: i
         f"`sdq resume {run_id}` finishes the rest",
         soft_wrap=True,  # the command whole, to be copied
     )
-    let_go_of_all()
+    # This process was the run's worker: it does what a pool process does before it exits
+    # (workers/holding.py lets go of what the work holds).
+    worker_process_shutdown.send(sender=None, pid=os.getpid(), exitcode=code)
     sys.exit(code)
 
 
