@@ -901,7 +901,8 @@ def test_on_one_machine_the_bar_counts_steps_and_a_stopped_run_promises_nothing(
 ) -> None:
     """Embedded: the bar counts steps, the hint renders with `sdq run`; Ctrl-C leaves a run
     that `sdq train status` shows with no time left and where it goes on from, and whose
-    job counts add up to its total; `sdq resume` finishes it, counting steps."""
+    job counts add up to its total; `sdq resume` finishes it, counting steps. Ctrl-C while
+    the next job's steps are taken ahead stops them quietly."""
     # Steps reach the database 5 at a time, each 5 as taken: a job's steps show before its
     # checkpoint does, and where the job stands.
     env = {**clean_env(), **DOWNLOAD_ENV, "PYTHONPATH": str(ROOT), "SDQ_TRAIN_LOSS_EVERY": "5",
