@@ -137,11 +137,22 @@ class EncodeWork(Work):
             for key, encoded in encode_batch(encoders, batch).items():
                 made.setdefault(key, Made()).add(encoded, batch, key)
         self._store_empty_prompt(specs[0], encoders)
-        # 2. Each target's latent shards, sharing the time it took alike; the samples their
-        #    rows are, looked up once for all.
+        # 2. Each target's latent shards, sharing the time it took alike.
         seconds = (perf_counter() - started) / len(targets)
+        yield from self._store_targets(targets, shard, made, seconds, encoders)
+
+    def _store_targets(
+        self,
+        targets: list[tuple[int, EncodeSpec]],
+        shard: ImageShard,
+        made: dict["TargetKey", Made],
+        seconds: float,
+        encoders: "Encoders",
+    ) -> Iterator[Output]:
+        """Each target's latent shards of what the shard's batches made, and its output;
+        the samples their rows are, looked up once for all."""
         with self.sessions() as session:
-            samples = _sample_ids(session, specs[0])
+            samples = _sample_ids(session, targets[0][1])
         for job_id, spec in targets:
             shapes = {key[1]: made[key] for key in made if key[0] == spec.resolution}
             each = seconds / max(1, len(shapes))  # a shard of no image has no bucket
