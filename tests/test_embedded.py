@@ -10,6 +10,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -209,6 +210,58 @@ def test_ctrl_c_puts_the_jobs_in_hand_back_and_resume_finishes_the_run(
         attempts = {n for (n,) in db.execute("SELECT attempts FROM jobs WHERE NOT cached")}
     assert attempts == {1}  # the interrupted ones did not lose an attempt
     assert len(list((tmp_path / "sdq-data/store/images").glob("*.png"))) == 48
+
+
+def test_ctrl_c_before_the_work_stops_the_command_as_cleanly_as_in_it(tmp_path: Path) -> None:
+    """Ctrl-C while the prompt file is read, and as the work here begins (torch imported:
+    cut short, that left a process which could not import it again, and failed with a
+    traceback or crashed as it stopped): the status a shell gives and a line each time,
+    never a traceback or click's "Aborted!". Nothing of the file is kept; the run, once
+    made, finishes with `sdq resume`."""
+    env = embedded_env()
+
+    def sdq(said: Path, *args: str) -> subprocess.Popen:
+        with said.open("w") as stderr:
+            return subprocess.Popen([sys.executable, "-m", "sdq.producer.cli", *args],
+                                    cwd=tmp_path, env=env, stderr=stderr)  # fmt: skip
+
+    def stopped(command: subprocess.Popen, said: Path, meanwhile=lambda: None) -> str:
+        command.send_signal(signal.SIGINT)
+        meanwhile()
+        try:
+            command.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            command.kill()
+            raise AssertionError(f"still running; it said: {said.read_text()}") from None
+        stderr = said.read_text()
+        assert command.returncode == 130, stderr
+        assert "Traceback" not in stderr and "Aborted" not in stderr, stderr
+        return " ".join(stderr.split())
+
+    # A file piped in, its first rows come and the rest awaited: the command waits for the
+    # read under way before it stops (that read is on a thread), so the pipe is closed.
+    os.mkfifo(tmp_path / "piped.csv")
+    reading = sdq(tmp_path / "reading.txt", "run", "piped.csv")
+    with open(tmp_path / "piped.csv", "w") as piped:  # opened once the command reads it
+        piped.write("prompt,seed\nhalf a file,1\n")
+        piped.flush()
+        said = stopped(reading, tmp_path / "reading.txt",
+                       meanwhile=lambda: (time.sleep(2), piped.close()))  # fmt: skip
+    assert "stopped by Ctrl-C" in said
+    database = tmp_path / "sdq-data/sdq.db"
+    with sqlite3.connect(database) as db:
+        assert db.execute("SELECT count(*) FROM runs").fetchone() == (0,)
+
+    # The run made, the work here begins: it says so, then imports torch.
+    (tmp_path / "p.csv").write_text("prompt,seed\nbegun,1\nand resumed,2\n")
+    beginning = sdq(tmp_path / "beginning.txt", "run", "p.csv", "--steps", "2")
+    wait_for(lambda: "working here" in (tmp_path / "beginning.txt").read_text(),
+             what="the work to begin", timeout=120)  # fmt: skip
+    said = stopped(beginning, tmp_path / "beginning.txt")
+    with sqlite3.connect(database) as db:
+        [(run_id,)] = db.execute("SELECT id FROM runs").fetchall()
+    assert f"`sdq resume {run_id}` finishes the rest" in said
+    assert sdq_json(env, "resume", str(run_id), cwd=tmp_path)["counts"] == {"succeeded": 2}
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from sdq.producer.health import consumed_queues
 from sdq.workers.app import SdqCelery
 
 BAD_INPUT = 2
-INTERRUPTED = 130  # as a shell reports a command stopped by SIGINT
+INTERRUPTED = 128 + signal.SIGINT  # as a shell reports a command stopped by SIGINT
 DISK_FULL = 1
 DEAD_JOBS = 1  # a run waited for ended with dead jobs
 T = TypeVar("T")
@@ -266,8 +266,7 @@ def ctrl_c_kept() -> Iterator[Callable[[], int | None]]:
     ("Exception ignored in ..."): it is sent again, to land in the work itself, so that the
     job in hand stops and goes back rather than running to its end. A signal the command
     was started deaf to (SIGINT in the background, by a script) stays ignored."""
-    heard = [number for number in (signal.SIGINT, signal.SIGTERM)
-             if signal.getsignal(number) is not signal.SIG_IGN]  # fmt: skip
+    heard = _heard()
     received: list[int] = []
     left = threading.Event()
 
@@ -290,6 +289,31 @@ def ctrl_c_kept() -> Iterator[Callable[[], int | None]]:
         sys.unraisablehook = previous_hook
         for number, handler in previous.items():
             signal.signal(number, handler)
+
+
+@contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait for the block's end, and then stop the command as they
+    would have (KeyboardInterrupt): for what must not be cut short. An import of torch cut
+    short leaves a process that cannot import it again (its stop then failed on that) and
+    may crash as it exits."""
+    received: list[int] = []
+    previous = {number: signal.signal(number, lambda signum, _: received.append(signum))
+                for number in _heard()}  # fmt: skip
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    if received:
+        raise KeyboardInterrupt(received[0])
+
+
+def _heard() -> list[int]:
+    """SIGINT and SIGTERM, less one the command was started deaf to (SIGINT in the
+    background, by a script): that one stays ignored."""
+    return [number for number in (signal.SIGINT, signal.SIGTERM)
+            if signal.getsignal(number) is not signal.SIG_IGN]  # fmt: skip
 
 
 def interrupted_by(interrupt: KeyboardInterrupt) -> tuple[str, int]:

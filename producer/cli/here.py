@@ -25,6 +25,7 @@ from sdq.producer.cli.common import (
     ctrl_c_kept,
     finished_jobs,
     interrupted_by,
+    interrupts_held,
     send_run,
     watch_run,
 )
@@ -37,24 +38,19 @@ def work_here(
     """Does a run's jobs in this process, message by message, as a worker would: the
     embedded way, with no broker or worker. The bar counts the run's finished jobs, or
     `progress`: a total and what is done of it (a train run's steps)."""
-    app.loader.import_default_modules()  # registers the kinds' tasks with the app
     with app.sessions.begin() as session:
         run = session.get_one(Run, run_id)
         take_back_orphans(session, run_id)
     kind = kind_named(run.kind)
-    task = app.tasks[kind.task_name]
-    if kind.pool is Pool.gpu:
-        _say_threads()
     try:
-        total, done = progress or (jobs, finished_jobs(app, run_id))
-        with display.following(f"run {run_id}", total, done), ctrl_c_kept() as pressed:
-            for job_ids in messages(app.sessions, run):
-                if number := pressed():  # one that Python dropped
-                    raise KeyboardInterrupt(number)
-                # A retry inside apply() runs at once, in this process; only a crash is left.
-                result = task.apply(args=[job_ids], kwargs=run.task_options)
-                if result.failed():
-                    raise result.result
+        if kind.pool is Pool.gpu:
+            _say_threads()
+        # What the work imports, whole or not at all (GPU work's torch, for its worker's
+        # name): a Ctrl-C meanwhile stops it once they are in.
+        with interrupts_held():
+            app.loader.import_default_modules()  # registers the kinds' tasks with the app
+            worker_identity(kind.pool)
+        _do_messages(app, run, progress or (jobs, finished_jobs(app, run_id)))
     except KeyboardInterrupt as interrupt:
         stopped_by, code = interrupted_by(interrupt)
         _stop_here(app, run_id, worker_identity(kind.pool), f"stopped by {stopped_by}", code)
@@ -68,6 +64,20 @@ def work_here(
             soft_wrap=True,
         )
         _stop_here(app, run_id, worker_identity(kind.pool), "stopped: disk full", DISK_FULL)
+
+
+def _do_messages(app: SdqCelery, run: Run, progress: tuple[int, Callable[[], int]]) -> None:
+    """The run's messages, each one's jobs done as a worker does them, under a bar counting
+    `progress` (a total, and what is done of it)."""
+    task = app.tasks[kind_named(run.kind).task_name]
+    with display.following(f"run {run.id}", *progress), ctrl_c_kept() as pressed:
+        for job_ids in messages(app.sessions, run):
+            if number := pressed():  # one that Python dropped
+                raise KeyboardInterrupt(number)
+            # A retry inside apply() runs at once, in this process; only a crash is left.
+            result = task.apply(args=[job_ids], kwargs=run.task_options)
+            if result.failed():
+                raise result.result
 
 
 def _say_threads() -> None:

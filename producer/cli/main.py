@@ -17,8 +17,9 @@ from sdq.models.db import missing_sqlite, sqlite_file
 from sdq.models.faults import free_space, full_disk
 from sdq.models.jobs.kinds import KINDS
 from sdq.models.settings import Settings
+from sdq.producer import display
 from sdq.producer.cli import admin, runs, sql
-from sdq.producer.cli.common import NothingNamed
+from sdq.producer.cli.common import NothingNamed, interrupted_by
 from sdq.producer.datasets import cli as datasets
 from sdq.workers.app import create_app, quiet_libraries
 
@@ -42,12 +43,20 @@ Settings, from the environment (ops/sdq.env.example lists them all):
 
 
 class SdqGroup(click.Group):
-    """Every command's answer to a database without sdq's tables (how to make them) and to
-    a full disk (which of sdq's places sit on it)."""
+    """Every command's answer to a database without sdq's tables (how to make them), to a
+    full disk (which of sdq's places sit on it) and to Ctrl-C where the command has no
+    answer of its own."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt as interrupt:
+            # As a shell reports a command stopped by the signal, not click's "Aborted!"
+            # and 1. A command with work in hand answers Ctrl-C itself (the work here, a
+            # watch, a send); one that reaches here leaves its transaction undone.
+            stopped_by, code = interrupted_by(interrupt)
+            display.console.print(f"stopped by {stopped_by}")
+            sys.exit(code)
         except NothingNamed as error:
             # Runs live in the SQLite file of the folder a command is run from, by default:
             # "no run 1" from another folder means the wrong file, not a missing run.

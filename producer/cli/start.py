@@ -5,6 +5,8 @@ Python's collector off and are then frozen (sdq.models.loading): `sdq` loads and
 half the time, 0.8 s against 1.6 s on a 2-core machine.
 """
 
+import signal
+import sys
 from typing import TYPE_CHECKING
 
 from sdq.models.loading import loaded_for_good
@@ -22,4 +24,10 @@ def load() -> "click.Group":
 
 
 def main() -> None:
-    load()()
+    try:
+        command = load()
+    except KeyboardInterrupt:
+        # Ctrl-C as the command loads: nothing begun, nothing to say but the status a
+        # shell gives a command stopped by SIGINT (Python's traceback of an import said it).
+        sys.exit(128 + signal.SIGINT)
+    command()
