@@ -109,10 +109,12 @@ def _check_needs(
             f"above 0, e.g. --holdout 0.02, or a dataset to score on (--eval-dataset NAME)"
         )
     if CLIP_SCORED & asked and clip is None:
+        scored = sorted(CLIP_SCORED & asked)
         raise click.UsageError(
-            f"{', '.join(sorted(CLIP_SCORED & asked))} score renders with a CLIP model: "
-            f"give {clip_flag} MODEL (a hub id like openai/clip-vit-large-patch14, a folder or "
-            f"s3://)"
+            f"{', '.join(scored)} {'need' if len(scored) > 1 else 'needs'} a CLIP model to "
+            f"score renders with: give {clip_flag} MODEL (a hub id like "
+            f"openai/clip-vit-large-patch14, a folder, s3://, or tiny: random weights, to try "
+            f"it out)"
         )
     if ("fid" in asked) != (fid_weights is not None):
         raise click.UsageError(
@@ -202,7 +204,8 @@ TRAIN_EVALUATION_OPTIONS = (
     click.option(
         "--eval-clip", metavar="MODEL",
         help="The CLIP model renders are scored by: a hub id like "
-        "openai/clip-vit-large-patch14, a folder or s3://.",
+        "openai/clip-vit-large-patch14, a folder, s3://, or tiny (random weights, to try it "
+        "out).",
     ),
     click.option(
         "--eval-fid-weights", "--fid-weights", "eval_fid_weights", metavar="FILE|s3://",
