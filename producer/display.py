@@ -21,6 +21,7 @@ from rich.table import Table
 from sdq.models.datasets import SampleStatus
 from sdq.models.jobs.kinds import KINDS
 from sdq.models.periodic import every
+from sdq.producer.lookups import PLANNED
 
 console = Console(stderr=True)
 stdout = Console()
@@ -146,6 +147,10 @@ def describe_status(status: dict[str, Any]) -> list[str]:
     lines = [
         f"{status['succeeded']} of {status['total']} {unit} done, {status['cached']} from cache"
     ]
+    if status["finished"] and (unmade := status["counts"].get(PLANNED)):
+        retry = f"sdq retry {status['run_id']}"
+        lines.append(f"{unmade} job{'s' * (unmade != 1)} not made: the run stopped at a job "
+                     f"that did not succeed; `{retry}` goes on from it")  # fmt: skip
     if status["dead"]:
         listing = f"sdq find --run {status['run_id']} --status dead"
         lines.append(f"[red]{status['dead']} failed for good[/red]: `{listing}` lists them")

@@ -64,7 +64,9 @@ def run_status(session: Session, run_id: int, *, with_jobs: bool = True) -> dict
         "created_at": time_text(run.created_at),
         "total": run.job_count,
         "counts": dict(sorted(counts.items())),
-        "finished": remaining == 0,
+        # Or ended with jobs it will not make: a train run whose job was cancelled or died
+        # makes no next one (those wait for `sdq retry`).
+        "finished": remaining == 0 or run.finished_at is not None,
         "finished_at": time_text(run.finished_at),
         "succeeded": counts[JobStatus.succeeded],
         "dead": counts[JobStatus.dead],

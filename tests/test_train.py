@@ -999,3 +999,11 @@ def test_on_one_machine_the_bar_counts_steps_and_a_stopped_run_promises_nothing(
     stderr = said_after(ahead, timeout=120)
     assert ahead.returncode == 130 and "stopped: " in stderr, stderr
     assert "failed" not in stderr and "Traceback" not in stderr, stderr
+
+    # Cancelled, the run has ended: its last job is not made, and its status says how to go on.
+    assert sdq_json(env, "cancel", str(ahead_run), cwd=tmp_path)["cancelled"] == 1
+    ended = sdq_json(env, "status", str(ahead_run), cwd=tmp_path)
+    assert ended["finished"] and ended["counts"] == {"cancelled": 1, "planned": 1, "succeeded": 1}
+    shown = " ".join(run_sdq(env, "status", str(ahead_run), cwd=tmp_path).stdout.split())
+    assert (f"1 job not made: the run stopped at a job that did not succeed; `sdq retry "
+            f"{ahead_run}` goes on from it") in shown  # fmt: skip
