@@ -47,6 +47,11 @@ def run_counts(session: Session, run: Run) -> Counter[str]:
     return counts
 
 
+def _open(counts: Counter[str]) -> int:
+    """The run's jobs made and not finished."""
+    return sum(n for status, n in counts.items() if status not in (*FINISHED, PLANNED))
+
+
 def run_status(session: Session, run_id: int, *, with_jobs: bool = True) -> dict[str, Any]:
     """Where a run stands: its jobs by status, its speed and time left, what failed."""
     run = get_run(session, run_id)
@@ -65,8 +70,9 @@ def run_status(session: Session, run_id: int, *, with_jobs: bool = True) -> dict
         "total": run.job_count,
         "counts": dict(sorted(counts.items())),
         # Or ended with jobs it will not make: a train run whose job was cancelled or died
-        # makes no next one (those wait for `sdq retry`).
-        "finished": remaining == 0 or run.finished_at is not None,
+        # makes no next one (those wait for `sdq retry`). One made meanwhile (by a worker
+        # whose lease ran out) is open: not finished.
+        "finished": remaining == 0 or (run.finished_at is not None and not _open(counts)),
         "finished_at": time_text(run.finished_at),
         "succeeded": counts[JobStatus.succeeded],
         "dead": counts[JobStatus.dead],

@@ -717,6 +717,8 @@ def test_a_run_over_two_nodes_goes_on_in_memory_and_gathers_again_when_a_node_di
     env = {**own_deployment, **DOWNLOAD_ENV, "SDQ_TRAIN_NODE_ADDRESS": "127.0.0.1",
            "SDQ_TRAIN_NODE_TIMEOUT": "5", "SDQ_TRAIN_GANG_TIMEOUT": "900",
            "SDQ_TRAIN_COLLECTIVE_TIMEOUT": "960", "SDQ_TRAIN_LOSS_EVERY": "5",
+           # Steps reach the database as taken: the second job is seen early in its 100.
+           "SDQ_TRAIN_LIVE_STEPS_SECONDS": "0.5",
            # Two machines on two cores: a thread each, as if each had its own.
            "OMP_NUM_THREADS": "1"}  # fmt: skip
     database_url = env["SDQ_DATABASE_URL"]
@@ -979,25 +981,27 @@ def test_on_one_machine_the_bar_counts_steps_and_a_stopped_run_promises_nothing(
     assert f"train run {run_id} (succeeded): step 400 of 400" in resumed.stdout
 
     # Ctrl-C as the next job's steps are taken ahead, on a thread, from the checkpoint just
-    # written (a window of 40 steps here, the job's all): they stop before the process ends,
-    # and quietly. An exit shuts the thread pools they draw on first: their next step failed
-    # on them, and said so.
+    # written (a window of 100 steps here, the job's all, which the job waits for): they
+    # stop before the process ends, and quietly. An exit shuts the thread pools they draw
+    # on first: their next step failed on them, and said so.
     ahead_run = run_id + 1
     ahead = subprocess.Popen(
-        train("--steps", "120", "--checkpoint-every", "40"), cwd=tmp_path, text=True,
-        env={**env, "SDQ_TRAIN_LOSS_EVERY": "40"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        train("--steps", "300", "--checkpoint-every", "100"), cwd=tmp_path, text=True,
+        env={**env, "SDQ_TRAIN_LOSS_EVERY": "100"}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )  # fmt: skip
 
-    def checkpointed() -> bool:
+    def waits_for_its_steps() -> bool:
+        """The first job done, the second in hand: its steps are being taken ahead."""
         with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as db:
-            [step] = db.execute("SELECT max(step) FROM checkpoints WHERE run_id = ?",
-                                (ahead_run,)).fetchone()  # fmt: skip
-        return step is not None
+            statuses = db.execute("SELECT status FROM jobs WHERE run_id = ? ORDER BY id",
+                                  (ahead_run,)).fetchall()  # fmt: skip
+        return statuses == [("succeeded",), ("running",)]
 
-    wait_for(checkpointed, what="the first job's checkpoint", timeout=240)
+    wait_for(waits_for_its_steps, what="the second job", timeout=240)
     ahead.send_signal(signal.SIGINT)
     stderr = said_after(ahead, timeout=120)
-    assert ahead.returncode == 130 and "stopped: " in stderr, stderr
+    assert ahead.returncode == 130 and "1 job in hand put back" in stderr, stderr
     assert "failed" not in stderr and "Traceback" not in stderr, stderr
 
     # Cancelled, the run has ended: its last job is not made, and its status says how to go on.

@@ -57,6 +57,13 @@ class SdqCelery(Celery):
     def store(self) -> ObjectStore:
         return open_store(self.settings.store_url)
 
+    def let_go(self) -> None:
+        """What this process holds for the kinds' work let go (workers/holding.py): the
+        embedded run's worker, as its command stops."""
+        from sdq.workers.holding import let_go_of_all
+
+        let_go_of_all()
+
     def queue_depths(self, warm: Collection[str] = ()) -> dict[str, int]:
         """Messages waiting in each of sdq's queues (and these warm ones) in the broker now
         (a message a worker has taken but not yet acknowledged is not waiting)."""

@@ -4,9 +4,6 @@ next task; before a task of another kind loads its own, the others' are let go: 
 no room for a pipeline, the encoders and a training state at once."""
 
 from collections.abc import Callable
-from typing import Any
-
-from celery.signals import worker_process_shutdown
 
 from sdq.models.jobs.kinds import Kind
 
@@ -29,12 +26,10 @@ def hold_for(kind: Kind, app) -> None:
     hold(kind.name, holds(app).clear if holds is not None else None)
 
 
-@worker_process_shutdown.connect
-def let_go_of_all(**_: Any) -> None:
-    """Everything the process holds let go as it ends: a pool process before it exits, as
-    the command that did the work here does when it stops. What runs on a thread (a train
-    run's next steps, taken ahead) stops while the thread pools it draws on still take
-    work; an interpreter's exit shuts those first, and the thread's next step failed on
-    them ("cannot schedule new futures after shutdown")."""
+def let_go_of_all() -> None:
+    """Everything the process holds let go, as work done in a command stops. What runs on a
+    thread (a train run's next steps, taken ahead) stops while the thread pools it draws on
+    still take work: the interpreter's exit shuts those first, and the thread's next step
+    failed on them ("cannot schedule new futures after shutdown")."""
     while _held:
         _held.popitem()[1]()

@@ -287,8 +287,7 @@ def ctrl_c_kept() -> Iterator[Callable[[], int | None]]:
     finally:
         left.set()
         sys.unraisablehook = previous_hook
-        for number, handler in previous.items():
-            signal.signal(number, handler)
+        _handle_with(previous)
 
 
 @contextmanager
@@ -296,17 +295,29 @@ def interrupts_held() -> Iterator[None]:
     """Ctrl-C and SIGTERM wait for the block's end, and then stop the command as they
     would have (KeyboardInterrupt): for what must not be cut short. An import of torch cut
     short leaves a process that cannot import it again (its stop then failed on that) and
-    may crash as it exits."""
+    may crash as it exits. A second one acts at once: a block that hangs (a GPU driver
+    that does not answer) can still be stopped."""
     received: list[int] = []
-    previous = {number: signal.signal(number, lambda signum, _: received.append(signum))
-                for number in _heard()}  # fmt: skip
+    previous: dict[int, Any] = {}
+
+    def held(signum: int, _: Any) -> None:
+        received.append(signum)
+        _handle_with(previous)
+
+    for number in _heard():
+        previous[number] = signal.signal(number, held)
     try:
         yield
     finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
+        _handle_with(previous)
     if received:
         raise KeyboardInterrupt(received[0])
+
+
+def _handle_with(handlers: dict[int, Any]) -> None:
+    """Each of these signals handled by the handler given for it."""
+    for number, handler in handlers.items():
+        signal.signal(number, handler)
 
 
 def _heard() -> list[int]:

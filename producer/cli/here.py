@@ -6,9 +6,9 @@ import os
 import socket
 import sys
 from collections.abc import Callable
+from contextlib import suppress
 from typing import NoReturn
 
-from celery.signals import worker_process_shutdown
 from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
@@ -120,8 +120,18 @@ def _alive(pid: int) -> bool:
 def _stop_here(app: SdqCelery, run_id: int, worker: Worker, reason: str, code: int) -> NoReturn:
     """The work stopped here (Ctrl-C, a full disk): the jobs in hand go back at once, the
     user learns what is kept and how to go on, and what the process holds is let go before
-    it exits. Where the database cannot take even the jobs (its own disk is full), the next
-    run here takes them back first."""
+    it exits (a second Ctrl-C meanwhile waits for that; a third does not)."""
+    try:
+        _put_back(app, run_id, worker, reason)
+    finally:
+        with suppress(KeyboardInterrupt), interrupts_held():
+            app.let_go()
+    sys.exit(code)
+
+
+def _put_back(app: SdqCelery, run_id: int, worker: Worker, reason: str) -> None:
+    """The jobs in hand put back, and what is kept said. Where the database cannot take
+    even that (its own disk is full), the next run here takes them back first."""
     try:
         with app.sessions.begin() as session:
             released = release_jobs(session, run_id, worker=worker, reason=reason)
@@ -136,10 +146,6 @@ def _stop_here(app: SdqCelery, run_id: int, worker: Worker, reason: str, code: i
         f"`sdq resume {run_id}` finishes the rest",
         soft_wrap=True,  # the command whole, to be copied
     )
-    # This process was the run's worker: it does what a pool process does before it exits
-    # (workers/holding.py lets go of what the work holds).
-    worker_process_shutdown.send(sender=None, pid=os.getpid(), exitcode=code)
-    sys.exit(code)
 
 
 def carry_out(app: SdqCelery, run_id: int, *, jobs: int, wait: bool, as_json: bool) -> Sent | None:

@@ -105,7 +105,9 @@ class Calls:
 @cache
 def live_states() -> LiveStates:
     live = LiveStates()
-    # Steps taken ahead on a thread stop before the interpreter goes.
+    # Steps taken ahead on a thread stop before the interpreter goes. A last resort: atexit
+    # comes after the interpreter shut the thread pools they draw on (their next step then
+    # fails, and says so); a command that did the work here lets go first (cli/here.py).
     atexit.register(live.clear)
     return live
 
