@@ -306,7 +306,7 @@ def test_a_shard_encoded_again_into_other_buckets_keeps_no_row_of_the_old_ones(
                       model_name="tiny", model_source="tiny", model_revision="r",
                       resolution=128, dtype="float32", buckets=True)  # fmt: skip
     with session_factory(engine).begin() as session:
-        _forget_other_buckets(session, spec, [Bucket(192, 128)])
+        _forget_other_buckets(session, 1, spec, [Bucket(192, 128)])
     with engine.begin() as connection:
         left = connection.execute(text("SELECT width, height, bucketed FROM latent_shards"))
         assert sorted(left.all()) == [(64, 64, False), (192, 128, True)]

@@ -150,19 +150,19 @@ class EncodeWork(Work):
         encoders: "Encoders",
     ) -> Iterator[Output]:
         """Each target's latent shards of what the shard's batches made, and its output;
-        the samples their rows are, looked up once for all."""
+        the image shard's rows they point at, looked up once for all."""
         with self.sessions() as session:
-            samples = _sample_ids(session, targets[0][1])
+            image = _image_rows(session, targets[0][1])
         for job_id, spec in targets:
             shapes = {key[1]: made[key] for key in made if key[0] == spec.resolution}
             each = seconds / max(1, len(shapes))  # a shard of no image has no bucket
             stored = [
-                self._store(spec, shard, (bucket, of_shape), each, encoders, samples)
+                self._store(spec, shard, (bucket, of_shape), each, encoders, image)
                 for bucket, of_shape in shapes.items()
             ]
             if spec.buckets:
                 with self.sessions.begin() as session:
-                    _forget_other_buckets(session, spec, list(shapes))
+                    _forget_other_buckets(session, image.shard_id, spec, list(shapes))
             yield self._output(job_id, spec, stored, seconds)
 
     def _store(
@@ -172,11 +172,10 @@ class EncodeWork(Work):
         target: tuple[Bucket, "Made"],
         seconds: float,
         encoders: "Encoders",
-        samples: dict[str, int],
+        image: "ImageRows",
     ) -> "Stored":
         """A target's latent shard in one shape (its encoded samples, the shard's rows they
-        are, and what it was made from) and its lineage rows (`samples`: the image shard's
-        sample ids by key)."""
+        are, and what it was made from) and its lineage rows, pointing at `image`'s."""
         from sdq.workers.encode.encoders import join
 
         bucket, made = target
@@ -192,8 +191,8 @@ class EncodeWork(Work):
             too_small=made.left_out,
         )
         with self.sessions.begin() as session:
-            rows = [samples[key] for key in lineage["key"]]
-            _record(session, spec, stored, rows, tensors=describe(encoded), seconds=seconds)
+            _record(session, spec, image, stored, lineage["key"], tensors=describe(encoded),
+                    seconds=seconds)  # fmt: skip
         return stored
 
     def _output(
@@ -243,19 +242,31 @@ def _by_shard(jobs: Sequence[Job], specs: list[EncodeSpec]) -> list[list[tuple[i
     return shards
 
 
-def _image_shard(session: Session, spec: EncodeSpec) -> tuple[int, int]:
-    """The ids of the spec's dataset and image shard."""
-    return session.execute(
+@dataclass(frozen=True)
+class ImageRows:
+    """What a latent shard's lineage rows point at: its image shard's dataset and shard ids,
+    and the shard's sample ids by key."""
+
+    dataset_id: int
+    shard_id: int
+    samples: dict[str, int]
+
+
+def _image_rows(session: Session, spec: EncodeSpec) -> ImageRows:
+    dataset_id, shard_id = session.execute(
         select(Shard.dataset_id, Shard.id)
         .join(Dataset, Dataset.id == Shard.dataset_id)
         .where(Dataset.name == spec.dataset, Shard.number == spec.shard)
     ).one()
+    samples = select(Sample.key, Sample.id).where(Sample.shard_id == shard_id)
+    return ImageRows(dataset_id, shard_id, dict(session.execute(samples).all()))
 
 
-def _forget_other_buckets(session: Session, spec: EncodeSpec, buckets: list[Bucket]) -> None:
+def _forget_other_buckets(
+    session: Session, shard_id: int, spec: EncodeSpec, buckets: list[Bucket]
+) -> None:
     """A shard encoded again into other buckets (its file changed since) keeps no row of a
     bucket it no longer fills: training would read that bucket's old samples."""
-    _, shard_id = _image_shard(session, spec)
     made = [(bucket.width, bucket.height) for bucket in buckets]
     session.execute(
         delete(LatentShard).where(
@@ -271,19 +282,19 @@ def _forget_other_buckets(session: Session, spec: EncodeSpec, buckets: list[Buck
 def _record(
     session: Session,
     spec: EncodeSpec,
+    image: ImageRows,
     stored: Stored,
-    rows: Sequence[int],
+    keys: Sequence[str],
     *,
     tensors: dict[str, Any],
     seconds: float,
 ) -> None:
     """The lineage rows: this latent file came from that image shard through that model, and
-    its rows are those samples (their ids, in order). Encoding a shard again (a redelivered
-    job) rewrites them, never adds a second."""
-    dataset_id, shard_id = _image_shard(session, spec)
+    its rows are the samples with those `keys`. Encoding a shard again (a redelivered job)
+    rewrites them, never adds a second."""
     row = {
-        "dataset_id": dataset_id,
-        "shard_id": shard_id,
+        "dataset_id": image.dataset_id,
+        "shard_id": image.shard_id,
         "image_sha256": spec.shard_sha256,
         "model_name": spec.model_name,
         "model_revision": spec.model_revision,
@@ -300,6 +311,7 @@ def _record(
         "seconds": seconds,
         "finished_at": utcnow(),
     }
+    rows = [image.samples[key] for key in keys]
     _record_samples(session, _upsert_latent_shard(session, row), rows)
 
 
@@ -315,13 +327,6 @@ def _upsert_latent_shard(session: Session, row: dict[str, Any]) -> int:
         )
         .returning(LatentShard.id)
     ).scalar_one()
-
-
-def _sample_ids(session: Session, spec: EncodeSpec) -> dict[str, int]:
-    """The spec's image shard's samples: their ids by key."""
-    _, shard_id = _image_shard(session, spec)
-    query = select(Sample.key, Sample.id).where(Sample.shard_id == shard_id)
-    return dict(session.execute(query).all())
 
 
 def _record_samples(session: Session, latent_shard_id: int, rows: Sequence[int]) -> None:
